@@ -1,0 +1,109 @@
+"""Engine configuration: plain dataclasses, named like vLLM's engine arguments."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
+    """'auto' picks bfloat16: on AMX CPUs and on GPUs it is the faster choice for batched serving
+    (measured: benchmarks/throughput.py); float16 is refused on CPU (slow, no real kernels)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, float32, bfloat16, float16")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class EngineArgs:
+    """Everything needed to build an engine. CLI flags map 1:1 onto these fields."""
+
+    model: str | None = None  # HF folder, .gguf file, or None for the built-in default model
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
+    max_model_len: int | None = None  # default: the model's context length (capped, see below)
+    block_size: int = 16
+    kv_cache_memory: float | None = None  # GiB for the KV pool; default: enough for the load
+    num_gpu_blocks_override: int | None = None  # exact number of KV blocks (tests)
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # default: max(2048, max_model_len) capped
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+    num_threads: int | None = None
+    served_model_name: str | None = None
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+
+@dataclass
+class ModelConfig:
+    path: str  # resolved HF-style folder
+    hf_config: object
+    dtype: torch.dtype
+    max_model_len: int
+    name: str
+    device: str = "cpu"
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        c = self.hf_config
+        return getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        c = self.hf_config
+        return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    def kv_bytes_per_token(self) -> int:
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int = 0  # decided at start-up from the memory budget
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    seed: int = 0
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,63 @@
+"""EngineCore: schedule, run, update. The same core serves the offline API and the server."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.scheduler import Scheduler
+from tokenmill.model.layers.sampler import SampleLogprobs
+from tokenmill.model.runner import ModelRunner
+
+logger = logging.getLogger("tokenmill")
+
+
+@dataclass
+class CoreOutput:
+    """What one step did to one request: a new token (or none), and whether it finished."""
+
+    request: Request
+    new_token_id: int | None
+    logprobs: SampleLogprobs | None
+    finished: bool
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.kv = KVCacheManager(config.cache.num_blocks, config.cache.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.runner = ModelRunner(config.model, config.cache.num_blocks, config.cache.block_size, config.seed)
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> Request | None:
+        return self.scheduler.finish_request(request_id, status)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[CoreOutput]:
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return []
+        out = self.runner.execute(sched)
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, SampleLogprobs | None] = {}
+        if out is not None:
+            sampling = [s.request for s in sched.scheduled if s.samples]
+            for req, tok, lp in zip(sampling, out.token_ids, out.logprobs):
+                sampled[req.request_id] = tok
+                logprobs[req.request_id] = lp
+        self.scheduler.update(sched, sampled)
+        results = []
+        for s in sched.scheduled:
+            req = s.request
+            tok = sampled.get(req.request_id)
+            if tok is not None and req.status != RequestStatus.FINISHED_ABORTED:
+                results.append(CoreOutput(req, tok, logprobs[req.request_id], req.finished))
+        return results

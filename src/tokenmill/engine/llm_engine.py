@@ -1,0 +1,167 @@
+"""LLMEngine: builds everything from EngineArgs, validates input, and steps the core."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+
+import torch
+
+from tokenmill.config import CacheConfig, EngineArgs, EngineConfig, ModelConfig, SchedulerConfig, parse_dtype
+from tokenmill.engine.engine_core import EngineCore
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger("tokenmill")
+
+DEFAULT_KV_CACHE_GIB = 4.0
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs):
+        from tokenmill.model.loader import load_hf_config, resolve_model_path
+        from tokenmill.tokenizer import load_tokenizer
+
+        t0 = time.perf_counter()
+        if args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        path = resolve_model_path(args.model)
+        hf_config = load_hf_config(path)
+        self.tokenizer = load_tokenizer(args.tokenizer or path)
+        model_max = getattr(hf_config, "max_position_embeddings", 2048)
+        max_model_len = args.max_model_len or model_max
+        if max_model_len > model_max:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length {model_max}")
+        dtype = parse_dtype(args.dtype, args.device)
+        name = args.served_model_name or (args.model or "SmolLM2-135M-Instruct")
+        model_config = ModelConfig(path, hf_config, dtype, max_model_len, name, args.device)
+
+        block_size = args.block_size
+        if args.num_gpu_blocks_override:
+            num_blocks = args.num_gpu_blocks_override
+        else:
+            gib = args.kv_cache_memory if args.kv_cache_memory is not None else DEFAULT_KV_CACHE_GIB
+            num_blocks = int(gib * 2**30) // (model_config.kv_bytes_per_token() * block_size)
+        if num_blocks < 2:
+            raise ValueError(f"--kv-cache-memory {args.kv_cache_memory} GiB holds no KV block; give more")
+        batched = args.max_num_batched_tokens or (2048 if args.enable_chunked_prefill else max(2048, max_model_len))
+        if not args.enable_chunked_prefill and batched < max_model_len:
+            raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
+        self.config = EngineConfig(
+            model=model_config,
+            cache=CacheConfig(block_size, num_blocks),
+            scheduler=SchedulerConfig(args.max_num_seqs, batched, max_model_len, args.enable_chunked_prefill),
+            seed=args.seed,
+        )
+        self.core = EngineCore(self.config)
+        self.output_processor = OutputProcessor(self.tokenizer.backend_tokenizer)
+        self.eos_token_ids = _eos_ids(path, self.tokenizer, hf_config)
+        self._ids = itertools.count()
+        logger.info(
+            "engine ready in %.1fs: %s, %s, max_model_len %d, %d KV blocks x %d tokens (%.2f GiB)",
+            time.perf_counter() - t0, name, dtype, max_model_len, num_blocks, block_size,
+            num_blocks * block_size * model_config.kv_bytes_per_token() / 2**30,
+        )
+
+    @classmethod
+    def from_args(cls, model: str | None = None, **kwargs) -> "LLMEngine":
+        unknown = set(kwargs) - EngineArgs.field_names()
+        if unknown:
+            raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
+        return cls(EngineArgs(model=model, **kwargs))
+
+    # ---- requests ---------------------------------------------------------------------
+    def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                     request_id: str | None = None) -> Request:
+        """Validate and tokenize; raises ValueError naming the problem."""
+        params = (params or SamplingParams()).clone()
+        cfg = self.config
+        if isinstance(prompt, str):
+            text = prompt
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            text, ids = None, list(prompt)
+            vocab = cfg.model.vocab_size
+            if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        max_len = cfg.scheduler.max_model_len
+        if len(ids) >= max_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens, but the model's context length (max_model_len) is "
+                f"{max_len}: at most {max_len - 1} prompt tokens leave room for one output token"
+            )
+        room = max_len - len(ids)
+        params.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        params.min_tokens = min(params.min_tokens, params.max_tokens)
+        kv = self.core.kv
+        need = kv.blocks_needed(len(ids) + params.max_tokens)
+        if need > kv.num_usable_blocks:
+            raise ValueError(
+                f"the request needs up to {len(ids) + params.max_tokens} tokens ({need} KV blocks) but the "
+                f"KV cache holds {kv.num_usable_blocks} blocks; lower max_tokens or raise --kv-cache-memory"
+            )
+        rid = request_id if request_id is not None else str(next(self._ids))
+        return Request(rid, ids, params, eos_token_ids=self.eos_token_ids, prompt=text)
+
+    def add_request(self, request_id: str | None, prompt: str | list[int],
+                    params: SamplingParams | None = None) -> str:
+        req = self.make_request(prompt, params, request_id)
+        if req.request_id in self.core.scheduler.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.output_processor.add_request(req)
+        self.core.add_request(req)
+        return req.request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        self.core.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        return self.output_processor.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        outputs, stopped = self.output_processor.process(self.core.step())
+        for rid in stopped:
+            self.core.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+    # ---- chat -------------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kw) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template")
+        out = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kw
+        )
+        if isinstance(out, dict) or hasattr(out, "input_ids"):  # transformers >= 5 returns a BatchEncoding
+            out = out["input_ids"]
+        return list(out)
+
+
+def _eos_ids(path: str, tokenizer, hf_config) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (hf_config, _generation_config(path)):
+        e = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(e, int):
+            ids.add(e)
+        elif e:
+            ids.update(e)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def _generation_config(path: str):
+    if not os.path.exists(os.path.join(path, "generation_config.json")):
+        return None
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except Exception:  # noqa: BLE001 - a broken generation config only loses extra EOS ids
+        return None

@@ -1,0 +1,107 @@
+"""Turns the core's per-step tokens into RequestOutputs: text, stop strings, logprobs."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tokenizers import Tokenizer
+
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.engine_core import CoreOutput
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+
+
+@dataclass
+class RequestState:
+    request: Request
+    detok: IncrementalDetokenizer
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    sent_tokens: int = 0
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+
+    def add_request(self, req: Request) -> None:
+        p = req.sampling_params
+        detok = IncrementalDetokenizer(
+            self.tokenizer, req.prompt_token_ids, p.skip_special_tokens, p.stop, p.include_stop_str_in_output
+        )
+        state = RequestState(req, detok, metrics=RequestMetrics(req.arrival_time))
+        if p.logprobs is not None:
+            state.logprobs, state.cumulative_logprob = [], 0.0
+        self.states[req.request_id] = state
+
+    def process(self, outputs: list[CoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the RequestOutputs and the ids of requests that hit a stop string
+        (the caller finishes those in the core)."""
+        results, stopped = [], []
+        now = time.monotonic()
+        for o in outputs:
+            state = self.states.get(o.request.request_id)
+            if state is None:
+                continue
+            req = o.request
+            if state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+                state.metrics.first_scheduled_time = req.scheduled_time
+            stop = None
+            if o.new_token_id is not None:
+                stop = state.detok.add_token(o.new_token_id)
+                if o.logprobs is not None and state.logprobs is not None:
+                    state.logprobs.append(self._logprob_dict(o.new_token_id, o.logprobs))
+                    state.cumulative_logprob += o.logprobs.token_logprob
+            finished = o.finished
+            if stop is not None and not finished:
+                req.stop_reason = stop
+                req.status = RequestStatus.FINISHED_STOPPED
+                stopped.append(req.request_id)
+                finished = True
+            elif stop is not None:  # finished by length/EOS on the very token that completed a stop string
+                req.stop_reason = stop
+                req.status = RequestStatus.FINISHED_STOPPED
+            results.append(self._make_output(state, finished))
+        return results, stopped
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        state = self.states.get(request_id)
+        if state is None:
+            return None
+        state.request.status = RequestStatus.FINISHED_ABORTED
+        return self._make_output(state, True)
+
+    def _make_output(self, state: RequestState, finished: bool) -> RequestOutput:
+        req = state.request
+        delta_text = state.detok.take_delta(finished)
+        token_ids = list(req.output_token_ids)
+        delta_ids = token_ids[state.sent_tokens :]
+        state.sent_tokens = len(token_ids)
+        if finished:
+            state.metrics.finished_time = time.monotonic()
+            state.metrics.num_preemptions = req.num_preemptions
+            del self.states[req.request_id]
+        comp = CompletionOutput(
+            index=0,
+            text=state.detok.text,
+            token_ids=token_ids,
+            cumulative_logprob=state.cumulative_logprob,
+            logprobs=state.logprobs,
+            finish_reason=req.status.finish_reason if finished else None,
+            stop_reason=req.stop_reason,
+            delta_text=delta_text,
+            delta_token_ids=delta_ids,
+        )
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], finished, state.metrics)
+
+    def _logprob_dict(self, token_id: int, lp) -> dict[int, Logprob]:
+        d = {token_id: Logprob(lp.token_logprob, lp.rank, self.tokenizer.decode([token_id], skip_special_tokens=False))}
+        for rank, (tid, val) in enumerate(lp.top, start=1):
+            if tid not in d:
+                d[tid] = Logprob(val, rank, self.tokenizer.decode([tid], skip_special_tokens=False))
+        return d

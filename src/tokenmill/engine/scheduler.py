@@ -1,0 +1,170 @@
+"""One token budget per step, no prefill/decode phases (vLLM V1 style).
+
+Each step: running requests get their tokens first (1 for decode, the next chunk for a
+prompt still being prefilled), then waiting requests are admitted FCFS, their prompts
+chunked to fit the budget. When a running request cannot get a block, the latest-arrived
+running request is preempted: its blocks are freed and it goes back to the front of the
+waiting queue to be recomputed later, keeping the output it has produced.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from tokenmill.config import SchedulerConfig
+from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    block_ids: list[int]
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the known tokens: a new token is sampled."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- queue management -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish (abort, or stop on a stop string) a request wherever it is; frees its blocks."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        req.status = status
+        self.kv.free(req)
+        return req
+
+    # ---- the step ---------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        out = SchedulerOutput()
+        budget = cfg.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+
+        # 1. Running requests, in arrival order, so preemption takes the latest first.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(req, n, self.kv.block_ids(req.request_id)))
+                scheduled_ids.add(req.request_id)
+                budget -= n
+                i += 1
+                continue
+            break  # the request preempted itself: nothing after it can fit either
+
+        # 2. Waiting requests, FCFS; never admit while a preemption happened this step.
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not out.preempted:
+            req = self.waiting[0]
+            remaining = req.num_tokens - req.num_computed_tokens
+            if not cfg.enable_chunked_prefill and remaining > budget:
+                break
+            n = min(remaining, budget)
+            if not self.kv.allocate_slots(req, n):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            if req.scheduled_time is None:
+                req.scheduled_time = time.monotonic()
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, n, self.kv.block_ids(req.request_id)))
+            budget -= n
+
+        out.num_batched_tokens = cfg.max_num_batched_tokens - budget
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, finish requests that hit a stop
+        condition (EOS, stop token, max_tokens, context length). Returns those finished."""
+        finished = []
+        for s in out.scheduled:
+            req = s.request
+            if req.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += s.num_new_tokens
+            tok = sampled.get(req.request_id)
+            if tok is None:
+                continue
+            req.append_output_token(tok)
+            status = self._check_stop(req, tok)
+            if status is not None:
+                self.finish_request(req.request_id, status)
+                finished.append(req)
+        return finished
+
+    def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
+        p = req.sampling_params
+        if req.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and tok in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if tok in p.stop_token_ids:
+                req.stop_reason = tok
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "kv_cache_usage": self.kv.usage(),
+            "num_preemptions": self.num_preemptions,
+        }

@@ -1,0 +1,114 @@
+"""Offline API: LLM(model=...).generate(prompts, sampling_params), .chat(messages), .stream(...)."""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+from tqdm import tqdm
+
+from tokenmill.config import EngineArgs
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+PromptType = str | list[int]
+
+
+class LLM:
+    """vLLM-style offline entry point; every EngineArgs field is a keyword argument."""
+
+    def __init__(self, model: str | None = None, **engine_args):
+        self.engine = LLMEngine.from_args(model, **engine_args)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        prompt_token_ids: Sequence[list[int]] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Runs all prompts through one continuously batched engine; outputs in input order."""
+        batch = _as_prompt_list(prompts, prompt_token_ids)
+        params = _as_params_list(sampling_params, len(batch))
+        # Validate everything before queueing anything, so a bad prompt leaves no work behind.
+        requests = [self.engine.make_request(p, sp) for p, sp in zip(batch, params)]
+        order = {}
+        for i, req in enumerate(requests):
+            rid = self.engine.add_request(None, req.prompt if req.prompt is not None else req.prompt_token_ids, req.sampling_params)
+            order[rid] = i
+        results: list[RequestOutput | None] = [None] * len(batch)
+        bar = tqdm(total=len(batch), desc="generating", disable=not use_tqdm)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[order[out.request_id]] = out
+                        bar.update(1)
+        except BaseException:
+            for rid in order:
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return results  # type: ignore[return-value]
+
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yields a RequestOutput per new token (delta_text holds the new text)."""
+        rid = self.engine.add_request(None, prompt, sampling_params)
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+                if not self.engine.has_unfinished_requests():
+                    return
+        finally:
+            if rid in self.engine.core.scheduler.requests:
+                self.engine.abort_request(rid)
+
+    def chat(
+        self,
+        messages: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Applies the model's chat template to one conversation or a list of them."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        ids = [self.engine.apply_chat_template(c, add_generation_prompt) for c in convs]  # type: ignore[arg-type]
+        return self.generate(prompt_token_ids=ids, sampling_params=sampling_params, use_tqdm=use_tqdm)
+
+
+def _as_prompt_list(prompts, prompt_token_ids) -> list[PromptType]:
+    if prompt_token_ids is not None:
+        if prompts is not None:
+            raise ValueError("give prompts or prompt_token_ids, not both")
+        return [list(p) for p in prompt_token_ids]
+    if prompts is None:
+        raise ValueError("no prompts given")
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], int):  # a single prompt of token ids
+        return [prompts]
+    return prompts
+
+
+def _as_params_list(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    return params
+
+
+__all__ = ["LLM", "EngineArgs"]

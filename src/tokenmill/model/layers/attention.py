@@ -1,0 +1,86 @@
+"""Paged attention behind one small interface.
+
+The model calls `backend.forward(layer_idx, q, k, v, meta)` with flat [T, heads, dim]
+tensors; the backend writes the new K/V into the paged cache at `meta.slot_mapping` and
+attends each request's queries to its keys read through its block table. The model never
+sees the cache layout, so a GPU backend (flash-attn, FlashInfer) can replace this one.
+
+CPU backend (torch only): decode requests (one query token each) are batched into one
+SDPA call over K/V gathered through their block tables; prompt chunks run one SDPA call
+each, causal with the cached prefix in front.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    q_start: int  # rows of the flat batch
+    q_end: int
+    context_len: int  # tokens already in the cache before this chunk
+    kv_slots: torch.Tensor | None  # [context_len + q_len] slots, only when context_len > 0
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs about one flat batch; built once per step, used by all layers."""
+
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
+    # Decode group: rows with a single query token, attended together.
+    decode_rows: torch.Tensor | None = None  # [Bd] row of each decode token in the flat batch
+    decode_kv_slots: torch.Tensor | None = None  # [Bd, Lmax] cache slots (padding -> null block)
+    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, Lmax] True where a key is valid
+    prefills: list[PrefillChunk] | None = None
+    all_decode: bool = False  # every row is a decode row, in order: skip the scatter
+
+
+class AttentionBackend:
+    def __init__(self, kv_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
+        # kv_cache: [num_layers, 2, num_slots, num_kv_heads, head_dim]
+        self.kv_cache = kv_cache
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.gqa = num_heads != num_kv_heads
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, Hkv, D]. Returns [T, H * D]."""
+        k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+        T = q.shape[0]
+        if meta.all_decode:
+            return self._decode(q, k_cache, v_cache, meta).reshape(T, -1)
+        out = torch.empty_like(q)
+        if meta.decode_rows is not None:
+            out[meta.decode_rows] = self._decode(q[meta.decode_rows], k_cache, v_cache, meta)
+        for c in meta.prefills or ():
+            qc = q[c.q_start : c.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            if c.context_len == 0:  # whole prompt in this chunk: attend to the fresh K/V
+                kc = k[c.q_start : c.q_end].transpose(0, 1).unsqueeze(0)
+                vc = v[c.q_start : c.q_end].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=self.scale, enable_gqa=self.gqa)
+            else:
+                kc = k_cache[c.kv_slots].transpose(0, 1).unsqueeze(0)
+                vc = v_cache[c.kv_slots].transpose(0, 1).unsqueeze(0)
+                n, L = c.q_end - c.q_start, c.kv_slots.shape[0]
+                # Query i sits at position context_len + i and sees keys 0..context_len + i.
+                mask = torch.ones(n, L, dtype=torch.bool).tril_(diagonal=c.context_len)
+                o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=self.scale, enable_gqa=self.gqa)
+            out[c.q_start : c.q_end] = o.squeeze(0).transpose(0, 1)
+        return out.reshape(T, -1)
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # q: [Bd, H, D] -> [Bd, H, 1, D]; keys [Bd, Hkv, Lmax, D] gathered through block tables.
+        kc = k_cache[meta.decode_kv_slots].transpose(1, 2)
+        vc = v_cache[meta.decode_kv_slots].transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), kc, vc, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=self.gqa
+        )
+        return o.squeeze(2)

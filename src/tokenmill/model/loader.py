@@ -1,0 +1,92 @@
+"""Find a model (HF folder, .gguf file, hub id, or the built-in default) and load its weights."""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import time
+
+import torch
+
+from tokenmill.model.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger("tokenmill")
+
+# architecture name in config.json -> model class
+MODEL_REGISTRY = {arch: LlamaForCausalLM for arch in LlamaForCausalLM.ARCHITECTURES}
+# GGUF architecture names map onto the same classes through gguf_loader's config writer.
+
+
+def resolve_model_path(model: str | None) -> str:
+    """Return a local HF-style folder for `model`, converting GGUF once (cached)."""
+    if model is not None and os.path.isdir(model) and os.path.exists(os.path.join(model, "config.json")):
+        return model
+    from importlib import import_module
+
+    gguf_loader = import_module("tokenmill.model.gguf_loader")  # heavy (gguf); only when needed
+    if model is None:
+        model = gguf_loader.default_model_path()
+    if os.path.isfile(model):
+        if model.endswith(".gguf"):
+            return gguf_loader.gguf_to_hf_folder(model)
+        raise ValueError(f"model file {model!r} is not a .gguf file; give a GGUF file or a Hugging Face folder")
+    if os.path.isdir(model):
+        if not os.path.exists(os.path.join(model, "config.json")):
+            ggufs = sorted(glob.glob(os.path.join(model, "*.gguf")))
+            if ggufs:
+                return gguf_loader.gguf_to_hf_folder(ggufs[0])
+            raise ValueError(f"model folder {model!r} has no config.json (nor a .gguf file)")
+        return model
+    # Not local: a hub id, for users who have a hub. Offline machines get a clear error.
+    if "/" in model and not model.startswith((".", "/")) and model.count("/") == 1:
+        try:
+            from huggingface_hub import snapshot_download
+
+            return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
+        except Exception as e:  # noqa: BLE001 - any hub failure becomes one clear message
+            raise ValueError(f"model {model!r} is not a local path and could not be downloaded: {e}") from e
+    raise ValueError(f"model path {model!r} does not exist")
+
+
+def load_hf_config(path: str):
+    from transformers import AutoConfig
+
+    with open(os.path.join(path, "config.json")) as f:
+        raw = json.load(f)
+    archs = raw.get("architectures") or []
+    if not archs or archs[0] not in MODEL_REGISTRY:
+        raise ValueError(
+            f"unsupported architecture {archs[0] if archs else raw.get('model_type')!r}; "
+            f"supported: {', '.join(sorted(MODEL_REGISTRY))}"
+        )
+    return AutoConfig.from_pretrained(path)
+
+
+def _iter_safetensors(path: str):
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {path!r}")
+    for fname in files:
+        with safe_open(fname, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(path: str, hf_config, dtype: torch.dtype, max_position: int, device: str = "cpu") -> torch.nn.Module:
+    t0 = time.perf_counter()
+    cls = MODEL_REGISTRY[hf_config.architectures[0]]
+    with torch.device("meta"):
+        model = cls(hf_config, dtype, max_position)
+    model = model.to_empty(device=device).to(dtype)
+    model.rope = model.make_rope(dtype).to(device)  # buffers were created on meta
+    if model.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.load_weights(_iter_safetensors(path))
+    model.eval()
+    logger.info("loaded weights from %s in %.2fs (%s)", path, time.perf_counter() - t0, dtype)
+    return model
+

@@ -1,0 +1,154 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) over a flat token batch.
+
+Plain PyTorch, read top to bottom. Q/K/V and gate/up projections are fused into one matmul
+each; `load_weights` maps Hugging Face tensor names onto the fused parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata
+from tokenmill.model.layers.norm import RMSNorm
+from tokenmill.model.layers.rotary import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg, layer_idx: int, qkv_bias: bool):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=getattr(cfg, "attention_bias", False) and not qkv_bias)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                attn: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        q, k = rope(positions, q, k)
+        return self.o_proj(attn.forward(self.layer_idx, q, k, v, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        bias = getattr(cfg, "mlp_bias", False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg, layer_idx: int, qkv_bias: bool):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_idx, qkv_bias)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, positions, rope, attn, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, attn, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    # HF architectures this class serves, and whether their q/k/v projections carry a bias.
+    ARCHITECTURES = {
+        "LlamaForCausalLM": False,
+        "MistralForCausalLM": False,
+        "Qwen2ForCausalLM": True,
+    }
+
+    def __init__(self, cfg, dtype: torch.dtype, max_position: int):
+        super().__init__()
+        arch = (getattr(cfg, "architectures", None) or ["LlamaForCausalLM"])[0]
+        qkv_bias = self.ARCHITECTURES.get(arch, False) or getattr(cfg, "attention_bias", False)
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, qkv_bias) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.max_position = max_position
+        self.rope = self.make_rope(dtype)
+
+    def make_rope(self, dtype: torch.dtype) -> RotaryEmbedding:
+        """Rotary tables; the loader calls this again after materialising a meta-device model."""
+        cfg = self.cfg
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        # transformers >= 5 keeps theta and scaling in rope_parameters; older ones split them.
+        params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+        theta = params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+        return RotaryEmbedding(head_dim, self.max_position, theta, params, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Returns the final hidden states [T, hidden]; call compute_logits on the rows needed."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rope, attn, meta)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden)).float()
+
+    # ---- weights ---------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, w in weights:
+            if "rotary_emb" in name:
+                continue
+            name = name.removeprefix("model.")
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            target, shard = _fused_target(name, self)
+            if target not in params:
+                raise ValueError(f"unexpected weight {name!r} in checkpoint")
+            p = params[target]
+            with torch.no_grad():
+                if shard is None:
+                    p.copy_(w)
+                else:
+                    start, size = shard
+                    p.narrow(0, start, size).copy_(w)
+            loaded.add(f"{target}:{shard}")
+        missing = {n for n in params if not any(key.startswith(n + ":") for key in loaded)}
+        if self.tie_word_embeddings:
+            missing.discard("lm_head.weight")
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]} ...")
+
+
+def _fused_target(name: str, model: LlamaForCausalLM) -> tuple[str, tuple[int, int] | None]:
+    """Map an HF name to (our parameter, (row offset, rows)) for fused projections."""
+    if ".self_attn." in name:
+        for i, proj in enumerate(("q_proj", "k_proj", "v_proj")):
+            if f".{proj}." in name:
+                attn = model.layers[int(name.split(".")[1])].self_attn
+                offsets = (0, attn.q_size, attn.q_size + attn.kv_size)
+                sizes = (attn.q_size, attn.kv_size, attn.kv_size)
+                return name.replace(proj, "qkv_proj"), (offsets[i], sizes[i])
+    if ".mlp." in name:
+        for i, proj in enumerate(("gate_proj", "up_proj")):
+            if f".{proj}." in name:
+                inter = model.cfg.intermediate_size
+                return name.replace(proj, "gate_up_proj"), (i * inter, inter)
+    return name, None

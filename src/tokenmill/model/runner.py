@@ -1,0 +1,105 @@
+"""ModelRunner: owns the model and the KV cache tensor; runs one flat batch per step."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tokenmill.config import ModelConfig
+from tokenmill.engine.scheduler import SchedulerOutput
+from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata, PrefillChunk
+from tokenmill.model.layers.sampler import Sampler, SamplerOutput, SamplingBatch
+from tokenmill.model.loader import load_model
+
+logger = logging.getLogger("tokenmill")
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, num_blocks: int, block_size: int, seed: int = 0):
+        self.config = model_config
+        self.block_size = block_size
+        self.device = model_config.device
+        self.model = load_model(
+            model_config.path, model_config.hf_config, model_config.dtype, model_config.max_model_len, self.device
+        )
+        cfg = model_config
+        # One tensor for the whole cache: [layers, K/V, slots, kv_heads, head_dim].
+        self.kv_cache = torch.zeros(
+            cfg.num_layers, 2, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim,
+            dtype=cfg.dtype, device=self.device,
+        )
+        self.attn = AttentionBackend(
+            self.kv_cache, cfg.hf_config.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
+        )
+        self.sampler = Sampler(seed)
+
+    # ---- batch preparation ------------------------------------------------------------
+    def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillChunk] = []
+        logits_rows: list[int] = []
+        for s in sched.scheduled:
+            req, n, table = s.request, s.num_new_tokens, s.block_ids
+            start = req.num_computed_tokens
+            row0 = len(input_ids)
+            input_ids.extend(req.all_token_ids[start : start + n])
+            pos = range(start, start + n)
+            positions.extend(pos)
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            if n == 1:
+                decode_rows.append(row0)
+                decode_tables.append(table)
+                decode_lens.append(start + 1)
+            else:
+                kv_slots = None
+                if start > 0:
+                    kv_slots = _slots_for(table, start + n, bs)
+                prefills.append(PrefillChunk(row0, row0 + n, start, kv_slots))
+            if s.samples:
+                logits_rows.append(row0 + n - 1)
+
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long))
+        if decode_rows:
+            L = max(decode_lens)
+            # Gather index per (request, key position); padding points into the null block 0.
+            pos = torch.arange(L)
+            tables = torch.zeros(len(decode_tables), -(-L // bs), dtype=torch.long)
+            for i, t in enumerate(decode_tables):
+                nb = -(-decode_lens[i] // bs)
+                tables[i, :nb] = torch.tensor(t[:nb])
+            lens = torch.tensor(decode_lens)
+            meta.decode_kv_slots = tables[:, pos // bs] * bs + pos % bs
+            meta.decode_mask = (pos.unsqueeze(0) < lens.unsqueeze(1)).view(len(decode_rows), 1, 1, L)
+            meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long)
+        meta.prefills = prefills
+        meta.all_decode = not prefills
+        return (
+            torch.tensor(input_ids, dtype=torch.long),
+            torch.tensor(positions, dtype=torch.long),
+            meta,
+            logits_rows,
+        )
+
+    # ---- the step ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> SamplerOutput | None:
+        input_ids, positions, meta, logits_rows = self.prepare(sched)
+        hidden = self.model(input_ids, positions, self.attn, meta)
+        if not logits_rows:
+            return None
+        logits = self.model.compute_logits(hidden[logits_rows])
+        sampling_reqs = [s.request for s in sched.scheduled if s.samples]
+        batch = SamplingBatch.from_requests(sampling_reqs, logits.shape[-1])
+        return self.sampler(logits, batch)
+
+
+def _slots_for(table: list[int], length: int, bs: int) -> torch.Tensor:
+    pos = torch.arange(length)
+    return torch.tensor(table, dtype=torch.long)[pos // bs] * bs + pos % bs

@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import build_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> str:
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> str:
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_llm(tiny_llama_dir):
+    from tokenmill import LLM
+
+    return LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.02)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_llm(tiny_qwen2_dir):
+    from tokenmill import LLM
+
+    return LLM(tiny_qwen2_dir, dtype="float32", kv_cache_memory=0.02)
+
+
+PROMPTS = [
+    "Hello world, the quick",
+    "Paged attention keeps",
+    "def add(a, b):",
+    "Les élèves étudient",
+    "1234567890 + - * /",
+    "Continuous batching admits new requests every step. The quick brown fox jumps over the lazy dog.",
+    "東京 北京 😀",
+    "The",
+]

@@ -1,0 +1,55 @@
+"""Greedy outputs and logprobs equal Hugging Face transformers', alone and in a continuous batch."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import PROMPTS
+from hf_oracle import hf_greedy
+
+from tokenmill import SamplingParams
+
+MAX_TOKENS = 32
+
+
+def _greedy(max_tokens=MAX_TOKENS, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def _prompt_ids(llm, prompts):
+    return [llm.get_tokenizer().encode(p) for p in prompts]
+
+
+def _run_staggered(engine, prompt_ids, params, gap=3):
+    """Add prompt i after i*gap engine steps, so requests join a batch already decoding."""
+    pending = list(enumerate(prompt_ids))
+    rid_to_idx, results, step = {}, {}, 0
+    while pending or engine.has_unfinished_requests():
+        while pending and step >= pending[0][0] * gap:
+            i, ids = pending.pop(0)
+            rid_to_idx[engine.add_request(None, ids, params)] = i
+        for out in engine.step():
+            if out.finished:
+                results[rid_to_idx[out.request_id]] = out
+        step += 1
+    return [results[i] for i in range(len(prompt_ids))]
+
+
+@pytest.mark.parametrize("which", ["tiny_llama", "tiny_qwen2"])
+def test_tiny_models_match_hf(which, request):
+    model_dir = request.getfixturevalue(f"{which}_dir")
+    llm = request.getfixturevalue(f"{which}_llm")
+    ids = _prompt_ids(llm, PROMPTS)
+    expected = [hf_greedy(model_dir, p, MAX_TOKENS) for p in ids]
+    # Each prompt alone.
+    for p, (toks, _) in zip(ids, expected):
+        assert llm.generate(prompt_token_ids=[p], sampling_params=_greedy())[0].outputs[0].token_ids == toks
+    # All at once, one continuous batch of different lengths.
+    outs = llm.generate(prompt_token_ids=ids, sampling_params=_greedy(logprobs=0))
+    for out, (toks, lps) in zip(outs, expected):
+        assert out.outputs[0].token_ids == toks
+        got = [next(iter(d.values())).logprob for d in out.outputs[0].logprobs]
+        assert max(abs(a - b) for a, b in zip(got, lps)) < 1e-3
+    # Staggered arrivals.
+    outs = _run_staggered(llm.engine, ids, _greedy())
+    assert [o.outputs[0].token_ids for o in outs] == [t for t, _ in expected]
+    assert llm.engine.core.kv.num_free_blocks == llm.engine.core.kv.num_usable_blocks

@@ -1,0 +1,113 @@
+"""Build tiny, seeded, randomly initialised checkpoints as Hugging Face folders.
+
+Each folder has config.json, model.safetensors and a byte-level BPE tokenizer trained here
+with the `tokenizers` library (no hub access), plus a ChatML chat template.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world! This is a tiny tokenizer for tests.",
+    "Paged attention keeps the KV cache in fixed-size blocks.",
+    "Continuous batching admits new requests every step.",
+    "Les élèves étudient à l'école. Über café naïve façade — 東京 北京 😀 🚀",
+    "def add(a, b):\n    return a + b\n",
+    "1234567890 + - * / = ( ) [ ] { } < > ? ! , . ; :",
+] * 20
+
+
+def build_tokenizer(out: Path, vocab_size: int = 512) -> int:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<|im_start|>",
+                "eos_token": "<|im_end|>",
+                "unk_token": None,
+                "pad_token": "<|endoftext|>",
+                "model_max_length": 512,
+                "chat_template": CHATML,
+                "add_bos_token": False,
+            }
+        )
+    )
+    return tok.get_vocab_size()
+
+
+def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """arch: 'llama' (GQA, llama3 rope scaling, untied) or 'qwen2' (qkv bias, tied embeddings)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = build_tokenizer(out)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    eos = tok.token_to_id("<|im_end|>")
+    bos = tok.token_to_id("<|im_start|>")
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        initializer_range=0.2,  # spread logits so greedy choices are not near-ties
+        bos_token_id=bos,
+        eos_token_id=eos,
+        rope_theta=10000.0,
+    )
+    if arch == "llama":
+        common.update(
+            tie_word_embeddings=False,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 128,
+            },
+        )
+        common.update(overrides)
+        cfg, cls = LlamaConfig(**common), LlamaForCausalLM
+    elif arch == "qwen2":
+        common.update(tie_word_embeddings=True)
+        common.update(overrides)
+        cfg, cls = Qwen2Config(**common), Qwen2ForCausalLM
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = cls(cfg).to(torch.float32).eval()
+    if arch == "qwen2":  # HF zero-inits biases; make them matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.2)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
