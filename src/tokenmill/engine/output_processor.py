@@ -58,26 +58,25 @@ class OutputProcessor:
                     state.logprobs.append(self._logprob_dict(o.new_token_id, o.logprobs))
                     state.cumulative_logprob += o.logprobs.token_logprob
             finished = o.finished
-            if stop is not None and not finished:
+            if stop is not None:
                 req.stop_reason = stop
-                req.status = RequestStatus.FINISHED_STOPPED
-                stopped.append(req.request_id)
-                finished = True
-            elif stop is not None:  # finished by length/EOS on the very token that completed a stop string
-                req.stop_reason = stop
-                req.status = RequestStatus.FINISHED_STOPPED
-            results.append(self._make_output(state, finished))
+                if finished:  # finished by length/EOS on the very token that completed a stop string
+                    req.status = RequestStatus.FINISHED_STOPPED
+                else:  # the engine finishes it in the core, which frees its blocks
+                    stopped.append(req.request_id)
+                    finished = True
+            results.append(self._make_output(state, finished, RequestStatus.FINISHED_STOPPED if stop else None))
         return results, stopped
 
     def abort(self, request_id: str) -> RequestOutput | None:
         state = self.states.get(request_id)
         if state is None:
             return None
-        state.request.status = RequestStatus.FINISHED_ABORTED
-        return self._make_output(state, True)
+        return self._make_output(state, True, RequestStatus.FINISHED_ABORTED)
 
-    def _make_output(self, state: RequestState, finished: bool) -> RequestOutput:
+    def _make_output(self, state: RequestState, finished: bool, status: RequestStatus | None = None) -> RequestOutput:
         req = state.request
+        status = status or req.status
         delta_text = state.detok.take_delta(finished)
         token_ids = list(req.output_token_ids)
         delta_ids = token_ids[state.sent_tokens :]
@@ -92,7 +91,7 @@ class OutputProcessor:
             token_ids=token_ids,
             cumulative_logprob=state.cumulative_logprob,
             logprobs=state.logprobs,
-            finish_reason=req.status.finish_reason if finished else None,
+            finish_reason=status.finish_reason if finished else None,
             stop_reason=req.stop_reason,
             delta_text=delta_text,
             delta_token_ids=delta_ids,

@@ -31,11 +31,11 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONVERTER_VERSION = 1
 _MARKER = "tokenmill_gguf.json"
 
-# general.architecture -> (transformers config class, undo llama.cpp's Q/K permutation?)
+# general.architecture -> (transformers model class, undo llama.cpp's Q/K permutation?)
 _ARCHS: dict[str, tuple[str, bool]] = {
-    "llama": ("LlamaConfig", True),  # also Mistral 7B, which llama.cpp writes as "llama"
-    "mistral": ("MistralConfig", True),
-    "qwen2": ("Qwen2Config", False),  # NEOX-style rope in llama.cpp, so no permutation
+    "llama": ("LlamaForCausalLM", True),  # also Mistral 7B, which llama.cpp writes as "llama"
+    "mistral": ("MistralForCausalLM", True),
+    "qwen2": ("Qwen2ForCausalLM", False),  # NEOX-style rope in llama.cpp, so no permutation
 }
 _TENSOR_NAMES = {
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
@@ -81,15 +81,11 @@ def default_model_path() -> str:
     )
 
 
-# --------------------------------------------------------------------------------------- reading
-
 
 class _Gguf:
     """Metadata, tensor table and mmap'd raw tensor bytes of a GGUF v2/v3 file."""
 
     _FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-    _NP = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
-           7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}  # fmt: skip
 
     def __init__(self, path: str) -> None:
         with open(path, "rb") as f:
@@ -130,8 +126,8 @@ class _Gguf:
         if vtype != 9:
             return self._u(self._FMT[vtype])
         etype, count = self._u("<I"), self._u("<Q")
-        if etype in self._NP:  # numeric arrays (token types, scores) in one go
-            arr = np.frombuffer(self.buf, dtype=self._NP[etype], count=count, offset=self.pos).copy()
+        if etype in self._FMT:  # numeric arrays (token types, scores) in one go
+            arr = np.frombuffer(self.buf, dtype=np.dtype(self._FMT[etype]), count=count, offset=self.pos).copy()
             self.pos += arr.nbytes
             return arr
         return [self._value(etype) for _ in range(count)]
@@ -147,8 +143,6 @@ class _Gguf:
         out = gguf.quants.dequantize(raw.reshape(*shape[:-1], row_bytes), gguf.GGMLQuantizationType(qtype))
         return np.ascontiguousarray(out, dtype=np.float32).reshape(shape)
 
-
-# ----------------------------------------------------------------------------------------- model
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -217,13 +211,8 @@ def _rope_from_meta(m: dict[str, Any], arch: str) -> dict[str, Any] | None:
     if kind == "linear":
         return {"rope_type": "linear", "factor": factor}
     if kind == "yarn":
-        rope = {"rope_type": "yarn", "factor": factor}
-        if (ctx := m.get(f"{arch}.rope.scaling.original_context_length")) is not None:
-            rope["original_max_position_embeddings"] = int(ctx)
-        for key in ("beta_fast", "beta_slow"):
-            if (v := m.get(f"{arch}.rope.scaling.yarn_{key}")) is not None:
-                rope[key] = float(v)
-        return rope
+        ctx = m.get(f"{arch}.rope.scaling.original_context_length")
+        return {"rope_type": "yarn", "factor": factor, **({"original_max_position_embeddings": int(ctx)} if ctx else {})}
     raise ValueError(f"rope scaling type {kind!r} in GGUF metadata is not supported")
 
 
@@ -232,9 +221,9 @@ def _f32(v: float) -> float:
     return float(str(np.float32(v)))
 
 
-def _config(g: _Gguf, arch: str, tied: bool, vocab_size: int, tok_ids: dict[str, int]) -> Any:
-    import transformers
-
+def _config(g: _Gguf, arch: str, tied: bool, vocab_size: int, tok_ids: dict[str, int]) -> dict[str, Any]:
+    """config.json as the Hub writes it (rope_theta + rope_scaling), which every transformers
+    version reads; written by hand because importing transformers would double the conversion time."""
     m, p = g.meta, f"{arch}."
     heads = int(m[p + "attention.head_count"])
     hidden = int(m[p + "embedding_length"])
@@ -243,26 +232,21 @@ def _config(g: _Gguf, arch: str, tied: bool, vocab_size: int, tok_ids: dict[str,
     rope = None
     if "rope_freqs.weight" in g.tensors:
         rope = _rope_from_freqs(g.tensor("rope_freqs.weight"), theta, int(m.get(p + "rope.dimension_count", head_dim)))
-    rope = rope or _rope_from_meta(m, arch)
-    kwargs: dict[str, Any] = dict(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=int(m[p + "feed_forward_length"]),
-        num_hidden_layers=int(m[p + "block_count"]), num_attention_heads=heads,
-        num_key_value_heads=int(m.get(p + "attention.head_count_kv", heads)),
-        max_position_embeddings=int(m.get(p + "context_length", 2048)),
+    config: dict[str, Any] = dict(
+        architectures=[_ARCHS[arch][0]], model_type=arch, vocab_size=vocab_size, hidden_size=hidden,
+        intermediate_size=int(m[p + "feed_forward_length"]), num_hidden_layers=int(m[p + "block_count"]),
+        num_attention_heads=heads, num_key_value_heads=int(m.get(p + "attention.head_count_kv", heads)),
+        head_dim=head_dim, hidden_act="silu", max_position_embeddings=int(m.get(p + "context_length", 2048)),
         rms_norm_eps=_f32(m.get(p + "attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=theta, rope_scaling=rope, tie_word_embeddings=tied, torch_dtype="float32",
-        bos_token_id=tok_ids.get("bos"), eos_token_id=tok_ids.get("eos"), pad_token_id=tok_ids.get("pad"),
+        rope_theta=theta, rope_scaling=rope or _rope_from_meta(m, arch), tie_word_embeddings=tied,
+        torch_dtype="float32", bos_token_id=tok_ids.get("bos"), eos_token_id=tok_ids.get("eos"),
+        pad_token_id=tok_ids.get("pad"),
     )  # fmt: skip
-    if arch != "qwen2":
-        kwargs["head_dim"] = head_dim
+    if arch != "qwen2":  # qwen2 always has q/k/v biases; llama/mistral only when the file has them
+        config["attention_bias"] = "blk.0.attn_q.bias" in g.tensors
     if arch == "mistral":
-        kwargs["sliding_window"] = m.get(p + "attention.sliding_window")
-    config = getattr(transformers, _ARCHS[arch][0])(**kwargs)
-    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+        config["sliding_window"] = m.get(p + "attention.sliding_window")
     return config
-
-
-# ------------------------------------------------------------------------------------- tokenizer
 
 
 def _spm_merges(tokens: list[str], scores: np.ndarray) -> list[tuple[str, str]]:
@@ -330,8 +314,6 @@ def _tokenizer(m: dict[str, Any], tok_ids: dict[str, int]) -> Any:
     return tok
 
 
-# ------------------------------------------------------------------------------------ conversion
-
 
 def _convert(gguf_path: str, out: Path) -> None:
     from safetensors.numpy import save_file
@@ -343,9 +325,10 @@ def _convert(gguf_path: str, out: Path) -> None:
     if arch not in _ARCHS:
         raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(_ARCHS)}")
     n_tokens = len(m["tokenizer.ggml.tokens"])
-    tok_ids = {k: int(m[f"tokenizer.ggml.{key}_token_id"]) for k, key in
-               (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding"))
-               if f"tokenizer.ggml.{key}_token_id" in m and int(m[f"tokenizer.ggml.{key}_token_id"]) < n_tokens}  # fmt: skip
+    tok_ids: dict[str, int] = {}  # special token ids that exist in the vocabulary
+    for k, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
+        if (i := m.get(f"tokenizer.ggml.{key}_token_id")) is not None and int(i) < n_tokens:
+            tok_ids[k] = int(i)
     heads, kv_heads = int(m[f"{arch}.attention.head_count"]), int(m.get(f"{arch}.attention.head_count_kv", 0))
     permute = _ARCHS[arch][1]
 
@@ -353,9 +336,9 @@ def _convert(gguf_path: str, out: Path) -> None:
     names = [n for n in g.tensors if n != "rope_freqs.weight"]  # consumed into the config
     for name in tqdm(names, desc=f"Converting {os.path.basename(gguf_path)}", unit="tensor"):
         parts = name.split(".")
-        if parts[0] == "blk":
+        if parts[0] == "blk" and len(parts) == 4 and parts[2] in _TENSOR_NAMES:
             hf = f"model.layers.{parts[1]}.{_TENSOR_NAMES[parts[2]]}.{parts[3]}"
-        elif parts[0] in _TENSOR_NAMES:
+        elif len(parts) == 2 and parts[0] in _TENSOR_NAMES:
             hf = f"{_TENSOR_NAMES[parts[0]]}.{parts[1]}"
         else:
             raise ValueError(f"unexpected tensor {name!r} in {arch} GGUF")
@@ -369,7 +352,7 @@ def _convert(gguf_path: str, out: Path) -> None:
     del weights
 
     config = _config(g, arch, tied, vocab_size, tok_ids)
-    config.save_pretrained(out)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     gen = {k + "_token_id": tok_ids[k] for k in ("bos", "eos", "pad") if k in tok_ids}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
 
@@ -378,13 +361,12 @@ def _convert(gguf_path: str, out: Path) -> None:
     tok_config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "clean_up_tokenization_spaces": False,  # GGUF models never want decode() to touch spaces
-        "model_max_length": config.max_position_embeddings,
+        "model_max_length": config["max_position_embeddings"],
         "add_bos_token": bool(m.get("tokenizer.ggml.add_bos_token", m.get("tokenizer.ggml.model") == "llama")),
         "add_eos_token": bool(m.get("tokenizer.ggml.add_eos_token", False)),
     }
-    for k in ("bos", "eos", "unk", "pad"):
-        if k in tok_ids:
-            tok_config[f"{k}_token"] = tokens[tok_ids[k]]
+    for k in ("bos", "eos", "unk", "pad"):  # explicit null: no transformers class default sneaks in
+        tok_config[f"{k}_token"] = tokens[tok_ids[k]] if k in tok_ids else None
     if "tokenizer.chat_template" in m:
         tok_config["chat_template"] = m["tokenizer.chat_template"]
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, ensure_ascii=False))
@@ -401,6 +383,13 @@ def _file_key(path: str) -> str:
     return h.hexdigest()
 
 
+def _complete(folder: Path) -> bool:
+    try:
+        return json.loads((folder / _MARKER).read_text())["converter_version"] == CONVERTER_VERSION
+    except (OSError, ValueError, KeyError):
+        return False
+
+
 def gguf_to_hf_folder(gguf_path: str, cache_dir: str | None = None) -> str:
     """Convert `gguf_path` into a Hugging Face folder (once) and return that folder's path.
 
@@ -410,8 +399,7 @@ def gguf_to_hf_folder(gguf_path: str, cache_dir: str | None = None) -> str:
     root = Path(cache_dir or os.environ.get("TOKENMILL_CACHE_DIR") or Path.home() / ".cache" / "tokenmill")
     digest = _file_key(gguf_path)
     final = root / "gguf" / digest[:16]
-    marker = final / _MARKER
-    if marker.is_file() and json.loads(marker.read_text()).get("converter_version") == CONVERTER_VERSION:
+    if _complete(final):
         logger.info("GGUF %s: using cached HF folder %s", gguf_path, final)
         return str(final)
 
@@ -424,17 +412,19 @@ def gguf_to_hf_folder(gguf_path: str, cache_dir: str | None = None) -> str:
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
     try:
         _convert(gguf_path, tmp)
-        # written last: a folder with this marker is complete
         info = {"converter_version": CONVERTER_VERSION, "source": gguf_path, "sha256": digest}
-        (tmp / _MARKER).write_text(json.dumps(info, indent=2))
-        if final.exists():  # from an older converter version: move it aside, then swap
+        (tmp / _MARKER).write_text(json.dumps(info, indent=2))  # last: only complete folders have it
+        for f in tmp.iterdir():  # mkdtemp and safetensors create owner-only; a cache can be shared
+            f.chmod(0o644)
+        tmp.chmod(0o755)
+        if final.exists() and not _complete(final):  # incomplete or older converter: move aside
             old = Path(tempfile.mkdtemp(prefix=".tmp-old-", dir=final.parent))
             os.rename(final, old / "x")
             shutil.rmtree(old, ignore_errors=True)
         try:
             os.rename(tmp, final)  # atomic: readers see no folder or a complete one
         except OSError:
-            if not (final / _MARKER).is_file():  # a concurrent converter won the race only if complete
+            if not _complete(final):  # fine only if a concurrent converter finished first
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:

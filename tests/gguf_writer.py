@@ -1,0 +1,141 @@
+"""Test utility: write a GGUF from a tiny Hugging Face llama / qwen2 folder, the way llama.cpp's
+convert_hf_to_gguf.py does (same metadata keys, Q/K permutation for llama, llama3 rope as a
+`rope_freqs` tensor, byte-level BPE vocabulary as tokenizer.ggml.model "gpt2").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from safetensors.numpy import load_file
+
+_NAMES = {
+    "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}  # fmt: skip
+
+
+def _gguf_name(hf: str) -> str:
+    stem, kind = hf.rsplit(".", 1)
+    if stem.startswith("model.layers."):
+        _, _, layer, rest = stem.split(".", 3)
+        return f"blk.{layer}.{_NAMES[rest]}.{kind}"
+    return f"{_NAMES[stem]}.{kind}"
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # convert_hf_to_gguf.py LlamaModel.permute: HF rotate-half layout -> ggml interleaved pairs
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _llama3_rope_freqs(rope: dict, theta: float, dim: int) -> np.ndarray:
+    # convert_hf_to_gguf.py LlamaModel.generate_extra_tensors (reads the context length from the
+    # rope parameters, as older llama.cpp did; newer reads a top-level hparam that HF does not write)
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope.get("factor", 8.0), rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old_ctx = rope.get("original_max_position_embeddings", 8192)
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_ctx / high:
+            out.append(1)
+        elif wavelen > old_ctx / low:
+            out.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(out, dtype=torch.float32).numpy()
+
+
+def _vocab(hf_dir: Path) -> tuple[list[str], list[int]]:
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    id_to_tok = {i: t for t, i in tok["model"]["vocab"].items()}
+    added = {a["id"]: a for a in tok["added_tokens"]}
+    for i, a in added.items():
+        id_to_tok[i] = a["content"]
+    tokens, types = [], []
+    for i in range(max(id_to_tok) + 1):
+        if i not in id_to_tok:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.USER_DEFINED)
+        elif i in added:
+            tokens.append(id_to_tok[i])
+            types.append(gguf.TokenType.CONTROL if added[i]["special"] else gguf.TokenType.USER_DEFINED)
+        else:
+            tokens.append(id_to_tok[i])
+            types.append(gguf.TokenType.NORMAL)
+    return tokens, types
+
+
+def write_gguf_from_hf(hf_dir: str | Path, out_path: str | Path, qtype: str = "F32", pre: str = "gpt-2") -> Path:
+    """Write `hf_dir` (llama or qwen2) as a GGUF at `out_path`; 2-D weights are stored as `qtype`
+    (e.g. "F32", "F16", "Q8_0") where their rows fit its block size, norms stay F32 as in llama.cpp."""
+    hf_dir, out_path = Path(hf_dir), Path(out_path)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    arch = cfg["model_type"]
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"write_gguf_from_hf supports llama and qwen2, not {arch}")
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    qt = gguf.GGMLQuantizationType[qtype]
+
+    w = gguf.GGUFWriter(str(out_path), arch)
+    w.add_type(gguf.GGUFType.MODEL)
+    w.add_name(hf_dir.name)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(theta)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_file_type({"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
+                     "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}.get(qtype, gguf.LlamaFileType.GUESSED))  # fmt: skip
+    if arch == "llama":
+        w.add_vocab_size(cfg["vocab_size"])
+        w.add_rope_dimension_count(head_dim)
+    if rope_type == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    elif rope_type not in ("default", "llama3"):
+        raise ValueError(f"rope type {rope_type} not handled by this test writer")
+
+    tokens, types = _vocab(hf_dir)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    gguf.SpecialVocab(hf_dir, load_merges=True, n_vocab=len(tokens)).add_to_gguf(w, quiet=True)
+
+    if arch == "llama" and rope_type == "llama3":
+        w.add_tensor("rope_freqs.weight", _llama3_rope_freqs(rope, theta, head_dim))
+    for name, t in load_file(str(hf_dir / "model.safetensors")).items():
+        if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
+            continue
+        t = t.astype(np.float32)
+        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            t = _permute(t, heads)
+        elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            t = _permute(t, kv_heads)
+        block = gguf.GGML_QUANT_SIZES[qt][0]
+        if t.ndim == 2 and qt != gguf.GGMLQuantizationType.F32 and t.shape[-1] % block == 0:
+            w.add_tensor(_gguf_name(name), gguf.quants.quantize(t, qt), raw_dtype=qt)
+        else:
+            w.add_tensor(_gguf_name(name), np.ascontiguousarray(t))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out_path

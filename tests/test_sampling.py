@@ -1,0 +1,187 @@
+"""Sampler, stop conditions, seeds and input validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import PROMPTS
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.engine.request import Request
+from tokenmill.model.layers.sampler import Sampler, SamplingBatch
+
+
+def _batch(logits_rows, **params):
+    reqs = [Request(str(i), [1, 2, 3], SamplingParams(**params)) for i in range(len(logits_rows))]
+    return torch.tensor(logits_rows, dtype=torch.float32), SamplingBatch.from_requests(reqs, len(logits_rows[0])), reqs
+
+
+def test_greedy_is_argmax_and_truncation_keeps_top():
+    logits, batch, _ = _batch([[0.1, 3.0, 2.9, -1.0]] * 4, temperature=0.0)
+    assert Sampler()(logits, batch).token_ids == [1, 1, 1, 1]
+    for kw in ({"top_k": 1}, {"top_p": 0.01}, {"min_p": 0.99}):
+        logits, batch, _ = _batch([[0.1, 3.0, 2.9, -1.0]] * 64, temperature=1.5, **kw)
+        assert set(Sampler()(logits, batch).token_ids) == {1}, kw
+
+
+def test_sampling_distribution_follows_temperature():
+    logits = [[0.0, 1.0]] * 4000
+    l, b, _ = _batch(logits, temperature=1.0)
+    frac = sum(Sampler(1)(l, b).token_ids) / 4000
+    assert abs(frac - torch.sigmoid(torch.tensor(1.0)).item()) < 0.03
+    l, b, _ = _batch(logits, temperature=0.25)
+    frac = sum(Sampler(1)(l, b).token_ids) / 4000
+    assert abs(frac - torch.sigmoid(torch.tensor(4.0)).item()) < 0.03
+
+
+def test_top_p_cuts_the_tail():
+    # probs ~ [0.64, 0.24, 0.09, 0.03]: top_p 0.8 keeps the first two only.
+    l, b, _ = _batch([[3.0, 2.0, 1.0, 0.0]] * 2000, temperature=1.0, top_p=0.8)
+    assert set(Sampler(2)(l, b).token_ids) == {0, 1}
+
+
+def test_penalties():
+    reqs = [Request("r", [1, 1, 2], SamplingParams(temperature=0.0, repetition_penalty=2.0))]
+    reqs[0].append_output_token(0)
+    logits = torch.tensor([[2.0, 1.9, -0.1, 0.5]])
+    # Seen tokens 0, 1, 2: 2.0 -> 1.0, 1.9 -> 0.95, -0.1 -> -0.2; unseen 0.5 stays.
+    assert Sampler()(logits, SamplingBatch.from_requests(reqs, 4)).token_ids == [0]
+    logits = torch.tensor([[2.0, 1.9, -0.1, 1.2]])
+    assert Sampler()(logits, SamplingBatch.from_requests(reqs, 4)).token_ids == [3]
+    reqs = [Request("r", [3], SamplingParams(temperature=0.0, frequency_penalty=1.0, presence_penalty=0.5))]
+    for t in (0, 0):
+        reqs[0].append_output_token(t)
+    # Token 0: 2.0 - 2*1.0 - 0.5 = -0.5 < token 1's 1.0. The prompt token 3 is not penalised.
+    logits = torch.tensor([[2.0, 1.0, 0.0, 1.5]])
+    assert Sampler()(logits, SamplingBatch.from_requests(reqs, 4)).token_ids == [3]
+
+
+def test_min_tokens_blocks_eos_and_stop_ids():
+    req = Request("r", [1], SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[2]), eos_token_ids=frozenset({0}))
+    logits = torch.tensor([[5.0, 1.0, 4.0, 0.0]])
+    assert Sampler()(logits, SamplingBatch.from_requests([req], 4)).token_ids == [1]
+
+
+def test_logprobs_topn_and_rank():
+    l, b, _ = _batch([[0.0, 3.0, 2.0, 1.0]], temperature=0.0, logprobs=2)
+    out = Sampler()(l, b)
+    lp = out.logprobs[0]
+    ref = torch.log_softmax(l[0], -1)
+    assert lp.rank == 1 and abs(lp.token_logprob - ref[1].item()) < 1e-6
+    assert [t for t, _ in lp.top] == [1, 2]
+
+
+def test_seeded_sampling_reproducible_alone_and_in_batch(tiny_llama_llm):
+    p = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=24, ignore_eos=True)
+    alone = tiny_llama_llm.generate("Hello world", p)[0].outputs[0]
+    others = [SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)] * (len(PROMPTS))
+    outs = tiny_llama_llm.generate(PROMPTS + ["Hello world"], others + [p])
+    assert outs[-1].outputs[0].text == alone.text and outs[-1].outputs[0].token_ids == alone.token_ids
+    other_seed = SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=24, ignore_eos=True)
+    assert tiny_llama_llm.generate("Hello world", other_seed)[0].outputs[0].token_ids != alone.token_ids
+
+
+def test_stop_strings_and_tokens(tiny_llama_llm):
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    full = tiny_llama_llm.generate("Hello world, the quick", greedy)[0].outputs[0]
+    assert full.finish_reason == "length" and len(full.token_ids) == 32
+    text = full.text
+    # A stop string spanning a token boundary: take 3 characters from the middle of the text.
+    stop = text[5:8]
+    assert len(stop) == 3
+    out = tiny_llama_llm.generate(
+        "Hello world, the quick", SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, stop=[stop])
+    )[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.find(stop)]
+    # Streaming never emits any part of the stop string.
+    streamed = "".join(
+        o.outputs[0].delta_text
+        for o in tiny_llama_llm.stream(
+            "Hello world, the quick", SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, stop=[stop])
+        )
+    )
+    assert streamed == out.text
+    tok = full.token_ids[3]
+    out = tiny_llama_llm.generate(
+        "Hello world, the quick", SamplingParams(temperature=0.0, max_tokens=32, stop_token_ids=[tok])
+    )[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == tok and out.token_ids == full.token_ids[:4]
+
+
+def test_eos_stops_unless_ignored(tiny_llama_llm):
+    eng = tiny_llama_llm.engine
+    full = tiny_llama_llm.generate("Hello world", SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    first = full[0].outputs[0].token_ids[0]
+    eng.eos_token_ids = frozenset({first})  # pretend the first greedy token is EOS
+    try:
+        out = tiny_llama_llm.generate("Hello world", SamplingParams(temperature=0.0, max_tokens=8))[0].outputs[0]
+        assert out.finish_reason == "stop" and out.token_ids == [first]
+        out = tiny_llama_llm.generate("Hello world", SamplingParams(temperature=0.0, max_tokens=8, min_tokens=3))[0]
+        assert first not in out.outputs[0].token_ids[:3]
+    finally:
+        eng.eos_token_ids = _orig_eos(tiny_llama_llm)
+
+
+def _orig_eos(llm):
+    from tokenmill.engine.llm_engine import _eos_ids
+
+    return _eos_ids(llm.engine.config.model.path, llm.engine.tokenizer, llm.engine.config.model.hf_config)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_k": -5}, "top_k"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"stop": [""]}, "stop"),
+    ],
+)
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts(tiny_llama_llm):
+    with pytest.raises(ValueError, match="empty"):
+        tiny_llama_llm.generate("")
+    with pytest.raises(ValueError, match="empty"):
+        tiny_llama_llm.generate(prompt_token_ids=[[]])
+    with pytest.raises(ValueError, match="context length"):
+        tiny_llama_llm.generate(prompt_token_ids=[[5] * 600])
+    with pytest.raises(ValueError, match="token ids"):
+        tiny_llama_llm.generate(prompt_token_ids=[[10**7]])
+    assert not tiny_llama_llm.engine.core.scheduler.requests
+
+
+def test_unknown_model_path():
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM("/nonexistent/model/folder")
+
+
+def test_unknown_architecture(tmp_path, tiny_llama_dir):
+    import json
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(tiny_llama_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"] = ["FalconForCausalLM"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unsupported architecture.*LlamaForCausalLM"):
+        LLM(str(d))
+
+
+def test_max_tokens_capped_by_context(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, dtype="float32", max_model_len=20, kv_cache_memory=0.01)
+    ids = llm.get_tokenizer().encode("Hello world, the quick")
+    out = llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
+    assert out[0].outputs[0].finish_reason == "length"
+    assert len(ids) + len(out[0].outputs[0].token_ids) == 20

@@ -1,0 +1,136 @@
+"""Block pool and scheduler: no leaks, chunked prefill, preemption under a tiny KV pool."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import PROMPTS
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.config import SchedulerConfig
+from tokenmill.engine.kv_cache import BlockPool, KVCacheManager
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.scheduler import Scheduler
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def _assert_no_leak(llm):
+    kv = llm.engine.core.kv
+    assert kv.num_free_blocks == kv.num_usable_blocks
+    assert not kv.req_blocks
+    assert not llm.engine.core.scheduler.requests
+    assert not llm.engine.output_processor.states
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_llm):
+    ids = [tiny_llama_llm.get_tokenizer().encode(p) for p in PROMPTS]
+    outs = tiny_llama_llm.generate(prompt_token_ids=ids, sampling_params=GREEDY)
+    return ids, [o.outputs[0].token_ids for o in outs]
+
+
+def test_block_pool_lru_and_refcounts():
+    pool = BlockPool(5)
+    a = pool.get_new_blocks(2)
+    b = pool.get_new_blocks(2)
+    assert pool.num_free_blocks == 0
+    with pytest.raises(RuntimeError):
+        pool.get_new_blocks(1)
+    pool.free_blocks(list(reversed(a)))
+    # Freed tail-first: a[1] is evicted before a[0].
+    assert [blk.block_id for blk in pool.get_new_blocks(2)] == [a[1].block_id, a[0].block_id]
+    pool.touch(b)  # a second reference
+    pool.free_blocks(b)
+    assert pool.num_free_blocks == 0
+    pool.free_blocks(b)
+    assert pool.num_free_blocks == 2
+    assert pool.null_block.block_id == 0 and all(blk.block_id != 0 for blk in a + b)
+
+
+def test_scheduler_budget_and_chunking_without_model():
+    kv = KVCacheManager(num_blocks=65, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=10, max_model_len=128), kv)
+    params = SamplingParams(max_tokens=4)
+    reqs = [Request(str(i), list(range(1, 8)), params) for i in range(3)]
+    for r in reqs:
+        sched.add_request(r)
+    out = sched.schedule()
+    # 7 tokens for the first, the remaining 3 of the budget to the second (a chunk).
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("0", 7), ("1", 3)]
+    assert [s.samples for s in out.scheduled] == [True, False]
+    sched.update(out, {"0": 5})
+    out = sched.schedule()
+    # Running first: decode for 0, next chunk for 1; max_num_seqs keeps 2 waiting.
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("0", 1), ("1", 4)]
+    assert len(sched.waiting) == 1
+    sched.finish_request("0", RequestStatus.FINISHED_ABORTED)
+    sched.finish_request("1", RequestStatus.FINISHED_ABORTED)
+    sched.finish_request("2", RequestStatus.FINISHED_ABORTED)
+    assert kv.num_free_blocks == kv.num_usable_blocks
+
+
+def test_preemption_without_model_frees_latest():
+    kv = KVCacheManager(num_blocks=5, block_size=4)  # 4 usable blocks
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64), kv)
+    a = Request("a", [1, 2, 3, 4], SamplingParams(max_tokens=8))
+    b = Request("b", [1, 2, 3, 4], SamplingParams(max_tokens=8))
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()
+    sched.update(out, {"a": 9, "b": 9})
+    used = kv.num_usable_blocks - kv.num_free_blocks
+    assert used == 2
+    out = sched.schedule()  # both need a 2nd block: 4 used, fine
+    sched.update(out, {"a": 9, "b": 9})
+    for _ in range(3):
+        sched.update(sched.schedule(), {"a": 9, "b": 9})
+    out = sched.schedule()  # a needs a 3rd block: b (latest) is preempted
+    assert out.preempted == [b] and b.status == RequestStatus.PREEMPTED
+    assert b.num_computed_tokens == 0 and b.output_token_ids  # output kept
+    assert sched.waiting[0] is b
+
+
+def test_chunked_prefill_same_tokens(tiny_llama_dir, reference):
+    ids, expected = reference
+    llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.02, max_num_batched_tokens=8)
+    outs = llm.generate(prompt_token_ids=ids, sampling_params=GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    _assert_no_leak(llm)
+
+
+def test_constant_preemption_same_tokens(tiny_llama_dir, reference):
+    ids, expected = reference
+    # 8 usable blocks of 4 tokens: far less than 8 requests of ~30-60 tokens need at once.
+    llm = LLM(tiny_llama_dir, dtype="float32", num_gpu_blocks_override=17, block_size=4)
+    outs = llm.generate(prompt_token_ids=ids, sampling_params=GREEDY)
+    assert llm.engine.core.scheduler.num_preemptions > 10
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    _assert_no_leak(llm)
+
+
+def test_abort_frees_blocks(tiny_llama_llm):
+    engine = tiny_llama_llm.engine
+    rids = [engine.add_request(None, p, GREEDY) for p in PROMPTS]
+    for _ in range(3):
+        engine.step()
+    assert engine.core.kv.num_free_blocks < engine.core.kv.num_usable_blocks
+    for rid in rids:
+        out = engine.abort_request(rid)
+        assert out is not None and out.finished and out.outputs[0].finish_reason == "abort"
+    _assert_no_leak(tiny_llama_llm)
+    assert engine.step() == []
+
+
+def test_stream_close_aborts(tiny_llama_llm):
+    stream = tiny_llama_llm.stream("Hello world", GREEDY)
+    first = next(stream)
+    assert first.outputs[0].delta_token_ids
+    stream.close()
+    _assert_no_leak(tiny_llama_llm)
+
+
+def test_request_larger_than_pool_rejected(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, dtype="float32", num_gpu_blocks_override=5, block_size=4)
+    with pytest.raises(ValueError, match="KV"):
+        llm.generate("Hello world", SamplingParams(max_tokens=100))
+    _assert_no_leak(llm)
