@@ -44,3 +44,18 @@ PROMPTS = [
     "東京 北京 😀",
     "The",
 ]
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory) -> str:
+    """The packaged SmolLM2 GGUF converted once into a session cache folder."""
+    from tokenmill.model.gguf_loader import default_model_path, gguf_to_hf_folder
+
+    return gguf_to_hf_folder(default_model_path(), cache_dir=str(tmp_path_factory.mktemp("tm-cache")))
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm2_dir):
+    from tokenmill import LLM
+
+    return LLM(smollm2_dir, dtype="float32", kv_cache_memory=0.5)

@@ -34,7 +34,7 @@ def _run_staggered(engine, prompt_ids, params, gap=3):
     return [results[i] for i in range(len(prompt_ids))]
 
 
-@pytest.mark.parametrize("which", ["tiny_llama", "tiny_qwen2"])
+@pytest.mark.parametrize("which", ["tiny_llama", "tiny_qwen2", "smollm2"])
 def test_tiny_models_match_hf(which, request):
     model_dir = request.getfixturevalue(f"{which}_dir")
     llm = request.getfixturevalue(f"{which}_llm")
@@ -53,3 +53,21 @@ def test_tiny_models_match_hf(which, request):
     outs = _run_staggered(llm.engine, ids, _greedy())
     assert [o.outputs[0].token_ids for o in outs] == [t for t, _ in expected]
     assert llm.engine.core.kv.num_free_blocks == llm.engine.core.kv.num_usable_blocks
+
+
+def test_gguf_and_hf_folder_give_same_logits(tiny_llama_dir, tiny_llama_llm, tmp_path, monkeypatch):
+    from gguf_writer import write_gguf_from_hf
+
+    from tokenmill import LLM
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    gguf_file = write_gguf_from_hf(tiny_llama_dir, tmp_path / "tiny.gguf")
+    from_gguf = LLM(str(gguf_file), dtype="float32", kv_cache_memory=0.01)
+    params = _greedy(max_tokens=16, logprobs=5)
+    for prompt in PROMPTS[:4]:
+        a = tiny_llama_llm.generate(prompt, params)[0].outputs[0]
+        b = from_gguf.generate(prompt, params)[0].outputs[0]
+        assert a.token_ids == b.token_ids and a.text == b.text
+        for da, db in zip(a.logprobs, b.logprobs):
+            assert da.keys() == db.keys()
+            assert all(abs(da[t].logprob - db[t].logprob) < 1e-5 for t in da)
