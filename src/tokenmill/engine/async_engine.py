@@ -1,0 +1,182 @@
+"""AsyncLLMEngine: an asyncio front over an LLMEngine stepping in a thread of its own.
+
+The engine thread owns the LLMEngine: every add, abort and step happens there, so the
+scheduler, block pool and tokenizer are never touched from two threads. Callers talk to it
+through an inbox; each request gets an asyncio queue that the engine thread fills with
+`loop.call_soon_threadsafe`. A caller that stops iterating (a client disconnect) aborts its
+request, which frees its KV blocks at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger("tokenmill")
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None):
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._stopping = False
+        self._error: BaseException | None = None
+        # Observers called from the engine thread after each step (metrics).
+        self.step_observers: list[Callable[[list[RequestOutput], float], None]] = []
+        self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_args(cls, model: str | None = None, max_waiting: int | None = None, **kw) -> "AsyncLLMEngine":
+        return cls(LLMEngine.from_args(model, **kw), max_waiting)
+
+    # ---- public API (event loop side) --------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self._error is None
+
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yields RequestOutputs (with delta_text) until the request finishes.
+        Raises ValueError for bad input, before the first output."""
+        if not self.is_running:
+            raise EngineDeadError(f"the engine is not running: {self._error!r}")
+        rid = request_id or f"req-{next(self._ids)}"
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[rid] = stream
+        self._inbox.put(("add", rid, prompt, params))
+        self._wakeup.set()
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wakeup.set()
+
+    def call(self, fn: Callable[[LLMEngine], object]) -> "asyncio.Future":
+        """Run fn(engine) on the engine thread (e.g. to read stats consistently)."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._inbox.put(("call", fn, loop, fut))
+        self._wakeup.set()
+        return fut
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        self._thread.join(timeout)
+
+    # ---- engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopping:
+                self._drain_inbox()
+                if not engine.has_unfinished_requests():
+                    self._wakeup.wait(0.5)
+                    self._wakeup.clear()
+                    continue
+                t0 = time.monotonic()
+                outputs = engine.step()
+                dt = time.monotonic() - t0
+                for out in outputs:
+                    stream = self._streams.get(out.request_id)
+                    if stream is not None:
+                        stream.put(out)
+                for obs in self.step_observers:
+                    obs(outputs, dt)
+        except BaseException as e:  # noqa: BLE001 - report to every waiter, never hang them
+            logger.exception("engine loop died")
+            self._error = e
+            for stream in list(self._streams.values()):
+                stream.put(EngineDeadError(f"engine loop died: {e!r}"))
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            kind = msg[0]
+            if kind == "add":
+                _, rid, prompt, params = msg
+                stream = self._streams.get(rid)
+                if stream is None:  # the caller went away before we got to it
+                    continue
+                try:
+                    if self.max_waiting is not None and len(self.engine.core.scheduler.waiting) >= self.max_waiting:
+                        raise QueueFullError(f"too many waiting requests (max {self.max_waiting}); retry later")
+                    self.engine.add_request(rid, prompt, params)
+                except (ValueError, QueueFullError) as e:
+                    stream.put(e)
+            elif kind == "abort":
+                out = self.engine.abort_request(msg[1])
+                if out is not None:
+                    logger.debug("aborted %s", msg[1])
+            elif kind == "call":
+                _, fn, loop, fut = msg
+                try:
+                    res = fn(self.engine)
+                    loop.call_soon_threadsafe(_set_result, fut, res, None)
+                except Exception as e:  # noqa: BLE001
+                    loop.call_soon_threadsafe(_set_result, fut, None, e)
+
+
+class QueueFullError(RuntimeError):
+    pass
+
+
+def _set_result(fut: asyncio.Future, res, err) -> None:
+    if fut.done():
+        return
+    if err is not None:
+        fut.set_exception(err)
+    else:
+        fut.set_result(res)
