@@ -185,3 +185,8 @@ def test_max_tokens_capped_by_context(tiny_llama_dir):
     out = llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
     assert out[0].outputs[0].finish_reason == "length"
     assert len(ids) + len(out[0].outputs[0].token_ids) == 20
+
+
+def test_stop_token_ids_out_of_vocab(tiny_llama_llm):
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        tiny_llama_llm.generate("Hello", SamplingParams(stop_token_ids=[10**6], min_tokens=2))

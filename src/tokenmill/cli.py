@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from dataclasses import fields
 
@@ -24,7 +25,8 @@ _ENGINE_HELP = {
     "enable_chunked_prefill": "split long prompts across steps",
     "seed": "seed of the sampler for requests without their own seed",
     "num_threads": "intra-op CPU threads (default: all cores)",
-    "served_model_name": "model name reported by the API",
+    "served_model_name": "model name reported by the API and expected in requests "
+                         "(default: --model, or SmolLM2-135M-Instruct)",
 }
 
 
@@ -34,12 +36,15 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
         flag = "--" + f.name.replace("_", "-")
         if f.name == "model" and positional_model:
             p.add_argument("model_pos", nargs="?", metavar="MODEL", help=_ENGINE_HELP["model"])
+        help_text = _ENGINE_HELP.get(f.name, "")
+        if f.default is not None and "default" not in help_text:
+            help_text += f" (default: {f.default})"
         if f.type in ("bool", bool):
             g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
-                           help=_ENGINE_HELP.get(f.name))
+                           help=help_text)
             continue
         typ = {"int | None": int, "int": int, "float | None": float, "float": float}.get(str(f.type), str)
-        g.add_argument(flag, dest=f.name, type=typ, default=f.default, help=_ENGINE_HELP.get(f.name))
+        g.add_argument(flag, dest=f.name, type=typ, default=f.default, help=help_text)
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -129,9 +134,58 @@ def _cmd_chat(ns: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": reply})
 
 
+def _cmd_serve(ns: argparse.Namespace) -> int:
+    from tokenmill.engine.async_engine import AsyncLLMEngine
+    from tokenmill.server.app import serve
+
+    chat_template = ns.chat_template
+    if chat_template and os.path.isfile(chat_template):
+        with open(chat_template, encoding="utf-8") as f:
+            chat_template = f.read()
+    if ns.max_waiting is not None and ns.max_waiting < 0:
+        raise ValueError(f"--max-waiting must be >= 0, got {ns.max_waiting}")
+    aengine = AsyncLLMEngine.from_args(max_waiting=ns.max_waiting, **vars(engine_args_from(ns)))
+    return serve(
+        aengine, host=ns.host, port=ns.port, api_key=ns.api_key, drain_timeout=ns.drain_timeout,
+        max_logprobs=ns.max_logprobs, chat_template=chat_template, log_requests=not ns.disable_log_requests,
+        uvicorn_log_level=ns.uvicorn_log_level, timeout_keep_alive=ns.timeout_keep_alive,
+        ssl_keyfile=ns.ssl_keyfile, ssl_certfile=ns.ssl_certfile, root_path=ns.root_path,
+    )
+
+
+def add_server_args(s: argparse.ArgumentParser) -> None:
+    g = s.add_argument_group("server")
+    g.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all interfaces, 0.0.0.0)")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    g.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY") or None,
+                   help="require 'Authorization: Bearer <key>' on every route but /health "
+                        "(default: $TOKENMILL_API_KEY; none: no authentication)")
+    g.add_argument("--max-waiting", type=int, default=None,
+                   help="refuse new requests with 503 + Retry-After while this many wait for the engine "
+                        "(default: no limit)")
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM / SIGINT, seconds to let in-flight requests finish before they are "
+                        "aborted; then the server exits 0 (default 30)")
+    g.add_argument("--max-logprobs", type=int, default=20,
+                   help="largest logprobs / top_logprobs a request may ask for (default 20)")
+    g.add_argument("--chat-template", default=None,
+                   help="Jinja chat template (a file path or the template itself) instead of the model's")
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="do not write the access-log line of each request (id, tokens in/out, TTFT, latency)")
+    g.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="log level of uvicorn's own messages (default info)")
+    g.add_argument("--timeout-keep-alive", type=int, default=5,
+                   help="seconds an idle keep-alive connection stays open (default 5)")
+    g.add_argument("--ssl-keyfile", default=None, help="TLS private key file (serve HTTPS)")
+    g.add_argument("--ssl-certfile", default=None, help="TLS certificate file (serve HTTPS)")
+    g.add_argument("--root-path", default="", help="ASGI root_path, when behind a path-based proxy")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tokenmill", description="LLM inference and serving engine")
-    p.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ...")
+    p.add_argument("--log-level", default=None,
+                   help="DEBUG, INFO, WARNING, ... (default: INFO for serve, WARNING otherwise)")
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
@@ -147,12 +201,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(c)
     add_sampling_args(c)
     c.set_defaults(func=_cmd_chat)
+
+    s = sub.add_parser(
+        "serve", help="OpenAI-compatible (and TGI-compatible) HTTP server",
+        description="Serve a model over HTTP: OpenAI's /v1/completions, /v1/chat/completions and /v1/models "
+                    "(SSE streaming), /tokenize, /detokenize, TGI's /generate and /generate_stream, /health, "
+                    "/version, /metrics (Prometheus) and /openapi.json.",
+    )
+    add_engine_args(s, positional_model=True)
+    add_server_args(s)
+    s.set_defaults(func=_cmd_serve, default_log_level="INFO")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
-    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = ns.log_level or getattr(ns, "default_log_level", "WARNING")
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return ns.func(ns)
     except (ValueError, FileNotFoundError) as e:

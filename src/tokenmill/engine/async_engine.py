@@ -156,6 +156,9 @@ class AsyncLLMEngine:
                     self.engine.add_request(rid, prompt, params)
                 except (ValueError, QueueFullError) as e:
                     stream.put(e)
+                except Exception as e:  # noqa: BLE001 - a bad request must not kill the engine loop
+                    logger.exception("could not add request %s", rid)
+                    stream.put(ValueError(f"invalid request: {e}"))
             elif kind == "abort":
                 out = self.engine.abort_request(msg[1])
                 if out is not None:

@@ -90,6 +90,9 @@ class LLMEngine:
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if not ids:
             raise ValueError("the prompt is empty")
+        vocab = cfg.model.vocab_size
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
         max_len = cfg.scheduler.max_model_len
         if len(ids) >= max_len:
             raise ValueError(
@@ -133,7 +136,7 @@ class LLMEngine:
 
     # ---- chat -------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kw) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
+        if not kw.get("chat_template") and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template")
         out = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kw

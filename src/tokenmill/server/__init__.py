@@ -1,0 +1,23 @@
+"""The HTTP server: OpenAI-compatible routes (completions, chat, models, tokenize), TGI routes,
+Prometheus metrics and Bearer auth over an AsyncLLMEngine.
+
+    app.py                 build_app(), middleware (auth, access log), DrainingServer, serve(), BackgroundServer
+    protocol.py            pydantic request / response models (OpenAI and vLLM fields)
+    serving.py             shared route plumbing: input checks, engine streams, disconnects, SSE
+    openai_completions.py  POST /v1/completions
+    openai_chat.py         POST /v1/chat/completions
+    misc_routes.py         /v1/models, /tokenize, /detokenize, /health, /version, /metrics
+    tgi_routes.py          POST /generate, POST /generate_stream, GET /info
+    metrics.py             tokenmill:* Prometheus metrics
+    errors.py              error bodies (OpenAI's; TGI's on TGI routes) and exception handlers
+"""
+
+__all__ = ["build_app", "serve", "BackgroundServer"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from tokenmill.server import app
+
+        return getattr(app, name)
+    raise AttributeError(name)

@@ -1,0 +1,124 @@
+"""Prometheus metrics, named `tokenmill:*` like vLLM's `vllm:*`.
+
+Per-token and per-request numbers are taken on the engine thread after each step (a step
+observer), from the engine's own timestamps; queue and cache gauges are read when scraped.
+Each server has its own registry, so several servers can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+import time
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from tokenmill.engine.async_engine import AsyncLLMEngine
+from tokenmill.outputs import RequestOutput
+
+# No `*_created` series next to every counter and histogram (vLLM drops them too).
+prometheus_client.disable_created_metrics()
+
+# vLLM's buckets.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0]
+REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+
+class _EngineGauges:
+    """Gauges read at scrape time: always current, even when the engine is idle."""
+
+    def __init__(self, aengine: AsyncLLMEngine, model_name: str):
+        self.aengine = aengine
+        self.model_name = model_name
+
+    def collect(self):
+        core = self.aengine.engine.core
+        labels = [self.model_name]
+        for name, doc, value in (
+            ("tokenmill:num_requests_running", "Requests in the running batch.", len(core.scheduler.running)),
+            ("tokenmill:num_requests_waiting", "Requests waiting to be scheduled (preempted ones included).",
+             len(core.scheduler.waiting)),
+            ("tokenmill:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", core.kv.usage()),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(labels, float(value))
+            yield g
+
+
+class ServerMetrics:
+    def __init__(self, aengine: AsyncLLMEngine, model_name: str):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        reg, lab = self.registry, ["model_name"]
+        self.prompt_tokens = Counter("tokenmill:prompt_tokens", "Prompt tokens processed (once per request).",
+                                     lab, registry=reg).labels(model_name)
+        self.generation_tokens = Counter("tokenmill:generation_tokens", "Tokens generated.", lab,
+                                         registry=reg).labels(model_name)
+        self.preemptions = Counter("tokenmill:num_preemptions", "Requests preempted (KV blocks freed, recomputed).",
+                                   lab, registry=reg).labels(model_name)
+        self.request_success = Counter("tokenmill:request_success", "Requests finished, by finish reason.",
+                                       lab + ["finished_reason"], registry=reg)
+        self.ttft = Histogram("tokenmill:time_to_first_token_seconds", "Time from arrival to the first token.",
+                              lab, buckets=TTFT_BUCKETS, registry=reg).labels(model_name)
+        self.itl = Histogram("tokenmill:inter_token_latency_seconds", "Time between consecutive output tokens.",
+                             lab, buckets=ITL_BUCKETS, registry=reg).labels(model_name)
+        self.e2e = Histogram("tokenmill:e2e_request_latency_seconds", "Time from arrival to the last token.",
+                             lab, buckets=REQUEST_LATENCY_BUCKETS, registry=reg).labels(model_name)
+        self.queue_time = Histogram("tokenmill:request_queue_time_seconds",
+                                    "Time from arrival to first being scheduled.", lab,
+                                    buckets=REQUEST_LATENCY_BUCKETS, registry=reg).labels(model_name)
+        for reason in ("stop", "length", "abort"):  # present from the start, as vLLM does
+            self.request_success.labels(model_name, reason)
+        reg.register(_EngineGauges(aengine, model_name))
+        self._engine = aengine.engine
+        self._last_token_time: dict[str, float] = {}  # engine thread only
+        self._preemptions_seen = self._engine.core.scheduler.num_preemptions
+        aengine.step_observers.append(self.on_step)
+
+    # engine thread
+    def on_step(self, outputs: list[RequestOutput], step_seconds: float) -> None:
+        now = time.monotonic()
+        last_times = self._last_token_time
+        for out in outputs:
+            rid = out.request_id
+            n_new = len(out.outputs[0].delta_token_ids)
+            if n_new:
+                self.generation_tokens.inc(n_new)
+            m = out.metrics
+            last = last_times.get(rid)
+            if last is None:  # the request's first output
+                self.prompt_tokens.inc(len(out.prompt_token_ids))
+                if m is not None and m.first_token_time is not None:
+                    self.ttft.observe(m.first_token_time - m.arrival_time)
+                if m is not None and m.first_scheduled_time is not None:
+                    self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+            elif n_new:
+                gap = (now - last) / n_new
+                for _ in range(n_new):
+                    self.itl.observe(gap)
+            if out.finished:
+                last_times.pop(rid, None)
+                if m is not None and m.finished_time is not None:
+                    self.e2e.observe(m.finished_time - m.arrival_time)
+                self.request_success.labels(self.model_name, out.outputs[0].finish_reason or "abort").inc()
+            else:
+                last_times[rid] = now
+        sched = self._engine.core.scheduler
+        if sched.num_preemptions != self._preemptions_seen:
+            self.preemptions.inc(sched.num_preemptions - self._preemptions_seen)
+            self._preemptions_seen = sched.num_preemptions
+        if len(last_times) > len(sched.requests):  # aborted requests never send a last output
+            for rid in [r for r in last_times if r not in sched.requests]:
+                del last_times[rid]
+
+    # event loop
+    def on_abort(self) -> None:
+        """A request closed by its client (disconnect) before it finished."""
+        self.request_success.labels(self.model_name, "abort").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,83 @@
+"""GET /v1/models, POST /tokenize and /detokenize, GET /health, /version and /metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+import tokenmill
+from tokenmill.server.openai_chat import render_chat
+from tokenmill.server.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+from tokenmill.server.serving import ServerContext, check_model, check_token_ids, get_ctx
+
+router = APIRouter()
+_ERR = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"model": ErrorResponse}}
+
+
+def _card(ctx: ServerContext) -> ModelCard:
+    return ModelCard(id=ctx.model_name, created=int(ctx.started), root=ctx.engine.config.model.path,
+                     max_model_len=ctx.max_model_len)
+
+
+@router.get("/v1/models", response_model=ModelList, responses=_ERR, tags=["OpenAI"])
+async def list_models(raw: Request) -> ModelList:
+    return ModelList(data=[_card(get_ctx(raw))])
+
+
+@router.get("/v1/models/{model:path}", response_model=ModelCard, responses=_ERR, tags=["OpenAI"])
+async def retrieve_model(model: str, raw: Request) -> ModelCard:
+    ctx = get_ctx(raw)
+    check_model(ctx, model)
+    return _card(ctx)
+
+
+@router.post("/tokenize", response_model=TokenizeResponse, responses=_ERR, tags=["tokens"])
+async def tokenize(body: TokenizeRequest, raw: Request) -> TokenizeResponse:
+    """A prompt (`prompt`), or chat messages rendered by the chat template (`messages`)."""
+    ctx = get_ctx(raw)
+    check_model(ctx, body.model)
+    if isinstance(body, TokenizeChatRequest):
+        ids = render_chat(ctx, body.messages, body.add_generation_prompt, body.continue_final_message,
+                          body.chat_template, body.chat_template_kwargs)
+    else:
+        ids = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    strs = ctx.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+    return TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids, token_strs=strs)
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse, responses=_ERR, tags=["tokens"])
+async def detokenize(body: DetokenizeRequest, raw: Request) -> DetokenizeResponse:
+    ctx = get_ctx(raw)
+    check_model(ctx, body.model)
+    check_token_ids(ctx, body.tokens, "tokens")
+    return DetokenizeResponse(prompt=ctx.tokenizer.decode(body.tokens))
+
+
+@router.get("/health", tags=["server"], responses={200: {"description": "the engine is running"},
+                                                   503: {"description": "the engine loop has died"}})
+async def health(raw: Request) -> Response:
+    """No authentication: for load balancers and orchestrators."""
+    ctx = get_ctx(raw)
+    return Response(status_code=200 if ctx.aengine.is_running else 503)
+
+
+@router.get("/version", response_model=VersionResponse, tags=["server"])
+async def version() -> VersionResponse:
+    return VersionResponse(version=tokenmill.__version__)
+
+
+@router.get("/metrics", tags=["server"], response_class=Response,
+            responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
+async def metrics(raw: Request) -> Response:
+    return Response(get_ctx(raw).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+

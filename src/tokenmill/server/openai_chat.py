@@ -1,0 +1,211 @@
+"""POST /v1/chat/completions: the model's chat template over system / user / assistant
+messages (content as a string or a list of text parts), logprobs, usage, SSE streaming."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from tokenmill.outputs import Logprob, RequestOutput
+from tokenmill.server.errors import APIError
+from tokenmill.server.openai_completions import ERROR_RESPONSES
+from tokenmill.server.protocol import (
+    ChatChoiceLogProbs,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatLogProb,
+    ChatLogProbsContent,
+    ChatMessage,
+    ChatResponseMessage,
+    UsageInfo,
+)
+from tokenmill.server.serving import (
+    SSE_DONE,
+    SSEResponse,
+    ServerContext,
+    check_logprobs,
+    check_model,
+    check_sampling_fields,
+    clamp_logprob,
+    collect_all,
+    engine_stream,
+    get_ctx,
+    log_ignored_fields,
+    merge,
+    new_request_id,
+    resolve_max_tokens,
+    run_cancellable,
+    sampling_params,
+    sse,
+    start_streams,
+    stream_error_chunk,
+    track,
+)
+
+router = APIRouter(tags=["OpenAI"])
+
+# Arguments of apply_chat_template that chat_template_kwargs may not override.
+_RESERVED_KWARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
+                    "chat_template", "return_dict", "return_tensors", "padding", "truncation"}
+
+
+@router.post(
+    "/v1/chat/completions",
+    response_model=None,
+    responses={200: {"model": ChatCompletionResponse,
+                     "description": "a chat completion, or with stream=true an SSE stream of "
+                                    "`chat.completion.chunk` objects ending with `data: [DONE]`"},
+               **ERROR_RESPONSES},
+)
+async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
+    return await run_cancellable(raw, _create_chat_completion(get_ctx(raw), body, raw))
+
+
+def messages_to_dicts(messages: list[ChatMessage]) -> list[dict]:
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise APIError(f"messages[{i}]: content part of type {part.type!r} is not supported; "
+                                   f"only text parts are", param="messages")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        elif content is None:
+            content = ""
+        d = {"role": m.role, "content": content}
+        if m.name is not None:
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+def render_chat(ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool,
+                continue_final_message: bool, chat_template: str | None, kwargs: dict | None) -> list[int]:
+    if add_generation_prompt and continue_final_message:
+        raise APIError("add_generation_prompt and continue_final_message cannot both be true; "
+                       "set add_generation_prompt to false to continue the last message",
+                       param="continue_final_message")
+    msgs = messages_to_dicts(messages)
+    if continue_final_message and msgs[-1]["role"] != "assistant":
+        raise APIError("continue_final_message needs the last message to be an assistant message",
+                       param="continue_final_message")
+    kw = {k: v for k, v in (kwargs or {}).items() if k not in _RESERVED_KWARGS}
+    template = chat_template or ctx.chat_template
+    if template:
+        kw["chat_template"] = template
+    if continue_final_message:
+        kw["continue_final_message"] = True
+    try:
+        return ctx.engine.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **kw)
+    except ValueError as e:
+        raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
+    except Exception as e:  # noqa: BLE001 - a Jinja error in the template or the messages
+        raise APIError(f"the chat template failed on these messages: {e}", param="messages") from None
+
+
+async def _create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest, raw: Request):
+    log_ignored_fields(body)
+    check_model(ctx, body.model)
+    check_sampling_fields(ctx, body)
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise APIError("response_format other than {'type': 'text'} is not supported", param="response_format")
+    if body.tools and body.tool_choice != "none":
+        raise APIError("tool calling is not supported; send tool_choice 'none' or no tools", param="tools")
+    top_n = None
+    if body.top_logprobs is not None:
+        if not body.logprobs:
+            raise APIError("top_logprobs needs logprobs to be true", param="top_logprobs")
+        check_logprobs(ctx, body.top_logprobs, "top_logprobs")
+    if body.logprobs:
+        top_n = body.top_logprobs or 0
+    ids = render_chat(ctx, body.messages, body.add_generation_prompt, body.continue_final_message,
+                      body.chat_template, body.chat_template_kwargs)
+    max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens = resolve_max_tokens(ctx, len(ids), requested, "messages", max_param)
+    params = sampling_params(body, max_tokens, top_n)
+
+    request_id = new_request_id(raw, "chatcmpl")
+    tracker = track(raw, request_id)
+    tracker.prompt_tokens = len(ids)
+    streams = await start_streams([engine_stream(ctx, ids, params, request_id, tracker)])
+    created = int(time.time())
+    if body.stream:
+        return SSEResponse(_stream(ctx, body, request_id, created, streams, top_n))
+    (out,) = await collect_all(streams)
+    c = out.outputs[0]
+    lp = None
+    if top_n is not None and c.logprobs is not None:
+        lp = ChatChoiceLogProbs(content=chat_logprobs(c.token_ids, c.logprobs, top_n))
+    resp = ChatCompletionResponse(
+        id=request_id, created=created, model=ctx.model_name,
+        choices=[ChatCompletionResponseChoice(index=0, message=ChatResponseMessage(content=c.text), logprobs=lp,
+                                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)],
+        usage=_usage(out),
+    )
+    return JSONResponse(resp.model_dump())
+
+
+def _usage(out: RequestOutput) -> UsageInfo:
+    p, c = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+
+
+def _entry(e: Logprob) -> dict:
+    token = e.decoded_token or ""
+    return {"token": token, "logprob": clamp_logprob(e.logprob), "bytes": list(token.encode("utf-8"))}
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], top_n: int) -> list[ChatLogProbsContent]:
+    content = []
+    for tid, step in zip(token_ids, logprobs):
+        tops = sorted((e for e in step.values() if e.rank is not None and e.rank <= top_n), key=lambda e: e.rank)
+        content.append(ChatLogProbsContent(**_entry(step[tid]),
+                                           top_logprobs=[ChatLogProb(**_entry(e)) for e in tops[:top_n]]))
+    return content
+
+
+async def _stream(ctx: ServerContext, body: ChatCompletionRequest, request_id: str, created: int, streams,
+                  top_n: int | None):
+    opts = body.stream_options
+    include_usage = bool(opts and opts.include_usage)
+    continuous = bool(include_usage and opts.continuous_usage_stats)
+    base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name}
+    usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+
+    def chunk(delta: dict, logprobs=None, finish_reason=None, stop_reason=None) -> bytes:
+        d = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+                                  "stop_reason": stop_reason}]}
+        if include_usage:
+            d["usage"] = dict(usage) if continuous else None
+        return sse(d)
+
+    try:
+        first = True
+        async for _, out in merge(streams):
+            c = out.outputs[0]
+            p, n = len(out.prompt_token_ids), len(c.token_ids)
+            usage.update(prompt_tokens=p, completion_tokens=n, total_tokens=p + n)
+            if first:  # OpenAI opens every stream with the role
+                yield chunk({"role": "assistant", "content": ""})
+                first = False
+            lp = None
+            if top_n is not None and c.logprobs is not None and c.delta_token_ids:
+                k = len(c.delta_token_ids)
+                content = chat_logprobs(c.delta_token_ids, c.logprobs[n - k:], top_n)
+                lp = {"content": [x.model_dump() for x in content]}
+            if not c.delta_text and lp is None and not out.finished:
+                continue
+            delta = {"content": c.delta_text} if c.delta_text or not out.finished else {}
+            yield chunk(delta, lp, c.finish_reason, c.stop_reason)
+        if include_usage:
+            yield sse({**base, "choices": [], "usage": usage})
+    except (ValueError, RuntimeError, APIError) as e:
+        yield stream_error_chunk(e)
+    yield SSE_DONE

@@ -1,0 +1,201 @@
+"""POST /v1/completions: prompts as text or token ids (one engine request per prompt, choices
+indexed in prompt order), echo, logprobs, usage, and SSE streaming as OpenAI sends it."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from tokenmill.outputs import Logprob, RequestOutput
+from tokenmill.server.errors import APIError
+from tokenmill.server.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    ErrorResponse,
+    UsageInfo,
+)
+from tokenmill.server.serving import (
+    SSE_DONE,
+    SSEResponse,
+    ServerContext,
+    check_logprobs,
+    check_model,
+    check_sampling_fields,
+    check_token_ids,
+    collect_all,
+    engine_stream,
+    get_ctx,
+    log_ignored_fields,
+    merge,
+    new_request_id,
+    resolve_max_tokens,
+    run_cancellable,
+    sampling_params,
+    sse,
+    start_streams,
+    stream_error_chunk,
+    track,
+)
+from tokenmill.server.serving import clamp_logprob as _clamp
+
+router = APIRouter(tags=["OpenAI"])
+
+ERROR_RESPONSES = {
+    400: {"model": ErrorResponse, "description": "bad input"},
+    401: {"model": ErrorResponse, "description": "missing or wrong API key"},
+    404: {"model": ErrorResponse, "description": "unknown model"},
+    503: {"model": ErrorResponse, "description": "too many waiting requests (see Retry-After)"},
+}
+
+
+@router.post(
+    "/v1/completions",
+    response_model=None,
+    responses={200: {"model": CompletionResponse,
+                     "description": "a completion, or with stream=true an SSE stream of chunks of the same "
+                                    "shape (`data: {...}`), ending with `data: [DONE]`"},
+               **ERROR_RESPONSES},
+)
+async def create_completion(body: CompletionRequest, raw: Request):
+    return await run_cancellable(raw, _create_completion(get_ctx(raw), body, raw))
+
+
+def _prompts(ctx: ServerContext, body: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+    """(text or None, token ids) per prompt."""
+    p = body.prompt
+    if isinstance(p, str):
+        p = [p]
+    if not p:
+        raise APIError("prompt must not be empty", param="prompt")
+    if isinstance(p[0], int):
+        p = [p]
+    out = []
+    for item in p:
+        if isinstance(item, str):
+            out.append((item, ctx.tokenizer.encode(item, add_special_tokens=body.add_special_tokens)))
+        else:
+            check_token_ids(ctx, item, "prompt")
+            out.append((None, list(item)))
+    return out
+
+
+async def _create_completion(ctx: ServerContext, body: CompletionRequest, raw: Request):
+    log_ignored_fields(body)
+    check_model(ctx, body.model)
+    if body.suffix is not None:
+        raise APIError("suffix is not supported (no fill-in-the-middle)", param="suffix")
+    if body.best_of is not None and body.best_of != 1:
+        raise APIError(f"best_of must be 1 (not supported yet), got {body.best_of}", param="best_of")
+    check_sampling_fields(ctx, body)
+    check_logprobs(ctx, body.logprobs, "logprobs")
+    if body.echo and body.logprobs is not None:
+        raise APIError("echo with logprobs would need prompt logprobs, which are not supported", param="echo")
+    prompts = _prompts(ctx, body)
+    params = []
+    for _, ids in prompts:
+        max_tokens = resolve_max_tokens(ctx, len(ids), body.max_tokens)
+        params.append(sampling_params(body, max_tokens, body.logprobs))
+
+    request_id = new_request_id(raw, "cmpl")
+    tracker = track(raw, request_id)
+    tracker.prompt_tokens = sum(len(ids) for _, ids in prompts)
+    many = len(prompts) > 1
+    streams = [
+        engine_stream(ctx, ids, sp, f"{request_id}-{i}" if many else request_id, tracker, i)
+        for i, ((_, ids), sp) in enumerate(zip(prompts, params))
+    ]
+    streams = await start_streams(streams)
+    texts = [text if text is not None else ctx.tokenizer.decode(ids) for text, ids in prompts] if body.echo else None
+    created = int(time.time())
+    if body.stream:
+        return SSEResponse(_stream(ctx, body, request_id, created, streams, texts))
+    outs = await collect_all(streams)
+    return JSONResponse(_response(ctx, body, request_id, created, outs, texts).model_dump())
+
+
+def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], offset: int) -> CompletionLogProbs:
+    """OpenAI's legacy shape; top_logprobs holds the sampled token and the top N, as vLLM's does."""
+    lp = CompletionLogProbs()
+    for tid, step in zip(token_ids, logprobs):
+        chosen = step[tid]
+        token = chosen.decoded_token or ""
+        lp.tokens.append(token)
+        lp.token_logprobs.append(_clamp(chosen.logprob))
+        top: dict[str, float] = {}
+        for e in sorted(step.values(), key=lambda e: -e.logprob):  # tokens sharing a text keep the best
+            top.setdefault(e.decoded_token or "", _clamp(e.logprob))
+        lp.top_logprobs.append(top)
+        lp.text_offset.append(offset)
+        offset += len(token)
+    return lp
+
+
+def _usage(outs: list[RequestOutput]) -> UsageInfo:
+    p = sum(len(o.prompt_token_ids) for o in outs)
+    c = sum(len(o.outputs[0].token_ids) for o in outs)
+    return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+
+
+def _response(ctx, body, request_id, created, outs: list[RequestOutput], texts) -> CompletionResponse:
+    choices = []
+    for i, out in enumerate(outs):
+        c = out.outputs[0]
+        prefix = texts[i] if texts else ""
+        lp = None
+        if body.logprobs is not None and c.logprobs is not None:
+            lp = completion_logprobs(c.token_ids, c.logprobs, len(prefix))
+        choices.append(CompletionResponseChoice(index=i, text=prefix + c.text, logprobs=lp,
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+    return CompletionResponse(id=request_id, created=created, model=ctx.model_name, choices=choices,
+                              usage=_usage(outs))
+
+
+async def _stream(ctx: ServerContext, body: CompletionRequest, request_id: str, created: int, streams, texts):
+    opts = body.stream_options
+    include_usage = bool(opts and opts.include_usage)
+    continuous = bool(include_usage and opts.continuous_usage_stats)
+    n = len(streams)
+    echoed = [False] * n
+    offsets = [0] * n
+    prompt_tokens = [0] * n
+    completion_tokens = [0] * n
+
+    def usage() -> dict:
+        p, c = sum(prompt_tokens), sum(completion_tokens)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    try:
+        async for i, out in merge(streams):
+            c = out.outputs[0]
+            prompt_tokens[i] = len(out.prompt_token_ids)
+            completion_tokens[i] = len(c.token_ids)
+            text = c.delta_text
+            if texts and not echoed[i]:
+                text = texts[i] + text
+                echoed[i] = True
+            lp = None
+            if body.logprobs is not None and c.logprobs is not None and c.delta_token_ids:
+                k = len(c.delta_token_ids)
+                lp = completion_logprobs(c.delta_token_ids, c.logprobs[len(c.token_ids) - k:], offsets[i])
+                lp = lp.model_dump()
+            offsets[i] += len(text)
+            if not text and lp is None and not out.finished:
+                continue
+            chunk = {
+                "id": request_id, "object": "text_completion", "created": created, "model": ctx.model_name,
+                "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
+                             "stop_reason": c.stop_reason}],
+            }
+            if include_usage:
+                chunk["usage"] = usage() if continuous else None
+            yield sse(chunk)
+        if include_usage:
+            yield sse({"id": request_id, "object": "text_completion", "created": created, "model": ctx.model_name,
+                       "choices": [], "usage": usage()})
+    except (ValueError, RuntimeError, APIError) as e:
+        yield stream_error_chunk(e)
+    yield SSE_DONE

@@ -1,0 +1,264 @@
+"""Request and response models of the OpenAI-compatible API (pydantic), in vLLM's shapes.
+
+Request models type every field so /openapi.json documents them; ranges that SamplingParams
+already checks (temperature >= 0, top_p in (0, 1], penalties in [-2, 2], ...) are checked
+there, so one place owns each rule and its message. Unknown fields are accepted and ignored
+(logged), as vLLM does, so clients that send newer OpenAI fields keep working.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Seeds travel to torch.Generator.manual_seed: a signed 64-bit range, as vLLM accepts.
+_SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+# ---- errors ------------------------------------------------------------------------------
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+# ---- shared pieces -------------------------------------------------------------------------
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = Field(True, description="send a last chunk with the usage of the whole request")
+    continuous_usage_stats: bool | None = Field(False, description="vLLM extra: usage in every chunk")
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class _SamplingFields(OpenAIBaseModel):
+    """Sampling fields common to /v1/completions and /v1/chat/completions."""
+
+    model: str | None = Field(None, description="served model name; omitted means the served model")
+    frequency_penalty: float | None = Field(0.0, description="in [-2, 2]")
+    presence_penalty: float | None = Field(0.0, description="in [-2, 2]")
+    logit_bias: dict[str, float] | None = Field(None, description="not supported: refused when non-empty")
+    n: int | None = Field(1, description="only 1 is supported for now")
+    seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX, description="same seed, same output")
+    stop: str | list[str] | None = Field(None, description="stop strings, never included in the output")
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, description=">= 0; 0 is greedy (default 1)")
+    top_p: float | None = Field(None, description="in (0, 1] (default 1)")
+    user: str | None = Field(None, description="accepted and ignored")
+    # vLLM extras
+    top_k: int | None = Field(None, description="vLLM extra: -1 or 0 disables")
+    min_p: float | None = Field(None, description="vLLM extra: in [0, 1]")
+    repetition_penalty: float | None = Field(None, description="vLLM extra: > 0 (1 disables)")
+    min_tokens: int = Field(0, description="vLLM extra: no EOS / stop token before this many tokens")
+    ignore_eos: bool = Field(False, description="vLLM extra: keep generating past EOS")
+    stop_token_ids: list[int] | None = Field(None, description="vLLM extra: token ids that end generation")
+    include_stop_str_in_output: bool = Field(False, description="vLLM extra")
+    skip_special_tokens: bool = Field(True, description="vLLM extra: drop special tokens from the text")
+    spaces_between_special_tokens: bool = Field(True, description="vLLM extra")
+
+
+# ---- /v1/completions ---------------------------------------------------------------------
+class CompletionRequest(_SamplingFields):
+    prompt: Union[list[int], list[list[int]], str, list[str]] = Field(
+        ..., description="a string, a list of strings, token ids, or a list of token id lists")
+    best_of: int | None = Field(None, description="only 1 is supported")
+    echo: bool | None = Field(False, description="prepend the prompt to the completion")
+    logprobs: int | None = Field(None, description="log probabilities of the sampled token and the top N (N <= 20)")
+    max_tokens: int | None = Field(16, description="new tokens at most; null: up to the context length")
+    suffix: str | None = Field(None, description="not supported: refused with 400")
+    add_special_tokens: bool = Field(True, description="vLLM extra: add BOS etc. when tokenizing the prompt")
+
+
+class CompletionLogProbs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = Field(None, description="the stop string or token id that ended generation")
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(BaseModel):
+    """One SSE chunk of a streamed completion (documentation; chunks are built by hand)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo | None = None
+
+
+# ---- /v1/chat/completions ----------------------------------------------------------------
+class ChatContentPart(OpenAIBaseModel):
+    type: str = Field(..., description="only 'text' is supported")
+    text: str | None = None
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str = Field(..., description="system, user, assistant (or any role the chat template knows)")
+    content: str | list[ChatContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    logprobs: bool | None = Field(False, description="return log probabilities of the output tokens")
+    top_logprobs: int | None = Field(None, description="top alternatives per token (0-20), needs logprobs")
+    max_tokens: int | None = Field(None, description="deprecated by OpenAI in favour of max_completion_tokens")
+    max_completion_tokens: int | None = Field(None, description="new tokens at most (default: up to the context)")
+    response_format: dict[str, Any] | None = Field(None, description="only {'type': 'text'} is supported")
+    tools: list[dict[str, Any]] | None = Field(None, description="not supported (refused unless tool_choice is none)")
+    tool_choice: str | dict[str, Any] | None = None
+    # vLLM extras
+    add_generation_prompt: bool = Field(True, description="end the prompt with the assistant turn's header")
+    continue_final_message: bool = Field(
+        False, description="leave the last (assistant) message open and continue it; excludes add_generation_prompt")
+    chat_template: str | None = Field(None, description="a Jinja chat template to use instead of the model's")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the chat template")
+
+
+class ChatLogProb(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogProbsContent(ChatLogProb):
+    top_logprobs: list[ChatLogProb] = Field(default_factory=list)
+
+
+class ChatChoiceLogProbs(BaseModel):
+    content: list[ChatLogProbsContent] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionResponseChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    """One SSE chunk of a streamed chat completion (documentation; chunks are built by hand)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# ---- models, tokenize, detokenize --------------------------------------------------------
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "tokenmill"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeCompletionRequest(OpenAIBaseModel):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(OpenAIBaseModel):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+TokenizeRequest = Union[TokenizeCompletionRequest, TokenizeChatRequest]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str

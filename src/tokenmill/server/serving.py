@@ -1,0 +1,353 @@
+"""What every generation route shares: the server context, input checks in vLLM's words,
+SamplingParams from a request, engine streams that surface errors before the response starts,
+disconnect handling, SSE framing and the per-request record behind the access log."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+from contextlib import aclosing, suppress
+from dataclasses import dataclass, field
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from tokenmill.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.errors import APIError, openai_error_body
+
+logger = logging.getLogger("tokenmill.server")
+
+RETRY_AFTER_S = 1  # seconds a client is told to wait when the waiting queue is full
+
+
+@dataclass
+class ServerContext:
+    aengine: AsyncLLMEngine
+    model_name: str
+    metrics: Any  # ServerMetrics
+    api_key: str | None = None
+    max_logprobs: int = 20
+    chat_template: str | None = None
+    started: float = field(default_factory=time.time)
+
+    @property
+    def engine(self):
+        return self.aengine.engine
+
+    @property
+    def tokenizer(self):
+        return self.aengine.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.aengine.engine.config.model.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.aengine.engine.config.model.vocab_size
+
+
+def get_ctx(request: Request) -> ServerContext:
+    return request.app.state.ctx
+
+
+# ---- input checks -------------------------------------------------------------------------
+def check_model(ctx: ServerContext, name: str | None) -> None:
+    if name and name != ctx.model_name:
+        raise APIError(f"The model `{name}` does not exist. This server serves `{ctx.model_name}`.", 404, "model")
+
+
+def log_ignored_fields(body) -> None:
+    extra = getattr(body, "model_extra", None)
+    if extra:
+        logger.warning("ignored request fields: %s", sorted(extra))
+
+
+def check_sampling_fields(ctx: ServerContext, body) -> None:
+    """Checks shared by completions and chat that SamplingParams does not make."""
+    if body.n is not None and body.n != 1:
+        raise APIError(f"n must be 1 (parallel sampling is not supported yet), got {body.n}", param="n")
+    if body.logit_bias:
+        raise APIError("logit_bias is not supported", param="logit_bias")
+    if body.stream_options is not None and not body.stream:
+        raise APIError("stream_options can only be given when stream is true", param="stream_options")
+    if body.stop_token_ids:
+        check_token_ids(ctx, body.stop_token_ids, "stop_token_ids")
+
+
+def check_token_ids(ctx: ServerContext, ids: list[int], param: str) -> None:
+    vocab = ctx.vocab_size
+    if any(t < 0 or t >= vocab for t in ids):
+        raise APIError(f"token ids must be integers in [0, {vocab})", param=param)
+
+
+def resolve_max_tokens(ctx: ServerContext, n_prompt: int, max_tokens: int | None,
+                       what: str = "prompt", param: str = "max_tokens") -> int:
+    """vLLM's rule: the prompt plus max_tokens must fit the context; no max_tokens means the rest."""
+    limit = ctx.max_model_len
+    if n_prompt == 0:
+        raise APIError(f"the {what} is empty", param=what)
+    if n_prompt >= limit:
+        raise APIError(
+            f"This model's maximum context length is {limit} tokens. However, your request has {n_prompt} "
+            f"input tokens in the {what}, which leaves no room for output (at most {limit - 1}). "
+            f"Please reduce the length of the {what}.", param=what)
+    if max_tokens is None:
+        return limit - n_prompt
+    if max_tokens < 1:
+        raise APIError(f"{param} must be at least 1, got {max_tokens}", param=param)
+    if n_prompt + max_tokens > limit:
+        raise APIError(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{n_prompt + max_tokens} tokens ({n_prompt} in the {what}, {max_tokens} in the completion). "
+            f"Please reduce the length of the {what} or completion.", param=param)
+    return max_tokens
+
+
+def sampling_params(body, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """SamplingParams from the OpenAI / vLLM fields; its ValueErrors become 400s naming the field."""
+    def opt(v, default):
+        return default if v is None else v
+
+    try:
+        return SamplingParams(
+            temperature=opt(body.temperature, 1.0), top_p=opt(body.top_p, 1.0), top_k=opt(body.top_k, -1),
+            min_p=opt(body.min_p, 0.0), seed=body.seed, repetition_penalty=opt(body.repetition_penalty, 1.0),
+            presence_penalty=opt(body.presence_penalty, 0.0), frequency_penalty=opt(body.frequency_penalty, 0.0),
+            max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop, stop_token_ids=body.stop_token_ids,
+            ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output,
+            logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
+            spaces_between_special_tokens=body.spaces_between_special_tokens,
+        )
+    except ValueError as e:
+        raise APIError.from_value_error(e) from None
+
+
+def check_logprobs(ctx: ServerContext, n: int | None, param: str) -> None:
+    limit = min(ctx.max_logprobs, ctx.vocab_size)
+    if n is not None and not 0 <= n <= limit:
+        raise APIError(f"{param} must be in [0, {limit}], got {n}", param=param)
+
+
+def new_request_id(raw: Request, prefix: str) -> str:
+    given = raw.headers.get("x-request-id")
+    return f"{prefix}-{given}" if given else f"{prefix}-{uuid.uuid4().hex}"
+
+
+def clamp_logprob(x: float) -> float:
+    """JSON has no -inf; vLLM reports -9999.0 instead."""
+    return -9999.0 if (math.isinf(x) or math.isnan(x)) else max(x, -9999.0)
+
+
+# ---- the per-request record behind the access log ------------------------------------------
+@dataclass
+class RequestTracker:
+    request_id: str
+    prompt_tokens: int = 0
+    completion_tokens: dict[int, int] = field(default_factory=dict)
+    ttft: float | None = None
+    finish_reasons: list[str] = field(default_factory=list)
+
+    def update(self, index: int, out: RequestOutput) -> None:
+        self.completion_tokens[index] = len(out.outputs[0].token_ids)
+        m = out.metrics
+        if self.ttft is None and m is not None and m.first_token_time is not None:
+            self.ttft = m.first_token_time - m.arrival_time
+        if out.finished and out.outputs[0].finish_reason:
+            self.finish_reasons.append(out.outputs[0].finish_reason)
+
+    def log_fields(self) -> str:
+        ttft = f"{self.ttft:.3f}s" if self.ttft is not None else "-"
+        finish = ",".join(self.finish_reasons) or "abort"
+        return (f"id={self.request_id} prompt_tokens={self.prompt_tokens} "
+                f"completion_tokens={sum(self.completion_tokens.values())} ttft={ttft} finish={finish}")
+
+
+def track(raw: Request, request_id: str) -> RequestTracker:
+    tracker = RequestTracker(request_id)
+    raw.state.tracker = tracker  # read by the access-log middleware once the response is sent
+    return tracker
+
+
+# ---- engine streams -----------------------------------------------------------------------
+async def engine_stream(ctx: ServerContext, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                        tracker: RequestTracker, index: int = 0) -> AsyncGenerator[RequestOutput, None]:
+    """The engine's outputs for one prompt; closing it early aborts the request (counted)."""
+    gen = ctx.aengine.generate(prompt_ids, params, request_id)
+    finished = refused = False
+    try:
+        async for out in gen:
+            tracker.update(index, out)
+            finished = out.finished
+            yield out
+    except (ValueError, QueueFullError, EngineDeadError):
+        refused = True
+        raise
+    finally:
+        await gen.aclose()
+        if not finished and not refused:
+            ctx.metrics.on_abort()
+
+
+def _as_api_error(e: BaseException) -> BaseException:
+    if isinstance(e, QueueFullError):
+        return APIError(str(e), 503, headers={"Retry-After": str(RETRY_AFTER_S)}, tgi_type="overloaded")
+    if isinstance(e, EngineDeadError):
+        return APIError(str(e), 503, tgi_type="generation")
+    if isinstance(e, ValueError):
+        return APIError.from_value_error(e)
+    return e
+
+
+async def _chain(first: RequestOutput, rest: AsyncGenerator) -> AsyncGenerator[RequestOutput, None]:
+    async with aclosing(rest):
+        yield first
+        if not first.finished:
+            async for out in rest:
+                yield out
+
+
+async def start_streams(streams: list[AsyncGenerator]) -> list[AsyncGenerator]:
+    """Wait for every stream's first output, so that bad input, a full queue or a dead engine
+    becomes an HTTP error status instead of an error inside a 200 stream."""
+    try:
+        firsts = await asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
+    except BaseException:  # cancelled (client gone): the streams were cancelled and aborted with it
+        for s in streams:
+            with suppress(Exception):
+                await s.aclose()
+        raise
+    failed = [f for f in firsts if isinstance(f, BaseException)]
+    if failed:
+        for s in streams:
+            await s.aclose()
+        raise _as_api_error(failed[0])
+    return [_chain(f, s) for f, s in zip(firsts, streams)]
+
+
+async def collect(stream: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
+    last = None
+    async with aclosing(stream):
+        async for out in stream:
+            last = out
+    assert last is not None
+    return last
+
+
+async def collect_all(streams: list[AsyncGenerator]) -> list[RequestOutput]:
+    try:
+        return await asyncio.gather(*(collect(s) for s in streams))
+    except (ValueError, QueueFullError, EngineDeadError) as e:
+        raise _as_api_error(e) from None
+
+
+_DONE = object()
+
+
+async def merge(streams: list[AsyncGenerator]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(index, output) from several streams as they come; closing it closes them all."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as s:
+            async for out in s:
+                yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, s: AsyncGenerator) -> None:
+        try:
+            async for out in s:
+                queue.put_nowait((i, out))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, e))
+        finally:
+            queue.put_nowait((i, _DONE))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, item = await queue.get()
+            if item is _DONE:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for s in streams:
+            with suppress(Exception):
+                await s.aclose()
+
+
+# ---- disconnects and SSE ------------------------------------------------------------------
+async def _wait_disconnect(raw: Request) -> None:
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_cancellable(raw: Request, work: Awaitable):
+    """Run a handler, cancelling it (which aborts its engine requests) if the client goes away
+    before it returns (vLLM's with_cancellation). Streaming responses are watched by Starlette
+    once they start."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(raw))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watcher.cancel()
+        raise
+    if task.done():
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    with suppress(asyncio.CancelledError, Exception):
+        await task
+    logger.info("client disconnected before the response; request cancelled")
+    return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
+
+class SSEResponse(StreamingResponse):
+    """text/event-stream whose body generator is always closed, so a client that disconnects
+    mid-stream aborts its engine request right away (not when the generator is collected)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content, **kw):
+        kw.setdefault("headers", {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(content, **kw)
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with suppress(Exception):
+                await self.body_iterator.aclose()  # type: ignore[union-attr]
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def stream_error_chunk(e: BaseException) -> bytes:
+    """An error after the stream started: vLLM sends it as a data chunk, then [DONE]."""
+    e = _as_api_error(e)
+    if isinstance(e, APIError):
+        return sse(openai_error_body(e.message, e.status, e.param))
+    logger.exception("error while streaming", exc_info=e)
+    return sse(openai_error_body(f"internal server error: {e!r}", 500))

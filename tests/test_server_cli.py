@@ -1,0 +1,153 @@
+"""`tokenmill serve` as users run it: a subprocess that authenticates, serves, and on SIGTERM
+stops accepting, finishes the in-flight request and exits 0; `serve --help`; drain timeout."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from tokenmill.cli import build_parser
+from tokenmill.engine.async_engine import AsyncLLMEngine
+from tokenmill.server.app import BackgroundServer, build_app
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["serve"]
+
+
+def test_serve_help_documents_every_flag(capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["serve", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--host", "--port", "--api-key", "--max-waiting", "--served-model-name", "--drain-timeout",
+                 "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--dtype", "--block-size",
+                 "--model", "--kv-cache-memory", "--max-logprobs", "--chat-template"):
+        assert flag in out, flag
+    for action in _serve_parser()._actions:
+        assert action.help and action.help.strip(), action.option_strings or action.dest
+
+
+def test_sigterm_drains_in_flight_request_and_exits_0(tiny_llama_dir, tmp_path):
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "serve.log", "w+")
+    env = {**os.environ, "TOKENMILL_API_KEY": "k3y"}
+    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", tiny_llama_dir, "--host", "127.0.0.1", "--port",
+           str(port), "--dtype", "float32", "--kv-cache-memory", "0.05", "--served-model-name", "tiny",
+           "--drain-timeout", "60"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    auth = {"Authorization": "Bearer k3y"}
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, open(tmp_path / "serve.log").read()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.2)
+        assert httpx.get(url + "/v1/models").status_code == 401  # --api-key from TOKENMILL_API_KEY
+        assert httpx.get(url + "/v1/models", headers=auth).json()["data"][0]["id"] == "tiny"
+
+        max_tokens = 300
+        started, result = threading.Event(), {}
+
+        def client():
+            body = {"model": "tiny", "prompt": "Hello world", "max_tokens": max_tokens, "temperature": 0,
+                    "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+            events = []
+            with httpx.stream("POST", url + "/v1/completions", json=body, headers=auth, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[len("data: "):])
+                        started.set()
+            result["events"] = events
+
+        t = threading.Thread(target=client)
+        t.start()
+        assert started.wait(30)
+        proc.send_signal(signal.SIGTERM)
+        refused = False  # new connections are refused while the old request drains
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not refused:
+            try:
+                httpx.get(url + "/health", timeout=1)
+                time.sleep(0.05)
+            except httpx.ConnectError:
+                refused = True
+            except httpx.TransportError:
+                time.sleep(0.05)
+        assert refused
+        t.join(60)
+        assert proc.wait(60) == 0
+        events = result["events"]
+        assert events[-1] == "[DONE]"
+        usage = json.loads(events[-2])["usage"]
+        assert usage["completion_tokens"] == max_tokens
+        finishes = [c["finish_reason"] for e in events[:-2] for c in json.loads(e)["choices"]]
+        assert finishes[-1] == "length"
+        output = open(tmp_path / "serve.log").read()
+        assert "SIGTERM received" in output
+        access = [ln for ln in output.splitlines() if "tokenmill.access" in ln and "/v1/completions" in ln]
+        assert len(access) == 1 and f"completion_tokens={max_tokens}" in access[0]
+        assert "prompt_tokens=" in access[0] and "ttft=" in access[0] and "latency=" in access[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def test_drain_timeout_aborts_what_is_left(tiny_llama_dir):
+    aengine = AsyncLLMEngine.from_args(tiny_llama_dir, dtype="float32", kv_cache_memory=0.05)
+    server = BackgroundServer(build_app(aengine), drain_timeout=0.3)
+    kv = aengine.engine.core.kv
+    try:
+        server.start()
+        got = []
+
+        def client():
+            body = {"prompt": "Hello", "max_tokens": 500, "temperature": 0, "stream": True, "ignore_eos": True}
+            try:
+                with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+                    for line in r.iter_lines():
+                        got.append(line)
+            except httpx.TransportError:
+                got.append("<cut>")
+
+        t = threading.Thread(target=client)
+        t.start()
+        while not got:
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        server.stop()
+        assert time.monotonic() - t0 < 5
+        t.join(10)
+        assert "data: [DONE]" not in got  # cut short by the drain timeout
+        deadline = time.monotonic() + 5
+        while kv.num_free_blocks != kv.num_usable_blocks and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert kv.num_free_blocks == kv.num_usable_blocks and not aengine.engine.core.scheduler.requests
+    finally:
+        server.stop()
+        aengine.shutdown()
