@@ -134,3 +134,37 @@ def test_request_larger_than_pool_rejected(tiny_llama_dir):
     with pytest.raises(ValueError, match="KV"):
         llm.generate("Hello world", SamplingParams(max_tokens=100))
     _assert_no_leak(llm)
+
+
+def test_pure_torch_attention_fallback_same_tokens(tiny_llama_dir, reference, monkeypatch):
+    monkeypatch.setenv("TOKENMILL_NO_CPP_KERNELS", "1")
+    ids, expected = reference
+    llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.02)
+    assert llm.engine.core.runner.attn.kernels is None
+    outs = llm.generate(prompt_token_ids=ids, sampling_params=GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_cpp_kernel_matches_torch(tiny_llama_llm):
+    import torch
+    import torch.nn.functional as F
+
+    kernels = tiny_llama_llm.engine.core.runner.attn.kernels
+    if kernels is None:
+        pytest.skip("C++ kernels unavailable on this machine")
+    torch.manual_seed(0)
+    bs, H, Hkv, D, B = 16, 8, 2, 64, 5
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        k_cache = torch.randn(40 * bs, Hkv, D, dtype=dtype)
+        v_cache = torch.randn(40 * bs, Hkv, D, dtype=dtype)
+        lens = torch.tensor([1, 17, 33, 64, 5])
+        tables = torch.randperm(39)[: B * 4].view(B, 4) + 1
+        q = torch.randn(B, H, D, dtype=dtype)
+        out = kernels.paged_decode(q, k_cache, v_cache, tables, lens, bs, D**-0.5)
+        for b in range(B):
+            pos = torch.arange(int(lens[b]))
+            slots = tables[b, pos // bs] * bs + pos % bs
+            k = k_cache[slots].float().transpose(0, 1)
+            v = v_cache[slots].float().transpose(0, 1)
+            ref = F.scaled_dot_product_attention(q[b].float().unsqueeze(1), k, v, enable_gqa=True).squeeze(1)
+            assert (out[b].float() - ref).abs().max() < tol

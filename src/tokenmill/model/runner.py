@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -30,7 +31,8 @@ class ModelRunner:
             dtype=cfg.dtype, device=self.device,
         )
         self.attn = AttentionBackend(
-            self.kv_cache, cfg.hf_config.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
+            self.kv_cache, cfg.hf_config.num_attention_heads, cfg.num_kv_heads, cfg.head_dim,
+            use_cpp_kernels=os.environ.get("TOKENMILL_NO_CPP_KERNELS") != "1",
         )
         self.sampler = Sampler(seed)
 
@@ -65,18 +67,12 @@ class ModelRunner:
             if s.samples:
                 logits_rows.append(row0 + n - 1)
 
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long))
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), block_size=bs)
         if decode_rows:
-            L = max(decode_lens)
-            # Gather index per (request, key position); padding points into the null block 0.
-            pos = torch.arange(L)
-            tables = torch.zeros(len(decode_tables), -(-L // bs), dtype=torch.long)
-            for i, t in enumerate(decode_tables):
-                nb = -(-decode_lens[i] // bs)
-                tables[i, :nb] = torch.tensor(t[:nb])
-            lens = torch.tensor(decode_lens)
-            meta.decode_kv_slots = tables[:, pos // bs] * bs + pos % bs
-            meta.decode_mask = (pos.unsqueeze(0) < lens.unsqueeze(1)).view(len(decode_rows), 1, 1, L)
+            max_blocks = -(-max(decode_lens) // bs)
+            padded = [t[:max_blocks] + [0] * (max_blocks - len(t)) for t in decode_tables]
+            meta.decode_block_tables = torch.tensor(padded, dtype=torch.long)
+            meta.decode_seq_lens = torch.tensor(decode_lens, dtype=torch.long)
             meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long)
         meta.prefills = prefills
         meta.all_decode = not prefills

@@ -18,6 +18,9 @@ import torch
 import torch.nn.functional as F
 
 
+KERNEL_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # compiled in csrc/paged_attention.cpp
+
+
 @dataclass
 class PrefillChunk:
     q_start: int  # rows of the flat batch
@@ -33,14 +36,16 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
     # Decode group: rows with a single query token, attended together.
     decode_rows: torch.Tensor | None = None  # [Bd] row of each decode token in the flat batch
-    decode_kv_slots: torch.Tensor | None = None  # [Bd, Lmax] cache slots (padding -> null block)
-    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, Lmax] True where a key is valid
+    decode_block_tables: torch.Tensor | None = None  # [Bd, max_blocks] (padding -> null block 0)
+    decode_seq_lens: torch.Tensor | None = None  # [Bd] keys per decode request, new token included
+    block_size: int = 16
     prefills: list[PrefillChunk] | None = None
     all_decode: bool = False  # every row is a decode row, in order: skip the scatter
 
 
 class AttentionBackend:
-    def __init__(self, kv_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, kv_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                 use_cpp_kernels: bool = True):
         # kv_cache: [num_layers, 2, num_slots, num_kv_heads, head_dim]
         self.kv_cache = kv_cache
         self.num_heads = num_heads
@@ -48,6 +53,12 @@ class AttentionBackend:
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.gqa = num_heads != num_kv_heads
+        self.kernels = None
+        if (use_cpp_kernels and kv_cache.device.type == "cpu" and kv_cache.dtype in (torch.float32, torch.bfloat16)
+                and head_dim in KERNEL_HEAD_DIMS):
+            from tokenmill.model.layers import cpu_kernels
+
+            self.kernels = cpu_kernels.load()
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D]. Returns [T, H * D]."""
@@ -77,10 +88,19 @@ class AttentionBackend:
         return out.reshape(T, -1)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        # q: [Bd, H, D] -> [Bd, H, 1, D]; keys [Bd, Hkv, Lmax, D] gathered through block tables.
-        kc = k_cache[meta.decode_kv_slots].transpose(1, 2)
-        vc = v_cache[meta.decode_kv_slots].transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), kc, vc, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=self.gqa
-        )
+        """q: [Bd, H, D] -> [Bd, H, D], keys read through the block tables."""
+        if self.kernels is not None:  # in place, no gathered copy of the cache
+            return self.kernels.paged_decode(
+                q.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
+                meta.block_size, self.scale,
+            )
+        # Pure-torch fallback: gather each request's keys [Bd, Hkv, Lmax, D] and mask the padding.
+        bs = meta.block_size
+        L = meta.decode_block_tables.shape[1] * bs
+        pos = torch.arange(L)
+        slots = meta.decode_block_tables[:, pos // bs] * bs + pos % bs
+        mask = (pos.unsqueeze(0) < meta.decode_seq_lens.unsqueeze(1)).view(-1, 1, 1, L)
+        kc = k_cache[slots].transpose(1, 2)
+        vc = v_cache[slots].transpose(1, 2)
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), kc, vc, attn_mask=mask, scale=self.scale, enable_gqa=self.gqa)
         return o.squeeze(2)
