@@ -168,3 +168,13 @@ def test_cpp_kernel_matches_torch(tiny_llama_llm):
             v = v_cache[slots].float().transpose(0, 1)
             ref = F.scaled_dot_product_attention(q[b].float().unsqueeze(1), k, v, enable_gqa=True).squeeze(1)
             assert (out[b].float() - ref).abs().max() < tol
+
+
+def test_bf16_packed_linear_same_tokens(tiny_llama_dir, monkeypatch):
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    packed = LLM(tiny_llama_dir, dtype="bfloat16", kv_cache_memory=0.01)
+    monkeypatch.setenv("TOKENMILL_NO_PACKED_LINEAR", "1")
+    plain = LLM(tiny_llama_dir, dtype="bfloat16", kv_cache_memory=0.01)
+    a = [o.outputs[0].token_ids for o in packed.generate(PROMPTS, params)]
+    b = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
+    assert a == b

@@ -87,6 +87,10 @@ def load_model(path: str, hf_config, dtype: torch.dtype, max_position: int, devi
         model.lm_head.weight = model.embed_tokens.weight
     model.load_weights(_iter_safetensors(path))
     model.eval()
+    if device == "cpu" and os.environ.get("TOKENMILL_NO_PACKED_LINEAR") != "1":
+        from tokenmill.model.layers.linear import pack_linears
+
+        pack_linears(model, dtype)
     logger.info("loaded weights from %s in %.2fs (%s)", path, time.perf_counter() - t0, dtype)
     return model
 

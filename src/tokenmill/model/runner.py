@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
 from tokenmill.config import ModelConfig
 from tokenmill.engine.scheduler import SchedulerOutput
+from tokenmill.model.layers import cpu_kernels
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata, PrefillChunk
 from tokenmill.model.layers.sampler import Sampler, SamplerOutput, SamplingBatch
 from tokenmill.model.loader import load_model
@@ -32,7 +32,7 @@ class ModelRunner:
         )
         self.attn = AttentionBackend(
             self.kv_cache, cfg.hf_config.num_attention_heads, cfg.num_kv_heads, cfg.head_dim,
-            use_cpp_kernels=os.environ.get("TOKENMILL_NO_CPP_KERNELS") != "1",
+            use_cpp_kernels=cpu_kernels.enabled(),
         )
         self.sampler = Sampler(seed)
 

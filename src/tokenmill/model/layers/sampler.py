@@ -98,7 +98,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         logits = self._apply_penalties(logits, batch)
         if batch.all_greedy:
-            tokens = logits.argmax(dim=-1)
+            tokens = logits.max(dim=-1).indices  # faster than argmax on CPU, same first-max tie rule
         else:
             tokens = self._sample(logits, batch)
         token_list = tokens.tolist()

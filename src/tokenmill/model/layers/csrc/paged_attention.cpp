@@ -25,53 +25,67 @@ template <typename T, int D>
 void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables,
                    const int64_t* seq_lens, T* out, int64_t B, int64_t H, int64_t Hkv,
                    int64_t block_size, int64_t max_blocks, float scale) {
+  // One pass over each block (online softmax, rescaled once per block): K and V rows of a
+  // block are read once, straight from the paged cache.
   const int64_t G = H / Hkv;
   const int64_t row = Hkv * D;  // elements per cache slot
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, qf(G * D), acc(G * D), krow(D);
+    std::vector<float> qf(G * D), acc(G * D), s(G * block_size), m(G), l(G);
+    alignas(64) float kv[D];
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / Hkv, h = i % Hkv;
       const int64_t L = seq_lens[b];
       const int64_t* table = tables + b * max_blocks;
-      scores.resize(G * L);
       for (int64_t g = 0; g < G; ++g)
         for (int d = 0; d < D; ++d) qf[g * D + d] = to_f(q[(b * H + h * G + g) * D + d]) * scale;
-      for (int64_t t = 0; t < L; ++t) {
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        const T* kp = k_cache + slot * row + h * D;
-        for (int d = 0; d < D; ++d) krow[d] = to_f(kp[d]);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), -INFINITY);
+      std::fill(l.begin(), l.end(), 0.f);
+      for (int64_t t0 = 0; t0 < L; t0 += block_size) {
+        const int64_t n = std::min(block_size, L - t0);
+        const int64_t base = table[t0 / block_size] * block_size;
+        const T* kb = k_cache + base * row + h * D;
+        const T* vb = v_cache + base * row + h * D;
+        for (int64_t j = 0; j < n; ++j) {
+          const T* kp = kb + j * row;
+          for (int d = 0; d < D; ++d) kv[d] = to_f(kp[d]);
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qg = qf.data() + g * D;
+            float dot = 0.f;
+            for (int d = 0; d < D; ++d) dot += qg[d] * kv[d];
+            s[g * block_size + j] = dot;
+          }
+        }
         for (int64_t g = 0; g < G; ++g) {
-          float s = 0.f;
-          const float* qg = qf.data() + g * D;
-          for (int d = 0; d < D; ++d) s += qg[d] * krow[d];
-          scores[g * L + t] = s;
+          float* sg = s.data() + g * block_size;
+          float bm = m[g];
+          for (int64_t j = 0; j < n; ++j) bm = sg[j] > bm ? sg[j] : bm;
+          const float correction = std::exp(m[g] - bm);
+          float sum = 0.f;
+          for (int64_t j = 0; j < n; ++j) {
+            sg[j] = std::exp(sg[j] - bm);
+            sum += sg[j];
+          }
+          l[g] = l[g] * correction + sum;
+          m[g] = bm;
+          float* ag = acc.data() + g * D;
+          if (correction != 1.f)
+            for (int d = 0; d < D; ++d) ag[d] *= correction;
+        }
+        for (int64_t j = 0; j < n; ++j) {
+          const T* vp = vb + j * row;
+          for (int d = 0; d < D; ++d) kv[d] = to_f(vp[d]);
+          for (int64_t g = 0; g < G; ++g) {
+            const float p = s[g * block_size + j];
+            float* ag = acc.data() + g * D;
+            for (int d = 0; d < D; ++d) ag[d] += p * kv[d];
+          }
         }
       }
       for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * L;
-        float m = -INFINITY;
-        for (int64_t t = 0; t < L; ++t) m = sg[t] > m ? sg[t] : m;
-        float sum = 0.f;
-        for (int64_t t = 0; t < L; ++t) {
-          sg[t] = std::exp(sg[t] - m);
-          sum += sg[t];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < L; ++t) sg[t] *= inv;
+        const float inv = 1.f / l[g];
+        for (int d = 0; d < D; ++d) from_f(acc[g * D + d] * inv, out + (b * H + h * G + g) * D + d);
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < L; ++t) {
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        const T* vp = v_cache + slot * row + h * D;
-        for (int d = 0; d < D; ++d) krow[d] = to_f(vp[d]);
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * L + t];
-          float* ag = acc.data() + g * D;
-          for (int d = 0; d < D; ++d) ag[d] += p * krow[d];
-        }
-      }
-      for (int64_t g = 0; g < G; ++g)
-        for (int d = 0; d < D; ++d) from_f(acc[g * D + d], out + (b * H + h * G + g) * D + d);
     }
   });
 }
@@ -122,6 +136,84 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   return out;
 }
 
+// ---- fused element-wise ops (memory-bound; torch's bf16 element-wise path is slow on CPU) ----
+namespace {
+template <typename T>
+inline T round_to(float v) {
+  T out;
+  from_f(v, &out);
+  return out;
+}
+
+// out = w * T(x * rsqrt(mean(x^2) + eps)), computed in float32 as Hugging Face does.
+template <typename T>
+void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t dim, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * dim;
+      T* o = out + r * dim;
+      float ss = 0.f;
+      for (int64_t i = 0; i < dim; ++i) {
+        const float v = to_f(xr[i]);
+        ss += v * v;
+      }
+      const float inv = 1.f / std::sqrt(ss / dim + eps);
+      for (int64_t i = 0; i < dim; ++i) {
+        const float n = to_f(round_to<T>(to_f(xr[i]) * inv));
+        from_f(to_f(w[i]) * n, o + i);
+      }
+    }
+  });
+}
+
+template <typename T>
+void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gu + r * 2 * inter;
+      const T* u = g + inter;
+      T* o = out + r * inter;
+      for (int64_t i = 0; i < inter; ++i) {
+        const float gv = to_f(g[i]);
+        const float s = to_f(round_to<T>(gv / (1.f + std::exp(-gv))));
+        from_f(s * to_f(u[i]), o + i);
+      }
+    }
+  });
+}
+}  // namespace
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.scalar_type() == w.scalar_type(), "rms_norm inputs");
+  auto out = torch::empty_like(x);
+  const int64_t dim = x.size(-1), rows = x.numel() / dim;
+  if (x.scalar_type() == at::kFloat) {
+    rms_norm_rows<float>(x.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), rows, dim, eps);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "rms_norm: float32 or bfloat16");
+    using BF = c10::BFloat16;
+    rms_norm_rows<BF>(x.data_ptr<BF>(), w.data_ptr<BF>(), out.data_ptr<BF>(), rows, dim, eps);
+  }
+  return out;
+}
+
+// gate_up: [T, 2 * I] (gate first) -> silu(gate) * up: [T, I]
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.is_contiguous() && gate_up.dim() == 2, "silu_and_mul input");
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  auto out = torch::empty({rows, inter}, gate_up.options());
+  if (gate_up.scalar_type() == at::kFloat) {
+    silu_mul_rows<float>(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, inter);
+  } else {
+    TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16, "silu_and_mul: float32 or bfloat16");
+    using BF = c10::BFloat16;
+    silu_mul_rows<BF>(gate_up.data_ptr<BF>(), out.data_ptr<BF>(), rows, inter);
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm, float32 inside");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
 }
