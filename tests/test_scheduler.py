@@ -102,6 +102,7 @@ def test_constant_preemption_same_tokens(tiny_llama_dir, reference):
     ids, expected = reference
     # 8 usable blocks of 4 tokens: far less than 8 requests of ~30-60 tokens need at once.
     llm = LLM(tiny_llama_dir, dtype="float32", num_gpu_blocks_override=17, block_size=4)
+    llm.engine.core.runner.kv_cache[:, :, 4:] = float("nan")  # stale data is never read
     outs = llm.generate(prompt_token_ids=ids, sampling_params=GREEDY)
     assert llm.engine.core.scheduler.num_preemptions > 10
     assert [o.outputs[0].token_ids for o in outs] == expected
@@ -141,6 +142,8 @@ def test_pure_torch_attention_fallback_same_tokens(tiny_llama_dir, reference, mo
     ids, expected = reference
     llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.02)
     assert llm.engine.core.runner.attn.kernels is None
+    # The pool is allocated uninitialised: stale NaNs in unwritten slots must never be read.
+    llm.engine.core.runner.kv_cache[:, :, llm.engine.config.cache.block_size :] = float("nan")
     outs = llm.generate(prompt_token_ids=ids, sampling_params=GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == expected
 

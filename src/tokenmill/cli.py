@@ -153,6 +153,12 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     )
 
 
+def _cmd_bench_serve(ns: argparse.Namespace) -> int:
+    from tokenmill.bench.serve import run_from_args
+
+    return run_from_args(ns)
+
+
 def add_server_args(s: argparse.ArgumentParser) -> None:
     g = s.add_argument_group("server")
     g.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all interfaces, 0.0.0.0)")
@@ -211,6 +217,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(s, positional_model=True)
     add_server_args(s)
     s.set_defaults(func=_cmd_serve, default_log_level="INFO")
+
+    b = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    bs = b.add_parser("serve", help="load generator for any OpenAI-compatible server",
+                      description="Stream requests to an OpenAI-compatible server and report TTFT, TPOT, ITL, "
+                                  "E2E latency, throughput and goodput.")
+    from tokenmill.bench.serve import add_bench_serve_args
+
+    add_bench_serve_args(bs)
+    bs.set_defaults(func=_cmd_bench_serve)
     return p
 
 

@@ -26,10 +26,14 @@ class ModelRunner:
         )
         cfg = model_config
         # One tensor for the whole cache: [layers, K/V, slots, kv_heads, head_dim].
-        self.kv_cache = torch.zeros(
+        # torch.empty: pages are touched on first use instead of a multi-second memset at start-up.
+        # Nothing reads a slot before it is written, except the null block 0 that pads block
+        # tables, which is zeroed here.
+        self.kv_cache = torch.empty(
             cfg.num_layers, 2, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim,
             dtype=cfg.dtype, device=self.device,
         )
+        self.kv_cache[:, :, :block_size].zero_()
         self.attn = AttentionBackend(
             self.kv_cache, cfg.hf_config.num_attention_heads, cfg.num_kv_heads, cfg.head_dim,
             use_cpp_kernels=cpu_kernels.enabled(),

@@ -98,8 +98,10 @@ class AttentionBackend:
         bs = meta.block_size
         L = meta.decode_block_tables.shape[1] * bs
         pos = torch.arange(L)
-        slots = meta.decode_block_tables[:, pos // bs] * bs + pos % bs
-        mask = (pos.unsqueeze(0) < meta.decode_seq_lens.unsqueeze(1)).view(-1, 1, 1, L)
+        valid = pos.unsqueeze(0) < meta.decode_seq_lens.unsqueeze(1)
+        # Slots past a request's length may hold stale (even NaN) data: read the null block instead.
+        slots = torch.where(valid, meta.decode_block_tables[:, pos // bs] * bs + pos % bs, 0)
+        mask = valid.view(-1, 1, 1, L)
         kc = k_cache[slots].transpose(1, 2)
         vc = v_cache[slots].transpose(1, 2)
         o = F.scaled_dot_product_attention(q.unsqueeze(2), kc, vc, attn_mask=mask, scale=self.scale, enable_gqa=self.gqa)
