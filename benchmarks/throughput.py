@@ -147,15 +147,17 @@ def machine_facts(threads: int) -> dict:
     }
 
 
-def _system_busy_s() -> float | None:
-    """CPU seconds all processes have spent busy since boot (from /proc/stat), or None."""
+def _system_busy_s() -> tuple[float, float] | None:
+    """(CPU seconds all processes spent busy since boot, of which at a positive nice level),
+    from /proc/stat; None where it cannot be read."""
     try:
         with open("/proc/stat") as f:
             v = [int(x) for x in f.readline().split()[1:]]
     except (OSError, ValueError):
         return None
     idle = v[3] + (v[4] if len(v) > 4 else 0)  # idle + iowait
-    return (sum(v[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+    tck = os.sysconf("SC_CLK_TCK")
+    return (sum(v[:8]) - idle) / tck, v[1] / tck
 
 
 class CpuMeter:
@@ -173,19 +175,25 @@ class CpuMeter:
         self.wall = time.perf_counter() - self.w0
         self.own = time.process_time() - self.p0
         s1 = _system_busy_s()
-        self.others = None if s1 is None or self.s0 is None else max(0.0, s1 - self.s0 - self.own)
+        if s1 is None or self.s0 is None:
+            self.others = self.niced = None
+        else:  # niced: background work (nice > 0) that mostly yields to this process
+            self.niced = max(0.0, s1[1] - self.s0[1])
+            self.others = max(0.0, s1[0] - self.s0[0] - self.own - self.niced)
         return False
 
     def facts(self) -> dict:
+        w = max(self.wall, 1e-9)
         return {
-            "own_cpu_util": round(self.own / max(self.wall * self.threads, 1e-9), 2),
-            "others_cpu_cores": None if self.others is None else round(self.others / max(self.wall, 1e-9), 2),
+            "own_cpu_util": round(self.own / (w * self.threads), 2),
+            "others_cpu_cores": None if self.others is None else round(self.others / w, 2),
+            "niced_cpu_cores": None if self.niced is None else round(self.niced / w, 2),
         }
 
 
 def wait_idle(max_wait_s: float, threshold: float, label: str) -> None:
     """Wait (up to max_wait_s) until other processes use less than `threshold` CPU cores,
-    sampled over 2 s windows while this process sleeps."""
+    sampled over 2 s windows while this process sleeps; niced background work is not counted."""
     if max_wait_s <= 0:
         return
     deadline = time.monotonic() + max_wait_s
@@ -196,7 +204,7 @@ def wait_idle(max_wait_s: float, threshold: float, label: str) -> None:
         b1 = _system_busy_s()
         if b0 is None or b1 is None:
             return
-        busy = (b1 - b0) / (time.perf_counter() - t0)
+        busy = ((b1[0] - b1[1]) - (b0[0] - b0[1])) / (time.perf_counter() - t0)  # niced work yields to us
         if busy < threshold:
             if waited:
                 print(f"  machine idle enough for {label} (others {busy:.2f} cores)")
@@ -215,6 +223,8 @@ def cpu_note(m: CpuMeter) -> str:
     note = f"(own CPU {f['own_cpu_util']:.0%} of {m.threads} threads"
     if f["others_cpu_cores"] is not None:
         note += f", other processes {f['others_cpu_cores']:.2f} cores"
+        if f["niced_cpu_cores"]:
+            note += f" + {f['niced_cpu_cores']:.2f} niced"
     return note + ")"
 
 
@@ -334,6 +344,22 @@ def main(argv=None) -> dict:
     run_flops = args.num_prompts * ((args.input_len + args.output_len) * layer_flops + args.output_len * head_flops)
 
     machine = machine_facts(threads)
+    out = Path(args.out) if args.out else (
+        Path(__file__).resolve().parent / "results" / f"throughput-{_dt.datetime.now():%Y%m%d-%H%M%S}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    base = {
+        "benchmark": "throughput",
+        "timestamp": _dt.datetime.now().isoformat(timespec="seconds"),
+        "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+        "config": {k: v for k, v in vars(args).items() if k != "out"} | {"model_path": path, "pad_token_id": pad_id,
+                                                                          "excluded_special_ids": len(excluded)},
+        "machine": machine,
+        "run_matmul_gflop": round(run_flops / 1e9, 1),
+    }
+
+    def save_partial() -> None:  # after each system, so an interrupted run still leaves its figures
+        out.write_text(json.dumps(base | {"partial": True, "results": results}, indent=2) + "\n")
+
     print(f"model   {path}  ({hf_config.architectures[0]}, {args.dtype})")
     print(f"machine {machine['cpu_model']}  cpus={machine['cpu_count']} threads={threads} "
           f"amx={machine['amx']}  torch {machine['torch']}  transformers {machine['transformers']}")
@@ -374,6 +400,7 @@ def main(argv=None) -> dict:
             "total_tok_s": round(args.num_prompts * (args.input_len + args.output_len) / med, 1),
             "matmul_gflop_s": round(run_flops / med / 1e9, 1),
         }
+        save_partial()
         del llm
         gc.collect()
 
@@ -407,6 +434,7 @@ def main(argv=None) -> dict:
                 "attn_implementation": attn_impl,
             }
             print(f"  hf-serial: {dt:.2f} s for {k} prompts  {toks / dt:.1f} output tok/s  {cpu_note(m)}")
+            save_partial()
 
         if "hf-static" in hf_systems:
             bs = args.hf_batch_size
@@ -464,7 +492,8 @@ def main(argv=None) -> dict:
         contended = contended or (others is not None and others > 0.25)
         print(f"{name:<12} {r['output_tok_s']:>13.1f} {r['total_tok_s']:>12.1f} {r['time_s']:>8.2f} "
               f"{'-' if others is None else f'{others:.2f}':>6}  {note}")
-    print("('others': CPU cores other processes used while the system was timed, worst run)")
+    print("('others': CPU cores other processes used while the system was timed, worst run; niced "
+          "background work, which yields to this process, is not counted but is in the JSON)")
     if contended:
         print("WARNING: other processes used CPU during timing; the figures and ratios are disturbed")
     for k, v in ratios.items():
@@ -474,24 +503,14 @@ def main(argv=None) -> dict:
               f"mean common prefix {v['mean_common_prefix']} of {args.output_len} tokens")
     print(f"total benchmark time {total_s:.1f} s; load avg {loadavg()}")
 
-    result = {
-        "benchmark": "throughput",
-        "timestamp": _dt.datetime.now().isoformat(timespec="seconds"),
-        "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
-        "config": {k: v for k, v in vars(args).items() if k != "out"} | {"model_path": path, "pad_token_id": pad_id,
-                                                                          "excluded_special_ids": len(excluded)},
-        "machine": machine,
+    result = base | {
         "results": results,
         "ratios": ratios,
         "greedy_agreement": checks,
-        "run_matmul_gflop": round(run_flops / 1e9, 1),
         "total_benchmark_s": round(total_s, 1),
         "contended": contended,
         "loadavg_end": loadavg(),
     }
-    out = Path(args.out) if args.out else (
-        Path(__file__).resolve().parent / "results" / f"throughput-{_dt.datetime.now():%Y%m%d-%H%M%S}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
     return result

@@ -90,3 +90,23 @@ def test_cli_end_to_end(url, tiny_llama_dir, tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["metrics"]["completed"] == 4 and data["metrics"]["total_output_tokens"] == 32
     assert "Request goodput" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "cmd, expect",
+    [
+        (["throughput", "--num-prompts", "4", "--input-len", "8", "--output-len", "4"], "output_tokens_per_s"),
+        (["latency", "--num-iters", "2", "--input-len", "8", "--output-len", "4"], "tpot_s"),
+        (["roofline", "--num-iters", "1", "--input-len", "8", "--output-len", "4", "--prefill-len", "64"],
+         "batch1_decode_fraction_of_bandwidth"),
+    ],
+)
+def test_offline_bench_commands(cmd, expect, tiny_llama_dir, tmp_path):
+    from tokenmill.cli import main
+
+    out = tmp_path / "r.json"
+    args = ["bench", *cmd, "--model", tiny_llama_dir, "--dtype", "float32", "--kv-cache-memory", "0.02",
+            "--output-json", str(out)]
+    assert main(args) == 0
+    res = json.loads(out.read_text())
+    assert res[expect] > 0

@@ -226,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_serve_args(bs)
     bs.set_defaults(func=_cmd_bench_serve)
+    from tokenmill.bench.offline import add_offline_parsers
+
+    add_offline_parsers(b)
     return p
 
 

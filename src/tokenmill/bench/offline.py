@@ -1,0 +1,193 @@
+"""`tokenmill bench throughput | latency | roofline`: measurements straight into the engine.
+
+- throughput: N seeded random-token prompts through LLM.generate, all at once.
+- latency: batch-1 prefill time for a prompt length and time per output token (TPOT).
+- roofline: this machine's memory bandwidth and matmul FLOP/s, and how close batch-1 decode
+  (bound by reading every weight once per token) and large-batch prefill (bound by matmul
+  FLOP/s) come to them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+
+
+def add_workload_args(p: argparse.ArgumentParser, input_len: int, output_len: int) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--input-len", type=int, default=input_len, help=f"prompt tokens (default {input_len})")
+    g.add_argument("--output-len", type=int, default=output_len, help=f"output tokens, EOS ignored (default {output_len})")
+    g.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompt tokens")
+    g.add_argument("--output-json", default=None, help="write the results here as JSON")
+
+
+def _random_prompts(llm, n: int, length: int, seed: int) -> list[list[int]]:
+    tok = llm.get_tokenizer()
+    special = set(getattr(tok, "all_special_ids", []) or [])
+    vocab = [i for i in range(len(tok)) if i not in special]
+    rng = random.Random(seed)
+    return [[rng.choice(vocab) for _ in range(length)] for _ in range(n)]
+
+
+def _params(output_len: int):
+    from tokenmill.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+
+
+def _emit(result: dict, path: str | None) -> int:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {path}")
+    return 0
+
+
+def run_throughput(llm, ns: argparse.Namespace) -> int:
+    prompts = _random_prompts(llm, ns.num_prompts, ns.input_len, ns.bench_seed)
+    llm.generate(prompt_token_ids=prompts[:2], sampling_params=_params(4))  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=_params(ns.output_len), use_tqdm=True)
+    dt = time.perf_counter() - t0
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    in_tokens = sum(len(p) for p in prompts)
+    res = {
+        "num_prompts": ns.num_prompts, "input_len": ns.input_len, "output_len": ns.output_len,
+        "elapsed_s": dt, "requests_per_s": ns.num_prompts / dt,
+        "output_tokens_per_s": out_tokens / dt, "total_tokens_per_s": (in_tokens + out_tokens) / dt,
+    }
+    print(f"{ns.num_prompts} prompts x {ns.input_len} in x {ns.output_len} out in {dt:.2f} s: "
+          f"{res['requests_per_s']:.2f} req/s, {res['output_tokens_per_s']:.1f} output tok/s, "
+          f"{res['total_tokens_per_s']:.1f} total tok/s")
+    return _emit(res, ns.output_json)
+
+
+def measure_latency(llm, input_len: int, output_len: int, iters: int, seed: int = 0) -> dict:
+    """Median batch-1 prefill time (to the first token) and TPOT over `iters` runs."""
+    prompts = _random_prompts(llm, iters + 1, input_len, seed)
+    params = _params(output_len)
+    prefill, tpot = [], []
+    for i, prompt in enumerate(prompts):
+        t0 = time.perf_counter()
+        first = last = None
+        for out in llm.stream(prompt, params):
+            now = time.perf_counter()
+            first = first if first is not None else now
+            last = now
+        if i == 0:
+            continue  # warm-up
+        prefill.append(first - t0)
+        tpot.append((last - first) / max(output_len - 1, 1))
+    return {"input_len": input_len, "output_len": output_len, "iters": iters,
+            "prefill_s": statistics.median(prefill), "tpot_s": statistics.median(tpot),
+            "decode_tokens_per_s": 1.0 / statistics.median(tpot)}
+
+
+def run_latency(llm, ns: argparse.Namespace) -> int:
+    res = measure_latency(llm, ns.input_len, ns.output_len, ns.num_iters, ns.bench_seed)
+    print(f"batch 1, {ns.input_len} in / {ns.output_len} out, median of {ns.num_iters}: "
+          f"prefill {res['prefill_s'] * 1e3:.1f} ms, TPOT {res['tpot_s'] * 1e3:.2f} ms "
+          f"({res['decode_tokens_per_s']:.1f} tokens/s)")
+    return _emit(res, ns.output_json)
+
+
+def measure_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Read bandwidth (bytes/s): a sum over a buffer far larger than the caches, best of N."""
+    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best
+
+
+def measure_matmul(dtype: torch.dtype, n: int = 4096, repeats: int = 5) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def run_roofline(llm, ns: argparse.Namespace) -> int:
+    model = llm.engine.core.runner.model
+    dtype = llm.engine.config.model.dtype
+    # Bytes a batch-1 decode step must read: every weight once, but only one embedding row.
+    weight_bytes = 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if "embed_tokens" in name:
+            weight_bytes += t.shape[-1] * t.element_size()
+        elif t.dtype.is_floating_point and t.dim() >= 1 and not name.startswith("rope"):
+            weight_bytes += t.numel() * t.element_size()
+    cfg = llm.engine.config.model.hf_config
+    matmul_params = weight_bytes / torch.tensor([], dtype=dtype).element_size() - cfg.vocab_size * cfg.hidden_size
+    bw = measure_bandwidth()
+    peak = measure_matmul(dtype)
+    lat = measure_latency(llm, ns.input_len, ns.output_len, ns.num_iters, ns.bench_seed)
+    decode_bw = weight_bytes / lat["tpot_s"]
+    prefill_tokens = ns.prefill_len
+    thr_prompts = _random_prompts(llm, 1, prefill_tokens, ns.bench_seed + 1)
+    t0 = time.perf_counter()
+    llm.generate(prompt_token_ids=thr_prompts, sampling_params=_params(1))
+    prefill_s = time.perf_counter() - t0
+    prefill_flops = 2 * matmul_params * prefill_tokens / prefill_s
+    res = {
+        "memory_bandwidth_gb_s": bw / 1e9, "matmul_gflop_s": peak / 1e9, "dtype": str(dtype),
+        "weight_bytes_per_decode_step": weight_bytes, "batch1_tpot_s": lat["tpot_s"],
+        "batch1_decode_gb_s": decode_bw / 1e9, "batch1_decode_fraction_of_bandwidth": decode_bw / bw,
+        "decode_roofline_tokens_per_s": bw / weight_bytes,
+        "prefill_tokens": prefill_tokens, "prefill_s": prefill_s,
+        "prefill_gflop_s": prefill_flops / 1e9, "prefill_fraction_of_matmul_peak": prefill_flops / peak,
+    }
+    print(f"machine: memory bandwidth {res['memory_bandwidth_gb_s']:.1f} GB/s, "
+          f"{dtype} matmul {res['matmul_gflop_s']:.0f} GFLOP/s ({torch.get_num_threads()} threads)")
+    print(f"batch-1 decode: {weight_bytes / 1e6:.0f} MB of weights per token, TPOT {lat['tpot_s'] * 1e3:.2f} ms "
+          f"-> {res['batch1_decode_gb_s']:.1f} GB/s = {100 * res['batch1_decode_fraction_of_bandwidth']:.0f}% of "
+          f"bandwidth (roofline {res['decode_roofline_tokens_per_s']:.0f} tokens/s, "
+          f"measured {1 / lat['tpot_s']:.1f})")
+    print(f"prefill of {prefill_tokens} tokens: {prefill_s:.2f} s -> {res['prefill_gflop_s']:.0f} GFLOP/s = "
+          f"{100 * res['prefill_fraction_of_matmul_peak']:.0f}% of the matmul peak")
+    return _emit(res, ns.output_json)
+
+
+def add_offline_parsers(b) -> None:
+    """Adds throughput, latency and roofline to the `tokenmill bench` sub-parsers."""
+    from tokenmill.cli import add_engine_args
+
+    t = b.add_parser("throughput", help="offline throughput straight into the engine")
+    add_engine_args(t)
+    add_workload_args(t, 256, 128)
+    t.add_argument("--num-prompts", type=int, default=64, help="prompts, all submitted at once (default 64)")
+    t.set_defaults(bench_run=run_throughput)
+
+    lt = b.add_parser("latency", help="batch-1 prefill time and time per output token")
+    add_engine_args(lt)
+    add_workload_args(lt, 256, 128)
+    lt.add_argument("--num-iters", type=int, default=5, help="timed runs; the median is reported (default 5)")
+    lt.set_defaults(bench_run=run_latency)
+
+    r = b.add_parser("roofline", help="memory bandwidth and matmul FLOP/s, and how close decode and prefill come")
+    add_engine_args(r)
+    add_workload_args(r, 32, 64)
+    r.add_argument("--num-iters", type=int, default=3, help="timed batch-1 decode runs (default 3)")
+    r.add_argument("--prefill-len", type=int, default=2048, help="prompt tokens of the prefill measurement")
+    r.set_defaults(bench_run=run_roofline)
+    for sp in (t, lt, r):
+        sp.set_defaults(func=_run_offline)
+
+
+def _run_offline(ns: argparse.Namespace) -> int:
+    from tokenmill.cli import engine_args_from
+    from tokenmill.llm import LLM
+
+    llm = LLM(**vars(engine_args_from(ns)))
+    return ns.bench_run(llm, ns)
