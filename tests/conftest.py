@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -59,3 +60,19 @@ def smollm2_llm(smollm2_dir):
     from tokenmill import LLM
 
     return LLM(smollm2_dir, dtype="float32", kv_cache_memory=0.5)
+
+
+@contextlib.contextmanager
+def running_server(model_dir: str, **engine_kwargs):
+    """A real uvicorn server on a free loopback port over a fresh engine; always stopped."""
+    from tokenmill.engine.async_engine import AsyncLLMEngine
+    from tokenmill.server.app import BackgroundServer, build_app
+
+    aengine = AsyncLLMEngine.from_args(model_dir, **{"dtype": "float32", "kv_cache_memory": 0.05, **engine_kwargs})
+    server = BackgroundServer(build_app(aengine))
+    try:
+        server.start()
+        yield server, aengine
+    finally:
+        server.stop()
+        aengine.shutdown()

@@ -6,24 +6,17 @@ import asyncio
 import json
 
 import pytest
+from conftest import running_server
 
 from tokenmill.bench.datasets import load_tokenizer, prefix_requests, random_requests, sharegpt_requests
 from tokenmill.bench.serve import benchmark, format_report, parse_goodput
 from tokenmill.cli import build_parser
-from tokenmill.engine.async_engine import AsyncLLMEngine
-from tokenmill.server.app import BackgroundServer, build_app
 
 
 @pytest.fixture(scope="module")
 def url(tiny_llama_dir):
-    aengine = AsyncLLMEngine.from_args(tiny_llama_dir, dtype="float32", kv_cache_memory=0.05)
-    server = BackgroundServer(build_app(aengine))
-    try:
-        server.start()
+    with running_server(tiny_llama_dir) as (server, _):
         yield server.url
-    finally:
-        server.stop()
-        aengine.shutdown()
 
 
 @pytest.fixture(scope="module")

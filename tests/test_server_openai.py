@@ -10,26 +10,18 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import PROMPTS
+from conftest import PROMPTS, running_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenmill import SamplingParams
-from tokenmill.engine.async_engine import AsyncLLMEngine
-from tokenmill.server.app import BackgroundServer, build_app
 
 MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
 def served(tiny_llama_dir):
-    aengine = AsyncLLMEngine.from_args(tiny_llama_dir, dtype="float32", kv_cache_memory=0.05)
-    server = BackgroundServer(build_app(aengine))
-    try:
-        server.start()
-        yield server, aengine
-    finally:
-        server.stop()
-        aengine.shutdown()
+    with running_server(tiny_llama_dir) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

@@ -6,24 +6,15 @@ import json
 
 import httpx
 import pytest
-from conftest import PROMPTS
+from conftest import PROMPTS, running_server
 
 from tokenmill import SamplingParams
-from tokenmill.engine.async_engine import AsyncLLMEngine
-from tokenmill.server.app import BackgroundServer, build_app
 
 
 @pytest.fixture(scope="module")
 def http(tiny_llama_dir):
-    aengine = AsyncLLMEngine.from_args(tiny_llama_dir, dtype="float32", kv_cache_memory=0.05)
-    server = BackgroundServer(build_app(aengine))
-    try:
-        server.start()
-        with httpx.Client(base_url=server.url, timeout=60) as h:
-            yield h
-    finally:
-        server.stop()
-        aengine.shutdown()
+    with running_server(tiny_llama_dir) as (server, _), httpx.Client(base_url=server.url, timeout=60) as h:
+        yield h
 
 
 def _offline(llm, prompt, n):
