@@ -49,6 +49,45 @@ class StepTimer:
         return out
 
 
+class _LabeledKernels:
+    """Stands in for the engine's C++ kernel module (pybind functions the profiler cannot see)
+    and wraps every call in a record_function named tm_cpp::<function>."""
+
+    def __init__(self, module):
+        self._module = module
+
+    def __getattr__(self, name):
+        from torch.profiler import record_function
+
+        fn = getattr(self._module, name)
+        if not callable(fn):
+            return fn
+
+        def call(*a, **k):
+            with record_function(f"tm_cpp::{name}"):
+                return fn(*a, **k)
+
+        setattr(self, name, call)
+        return call
+
+
+def label_cpp_kernels(runner) -> bool:
+    """Make the engine's C++ kernels visible by name in torch.profiler (profiling only)."""
+    try:
+        from tokenmill.model.layers import cpu_kernels
+    except ImportError:
+        return False
+    mod = cpu_kernels._module if getattr(cpu_kernels, "_module", None) is not None else None
+    if mod is None:
+        return False
+    proxy = _LabeledKernels(mod)
+    cpu_kernels._module = proxy
+    attn = getattr(runner, "attn", None)
+    if attn is not None and getattr(attn, "kernels", None) is mod:
+        attn.kernels = proxy
+    return True
+
+
 def add_all(llm, prompts, sp):
     for p in prompts:
         llm.engine.add_request(None, p, sp)
@@ -96,7 +135,9 @@ def main(argv=None) -> None:
                                                                              ignore_eos=True))
     eng = llm.engine
     timer = StepTimer(eng.core.runner)
-    print(f"{args.dtype}, {threads} threads, {args.num_prompts} x {args.input_len} in x {args.output_len} out")
+    labeled = label_cpp_kernels(eng.core.runner)
+    print(f"{args.dtype}, {threads} threads, {args.num_prompts} x {args.input_len} in x {args.output_len} out"
+          f"{'; C++ kernels shown as tm_cpp::<name>' if labeled else ''}")
 
     # ---- pass 1: unprofiled, every step timed --------------------------------------------
     wait_idle(args.wait_idle, 0.2, "pass 1")
@@ -168,7 +209,8 @@ def main(argv=None) -> None:
             print(f"  {e.key[:46]:<46} {e.self_cpu_time_total / 1e3:9.1f} {100 * e.self_cpu_time_total / (t * 1e6):6.1f}% "
                   f"{e.count:>7} {e.self_cpu_time_total / max(e.count, 1):9.1f}")
         ops = sum(e.self_cpu_time_total for e in rows)
-        print(f"  {'(all torch ops)':<46} {ops / 1e3:9.1f} {100 * ops / (t * 1e6):6.1f}%  (the rest: Python)")
+        print(f"  {'(all of the above kinds)':<46} {ops / 1e3:9.1f} {100 * ops / (t * 1e6):6.1f}%  "
+              f"(the rest: Python{'' if labeled else ' and any kernels torch.profiler cannot see'})")
     if args.trace and n_dec:
         prof_dec.export_chrome_trace(args.trace)
         print(f"wrote {args.trace}")
