@@ -15,20 +15,39 @@ def load_hf(model_dir: str, dtype: torch.dtype = torch.float32):
 
 
 @torch.inference_mode()
-def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
-    """Greedy tokens (EOS ignored) and the log-probability of each under the model."""
+def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float], list[float]]:
+    """Greedy tokens (EOS ignored), the log-probability of each under the model, and each
+    step's margin over the runner-up (top-1 minus top-2 logprob)."""
     model = load_hf(model_dir)
     ids = torch.tensor([prompt_ids])
     out = model(ids, use_cache=True)
     past = out.past_key_values
-    tokens, logprobs = [], []
+    tokens, logprobs, margins = [], [], []
     logits = out.logits[0, -1].float()
     for _ in range(max_new_tokens):
         lp = torch.log_softmax(logits, -1)
-        tok = int(lp.argmax())
+        top2 = lp.topk(2)
+        tok = int(top2.indices[0])
         tokens.append(tok)
-        logprobs.append(float(lp[tok]))
+        logprobs.append(float(top2.values[0]))
+        margins.append(float(top2.values[0] - top2.values[1]))
         out = model(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
         past = out.past_key_values
         logits = out.logits[0, -1].float()
-    return tokens, logprobs
+    return tokens, logprobs, margins
+
+
+NEAR_TIE = 1e-3  # logprob gap under which float rounding may pick either token
+
+
+def matching_prefix(got: list[int], expected: tuple[list[int], list[float], list[float]]) -> int:
+    """How many leading tokens of `got` to compare with the oracle: all of them, unless they
+    part ways at a near-tie (top-2 logprobs within NEAR_TIE), where either pick is correct
+    and what follows can no longer be compared. Any other divergence fails."""
+    toks, _, margins = expected
+    assert len(got) == len(toks), (got, toks)
+    for i, (a, b) in enumerate(zip(got, toks)):
+        if a != b:
+            assert margins[i] < NEAR_TIE, f"token {i}: got {a}, oracle {b} (margin {margins[i]:.2e}); {got} != {toks}"
+            return i
+    return len(toks)

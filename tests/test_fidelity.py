@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import PROMPTS
-from hf_oracle import hf_greedy
+from hf_oracle import hf_greedy, matching_prefix
 
 from tokenmill import SamplingParams
 
@@ -41,17 +41,17 @@ def test_tiny_models_match_hf(which, request):
     ids = _prompt_ids(llm, PROMPTS)
     expected = [hf_greedy(model_dir, p, MAX_TOKENS) for p in ids]
     # Each prompt alone.
-    for p, (toks, _) in zip(ids, expected):
-        assert llm.generate(prompt_token_ids=[p], sampling_params=_greedy())[0].outputs[0].token_ids == toks
+    for p, exp in zip(ids, expected):
+        matching_prefix(llm.generate(prompt_token_ids=[p], sampling_params=_greedy())[0].outputs[0].token_ids, exp)
     # All at once, one continuous batch of different lengths.
     outs = llm.generate(prompt_token_ids=ids, sampling_params=_greedy(logprobs=0))
-    for out, (toks, lps) in zip(outs, expected):
-        assert out.outputs[0].token_ids == toks
-        got = [next(iter(d.values())).logprob for d in out.outputs[0].logprobs]
-        assert max(abs(a - b) for a, b in zip(got, lps)) < 1e-3
+    for out, exp in zip(outs, expected):
+        n = matching_prefix(out.outputs[0].token_ids, exp)
+        got = [next(iter(d.values())).logprob for d in out.outputs[0].logprobs[: n + 1]]
+        assert max(abs(a - b) for a, b in zip(got, exp[1])) < 1e-3
     # Staggered arrivals.
-    outs = _run_staggered(llm.engine, ids, _greedy())
-    assert [o.outputs[0].token_ids for o in outs] == [t for t, _ in expected]
+    for out, exp in zip(_run_staggered(llm.engine, ids, _greedy()), expected):
+        matching_prefix(out.outputs[0].token_ids, exp)
     assert llm.engine.core.kv.num_free_blocks == llm.engine.core.kv.num_usable_blocks
 
 

@@ -122,6 +122,8 @@ def test_drain_timeout_aborts_what_is_left(tiny_llama_dir):
     aengine = AsyncLLMEngine.from_args(tiny_llama_dir, dtype="float32", kv_cache_memory=0.05)
     server = BackgroundServer(build_app(aengine), drain_timeout=0.3)
     kv = aengine.engine.core.kv
+    # Slow every step down so the 500 tokens cannot finish inside the drain timeout on any machine.
+    aengine.step_observers.append(lambda outputs, dt: time.sleep(0.01))
     try:
         server.start()
         got = []
@@ -137,7 +139,9 @@ def test_drain_timeout_aborts_what_is_left(tiny_llama_dir):
 
         t = threading.Thread(target=client)
         t.start()
+        deadline = time.monotonic() + 30
         while not got:
+            assert time.monotonic() < deadline and t.is_alive(), "no streamed output"
             time.sleep(0.01)
         t0 = time.monotonic()
         server.stop()

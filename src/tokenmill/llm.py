@@ -36,10 +36,7 @@ class LLM:
         params = _as_params_list(sampling_params, len(batch))
         # Validate everything before queueing anything, so a bad prompt leaves no work behind.
         requests = [self.engine.make_request(p, sp) for p, sp in zip(batch, params)]
-        order = {}
-        for i, req in enumerate(requests):
-            rid = self.engine.add_request(None, req.prompt if req.prompt is not None else req.prompt_token_ids, req.sampling_params)
-            order[rid] = i
+        order = {self.engine.enqueue(req): i for i, req in enumerate(requests)}
         results: list[RequestOutput | None] = [None] * len(batch)
         bar = tqdm(total=len(batch), desc="generating", disable=not use_tqdm)
         try:

@@ -114,7 +114,10 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: str | list[int],
                     params: SamplingParams | None = None) -> str:
-        req = self.make_request(prompt, params, request_id)
+        return self.enqueue(self.make_request(prompt, params, request_id))
+
+    def enqueue(self, req: Request) -> str:
+        """Queue a request already built (and validated) by make_request."""
         if req.request_id in self.core.scheduler.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.output_processor.add_request(req)
