@@ -58,6 +58,8 @@ def test_prefix_chat_poisson(url, tok):
     result = asyncio.run(benchmark(url, reqs, request_rate=50.0, burstiness=0.5, disable_tqdm=True,
                                    endpoint="/v1/chat/completions"))
     _check(result, 6)
+    pc = result["metrics"]["prefix_cache"]  # scraped from the server's /metrics around the run
+    assert pc["queries"] >= sum(r.prompt_len for r in reqs) and pc["hits"] > 0 and 0 < pc["hit_rate"] < 1
 
 
 def test_range_ratio_and_sharegpt(tok, tmp_path):

@@ -195,3 +195,14 @@ def test_bf16_packed_linear_same_tokens(tiny_llama_dir, monkeypatch):
     a = [o.outputs[0].token_ids for o in packed.generate(PROMPTS, params)]
     b = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
     assert a == b
+
+
+def test_kv_budget_too_small_for_one_request_refuses_to_start(tiny_llama_dir, caplog):
+    # 0.0001 GiB of float32 KV for this model is 12 blocks = 192 tokens < max_model_len 512.
+    with pytest.raises(ValueError, match=r"holds 192 tokens.*--kv-cache-memory to at least.*--max-model-len to at most 192"):
+        LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.0001)
+    with caplog.at_level("INFO", logger="tokenmill"):
+        llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.0001, max_model_len=128)
+    assert llm.engine.core.kv.num_usable_blocks == 12
+    assert "12 blocks x 16 tokens = 192 tokens" in caplog.text
+    assert "max concurrency at max_model_len 128: 1.50x" in caplog.text

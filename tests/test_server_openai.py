@@ -379,3 +379,23 @@ def test_32_concurrent_streams_each_get_their_own_text(url, model, aengine, tiny
     assert got == want
     assert max(batch_sizes) >= 8, "concurrent clients should be batched together"
     assert _wait_idle(aengine)
+
+
+def test_prefix_cache_in_usage_and_metrics(client, url, model, aengine):
+    assert _wait_idle(aengine)
+    prompt = "A long shared system prompt that many requests start with. " * 3 + "Question one?"
+    before = _scrape(url)
+    first = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0)
+    again = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    second = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0)
+    assert again.usage.prompt_tokens_details is not None
+    bs = aengine.engine.config.cache.block_size
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached == (second.usage.prompt_tokens - 1) // bs * bs > 0
+    assert first.usage.prompt_tokens_details.cached_tokens < cached
+    after = _scrape(url)
+    hits = after["tokenmill:prefix_cache_hits_total"] - before["tokenmill:prefix_cache_hits_total"]
+    queries = after["tokenmill:prefix_cache_queries_total"] - before["tokenmill:prefix_cache_queries_total"]
+    assert hits >= cached
+    assert queries == first.usage.prompt_tokens + again.usage.prompt_tokens + second.usage.prompt_tokens
+    assert 0 < after["tokenmill:prefix_cache_hit_rate"] <= 1

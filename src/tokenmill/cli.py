@@ -23,6 +23,7 @@ _ENGINE_HELP = {
     "max_num_seqs": "most requests in one batch",
     "max_num_batched_tokens": "token budget of one engine step (default 2048)",
     "enable_chunked_prefill": "split long prompts across steps",
+    "enable_prefix_caching": "reuse the KV blocks of prompt prefixes seen before (automatic prefix caching)",
     "seed": "seed of the sampler for requests without their own seed",
     "num_threads": "intra-op CPU threads (default: all cores)",
     "served_model_name": "model name reported by the API and expected in requests "

@@ -45,6 +45,7 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # default: max(2048, max_model_len) capped
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
     seed: int = 0
     num_threads: int | None = None
     served_model_name: str | None = None
@@ -90,6 +91,7 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = 16
     num_blocks: int = 0  # decided at start-up from the memory budget
+    enable_prefix_caching: bool = True
 
 
 @dataclass

@@ -46,6 +46,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -203,6 +203,7 @@ async def benchmark(base_url: str, requests: list[BenchRequest], *, model: str |
                 pbar.update(1)
             return r
 
+        cache_before = await scrape_prefix_cache(client, base_url)
         rng = np.random.default_rng(seed)
         t0 = time.perf_counter()
         tasks = []
@@ -212,11 +213,34 @@ async def benchmark(base_url: str, requests: list[BenchRequest], *, model: str |
         duration = time.perf_counter() - t0
         if pbar is not None:
             pbar.close()
+        cache_after = await scrape_prefix_cache(client, base_url)
     metrics = compute_metrics(results, duration, goodput or {})
+    if cache_before is not None and cache_after is not None:
+        queries, hits = (a - b for a, b in zip(cache_after, cache_before))
+        metrics["prefix_cache"] = {"queries": queries, "hits": hits, "hit_rate": hits / queries if queries else 0.0}
     config = {"base_url": base_url, "endpoint": endpoint, "model": model, "num_prompts": len(requests),
               "request_rate": request_rate if request_rate != float("inf") else "inf",
               "burstiness": burstiness, "max_concurrency": max_concurrency, "seed": seed}
     return {"config": config, "metrics": metrics, "requests": [asdict(r) for r in results]}
+
+
+async def scrape_prefix_cache(client, base_url: str) -> tuple[float, float] | None:
+    """(queries, hits) in tokens from the server's Prometheus /metrics (tokenmill:* or vllm:*
+    prefix_cache_queries / prefix_cache_hits counters), or None when it does not report them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        r = await client.get(base_url + "/metrics", timeout=10)
+        if r.status_code != 200:
+            return None
+        found: dict[str, float] = {}
+        for fam in text_string_to_metric_families(r.text):
+            for key in ("queries", "hits"):
+                if fam.name.endswith(f"prefix_cache_{key}"):
+                    found[key] = found.get(key, 0.0) + sum(x.value for x in fam.samples if x.name.endswith("_total"))
+    except (httpx.HTTPError, ValueError):
+        return None
+    return (found["queries"], found["hits"]) if len(found) == 2 else None
 
 
 def format_report(metrics: dict) -> str:
@@ -235,6 +259,10 @@ def format_report(metrics: dict) -> str:
         row("Request goodput (req/s):", f"{metrics['request_goodput']:.2f}")
     row("Output token throughput (tok/s):", f"{metrics['output_throughput']:.2f}")
     row("Total token throughput (tok/s):", f"{metrics['total_token_throughput']:.2f}")
+    if "prefix_cache" in metrics:
+        pc = metrics["prefix_cache"]
+        row("Prefix cache hit rate (tokens):", f"{100 * pc['hit_rate']:.1f}%")
+        row("Prefix cache hits / queries:", f"{pc['hits']:.0f}/{pc['queries']:.0f}")
     for key, title in (("ttft_ms", "Time to First Token"), ("tpot_ms", "Time per Output Token (excl. 1st)"),
                        ("itl_ms", "Inter-token Latency"), ("e2el_ms", "End-to-end Latency")):
         lines.append(f"{'-' * 15}{title}{'-' * 15}")

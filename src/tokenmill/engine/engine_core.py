@@ -28,7 +28,8 @@ class CoreOutput:
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.kv = KVCacheManager(config.cache.num_blocks, config.cache.block_size)
+        cache = config.cache
+        self.kv = KVCacheManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(config.model, config.cache.num_blocks, config.cache.block_size, config.seed)
 

@@ -1,16 +1,43 @@
 """Paged KV memory: a pool of fixed-size blocks and the per-request block tables over it.
 
-The pool is shaped for prefix caching: each block carries a ref count and an optional
-content hash, and freed blocks go to the tail of an LRU free queue (they keep their hash
-until reused), so cached blocks can be found again and evicted oldest-first.
+Automatic prefix caching (vLLM's design): every full block is named by a hash chained over
+(parent block's hash, its token ids, extra keys), so equal hashes mean equal prefixes. Blocks
+keep their hash after their request frees them and sit in an LRU free queue until a new
+allocation evicts them; a later request whose prompt starts with the same blocks takes a
+reference on them instead of recomputing.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from tokenmill.engine.request import Request
+
+
+def hash_block(parent: bytes | None, token_ids: list[int], extra: bytes = b"") -> bytes:
+    """SHA-256 over the parent hash, the block's tokens and extra keys (LoRA, cache salt):
+    a collision would serve one prompt another's K/V, so no weak hash."""
+    h = hashlib.sha256(parent or b"\0")
+    h.update(array("q", token_ids).tobytes())
+    if extra:
+        h.update(b"|" + extra)
+    return h.digest()
+
+
+@dataclass
+class PrefixCacheStats:
+    """Cumulative, in tokens: what admitted requests asked for and what the cache served."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
 
 
 @dataclass(slots=True)
@@ -72,14 +99,29 @@ class BlockPool:
     def usage(self) -> float:
         return 1.0 - len(self.free_queue) / (self.num_blocks - 1)
 
+    def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
+        """Name a full block by its content; the first block with a given content stays the one."""
+        if block.block_hash is None and block_hash not in self.cached:
+            block.block_hash = block_hash
+            self.cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> None:
+        for b in self.cached.values():
+            b.block_hash = None
+        self.cached.clear()
+
 
 class KVCacheManager:
     """The scheduler's only view of KV memory: per-request block tables over a BlockPool."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # leading blocks of a request already hashed
+        self.block_hashes: dict[str, list[bytes]] = {}  # per request, chained, one per full block
+        self.stats = PrefixCacheStats()
 
     @property
     def num_free_blocks(self) -> int:
@@ -92,26 +134,84 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Make room for the request's K/V up to num_computed_tokens + num_new_tokens.
+    def _hashes(self, request: Request, num_blocks: int) -> list[bytes]:
+        """The request's chained block hashes, extended to cover its first num_blocks blocks."""
+        hashes = self.block_hashes.setdefault(request.request_id, [])
+        bs, toks = self.block_size, request.all_token_ids
+        extra = request.cache_key
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(hash_block(hashes[-1] if hashes else None, toks[i * bs : (i + 1) * bs], extra))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> list[KVBlock]:
+        """The longest run of cached blocks that starts the request's tokens. The last token is
+        never served from cache: the step needs its logits."""
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for h in self._hashes(request, max_blocks):
+            block = self.pool.cached.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed: list[KVBlock] = ()) -> bool:
+        """Make room for the request's K/V up to num_computed_tokens + num_new_tokens, after the
+        prefix-cache hits `computed` (which the caller counts as computed once this succeeds).
         Returns False (and allocates nothing) when the pool cannot give that many blocks."""
         blocks = self.req_blocks.setdefault(request.request_id, [])
-        total = request.num_computed_tokens + num_new_tokens
-        need = self.blocks_needed(total) - len(blocks)
-        if need <= 0:
-            return True
-        if need > self.pool.num_free_blocks:
+        total = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        need = self.blocks_needed(total) - len(blocks) - len(computed)
+        # Hits that sit in the free queue stop being free once taken.
+        if max(need, 0) + sum(1 for b in computed if b.ref_cnt == 0) > self.pool.num_free_blocks:
             return False
-        blocks.extend(self.pool.get_new_blocks(need))
+        if computed:
+            self.pool.touch(computed)
+            blocks.extend(computed)
+            self.num_cached_blocks[request.request_id] = len(blocks)
+        if need > 0:
+            blocks.extend(self.pool.get_new_blocks(need))
         return True
 
+    def record_admission(self, request: Request, num_cached_tokens: int) -> None:
+        if self.enable_prefix_caching:
+            self.stats.requests += 1
+            self.stats.queries += request.num_tokens
+            self.stats.hits += num_cached_tokens
+
+    def cache_blocks(self, request: Request) -> None:
+        """Hash the request's blocks that became full of computed K/V since the last call."""
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        num_full = request.num_computed_tokens // self.block_size
+        done = self.num_cached_blocks.get(rid, 0)
+        if num_full <= done:
+            return
+        blocks, hashes = self.req_blocks[rid], self._hashes(request, num_full)
+        for i in range(done, num_full):
+            self.pool.cache_block(blocks[i], hashes[i])
+        self.num_cached_blocks[rid] = num_full
+
     def free(self, request: Request) -> None:
-        blocks = self.req_blocks.pop(request.request_id, None)
+        """Release the request's blocks (they stay cached until evicted). Its hashes are kept
+        while the request lives on (a preempted request comes back with the same tokens)."""
+        rid = request.request_id
+        self.num_cached_blocks.pop(rid, None)
+        blocks = self.req_blocks.pop(rid, None)
         if blocks:
             self.pool.free_blocks(list(reversed(blocks)))
+        if request.finished:
+            self.block_hashes.pop(rid, None)
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
     def usage(self) -> float:
         return self.pool.usage()
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()

@@ -41,19 +41,13 @@ class LLMEngine:
         model_config = ModelConfig(path, hf_config, dtype, max_model_len, name, args.device)
 
         block_size = args.block_size
-        if args.num_gpu_blocks_override:
-            num_blocks = args.num_gpu_blocks_override
-        else:
-            gib = args.kv_cache_memory if args.kv_cache_memory is not None else DEFAULT_KV_CACHE_GIB
-            num_blocks = int(gib * 2**30) // (model_config.kv_bytes_per_token() * block_size)
-        if num_blocks < 2:
-            raise ValueError(f"--kv-cache-memory {args.kv_cache_memory} GiB holds no KV block; give more")
+        num_blocks = self._num_kv_blocks(args, model_config)
         batched = args.max_num_batched_tokens or (2048 if args.enable_chunked_prefill else max(2048, max_model_len))
         if not args.enable_chunked_prefill and batched < max_model_len:
             raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
         self.config = EngineConfig(
             model=model_config,
-            cache=CacheConfig(block_size, num_blocks),
+            cache=CacheConfig(block_size, num_blocks, args.enable_prefix_caching),
             scheduler=SchedulerConfig(args.max_num_seqs, batched, max_model_len, args.enable_chunked_prefill),
             seed=args.seed,
         )
@@ -61,11 +55,37 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer.backend_tokenizer)
         self.eos_token_ids = _eos_ids(path, self.tokenizer, hf_config)
         self._ids = itertools.count()
+        usable_tokens = (num_blocks - 1) * block_size
         logger.info(
-            "engine ready in %.1fs: %s, %s, max_model_len %d, %d KV blocks x %d tokens (%.2f GiB)",
-            time.perf_counter() - t0, name, dtype, max_model_len, num_blocks, block_size,
-            num_blocks * block_size * model_config.kv_bytes_per_token() / 2**30,
+            "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s); max concurrency at max_model_len %d: "
+            "%.2fx; prefix caching %s", num_blocks - 1, block_size, usable_tokens,
+            num_blocks * block_size * model_config.kv_bytes_per_token() / 2**30, dtype, max_model_len,
+            (num_blocks - 1) / self.core.kv.blocks_needed(max_model_len),
+            "on" if args.enable_prefix_caching else "off",
         )
+        logger.info("engine ready in %.1fs: %s, %s, max_model_len %d", time.perf_counter() - t0, name, dtype,
+                    max_model_len)
+
+    @staticmethod
+    def _num_kv_blocks(args: EngineArgs, model: ModelConfig) -> int:
+        """Blocks that fit the --kv-cache-memory budget; refuses a budget that cannot hold one
+        request of max_model_len tokens (it could never be served)."""
+        bs = args.block_size
+        if args.num_gpu_blocks_override:  # exact count, for tests and experts: no sizing checks
+            return args.num_gpu_blocks_override
+        gib = args.kv_cache_memory if args.kv_cache_memory is not None else DEFAULT_KV_CACHE_GIB
+        block_bytes = model.kv_bytes_per_token() * bs
+        num_blocks = int(gib * 2**30) // block_bytes
+        need_blocks = -(-model.max_model_len // bs) + 1  # + the null block
+        if num_blocks < need_blocks:
+            need_gib = need_blocks * block_bytes / 2**30
+            fit = max(num_blocks - 1, 0) * bs
+            raise ValueError(
+                f"--kv-cache-memory {gib:g} GiB holds {fit} tokens of KV cache, fewer than one request at "
+                f"max_model_len {model.max_model_len} needs ({need_gib:.3f} GiB). Raise --kv-cache-memory to "
+                f"at least {need_gib:.3f}, or lower --max-model-len" + (f" to at most {fit}" if fit else "") + "."
+            )
+        return num_blocks
 
     @classmethod
     def from_args(cls, model: str | None = None, **kwargs) -> "LLMEngine":

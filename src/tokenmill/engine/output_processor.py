@@ -96,7 +96,8 @@ class OutputProcessor:
             delta_text=delta_text,
             delta_token_ids=delta_ids,
         )
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], finished, state.metrics)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], finished, state.metrics,
+                             req.num_cached_tokens)
 
     def _logprob_dict(self, token_id: int, lp) -> dict[int, Logprob]:
         d = {token_id: Logprob(lp.token_logprob, lp.rank, self.tokenizer.decode([token_id], skip_special_tokens=False))}

@@ -41,12 +41,14 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     arrival_time: float = field(default_factory=time.monotonic)
     prompt: str | None = None
+    cache_salt: str | None = None  # requests share cached prefixes only with the same salt
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     # Tokens whose K/V are in the cache. A request needs compute while this < num_tokens.
     num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     generator: torch.Generator | None = None
@@ -58,6 +60,11 @@ class Request:
         self.all_token_ids = list(self.prompt_token_ids)
         if self.sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+
+    @property
+    def cache_key(self) -> bytes:
+        """Extra bytes in every block hash: what besides the tokens makes K/V differ."""
+        return self.cache_salt.encode() if self.cache_salt else b""
 
     @property
     def num_prompt_tokens(self) -> int:

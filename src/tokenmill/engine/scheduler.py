@@ -2,7 +2,7 @@
 
 Each step: running requests get their tokens first (1 for decode, the next chunk for a
 prompt still being prefilled), then waiting requests are admitted FCFS, their prompts
-chunked to fit the budget. When a running request cannot get a block, the latest-arrived
+chunked to fit the budget, after the blocks the prefix cache already holds. When a running request cannot get a block, the latest-arrived
 running request is preempted: its blocks are freed and it goes back to the front of the
 waiting queue to be recomputed later, keeping the output it has produced.
 """
@@ -104,12 +104,17 @@ class Scheduler:
         # 2. Waiting requests, FCFS; never admit while a preemption happened this step.
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not out.preempted:
             req = self.waiting[0]
-            remaining = req.num_tokens - req.num_computed_tokens
+            computed = self.kv.get_computed_blocks(req)
+            num_cached = len(computed) * self.kv.block_size
+            remaining = req.num_tokens - num_cached
             if not cfg.enable_chunked_prefill and remaining > budget:
                 break
             n = min(remaining, budget)
-            if not self.kv.allocate_slots(req, n):
+            if not self.kv.allocate_slots(req, n, computed):
                 break
+            self.kv.record_admission(req, num_cached)
+            req.num_computed_tokens = num_cached
+            req.num_cached_tokens = num_cached
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             if req.scheduled_time is None:
@@ -139,6 +144,7 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             req.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_blocks(req)
             tok = sampled.get(req.request_id)
             if tok is None:
                 continue
@@ -167,4 +173,5 @@ class Scheduler:
             "num_waiting": len(self.waiting),
             "kv_cache_usage": self.kv.usage(),
             "num_preemptions": self.num_preemptions,
+            "prefix_cache_hit_rate": self.kv.stats.hit_rate,
         }

@@ -11,7 +11,7 @@ import time
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.outputs import RequestOutput
@@ -47,6 +47,18 @@ class _EngineGauges:
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
             g.add_metric(labels, float(value))
             yield g
+        stats = core.kv.stats  # cumulative, kept by the KV cache manager on the engine thread
+        for name, doc, value in (
+            ("tokenmill:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.queries),
+            ("tokenmill:prefix_cache_hits", "Prompt tokens served from the prefix cache.", stats.hits),
+        ):
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(labels, float(value))
+            yield c
+        g = GaugeMetricFamily("tokenmill:prefix_cache_hit_rate", "Prefix cache hits / queries since start.",
+                              labels=["model_name"])
+        g.add_metric(labels, stats.hit_rate)
+        yield g
 
 
 class ServerMetrics:

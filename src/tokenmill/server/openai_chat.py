@@ -147,14 +147,9 @@ async def _create_chat_completion(ctx: ServerContext, body: ChatCompletionReques
         id=request_id, created=created, model=ctx.model_name,
         choices=[ChatCompletionResponseChoice(index=0, message=ChatResponseMessage(content=c.text), logprobs=lp,
                                               finish_reason=c.finish_reason, stop_reason=c.stop_reason)],
-        usage=_usage(out),
+        usage=UsageInfo.from_outputs([out]),
     )
     return JSONResponse(resp.model_dump())
-
-
-def _usage(out: RequestOutput) -> UsageInfo:
-    p, c = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
-    return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
 
 
 def _entry(e: Logprob) -> dict:
@@ -187,8 +182,9 @@ async def _stream(ctx: ServerContext, body: ChatCompletionRequest, request_id: s
         return sse(d)
 
     try:
-        first = True
+        first, last = True, None
         async for _, out in merge(streams):
+            last = out
             c = out.outputs[0]
             p, n = len(out.prompt_token_ids), len(c.token_ids)
             usage.update(prompt_tokens=p, completion_tokens=n, total_tokens=p + n)
@@ -205,7 +201,7 @@ async def _stream(ctx: ServerContext, body: ChatCompletionRequest, request_id: s
             delta = {"content": c.delta_text} if c.delta_text or not out.finished else {}
             yield chunk(delta, lp, c.finish_reason, c.stop_reason)
         if include_usage:
-            yield sse({**base, "choices": [], "usage": usage})
+            yield sse({**base, "choices": [], "usage": UsageInfo.from_outputs([last]).model_dump() if last else usage})
     except (ValueError, RuntimeError, APIError) as e:
         yield stream_error_chunk(e)
     yield SSE_DONE

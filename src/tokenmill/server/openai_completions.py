@@ -134,12 +134,6 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]]
     return lp
 
 
-def _usage(outs: list[RequestOutput]) -> UsageInfo:
-    p = sum(len(o.prompt_token_ids) for o in outs)
-    c = sum(len(o.outputs[0].token_ids) for o in outs)
-    return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
-
-
 def _response(ctx, body, request_id, created, outs: list[RequestOutput], texts) -> CompletionResponse:
     choices = []
     for i, out in enumerate(outs):
@@ -151,7 +145,7 @@ def _response(ctx, body, request_id, created, outs: list[RequestOutput], texts) 
         choices.append(CompletionResponseChoice(index=i, text=prefix + c.text, logprobs=lp,
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
     return CompletionResponse(id=request_id, created=created, model=ctx.model_name, choices=choices,
-                              usage=_usage(outs))
+                              usage=UsageInfo.from_outputs(outs))
 
 
 async def _stream(ctx: ServerContext, body: CompletionRequest, request_id: str, created: int, streams, texts):
@@ -161,18 +155,15 @@ async def _stream(ctx: ServerContext, body: CompletionRequest, request_id: str, 
     n = len(streams)
     echoed = [False] * n
     offsets = [0] * n
-    prompt_tokens = [0] * n
-    completion_tokens = [0] * n
+    latest: dict[int, RequestOutput] = {}
 
     def usage() -> dict:
-        p, c = sum(prompt_tokens), sum(completion_tokens)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        return UsageInfo.from_outputs(latest.values()).model_dump()
 
     try:
         async for i, out in merge(streams):
             c = out.outputs[0]
-            prompt_tokens[i] = len(out.prompt_token_ids)
-            completion_tokens[i] = len(c.token_ids)
+            latest[i] = out
             text = c.delta_text
             if texts and not echoed[i]:
                 text = texts[i] + text

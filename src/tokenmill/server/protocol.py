@@ -39,10 +39,24 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool | None = Field(False, description="vLLM extra: usage in every chunk")
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @classmethod
+    def from_outputs(cls, outs) -> "UsageInfo":
+        """Summed over the (latest) RequestOutputs of one API request."""
+        p = sum(len(o.prompt_token_ids) for o in outs)
+        c = sum(len(o.outputs[0].token_ids) for o in outs)
+        cached = sum(o.num_cached_tokens for o in outs)
+        return cls(prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 class _SamplingFields(OpenAIBaseModel):
