@@ -19,6 +19,8 @@ _ENGINE_HELP = {
     "max_model_len": "context length (default: the model's)",
     "block_size": "tokens per KV cache block",
     "kv_cache_memory": "GiB of memory for the paged KV cache (default 4)",
+    "kv_cache_dtype": "auto (the model's dtype) | int8 (per-token, per-head scales: about half the memory "
+                      "of bfloat16)",
     "num_gpu_blocks_override": "exact number of KV blocks (overrides --kv-cache-memory)",
     "max_num_seqs": "most requests in one batch",
     "max_num_batched_tokens": "token budget of one engine step (default 2048)",

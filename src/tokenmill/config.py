@@ -18,6 +18,15 @@ _DTYPES = {
 }
 
 
+KV_CACHE_DTYPES = ("auto", "int8")
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str) -> str:
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
+    return kv_cache_dtype
+
+
 def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     """'auto' picks bfloat16: on AMX CPUs and on GPUs it is the faster choice for batched serving
     (measured: benchmarks/throughput.py); float16 is refused on CPU (slow, no real kernels)."""
@@ -41,6 +50,7 @@ class EngineArgs:
     max_model_len: int | None = None  # default: the model's context length (capped, see below)
     block_size: int = 16
     kv_cache_memory: float | None = None  # GiB for the KV pool; default: enough for the load
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 (per-token, per-head scales)
     num_gpu_blocks_override: int | None = None  # exact number of KV blocks (tests)
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # default: max(2048, max_model_len) capped
@@ -63,6 +73,7 @@ class ModelConfig:
     max_model_len: int
     name: str
     device: str = "cpu"
+    kv_cache_dtype: str = "auto"
 
     @property
     def num_layers(self) -> int:
@@ -83,8 +94,12 @@ class ModelConfig:
         return self.hf_config.vocab_size
 
     def kv_bytes_per_token(self) -> int:
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        """K and V of one token over all layers; int8 adds a float32 scale per kv head."""
+        if self.kv_cache_dtype == "int8":
+            per_head = self.head_dim + 4
+        else:
+            per_head = self.head_dim * torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * per_head
 
 
 @dataclass

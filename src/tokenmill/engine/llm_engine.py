@@ -9,7 +9,15 @@ import time
 
 import torch
 
-from tokenmill.config import CacheConfig, EngineArgs, EngineConfig, ModelConfig, SchedulerConfig, parse_dtype
+from tokenmill.config import (
+    CacheConfig,
+    EngineArgs,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    check_kv_cache_dtype,
+    parse_dtype,
+)
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.request import Request, RequestStatus
@@ -38,7 +46,8 @@ class LLMEngine:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length {model_max}")
         dtype = parse_dtype(args.dtype, args.device)
         name = args.served_model_name or (args.model or "SmolLM2-135M-Instruct")
-        model_config = ModelConfig(path, hf_config, dtype, max_model_len, name, args.device)
+        model_config = ModelConfig(path, hf_config, dtype, max_model_len, name, args.device,
+                                   check_kv_cache_dtype(args.kv_cache_dtype))
 
         block_size = args.block_size
         num_blocks = self._num_kv_blocks(args, model_config)
@@ -59,7 +68,8 @@ class LLMEngine:
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s); max concurrency at max_model_len %d: "
             "%.2fx; prefix caching %s", num_blocks - 1, block_size, usable_tokens,
-            num_blocks * block_size * model_config.kv_bytes_per_token() / 2**30, dtype, max_model_len,
+            num_blocks * block_size * model_config.kv_bytes_per_token() / 2**30,
+            dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype, max_model_len,
             (num_blocks - 1) / self.core.kv.blocks_needed(max_model_len),
             "on" if args.enable_prefix_caching else "off",
         )

@@ -29,14 +29,16 @@ class ModelRunner:
         # torch.empty: pages are touched on first use instead of a multi-second memset at start-up.
         # Nothing reads a slot before it is written, except the null block 0 that pads block
         # tables, which is zeroed here.
-        self.kv_cache = torch.empty(
-            cfg.num_layers, 2, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim,
-            dtype=cfg.dtype, device=self.device,
-        )
+        quantized = cfg.kv_cache_dtype == "int8"
+        shape = (cfg.num_layers, 2, num_blocks * block_size, cfg.num_kv_heads)
+        self.kv_cache = torch.empty(*shape, cfg.head_dim, dtype=torch.int8 if quantized else cfg.dtype,
+                                    device=self.device)
         self.kv_cache[:, :, :block_size].zero_()
+        # int8: one float32 scale per (layer, K/V, slot, kv head).
+        self.kv_scales = torch.zeros(*shape, dtype=torch.float32, device=self.device) if quantized else None
         self.attn = AttentionBackend(
             self.kv_cache, cfg.hf_config.num_attention_heads, cfg.num_kv_heads, cfg.head_dim,
-            use_cpp_kernels=cpu_kernels.enabled(),
+            use_cpp_kernels=cpu_kernels.enabled(), kv_scales=self.kv_scales,
         )
         self.sampler = Sampler(seed)
 

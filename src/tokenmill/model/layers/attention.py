@@ -5,9 +5,12 @@ tensors; the backend writes the new K/V into the paged cache at `meta.slot_mappi
 attends each request's queries to its keys read through its block table. The model never
 sees the cache layout, so a GPU backend (flash-attn, FlashInfer) can replace this one.
 
-CPU backend (torch only): decode requests (one query token each) are batched into one
-SDPA call over K/V gathered through their block tables; prompt chunks run one SDPA call
-each, causal with the cached prefix in front.
+CPU backend: decode requests (one query token each) go through one C++ kernel call that
+reads K/V in place through their block tables (a pure-torch gather + SDPA when the kernels
+are unavailable); prompt chunks run one SDPA call each, causal with the cached prefix in front.
+
+With an int8 cache (`--kv-cache-dtype int8`) each token's K and V are stored per kv head as
+int8 with one float32 scale (absmax / 127) and dequantized where they are read.
 """
 
 from __future__ import annotations
@@ -43,19 +46,29 @@ class AttentionMetadata:
     all_decode: bool = False  # every row is a decode row, in order: skip the scatter
 
 
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, Hkv, D] -> int8 [T, Hkv, D] and float32 scales [T, Hkv] (symmetric, per token and head)."""
+    xf = x.float()
+    scale = xf.abs().amax(-1).clamp_min_(1e-8).div_(127.0)
+    q = (xf / scale.unsqueeze(-1)).round_().clamp_(-127, 127).to(torch.int8)  # x itself stays intact
+    return q, scale
+
+
 class AttentionBackend:
     def __init__(self, kv_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                 use_cpp_kernels: bool = True):
-        # kv_cache: [num_layers, 2, num_slots, num_kv_heads, head_dim]
+                 use_cpp_kernels: bool = True, kv_scales: torch.Tensor | None = None):
+        # kv_cache: [num_layers, 2, num_slots, num_kv_heads, head_dim]; kv_scales (int8 cache
+        # only): [num_layers, 2, num_slots, num_kv_heads] float32.
         self.kv_cache = kv_cache
+        self.kv_scales = kv_scales
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.gqa = num_heads != num_kv_heads
         self.kernels = None
-        if (use_cpp_kernels and kv_cache.device.type == "cpu" and kv_cache.dtype in (torch.float32, torch.bfloat16)
-                and head_dim in KERNEL_HEAD_DIMS):
+        if (use_cpp_kernels and kv_cache.device.type == "cpu"
+                and kv_cache.dtype in (torch.float32, torch.bfloat16, torch.int8) and head_dim in KERNEL_HEAD_DIMS):
             from tokenmill.model.layers import cpu_kernels
 
             self.kernels = cpu_kernels.load()
@@ -63,14 +76,22 @@ class AttentionBackend:
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D]. Returns [T, H * D]."""
         k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        scales = None
+        if self.kv_scales is not None:
+            scales = (self.kv_scales[layer, 0], self.kv_scales[layer, 1])
+            for cache, scale_cache, x in ((k_cache, scales[0], k), (v_cache, scales[1], v)):
+                xq, xs = quantize_int8(x)
+                cache.index_copy_(0, meta.slot_mapping, xq)
+                scale_cache.index_copy_(0, meta.slot_mapping, xs)
+        else:
+            k_cache.index_copy_(0, meta.slot_mapping, k)
+            v_cache.index_copy_(0, meta.slot_mapping, v)
         T = q.shape[0]
         if meta.all_decode:
-            return self._decode(q, k_cache, v_cache, meta).reshape(T, -1)
+            return self._decode(q, k_cache, v_cache, meta, scales).reshape(T, -1)
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
-            out[meta.decode_rows] = self._decode(q[meta.decode_rows], k_cache, v_cache, meta)
+            out[meta.decode_rows] = self._decode(q[meta.decode_rows], k_cache, v_cache, meta, scales)
         for c in meta.prefills or ():
             qc = q[c.q_start : c.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if c.context_len == 0:  # whole prompt in this chunk: attend to the fresh K/V
@@ -78,8 +99,8 @@ class AttentionBackend:
                 vc = v[c.q_start : c.q_end].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=self.scale, enable_gqa=self.gqa)
             else:
-                kc = k_cache[c.kv_slots].transpose(0, 1).unsqueeze(0)
-                vc = v_cache[c.kv_slots].transpose(0, 1).unsqueeze(0)
+                kc = self._read(k_cache, c.kv_slots, scales, 0, q.dtype).transpose(0, 1).unsqueeze(0)
+                vc = self._read(v_cache, c.kv_slots, scales, 1, q.dtype).transpose(0, 1).unsqueeze(0)
                 n, L = c.q_end - c.q_start, c.kv_slots.shape[0]
                 # Query i sits at position context_len + i and sees keys 0..context_len + i.
                 mask = torch.ones(n, L, dtype=torch.bool).tril_(diagonal=c.context_len)
@@ -87,12 +108,21 @@ class AttentionBackend:
             out[c.q_start : c.q_end] = o.squeeze(0).transpose(0, 1)
         return out.reshape(T, -1)
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    @staticmethod
+    def _read(cache: torch.Tensor, slots: torch.Tensor, scales, kv: int, dtype: torch.dtype) -> torch.Tensor:
+        """Gather slots of a K or V cache in the compute dtype (dequantized when int8)."""
+        x = cache[slots]
+        if scales is None:
+            return x
+        return (x.float() * scales[kv][slots].unsqueeze(-1)).to(dtype)
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scales=None) -> torch.Tensor:
         """q: [Bd, H, D] -> [Bd, H, D], keys read through the block tables."""
         if self.kernels is not None:  # in place, no gathered copy of the cache
             return self.kernels.paged_decode(
                 q.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                meta.block_size, self.scale,
+                meta.block_size, self.scale, *(scales or ()),
             )
         # Pure-torch fallback: gather each request's keys [Bd, Hkv, Lmax, D] and mask the padding.
         bs = meta.block_size
@@ -102,7 +132,7 @@ class AttentionBackend:
         # Slots past a request's length may hold stale (even NaN) data: read the null block instead.
         slots = torch.where(valid, meta.decode_block_tables[:, pos // bs] * bs + pos % bs, 0)
         mask = valid.view(-1, 1, 1, L)
-        kc = k_cache[slots].transpose(1, 2)
-        vc = v_cache[slots].transpose(1, 2)
+        kc = self._read(k_cache, slots, scales, 0, q.dtype).transpose(1, 2)
+        vc = self._read(v_cache, slots, scales, 1, q.dtype).transpose(1, 2)
         o = F.scaled_dot_product_attention(q.unsqueeze(2), kc, vc, attn_mask=mask, scale=self.scale, enable_gqa=self.gqa)
         return o.squeeze(2)

@@ -1,12 +1,14 @@
 // Paged decode attention for CPU: one query token per sequence, K/V read in place through
 // block tables (no gathered copy of the cache). Parallel over (sequence, kv head) with ATen's
-// thread pool; scores and accumulation in float32; float32 or bfloat16 cache.
+// thread pool; scores and accumulation in float32; float32, bfloat16 or int8 cache (int8 with
+// one float32 scale per slot and kv head).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -18,13 +20,16 @@ inline float to_f(c10::BFloat16 x) {
   std::memcpy(&f, &bits, 4);
   return f;
 }
+inline float to_f(int8_t x) { return static_cast<float>(x); }
 inline void from_f(float v, float* dst) { *dst = v; }
 inline void from_f(float v, c10::BFloat16* dst) { *dst = c10::BFloat16(v); }
 
-template <typename T, int D>
-void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables,
-                   const int64_t* seq_lens, T* out, int64_t B, int64_t H, int64_t Hkv,
-                   int64_t block_size, int64_t max_blocks, float scale) {
+template <typename T, typename C, int D>
+void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const float* k_scale,
+                   const float* v_scale, const int64_t* tables, const int64_t* seq_lens, T* out,
+                   int64_t B, int64_t H, int64_t Hkv, int64_t block_size, int64_t max_blocks,
+                   float scale) {
+  constexpr bool quantized = std::is_same_v<C, int8_t>;
   // One pass over each block (online softmax, rescaled once per block): K and V rows of a
   // block are read once, straight from the paged cache.
   const int64_t G = H / Hkv;
@@ -44,16 +49,17 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
       for (int64_t t0 = 0; t0 < L; t0 += block_size) {
         const int64_t n = std::min(block_size, L - t0);
         const int64_t base = table[t0 / block_size] * block_size;
-        const T* kb = k_cache + base * row + h * D;
-        const T* vb = v_cache + base * row + h * D;
+        const C* kb = k_cache + base * row + h * D;
+        const C* vb = v_cache + base * row + h * D;
         for (int64_t j = 0; j < n; ++j) {
-          const T* kp = kb + j * row;
+          const C* kp = kb + j * row;
           for (int d = 0; d < D; ++d) kv[d] = to_f(kp[d]);
+          const float ks = quantized ? k_scale[(base + j) * Hkv + h] : 1.f;
           for (int64_t g = 0; g < G; ++g) {
             const float* qg = qf.data() + g * D;
             float dot = 0.f;
             for (int d = 0; d < D; ++d) dot += qg[d] * kv[d];
-            s[g * block_size + j] = dot;
+            s[g * block_size + j] = dot * ks;
           }
         }
         for (int64_t g = 0; g < G; ++g) {
@@ -73,8 +79,9 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
             for (int d = 0; d < D; ++d) ag[d] *= correction;
         }
         for (int64_t j = 0; j < n; ++j) {
-          const T* vp = vb + j * row;
-          for (int d = 0; d < D; ++d) kv[d] = to_f(vp[d]);
+          const C* vp = vb + j * row;
+          const float vs = quantized ? v_scale[(base + j) * Hkv + h] : 1.f;
+          for (int d = 0; d < D; ++d) kv[d] = to_f(vp[d]) * vs;
           for (int64_t g = 0; g < G; ++g) {
             const float p = s[g * block_size + j];
             float* ag = acc.data() + g * D;
@@ -90,48 +97,67 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
   });
 }
 
-template <typename T>
-void dispatch_head_dim(int64_t D, const T* q, const T* k, const T* v, const int64_t* tables,
-                       const int64_t* lens, T* out, int64_t B, int64_t H, int64_t Hkv, int64_t bs,
-                       int64_t mb, float scale) {
+template <typename T, typename C>
+void dispatch_head_dim(int64_t D, const T* q, const C* k, const C* v, const float* ks, const float* vs,
+                       const int64_t* tables, const int64_t* lens, T* out, int64_t B, int64_t H,
+                       int64_t Hkv, int64_t bs, int64_t mb, float scale) {
+#define TM_CASE(DIM) \
+  case DIM: return decode_kernel<T, C, DIM>(q, k, v, ks, vs, tables, lens, out, B, H, Hkv, bs, mb, scale);
   switch (D) {
-    case 16: return decode_kernel<T, 16>(q, k, v, tables, lens, out, B, H, Hkv, bs, mb, scale);
-    case 32: return decode_kernel<T, 32>(q, k, v, tables, lens, out, B, H, Hkv, bs, mb, scale);
-    case 64: return decode_kernel<T, 64>(q, k, v, tables, lens, out, B, H, Hkv, bs, mb, scale);
-    case 80: return decode_kernel<T, 80>(q, k, v, tables, lens, out, B, H, Hkv, bs, mb, scale);
-    case 96: return decode_kernel<T, 96>(q, k, v, tables, lens, out, B, H, Hkv, bs, mb, scale);
-    case 128: return decode_kernel<T, 128>(q, k, v, tables, lens, out, B, H, Hkv, bs, mb, scale);
-    case 256: return decode_kernel<T, 256>(q, k, v, tables, lens, out, B, H, Hkv, bs, mb, scale);
+    TM_CASE(16) TM_CASE(32) TM_CASE(64) TM_CASE(80) TM_CASE(96) TM_CASE(128) TM_CASE(256)
     default: TORCH_CHECK(false, "paged_decode: unsupported head_dim ", D);
   }
+#undef TM_CASE
 }
 
 }  // namespace
 
-// q: [B, H, D]; k_cache, v_cache: [slots, Hkv, D]; block_tables: [B, max_blocks] int64;
-// seq_lens: [B] int64 (keys per sequence, the new token included). Returns [B, H, D].
+// q: [B, H, D]; k_cache, v_cache: [slots, Hkv, D] (q's dtype, or int8 with k_scale / v_scale:
+// [slots, Hkv] float32); block_tables: [B, max_blocks] int64; seq_lens: [B] int64 (keys per
+// sequence, the new token included). Returns [B, H, D].
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, int64_t block_size,
-                           double scale) {
+                           double scale, c10::optional<torch::Tensor> k_scale,
+                           c10::optional<torch::Tensor> v_scale) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "int64 tables");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and cache dtype differ");
+  const bool quantized = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(quantized || q.scalar_type() == k_cache.scalar_type(), "q and cache dtype differ");
+  const float* ks = nullptr;
+  const float* vs = nullptr;
+  if (quantized) {
+    TORCH_CHECK(k_scale.has_value() && v_scale.has_value(), "an int8 cache needs its scales");
+    TORCH_CHECK(k_scale->scalar_type() == at::kFloat && k_scale->is_contiguous() &&
+                v_scale->scalar_type() == at::kFloat && v_scale->is_contiguous(), "float32 contiguous scales");
+    ks = k_scale->data_ptr<float>();
+    vs = v_scale->data_ptr<float>();
+  }
   auto bt = block_tables.contiguous();
   auto sl = seq_lens.contiguous();
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
   TORCH_CHECK(H % Hkv == 0, "heads not a multiple of kv heads");
   auto out = torch::empty_like(q);
+  const float sc = static_cast<float>(scale);
+  const int64_t* tp = bt.data_ptr<int64_t>();
+  const int64_t* lp = sl.data_ptr<int64_t>();
+  const int64_t mb = bt.size(1);
+  auto run = [&](auto* qp, auto* op) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(qp)>>;
+    if (quantized) {
+      dispatch_head_dim<T, int8_t>(D, qp, k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), ks, vs, tp, lp,
+                                   op, B, H, Hkv, block_size, mb, sc);
+    } else {
+      dispatch_head_dim<T, T>(D, qp, k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), ks, vs, tp, lp, op, B, H,
+                              Hkv, block_size, mb, sc);
+    }
+  };
   if (q.scalar_type() == at::kFloat) {
-    dispatch_head_dim<float>(D, q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                             bt.data_ptr<int64_t>(), sl.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, Hkv,
-                             block_size, bt.size(1), static_cast<float>(scale));
+    run(q.data_ptr<float>(), out.data_ptr<float>());
   } else if (q.scalar_type() == at::kBFloat16) {
     using BF = c10::BFloat16;
-    dispatch_head_dim<BF>(D, q.data_ptr<BF>(), k_cache.data_ptr<BF>(), v_cache.data_ptr<BF>(),
-                          bt.data_ptr<int64_t>(), sl.data_ptr<int64_t>(), out.data_ptr<BF>(), B, H, Hkv,
-                          block_size, bt.size(1), static_cast<float>(scale));
+    run(q.data_ptr<BF>(), out.data_ptr<BF>());
   } else {
-    TORCH_CHECK(false, "paged_decode: float32 or bfloat16 only");
+    TORCH_CHECK(false, "paged_decode: float32 or bfloat16 queries only");
   }
   return out;
 }
@@ -213,7 +239,9 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
+  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)", py::arg("q"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("block_size"), py::arg("scale"),
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
   m.def("rms_norm", &rms_norm, "RMSNorm, float32 inside");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
 }
