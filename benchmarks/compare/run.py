@@ -286,10 +286,13 @@ def measure_server(name: str, base_url: str, levels: dict[int, list], args, tm, 
         if exact_output_len:
             # the server sends no usage; streamed chunks can undercount tokens that decode to no text
             # (partial UTF-8). With EOS banned and max_tokens fixed it generates exactly output_len.
+            # A stream far shorter than that was cut off: count it as failed, not as output_len tokens.
             fixed = []
             for r, q in zip(res["requests"], reqs):
                 r = dict(r)
-                if r["success"]:
+                if r["success"] and r["output_tokens"] < 0.9 * q.output_len:
+                    r["success"], r["error"] = False, f"stream ended after {r['output_tokens']} of {q.output_len} tokens"
+                elif r["success"]:
                     r["output_tokens"] = q.output_len
                 fixed.append(RequestResult(**r))
             metrics = compute_metrics(fixed, metrics["duration_s"], {})
@@ -606,12 +609,15 @@ def main(argv=None) -> int:
                     py = str(peers["llamacpp"]["python"])
                     cmd = lambda port, g=gguf: [py, "-m", "llama_cpp.server", "--model", g, "--host", "127.0.0.1",  # noqa: E731
                                                 "--port", str(port), "--n_threads", str(threads),
-                                                "--n_threads_batch", str(threads), "--n_ctx", "2048"]
+                                                "--n_threads_batch", str(threads), "--n_ctx", "2048",
+                                                # its default cancels a running request when another arrives
+                                                "--interrupt_requests", "False"]
                     bias = {str(i): -100.0 for i in sorted(set(tok.all_special_ids or []))}
                     r = run_server_system(name, cmd, base_env, levels, args, tm, run_dir,
                                           extra_body={"logit_bias": bias}, exact_output_len=True)
                     r["how"] = (f"llama-cpp-python {LLAMA_CPP_VERSION} compiled from source, `python -m llama_cpp.server "
-                                f"--n_threads {threads} --n_threads_batch {threads} --n_ctx 2048` on `{Path(gguf).name}`; "
+                                f"--n_threads {threads} --n_threads_batch {threads} --n_ctx 2048 --interrupt_requests False` on "
+                                f"`{Path(gguf).name}` (one request at a time: its server does not batch requests); "
                                 "no ignore_eos, so the special tokens get a -100 logit bias; no usage in its stream, so "
                                 "output tokens are counted as max_tokens (see mean_streamed_tokens in the JSON).")
                 elif name == "hf-static":
