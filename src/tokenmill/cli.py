@@ -25,6 +25,8 @@ _ENGINE_HELP = {
     "max_num_seqs": "most requests in one batch",
     "max_num_batched_tokens": "token budget of one engine step (default 2048)",
     "enable_chunked_prefill": "split long prompts across steps",
+    "watermark_gamma": "green fraction of the vocabulary for watermarked requests (Kirchenbauer et al.)",
+    "watermark_delta": "logit bonus of green tokens for watermarked requests",
     "enable_prefix_caching": "reuse the KV blocks of prompt prefixes seen before (automatic prefix caching)",
     "seed": "seed of the sampler for requests without their own seed",
     "num_threads": "intra-op CPU threads (default: all cores)",
@@ -232,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenmill.bench.offline import add_offline_parsers
 
     add_offline_parsers(b)
+    from tokenmill.watermark import add_watermark_parsers
+
+    add_watermark_parsers(sub)
     return p
 
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from tokenmill.watermark import WatermarkConfig
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -56,6 +58,8 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None  # default: max(2048, max_model_len) capped
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    watermark_gamma: float = 0.5  # green fraction of the vocabulary for requests with watermark on
+    watermark_delta: float = 2.0  # logit bonus of green tokens
     seed: int = 0
     num_threads: int | None = None
     served_model_name: str | None = None
@@ -123,4 +127,5 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     seed: int = 0
+    watermark: WatermarkConfig = field(default_factory=WatermarkConfig)
     extra: dict = field(default_factory=dict)

@@ -31,6 +31,9 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; 0: sampled token only; N: plus top N
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    bad_words: list[str] | None = None  # words never generated (every tokenization the engine tries)
+    watermark: bool = False  # Kirchenbauer et al. green-list watermark (the engine's gamma / delta)
     # Filled in by the engine from the tokenizer / generation config.
     _eos_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -39,6 +42,9 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.bad_words = list(self.bad_words or [])
+        if self.logit_bias:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         if self.top_k == 0:
             self.top_k = -1
         self.validate()
@@ -73,6 +79,10 @@ class SamplingParams:
             bad(f"logprobs must be non-negative, got {self.logprobs}")
         if any(not s for s in self.stop):  # type: ignore[union-attr]
             bad("stop strings must be non-empty")
+        if self.logit_bias and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
+            bad("logit_bias values must be in [-100, 100]")
+        if any(not w.strip() for w in self.bad_words):  # type: ignore[union-attr]
+            bad("bad_words must be non-empty")
 
     @property
     def greedy(self) -> bool:

@@ -31,7 +31,8 @@ class EngineCore:
         cache = config.cache
         self.kv = KVCacheManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
-        self.runner = ModelRunner(config.model, config.cache.num_blocks, config.cache.block_size, config.seed)
+        self.runner = ModelRunner(config.model, config.cache.num_blocks, config.cache.block_size, config.seed,
+                                  config.watermark)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)

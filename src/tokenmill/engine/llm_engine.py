@@ -23,6 +23,7 @@ from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.watermark import WatermarkConfig
 
 logger = logging.getLogger("tokenmill")
 
@@ -59,6 +60,7 @@ class LLMEngine:
             cache=CacheConfig(block_size, num_blocks, args.enable_prefix_caching),
             scheduler=SchedulerConfig(args.max_num_seqs, batched, max_model_len, args.enable_chunked_prefill),
             seed=args.seed,
+            watermark=WatermarkConfig(args.watermark_gamma, args.watermark_delta),
         )
         self.core = EngineCore(self.config)
         self.output_processor = OutputProcessor(self.tokenizer.backend_tokenizer)
@@ -123,6 +125,8 @@ class LLMEngine:
         vocab = cfg.model.vocab_size
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+        if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         max_len = cfg.scheduler.max_model_len
         if len(ids) >= max_len:
             raise ValueError(
@@ -140,7 +144,18 @@ class LLMEngine:
                 f"KV cache holds {kv.num_usable_blocks} blocks; lower max_tokens or raise --kv-cache-memory"
             )
         rid = request_id if request_id is not None else str(next(self._ids))
-        return Request(rid, ids, params, eos_token_ids=self.eos_token_ids, prompt=text)
+        return Request(rid, ids, params, eos_token_ids=self.eos_token_ids, prompt=text,
+                       bad_words_token_ids=self._bad_words_ids(params.bad_words))
+
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as it would appear alone and after a space (vLLM's two spellings)."""
+        seqs: list[list[int]] = []
+        for word in words:
+            for text in (word.strip(), " " + word.strip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        return seqs
 
     def add_request(self, request_id: str | None, prompt: str | list[int],
                     params: SamplingParams | None = None) -> str:

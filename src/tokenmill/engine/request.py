@@ -42,6 +42,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     prompt: str | None = None
     cache_salt: str | None = None  # requests share cached prefixes only with the same salt
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # from SamplingParams.bad_words
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

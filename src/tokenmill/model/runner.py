@@ -12,12 +12,14 @@ from tokenmill.model.layers import cpu_kernels
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata, PrefillChunk
 from tokenmill.model.layers.sampler import Sampler, SamplerOutput, SamplingBatch
 from tokenmill.model.loader import load_model
+from tokenmill.watermark import WatermarkConfig
 
 logger = logging.getLogger("tokenmill")
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, num_blocks: int, block_size: int, seed: int = 0):
+    def __init__(self, model_config: ModelConfig, num_blocks: int, block_size: int, seed: int = 0,
+                 watermark: WatermarkConfig | None = None):
         self.config = model_config
         self.block_size = block_size
         self.device = model_config.device
@@ -40,7 +42,7 @@ class ModelRunner:
             self.kv_cache, cfg.hf_config.num_attention_heads, cfg.num_kv_heads, cfg.head_dim,
             use_cpp_kernels=cpu_kernels.enabled(), kv_scales=self.kv_scales,
         )
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(seed, watermark)
 
     # ---- batch preparation ------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:

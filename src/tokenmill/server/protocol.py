@@ -65,7 +65,7 @@ class _SamplingFields(OpenAIBaseModel):
     model: str | None = Field(None, description="served model name; omitted means the served model")
     frequency_penalty: float | None = Field(0.0, description="in [-2, 2]")
     presence_penalty: float | None = Field(0.0, description="in [-2, 2]")
-    logit_bias: dict[str, float] | None = Field(None, description="not supported: refused when non-empty")
+    logit_bias: dict[str, float] | None = Field(None, description="token id -> bias added to its logit, in [-100, 100]")
     n: int | None = Field(1, description="only 1 is supported for now")
     seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX, description="same seed, same output")
     stop: str | list[str] | None = Field(None, description="stop strings, never included in the output")
@@ -84,6 +84,9 @@ class _SamplingFields(OpenAIBaseModel):
     include_stop_str_in_output: bool = Field(False, description="vLLM extra")
     skip_special_tokens: bool = Field(True, description="vLLM extra: drop special tokens from the text")
     spaces_between_special_tokens: bool = Field(True, description="vLLM extra")
+    bad_words: list[str] | None = Field(None, description="vLLM extra: words never generated")
+    watermark: bool = Field(False, description="tokenmill extra: green-list watermark (Kirchenbauer et al.; "
+                            "detect with `tokenmill watermark detect`)")
 
 
 # ---- /v1/completions ---------------------------------------------------------------------

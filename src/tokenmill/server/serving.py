@@ -75,7 +75,11 @@ def check_sampling_fields(ctx: ServerContext, body) -> None:
     if body.n is not None and body.n != 1:
         raise APIError(f"n must be 1 (parallel sampling is not supported yet), got {body.n}", param="n")
     if body.logit_bias:
-        raise APIError("logit_bias is not supported", param="logit_bias")
+        try:
+            ids = [int(k) for k in body.logit_bias]
+        except ValueError:
+            raise APIError("logit_bias keys must be token ids", param="logit_bias") from None
+        check_token_ids(ctx, ids, "logit_bias")
     if body.stream_options is not None and not body.stream:
         raise APIError("stream_options can only be given when stream is true", param="stream_options")
     if body.stop_token_ids:
@@ -125,6 +129,7 @@ def sampling_params(body, max_tokens: int, logprobs: int | None) -> SamplingPara
             ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output,
             logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
             spaces_between_special_tokens=body.spaces_between_special_tokens,
+            logit_bias=body.logit_bias, bad_words=body.bad_words, watermark=body.watermark,
         )
     except ValueError as e:
         raise APIError.from_value_error(e) from None

@@ -53,7 +53,7 @@ class TGIParameters(BaseModel):
     top_p: float | None = Field(None, description="in (0, 1] (implies sampling)")
     truncate: int | None = Field(None, description="keep only the last N input tokens")
     typical_p: float | None = Field(None, description="not supported")
-    watermark: bool = Field(False, description="not supported")
+    watermark: bool = Field(False, description="green-list watermark (the server's --watermark-gamma / -delta)")
 
 
 class TGIRequest(BaseModel):
@@ -118,8 +118,6 @@ def _validate(ctx: ServerContext, req: TGIRequest) -> tuple[list[int], SamplingP
         raise _bad("`decoder_input_details` is not supported (no prompt logprobs)")
     if p.typical_p is not None and p.typical_p < 1.0:
         raise _bad("`typical_p` is not supported")
-    if p.watermark:
-        raise _bad("`watermark` is not supported")
     if p.temperature is not None and p.temperature <= 0:
         raise _bad("`temperature` must be strictly positive")
     if p.repetition_penalty is not None and p.repetition_penalty <= 0:
@@ -160,7 +158,7 @@ def _validate(ctx: ServerContext, req: TGIRequest) -> tuple[list[int], SamplingP
             seed=p.seed if sampling else None, repetition_penalty=p.repetition_penalty or 1.0,
             frequency_penalty=p.frequency_penalty or 0.0, max_tokens=max_new, stop=p.stop,
             include_stop_str_in_output=True,  # TGI's generated_text ends with the stop sequence
-            logprobs=p.top_n_tokens or 0,
+            logprobs=p.top_n_tokens or 0, watermark=p.watermark,
         )
     except ValueError as e:
         raise _bad(str(e)) from None

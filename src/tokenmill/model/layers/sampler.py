@@ -1,7 +1,7 @@
 """Batched sampling: per-request parameters become tensors, one pass over the batch.
 
-Order (as vLLM): penalties and min_tokens on the raw logits, then greedy rows take an exact
-argmax; the rest are scaled by temperature, truncated by top-k / top-p / min-p and sampled
+Order (as vLLM): penalties, min_tokens, bad words, logit_bias and the watermark on the raw
+logits, then greedy rows take an exact argmax; the rest are scaled by temperature, truncated by top-k / top-p / min-p and sampled
 with the exponential-race trick (argmax of p / Exp(1) noise), which lets a seeded request
 draw its noise from its own generator: the same seed gives the same tokens whatever batch
 it is in. Logprobs are those of the model's raw distribution (before any processing).
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.engine.request import Request
+from tokenmill.watermark import WatermarkConfig, apply_watermark
 
 
 @dataclass
@@ -30,8 +31,11 @@ class SamplingBatch:
     frequency_penalty: torch.Tensor | None
     output_counts: torch.Tensor | None  # [B, V] occurrences in the output so far
     seen_mask: torch.Tensor | None  # [B, V] in prompt or output (repetition penalty)
-    banned: list[tuple[int, list[int]]]  # (row, token ids) masked out: min_tokens not reached
+    banned: list[tuple[int, list[int]]]  # (row, token ids) masked out: min_tokens, bad words
     num_logprobs: list[int | None]
+    logit_bias: list[tuple[int, list[int], list[float]]]  # (row, token ids, biases)
+    watermark_rows: list[int]
+    watermark_prev: list[int]  # the token before each watermarked row's next one
 
     @classmethod
     def from_requests(cls, reqs: list[Request], vocab_size: int) -> "SamplingBatch":
@@ -60,19 +64,39 @@ class SamplingBatch:
                 counts[i].index_add_(0, out, torch.ones(len(out)))
                 seen[i, torch.tensor(r.all_token_ids, dtype=torch.long)] = True
 
-        banned = []
+        banned, bias, wm_rows, wm_prev = [], [], [], []
         for i, r in enumerate(reqs):
             p = r.sampling_params
+            ids = []
             if r.num_output_tokens < p.min_tokens:
                 ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
-                if ids:
-                    banned.append((i, ids))
+            ids += _bad_word_bans(r)
+            if ids:
+                banned.append((i, ids))
+            if p.logit_bias:
+                bias.append((i, list(p.logit_bias), list(p.logit_bias.values())))
+            if p.watermark:
+                wm_rows.append(i)
+                wm_prev.append(r.all_token_ids[-1])
         return cls(
             temperature=temps, all_greedy=all_greedy, top_k=top_k, top_p=top_p, min_p=min_p,
             generators=[r.generator for r in reqs], repetition_penalty=rep, presence_penalty=pres,
             frequency_penalty=freq, output_counts=counts, seen_mask=seen, banned=banned,
-            num_logprobs=[p.logprobs for p in ps],
+            num_logprobs=[p.logprobs for p in ps], logit_bias=bias, watermark_rows=wm_rows,
+            watermark_prev=wm_prev,
         )
+
+
+def _bad_word_bans(r: Request) -> list[int]:
+    """Tokens that would complete a bad word: a one-token word always, a longer one when the
+    output so far ends with all its tokens but the last (vLLM's rule)."""
+    out = r.output_token_ids
+    bans = []
+    for seq in r.bad_words_token_ids:
+        k = len(seq) - 1
+        if k == 0 or (len(out) >= k and out[-k:] == seq[:-1]):
+            bans.append(seq[-1])
+    return bans
 
 
 @dataclass
@@ -89,14 +113,15 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, watermark: WatermarkConfig | None = None):
         self.generator = torch.Generator().manual_seed(seed)
+        self.watermark = watermark or WatermarkConfig()
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits: [B, V] float32 from the model."""
         want_logprobs = any(n is not None for n in batch.num_logprobs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        logits = self._apply_penalties(logits, batch)
+        logits = self._process_logits(logits, batch)
         if batch.all_greedy:
             tokens = logits.max(dim=-1).indices  # faster than argmax on CPU, same first-max tie rule
         else:
@@ -117,9 +142,8 @@ class Sampler:
                 lps[i] = SampleLogprobs(float(tok_lp), rank, top)
         return SamplerOutput(token_list, lps)
 
-    @staticmethod
-    def _apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
-        if b.repetition_penalty is None and not b.banned:
+    def _process_logits(self, logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+        if b.repetition_penalty is None and not b.banned and not b.logit_bias and not b.watermark_rows:
             return logits
         logits = logits.clone()
         if b.repetition_penalty is not None:
@@ -128,6 +152,10 @@ class Sampler:
             logits = torch.where(b.seen_mask, penalized, logits)
             logits -= b.frequency_penalty.unsqueeze(1) * b.output_counts
             logits -= b.presence_penalty.unsqueeze(1) * (b.output_counts > 0).float()
+        for row, ids, values in b.logit_bias:
+            logits[row, ids] += torch.tensor(values, dtype=logits.dtype)
+        if b.watermark_rows:
+            apply_watermark(logits, b.watermark_rows, b.watermark_prev, self.watermark)
         for row, ids in b.banned:
             logits[row, ids] = float("-inf")
         return logits

@@ -1,0 +1,106 @@
+"""Watermarking (Kirchenbauer et al. 2023, "A Watermark for Large Language Models"), as TGI ships it.
+
+At each step the previous token seeds a generator that splits the vocabulary into a "green"
+fraction gamma and the rest; delta is added to the green logits before sampling, so green
+tokens become more likely. The detector needs no model: it re-derives each step's green list
+from the tokens alone and counts green tokens; without a watermark about gamma of them are
+green, so the z-score of the count says how unlikely the text is to be unwatermarked.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+HASH_KEY = 15485863  # TGI's (a large prime): the seed is HASH_KEY * previous token id
+
+
+@dataclass(frozen=True)
+class WatermarkConfig:
+    gamma: float = 0.5  # fraction of the vocabulary that is green at each step
+    delta: float = 2.0  # logit bonus of green tokens
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.gamma < 1.0:
+            raise ValueError(f"watermark gamma must be in (0, 1), got {self.gamma}")
+        if self.delta <= 0.0:
+            raise ValueError(f"watermark delta must be positive, got {self.delta}")
+
+
+def greenlist(prev_token: int, vocab_size: int, gamma: float) -> torch.Tensor:
+    """The green token ids after `prev_token`."""
+    g = torch.Generator().manual_seed(HASH_KEY * prev_token)
+    return torch.randperm(vocab_size, generator=g)[: int(vocab_size * gamma)]
+
+
+def apply_watermark(logits: torch.Tensor, rows: list[int], prev_tokens: list[int], cfg: WatermarkConfig) -> None:
+    """In place: add delta to the green logits of the given rows."""
+    V = logits.shape[-1]
+    for row, prev in zip(rows, prev_tokens):
+        logits[row, greenlist(prev, V, cfg.gamma)] += cfg.delta
+
+
+@dataclass
+class WatermarkScore:
+    num_tokens_scored: int
+    num_green_tokens: int
+    green_fraction: float
+    z_score: float
+
+    def detected(self, threshold: float = 4.0) -> bool:
+        return self.z_score > threshold
+
+
+def detect(token_ids: list[int], vocab_size: int, gamma: float = 0.5) -> WatermarkScore:
+    """Score a token sequence: each token after the first is checked against the green list its
+    predecessor seeds. The prompt's last token can lead `token_ids` to score the first output."""
+    T = len(token_ids) - 1
+    if T < 1:
+        raise ValueError("need at least 2 tokens to score a watermark")
+    green = 0
+    for prev, tok in zip(token_ids, token_ids[1:]):
+        g = torch.Generator().manual_seed(HASH_KEY * prev)
+        # The same permutation as greenlist(): tok is green when it lands in the first gamma part.
+        perm = torch.randperm(vocab_size, generator=g)
+        green += bool((perm[: int(vocab_size * gamma)] == tok).any())
+    z = (green - gamma * T) / math.sqrt(T * gamma * (1 - gamma))
+    return WatermarkScore(T, green, green / T, z)
+
+
+def detect_text(text: str, model: str | None = None, gamma: float = 0.5) -> WatermarkScore:
+    """Score text as the model's tokenizer splits it (no model weights needed)."""
+    from tokenmill.model.loader import load_hf_config, resolve_model_path
+    from tokenmill.tokenizer import load_tokenizer
+
+    path = resolve_model_path(model)
+    ids = load_tokenizer(path).encode(text, add_special_tokens=False)
+    return detect(ids, load_hf_config(path).vocab_size, gamma)
+
+
+def add_watermark_parsers(sub) -> None:
+    w = sub.add_parser("watermark", help="watermark tools").add_subparsers(dest="watermark_command", required=True)
+    d = w.add_parser("detect", help="z-score of a text against the green-list watermark",
+                     description="Re-derive each token's green list from the token before it and count green "
+                                 "tokens; prints a JSON score. z > 4 means watermarked with near certainty.")
+    d.add_argument("text", nargs="?", help="the text (or use --file)")
+    d.add_argument("--file", help="read the text from this file ('-' for stdin)")
+    d.add_argument("--model", default=None, help="the model whose tokenizer made the text (default: built-in)")
+    d.add_argument("--gamma", type=float, default=0.5, help="the server's --watermark-gamma (default 0.5)")
+    d.add_argument("--threshold", type=float, default=4.0, help="z-score above which it is watermarked")
+    d.set_defaults(func=_cmd_detect)
+
+
+def _cmd_detect(ns) -> int:
+    import json
+    import sys
+
+    if (ns.text is None) == (ns.file is None):
+        raise ValueError("give the text or --file, not both")
+    text = ns.text if ns.file is None else (sys.stdin.read() if ns.file == "-" else open(ns.file).read())
+    score = detect_text(text, ns.model, ns.gamma)
+    print(json.dumps({"z_score": round(score.z_score, 3), "green_fraction": round(score.green_fraction, 4),
+                      "num_tokens_scored": score.num_tokens_scored, "num_green_tokens": score.num_green_tokens,
+                      "watermarked": score.detected(ns.threshold)}))
+    return 0

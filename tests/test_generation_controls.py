@@ -1,0 +1,110 @@
+"""logit_bias, bad_words and watermarking, through the server with the official `openai` client."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from conftest import running_server
+
+from tokenmill.cli import main
+from tokenmill.watermark import WatermarkConfig, detect, detect_text, greenlist
+
+QUESTION = [{"role": "user", "content": "Tell me about the history of the Roman empire."}]
+
+
+@pytest.fixture(scope="module")
+def served(smollm2_dir):
+    with running_server(smollm2_dir, dtype="bfloat16", kv_cache_memory=0.5) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def url(served):
+    return served[0].url
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model(served):
+    return served[1].engine.config.model.name
+
+
+@pytest.fixture(scope="module")
+def tok(served):
+    return served[1].engine.tokenizer
+
+
+def test_logit_bias(client, model, tok):
+    rome = tok.encode(" Rome", add_special_tokens=False)[0]
+    r = client.completions.create(model=model, prompt="Once upon a time", max_tokens=6, temperature=0,
+                                  logit_bias={str(rome): 100}, logprobs=0)
+    assert r.choices[0].logprobs.tokens == [" Rome"] * 6
+    plain = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=3, temperature=0)
+    first = tok.encode(plain.choices[0].message.content, add_special_tokens=False)[0]
+    banned = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=3, temperature=0,
+                                            logit_bias={str(first): -100})
+    assert tok.encode(banned.choices[0].message.content, add_special_tokens=False)[0] != first
+    for bias, msg in (({"abc": 1}, "token ids"), ({"99999999": 1}, "token ids"), ({str(rome): 250}, "-100, 100")):
+        with pytest.raises(openai.BadRequestError, match=msg):
+            client.completions.create(model=model, prompt="Hi", max_tokens=2, logit_bias=bias)
+
+
+def test_bad_words(client, model):
+    plain = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=40, temperature=0)
+    assert "Roman" in plain.choices[0].message.content and "empire" in plain.choices[0].message.content
+    r = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=40, temperature=0,
+                                       extra_body={"bad_words": ["Roman", "empire"]})
+    text = r.choices[0].message.content
+    assert text and "Roman" not in text and "empire" not in text
+
+
+def _story(client, model, watermark: bool) -> str:
+    r = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Write a long story about a dragon who bakes bread."}],
+        max_tokens=200, temperature=1.0, seed=3, extra_body={"ignore_eos": True, "watermark": watermark})
+    assert r.usage.completion_tokens == 200
+    return r.choices[0].message.content
+
+
+def test_watermark_detected_only_when_on(client, model, smollm2_dir, capsys):
+    marked, plain = _story(client, model, True), _story(client, model, False)
+    z_marked = detect_text(marked, smollm2_dir).z_score
+    z_plain = detect_text(plain, smollm2_dir).z_score
+    assert z_marked > 4 and z_plain < 2, (z_marked, z_plain)
+    assert main(["watermark", "detect", "--model", smollm2_dir, marked]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["watermarked"] is True and out["z_score"] > 4 and out["num_tokens_scored"] > 150
+
+
+def test_watermark_tgi_parameter(url, smollm2_dir):
+    body = {"inputs": "The history of bread begins", "parameters": {
+        "max_new_tokens": 120, "do_sample": True, "seed": 1, "watermark": True}}
+    r = httpx.post(url + "/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert detect_text(r.json()["generated_text"], smollm2_dir).z_score > 4
+
+
+def test_detector_statistics():
+    V, cfg = 1000, WatermarkConfig()
+    assert len(greenlist(7, V, cfg.gamma)) == 500
+    assert not set(greenlist(7, V, 0.25).tolist()) - set(greenlist(7, V, 0.5).tolist())  # same permutation
+    # A sequence that always picks a green token scores z = sqrt(T); a random one scores near 0.
+    seq = [1]
+    for _ in range(100):
+        seq.append(int(greenlist(seq[-1], V, 0.5)[0]))
+    s = detect(seq, V)
+    assert s.num_green_tokens == 100 and s.z_score == pytest.approx(10.0)
+    import random
+
+    rng = random.Random(0)
+    assert abs(detect([rng.randrange(V) for _ in range(400)], V).z_score) < 4
+    with pytest.raises(ValueError):
+        WatermarkConfig(gamma=1.5)
