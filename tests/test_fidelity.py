@@ -71,3 +71,28 @@ def test_gguf_and_hf_folder_give_same_logits(tiny_llama_dir, tiny_llama_llm, tmp
         for da, db in zip(a.logprobs, b.logprobs):
             assert da.keys() == db.keys()
             assert all(abs(da[t].logprob - db[t].logprob) < 1e-5 for t in da)
+
+
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_prompt_logprobs_match_hf(tiny_llama_dir, chunk):
+    import torch
+    from hf_oracle import load_hf
+
+    from tokenmill import LLM
+
+    llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.01, max_num_batched_tokens=chunk)
+    ids = _prompt_ids(llm, PROMPTS)
+    # Twice: the second round's prompts are in the prefix cache, which prompt logprobs must bypass.
+    for _ in range(2):
+        outs = llm.generate(prompt_token_ids=ids, sampling_params=_greedy(max_tokens=2, prompt_logprobs=3))
+        for p, out in zip(ids, outs):
+            with torch.no_grad():
+                ref = torch.log_softmax(load_hf(tiny_llama_dir)(torch.tensor([p])).logits[0].float(), -1)
+            assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(p)
+            for i in range(1, len(p)):
+                step = out.prompt_logprobs[i]
+                assert abs(step[p[i]].logprob - float(ref[i - 1, p[i]])) < 1e-4
+                top = sorted((lp for lp in step.values() if lp.rank <= 3), key=lambda lp: lp.rank)
+                want = ref[i - 1].topk(3).values.tolist()
+                assert len(top) == 3 and all(abs(lp.logprob - v) < 1e-4 for lp, v in zip(top, want))
+    assert llm.engine.core.kv.num_free_blocks == llm.engine.core.kv.num_usable_blocks

@@ -399,3 +399,43 @@ def test_prefix_cache_in_usage_and_metrics(client, url, model, aengine):
     assert hits >= cached
     assert queries == first.usage.prompt_tokens + again.usage.prompt_tokens + second.usage.prompt_tokens
     assert 0 < after["tokenmill:prefix_cache_hit_rate"] <= 1
+
+
+def _hf_prompt_logprobs(model_dir, ids):
+    import torch
+    from hf_oracle import load_hf
+
+    with torch.no_grad():
+        lp = torch.log_softmax(load_hf(model_dir)(torch.tensor([ids])).logits[0].float(), -1)
+    return [float(lp[i, ids[i + 1]]) for i in range(len(ids) - 1)]
+
+
+def test_echo_logprobs_for_scoring(client, model, aengine, tiny_llama_dir, url):
+    """What evaluation harnesses send for log-likelihoods: echo, max_tokens 0 (or 1), logprobs."""
+    prompt = "The quick brown fox jumps over the lazy dog"
+    ids = aengine.engine.tokenizer.encode(prompt)
+    ref = _hf_prompt_logprobs(tiny_llama_dir, ids)
+    for _ in range(2):  # the second time the prompt's blocks are cached: prompt logprobs must bypass that
+        r = client.completions.create(model=model, prompt=prompt, echo=True, max_tokens=0, logprobs=2)
+        lp = r.choices[0].logprobs
+        assert r.choices[0].text == prompt and r.usage.completion_tokens == 0
+        assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:], ref)) < 1e-3
+        assert all(len(t) >= 1 for t in lp.top_logprobs[1:])
+    r = client.completions.create(model=model, prompt=prompt, echo=True, max_tokens=3, logprobs=1, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 3 and lp.token_logprobs[0] is None
+    assert lp.text_offset[len(ids)] == len(prompt)  # generated tokens start after the echoed prompt
+    assert r.choices[0].text.startswith(prompt)
+    # Streaming: the prompt's logprobs lead the first chunk.
+    body = {"model": model, "prompt": prompt, "echo": True, "max_tokens": 2, "logprobs": 0, "stream": True}
+    chunks = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[6:]))
+    first = chunks[0]["choices"][0]["logprobs"]
+    assert first["token_logprobs"][0] is None and len(first["token_logprobs"]) >= len(ids)
+    assert max(abs(a - b) for a, b in zip(first["token_logprobs"][1 : len(ids)], ref)) < 1e-3
+    assert _wait_idle(aengine)

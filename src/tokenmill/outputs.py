@@ -47,6 +47,8 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

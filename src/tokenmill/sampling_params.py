@@ -29,6 +29,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None: none; 0: sampled token only; N: plus top N
+    prompt_logprobs: int | None = None  # logprobs of each prompt token (after the first), plus top N
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
@@ -77,6 +78,8 @@ class SamplingParams:
             bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and self.logprobs < 0:
             bad(f"logprobs must be non-negative, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            bad(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}")
         if any(not s for s in self.stop):  # type: ignore[union-attr]
             bad("stop strings must be non-empty")
         if self.logit_bias and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):

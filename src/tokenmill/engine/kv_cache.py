@@ -146,8 +146,9 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> list[KVBlock]:
         """The longest run of cached blocks that starts the request's tokens. The last token is
-        never served from cache: the step needs its logits."""
-        if not self.enable_prefix_caching:
+        never served from cache: the step needs its logits (nor any token, for a request that
+        wants prompt logprobs)."""
+        if not self.enable_prefix_caching or request.prompt_logprobs is not None:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits = []

@@ -20,6 +20,7 @@ class RequestState:
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     sent_tokens: int = 0
+    prompt_logprobs: list | None = None  # converted once, when every prompt position is scored
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
 
@@ -96,8 +97,12 @@ class OutputProcessor:
             delta_text=delta_text,
             delta_token_ids=delta_ids,
         )
+        if state.prompt_logprobs is None and req.prompt_logprobs is not None \
+                and all(x is not None for x in req.prompt_logprobs):
+            state.prompt_logprobs = [None] + [self._logprob_dict(t, lp) for t, lp in
+                                              zip(req.prompt_token_ids[1:], req.prompt_logprobs)]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], finished, state.metrics,
-                             req.num_cached_tokens)
+                             req.num_cached_tokens, state.prompt_logprobs)
 
     def _logprob_dict(self, token_id: int, lp) -> dict[int, Logprob]:
         d = {token_id: Logprob(lp.token_logprob, lp.rank, self.tokenizer.decode([token_id], skip_special_tokens=False))}

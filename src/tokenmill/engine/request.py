@@ -43,6 +43,8 @@ class Request:
     prompt: str | None = None
     cache_salt: str | None = None  # requests share cached prefixes only with the same salt
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # from SamplingParams.bad_words
+    # prompt_logprobs[i]: logprobs of prompt token i + 1 (filled as prompt chunks run; None until then)
+    prompt_logprobs: list | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -59,6 +61,8 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * (len(self.prompt_token_ids) - 1)
         if self.sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
 

@@ -10,7 +10,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.model.layers import cpu_kernels
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata, PrefillChunk
-from tokenmill.model.layers.sampler import Sampler, SamplerOutput, SamplingBatch
+from tokenmill.model.layers.sampler import Sampler, SamplerOutput, SamplingBatch, score_tokens
 from tokenmill.model.loader import load_model
 from tokenmill.watermark import WatermarkConfig
 
@@ -96,12 +96,27 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> SamplerOutput | None:
         input_ids, positions, meta, logits_rows = self.prepare(sched)
         hidden = self.model(input_ids, positions, self.attn, meta)
+        self._prompt_logprobs(sched, hidden)
         if not logits_rows:
             return None
         logits = self.model.compute_logits(hidden[logits_rows])
         sampling_reqs = [s.request for s in sched.scheduled if s.samples]
         batch = SamplingBatch.from_requests(sampling_reqs, logits.shape[-1])
         return self.sampler(logits, batch)
+
+    def _prompt_logprobs(self, sched: SchedulerOutput, hidden: torch.Tensor) -> None:
+        """For requests that want prompt logprobs: score the prompt tokens this step's chunk
+        predicts (position p predicts token p + 1) into request.prompt_logprobs."""
+        row = 0
+        for s in sched.scheduled:
+            req, n = s.request, s.num_new_tokens
+            start, P = req.num_computed_tokens, req.num_prompt_tokens
+            if req.prompt_logprobs is not None and start < P - 1:
+                end = min(start + n, P - 1)  # the last prompt position predicts the first output
+                logits = self.model.compute_logits(hidden[row : row + end - start])
+                targets = req.prompt_token_ids[start + 1 : end + 1]
+                req.prompt_logprobs[start:end] = score_tokens(logits, targets, req.sampling_params.prompt_logprobs)
+            row += n
 
 
 def _slots_for(table: list[int], length: int, bs: int) -> torch.Tensor:

@@ -92,13 +92,18 @@ async def _create_completion(ctx: ServerContext, body: CompletionRequest, raw: R
         raise APIError(f"best_of must be 1 (not supported yet), got {body.best_of}", param="best_of")
     check_sampling_fields(ctx, body)
     check_logprobs(ctx, body.logprobs, "logprobs")
-    if body.echo and body.logprobs is not None:
-        raise APIError("echo with logprobs would need prompt logprobs, which are not supported", param="echo")
+    # Scoring calls (evaluation harnesses): echo=True, max_tokens 0, logprobs N: the prompt's logprobs only.
+    score_only = bool(body.echo) and body.max_tokens == 0
+    if score_only and body.stream:
+        raise APIError("max_tokens 0 (echo only) cannot be streamed", param="max_tokens")
     prompts = _prompts(ctx, body)
     params = []
     for _, ids in prompts:
-        max_tokens = resolve_max_tokens(ctx, len(ids), body.max_tokens)
-        params.append(sampling_params(body, max_tokens, body.logprobs))
+        max_tokens = resolve_max_tokens(ctx, len(ids), 1 if score_only else body.max_tokens)
+        sp = sampling_params(body, max_tokens, body.logprobs)
+        if body.echo and body.logprobs is not None:
+            sp.prompt_logprobs = body.logprobs
+        params.append(sp)
 
     request_id = new_request_id(raw, "cmpl")
     tracker = track(raw, request_id)
@@ -114,13 +119,23 @@ async def _create_completion(ctx: ServerContext, body: CompletionRequest, raw: R
     if body.stream:
         return SSEResponse(_stream(ctx, body, request_id, created, streams, texts))
     outs = await collect_all(streams)
-    return JSONResponse(_response(ctx, body, request_id, created, outs, texts).model_dump())
+    return JSONResponse(_response(ctx, body, request_id, created, outs, texts, score_only).model_dump())
 
 
-def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], offset: int) -> CompletionLogProbs:
-    """OpenAI's legacy shape; top_logprobs holds the sampled token and the top N, as vLLM's does."""
+def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob] | None], offset: int,
+                        tokenizer=None) -> CompletionLogProbs:
+    """OpenAI's legacy shape; top_logprobs holds the sampled token and the top N, as vLLM's does.
+    A None step (the first prompt token when echoing) has no logprob: its text comes from `tokenizer`."""
     lp = CompletionLogProbs()
     for tid, step in zip(token_ids, logprobs):
+        if step is None:
+            token = tokenizer.decode([tid])
+            lp.tokens.append(token)
+            lp.token_logprobs.append(None)
+            lp.top_logprobs.append(None)
+            lp.text_offset.append(offset)
+            offset += len(token)
+            continue
         chosen = step[tid]
         token = chosen.decoded_token or ""
         lp.tokens.append(token)
@@ -134,18 +149,30 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]]
     return lp
 
 
-def _response(ctx, body, request_id, created, outs: list[RequestOutput], texts) -> CompletionResponse:
+def _response(ctx, body, request_id, created, outs: list[RequestOutput], texts,
+              score_only: bool = False) -> CompletionResponse:
     choices = []
     for i, out in enumerate(outs):
         c = out.outputs[0]
         prefix = texts[i] if texts else ""
         lp = None
         if body.logprobs is not None and c.logprobs is not None:
-            lp = completion_logprobs(c.token_ids, c.logprobs, len(prefix))
-        choices.append(CompletionResponseChoice(index=i, text=prefix + c.text, logprobs=lp,
-                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            lp = CompletionLogProbs()
+            if out.prompt_logprobs is not None:  # echo: the prompt's tokens first
+                lp = completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, 0, ctx.tokenizer)
+            if not score_only:
+                gen = completion_logprobs(c.token_ids, c.logprobs, len(prefix))
+                for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                    getattr(lp, field).extend(getattr(gen, field))
+        text = prefix if score_only else prefix + c.text
+        choices.append(CompletionResponseChoice(index=i, text=text, logprobs=lp,
+                                                finish_reason="length" if score_only else c.finish_reason,
+                                                stop_reason=None if score_only else c.stop_reason))
+    usage = UsageInfo.from_outputs(outs)
+    if score_only:
+        usage.completion_tokens, usage.total_tokens = 0, usage.prompt_tokens
     return CompletionResponse(id=request_id, created=created, model=ctx.model_name, choices=choices,
-                              usage=UsageInfo.from_outputs(outs))
+                              usage=usage)
 
 
 async def _stream(ctx: ServerContext, body: CompletionRequest, request_id: str, created: int, streams, texts):
@@ -165,14 +192,22 @@ async def _stream(ctx: ServerContext, body: CompletionRequest, request_id: str, 
             c = out.outputs[0]
             latest[i] = out
             text = c.delta_text
+            echo_lp = False
             if texts and not echoed[i]:
                 text = texts[i] + text
                 echoed[i] = True
+                echo_lp = out.prompt_logprobs is not None
             lp = None
-            if body.logprobs is not None and c.logprobs is not None and c.delta_token_ids:
+            if body.logprobs is not None and c.logprobs is not None and (c.delta_token_ids or echo_lp):
                 k = len(c.delta_token_ids)
-                lp = completion_logprobs(c.delta_token_ids, c.logprobs[len(c.token_ids) - k:], offsets[i])
-                lp = lp.model_dump()
+                gen = completion_logprobs(c.delta_token_ids, c.logprobs[len(c.token_ids) - k:],
+                                          offsets[i] + len(text) - len(c.delta_text))
+                if echo_lp:  # the echoed prompt's logprobs lead the first chunk
+                    head = completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, 0, ctx.tokenizer)
+                    for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                        getattr(head, field).extend(getattr(gen, field))
+                    gen = head
+                lp = gen.model_dump()
             offsets[i] += len(text)
             if not text and lp is None and not out.finished:
                 continue

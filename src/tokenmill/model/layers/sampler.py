@@ -112,6 +112,19 @@ class SamplerOutput:
     logprobs: list[SampleLogprobs | None]
 
 
+def score_tokens(logits: torch.Tensor, targets: list[int], top_n: int) -> list[SampleLogprobs]:
+    """Logprob and rank of targets[i] under row i of logits, plus each row's top N."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    tgt = torch.tensor(targets, dtype=torch.long).unsqueeze(1)
+    chosen = lp.gather(1, tgt)
+    ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+    tops: list[list[tuple[int, float]]] = [[] for _ in targets]
+    if top_n > 0:
+        vals, ids = lp.topk(top_n, dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+    return [SampleLogprobs(c, r, t) for c, r, t in zip(chosen.squeeze(1).tolist(), ranks, tops)]
+
+
 class Sampler:
     def __init__(self, seed: int = 0, watermark: WatermarkConfig | None = None):
         self.generator = torch.Generator().manual_seed(seed)
