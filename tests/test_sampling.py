@@ -190,3 +190,28 @@ def test_max_tokens_capped_by_context(tiny_llama_dir):
 def test_stop_token_ids_out_of_vocab(tiny_llama_llm):
     with pytest.raises(ValueError, match="stop_token_ids"):
         tiny_llama_llm.generate("Hello", SamplingParams(stop_token_ids=[10**6], min_tokens=2))
+
+
+def test_n_and_best_of_offline(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.01)
+    prompt = "Samples share the prompt's blocks: " * 4
+    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    (out,) = llm.generate(prompt, params)
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3] and len({tuple(c.token_ids) for c in out.outputs}) > 1
+    # Sample i is the n=1 request with seed + i.
+    for i, c in enumerate(out.outputs):
+        alone = llm.generate(prompt, SamplingParams(temperature=1.0, seed=7 + i, max_tokens=8, ignore_eos=True))
+        assert alone[0].outputs[0].token_ids == c.token_ids
+    kv = llm.engine.core.kv
+    bs = llm.engine.config.cache.block_size
+    hits0 = kv.stats.hits
+    llm.generate("A fresh prompt that nobody has sent before, long enough for a block or two.", params)
+    n_prompt = len(llm.get_tokenizer().encode("A fresh prompt that nobody has sent before, long enough for a block or two."))
+    assert kv.stats.hits - hits0 == 3 * ((n_prompt - 1) // bs * bs)  # samples 2-4 reuse sample 1's blocks
+    (best,) = llm.generate(prompt, SamplingParams(n=2, best_of=5, temperature=1.0, seed=7, max_tokens=8, logprobs=0))
+    assert len(best.outputs) == 2 and best.outputs[0].cumulative_logprob >= best.outputs[1].cumulative_logprob
+    assert kv.num_free_blocks == kv.num_usable_blocks
+    with pytest.raises(ValueError, match="best_of"):
+        SamplingParams(n=3, best_of=2)
+    with pytest.raises(ValueError, match="one request per sample"):
+        next(llm.stream(prompt, params))

@@ -439,3 +439,50 @@ def test_echo_logprobs_for_scoring(client, model, aengine, tiny_llama_dir, url):
     assert first["token_logprobs"][0] is None and len(first["token_logprobs"]) >= len(ids)
     assert max(abs(a - b) for a, b in zip(first["token_logprobs"][1 : len(ids)], ref)) < 1e-3
     assert _wait_idle(aengine)
+
+
+def test_n_samples_share_the_prompt_and_are_indexed(client, model, aengine, url):
+    prompt = "Parallel samples of one prompt share its KV blocks, " * 3
+    kv = aengine.engine.core.kv
+    assert _wait_idle(aengine)
+    hits0 = kv.stats.hits
+    r = client.completions.create(model=model, prompt=[prompt, "Another prompt"], n=3, max_tokens=6,
+                                  temperature=1.0, seed=5, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == list(range(6))
+    assert len({c.text for c in r.choices[:3]}) > 1  # different samples
+    assert r.usage.completion_tokens == 36
+    assert r.usage.prompt_tokens == len(aengine.engine.tokenizer.encode(prompt)) + len(
+        aengine.engine.tokenizer.encode("Another prompt"))
+    bs = aengine.engine.config.cache.block_size
+    # Samples 2 and 3 of the long prompt found its full blocks cached by sample 1.
+    assert kv.stats.hits - hits0 >= 2 * ((len(aengine.engine.tokenizer.encode(prompt)) - 1) // bs * bs)
+    # Seeded: the same request gives the same samples.
+    again = client.completions.create(model=model, prompt=[prompt, "Another prompt"], n=3, max_tokens=6,
+                                      temperature=1.0, seed=5, extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in r.choices]
+    # best_of: the 2 most likely of 4 samples, in order.
+    b = client.completions.create(model=model, prompt=prompt, n=2, best_of=4, max_tokens=6, temperature=1.0,
+                                  seed=5, logprobs=0, extra_body={"ignore_eos": True})
+    sums = [sum(c.logprobs.token_logprobs) for c in b.choices]
+    assert len(b.choices) == 2 and sums[0] >= sums[1]
+    # Chat, streaming: every choice opens with the role and ends with a finish reason.
+    body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "n": 2, "max_tokens": 4,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    roles, finishes, usage = set(), {}, None
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as resp:
+        for line in resp.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            ev = json.loads(line[6:])
+            usage = ev.get("usage") or usage
+            for ch in ev["choices"]:
+                if ch["delta"].get("role"):
+                    roles.add(ch["index"])
+                if ch["finish_reason"]:
+                    finishes[ch["index"]] = ch["finish_reason"]
+    assert roles == {0, 1} and finishes == {0: "length", 1: "length"}
+    assert usage["completion_tokens"] == 8
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], n=2,
+                                          max_tokens=4, temperature=1.0, seed=1)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert _wait_idle(aengine)

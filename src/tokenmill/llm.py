@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from typing import Iterator, Sequence
 
 from tqdm import tqdm
@@ -35,15 +37,16 @@ class LLM:
         batch = _as_prompt_list(prompts, prompt_token_ids)
         params = _as_params_list(sampling_params, len(batch))
         # Validate everything before queueing anything, so a bad prompt leaves no work behind.
-        requests = [self.engine.make_request(p, sp) for p, sp in zip(batch, params)]
-        order = {self.engine.enqueue(req): i for i, req in enumerate(requests)}
-        results: list[RequestOutput | None] = [None] * len(batch)
-        bar = tqdm(total=len(batch), desc="generating", disable=not use_tqdm)
+        requests = [self.engine.make_requests(p, sp) for p, sp in zip(batch, params)]
+        order = {self.engine.enqueue(req): (i, j) for i, reqs in enumerate(requests) for j, req in enumerate(reqs)}
+        samples: list[list[RequestOutput | None]] = [[None] * len(reqs) for reqs in requests]
+        bar = tqdm(total=len(order), desc="generating", disable=not use_tqdm)
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.finished:
-                        results[order[out.request_id]] = out
+                        i, j = order[out.request_id]
+                        samples[i][j] = out
                         bar.update(1)
         except BaseException:
             for rid in order:
@@ -51,7 +54,7 @@ class LLM:
             raise
         finally:
             bar.close()
-        return results  # type: ignore[return-value]
+        return [merge_samples(outs, sp) for outs, sp in zip(samples, params)]  # type: ignore[arg-type]
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yields a RequestOutput per new token (delta_text holds the new text)."""
@@ -109,3 +112,21 @@ def _as_params_list(params, n: int) -> list[SamplingParams]:
 
 
 __all__ = ["LLM", "EngineArgs"]
+
+
+def merge_samples(outs: list[RequestOutput], params: SamplingParams) -> RequestOutput:
+    """The samples of one prompt as one RequestOutput: all n of them, or with best_of the n with
+    the highest cumulative logprob (vLLM's rule), indexed 0..n-1."""
+    if len(outs) == 1:
+        return outs[0]
+    comps = [o.outputs[0] for o in outs]
+    if params.num_samples > params.n:
+        comps = sorted(comps, key=lambda c: c.cumulative_logprob, reverse=True)[: params.n]
+        if params.logprobs is None:  # asked for internally, to rank
+            for c in comps:
+                c.logprobs = c.cumulative_logprob = None
+    for i, c in enumerate(comps):
+        c.index = i
+    first = outs[0]
+    return replace(first, request_id=first.request_id.rsplit("-", 1)[0], outputs=comps,
+                   num_cached_tokens=min(o.num_cached_tokens for o in outs))

@@ -13,7 +13,8 @@ class SamplingParams:
     temperature == 0 means greedy (exact argmax).
     """
 
-    n: int = 1
+    n: int = 1  # completions returned per prompt
+    best_of: int | None = None  # completions generated per prompt; the n most likely are returned
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 (or 0) disables
@@ -54,8 +55,10 @@ class SamplingParams:
         def bad(msg: str) -> None:
             raise ValueError(msg)
 
-        if self.n != 1:
-            bad(f"n must be 1 (parallel sampling is not supported yet), got {self.n}")
+        if self.n < 1:
+            bad(f"n must be at least 1, got {self.n}")
+        if self.best_of is not None and self.best_of < self.n:
+            bad(f"best_of must be greater than or equal to n, got n={self.n} and best_of={self.best_of}")
         if self.temperature < 0.0:
             bad(f"temperature must be non-negative, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -90,6 +93,24 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @property
+    def num_samples(self) -> int:
+        return self.best_of or self.n
+
+    def children(self) -> list["SamplingParams"]:
+        """One n=1 request per sample (vLLM V1 fans out the same way); child i of a seeded
+        request gets seed + i, so the samples differ but stay reproducible."""
+        out = []
+        for i in range(self.num_samples):
+            c = self.clone()
+            c.n, c.best_of = 1, None
+            if c.seed is not None:
+                c.seed += i
+            if self.num_samples > self.n and c.logprobs is None:
+                c.logprobs = 0  # best_of ranks by cumulative logprob
+            out.append(c)
+        return out
 
     def clone(self) -> "SamplingParams":
         import copy

@@ -70,7 +70,7 @@ class AsyncLLMEngine:
         return len(self._streams)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, parent_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yields RequestOutputs (with delta_text) until the request finishes.
         Raises ValueError for bad input, before the first output."""
         if not self.is_running:
@@ -78,7 +78,7 @@ class AsyncLLMEngine:
         rid = request_id or f"req-{next(self._ids)}"
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[rid] = stream
-        self._inbox.put(("add", rid, prompt, params))
+        self._inbox.put(("add", rid, prompt, params, parent_id))
         self._wakeup.set()
         finished = False
         try:
@@ -146,14 +146,14 @@ class AsyncLLMEngine:
                 return
             kind = msg[0]
             if kind == "add":
-                _, rid, prompt, params = msg
+                _, rid, prompt, params, parent_id = msg
                 stream = self._streams.get(rid)
                 if stream is None:  # the caller went away before we got to it
                     continue
                 try:
                     if self.max_waiting is not None and len(self.engine.core.scheduler.waiting) >= self.max_waiting:
                         raise QueueFullError(f"too many waiting requests (max {self.max_waiting}); retry later")
-                    self.engine.add_request(rid, prompt, params)
+                    self.engine.add_request(rid, prompt, params, parent_id)
                 except (ValueError, QueueFullError) as e:
                     stream.put(e)
                 except Exception as e:  # noqa: BLE001 - a bad request must not kill the engine loop

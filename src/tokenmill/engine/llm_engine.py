@@ -108,9 +108,12 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                     request_id: str | None = None) -> Request:
+                     request_id: str | None = None, parent_id: str | None = None) -> Request:
         """Validate and tokenize; raises ValueError naming the problem."""
         params = (params or SamplingParams()).clone()
+        if params.num_samples > 1:
+            raise ValueError("n > 1 or best_of > 1 makes one request per sample: use make_requests "
+                             "(LLM.generate and the server do)")
         cfg = self.config
         if isinstance(prompt, str):
             text = prompt
@@ -145,7 +148,7 @@ class LLMEngine:
             )
         rid = request_id if request_id is not None else str(next(self._ids))
         return Request(rid, ids, params, eos_token_ids=self.eos_token_ids, prompt=text,
-                       bad_words_token_ids=self._bad_words_ids(params.bad_words))
+                       bad_words_token_ids=self._bad_words_ids(params.bad_words), parent_id=parent_id)
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word as it would appear alone and after a space (vLLM's two spellings)."""
@@ -158,8 +161,18 @@ class LLMEngine:
         return seqs
 
     def add_request(self, request_id: str | None, prompt: str | list[int],
-                    params: SamplingParams | None = None) -> str:
-        return self.enqueue(self.make_request(prompt, params, request_id))
+                    params: SamplingParams | None = None, parent_id: str | None = None) -> str:
+        return self.enqueue(self.make_request(prompt, params, request_id, parent_id))
+
+    def make_requests(self, prompt: str | list[int], params: SamplingParams | None = None,
+                      request_id: str | None = None) -> list[Request]:
+        """One request per sample: `request_id` itself when n == 1 (and no best_of), else
+        `{request_id}-{i}` children sharing it as parent."""
+        params = params or SamplingParams()
+        if params.num_samples == 1:
+            return [self.make_request(prompt, params, request_id)]
+        parent = request_id if request_id is not None else f"p{next(self._ids)}"
+        return [self.make_request(prompt, child, f"{parent}-{i}", parent) for i, child in enumerate(params.children())]
 
     def enqueue(self, req: Request) -> str:
         """Queue a request already built (and validated) by make_request."""

@@ -104,6 +104,8 @@ class Scheduler:
         # 2. Waiting requests, FCFS; never admit while a preemption happened this step.
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not out.preempted:
             req = self.waiting[0]
+            if self._sibling_prefilling(req):
+                break  # next step it finds the shared prompt blocks in the prefix cache
             computed = self.kv.get_computed_blocks(req)
             num_cached = len(computed) * self.kv.block_size
             remaining = req.num_tokens - num_cached
@@ -125,6 +127,15 @@ class Scheduler:
 
         out.num_batched_tokens = cfg.max_num_batched_tokens - budget
         return out
+
+    def _sibling_prefilling(self, req: Request) -> bool:
+        """Parallel samples (n > 1) share their prompt's KV blocks through the prefix cache: a
+        sample waits while a sibling is still computing the prompt, then takes references on its
+        full blocks and recomputes only the last, partial one."""
+        if req.parent_id is None or not self.kv.enable_prefix_caching or req.prompt_logprobs is not None:
+            return False
+        return any(r.parent_id == req.parent_id and r.num_computed_tokens < r.num_prompt_tokens - 1
+                   for r in self.running)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -34,6 +34,7 @@ _PARAM_RE = re.compile(r"^`?([a-z_]+)")
 _SAMPLING_FIELDS = frozenset({
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
     "frequency_penalty", "max_tokens", "min_tokens", "stop", "stop_token_ids", "logprobs", "top_logprobs",
+    "best_of", "logit_bias", "bad_words", "prompt_logprobs",
 })
 
 

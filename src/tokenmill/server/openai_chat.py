@@ -8,6 +8,7 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from tokenmill.llm import merge_samples
 from tokenmill.outputs import Logprob, RequestOutput
 from tokenmill.server.errors import APIError
 from tokenmill.server.openai_completions import ERROR_RESPONSES
@@ -31,8 +32,8 @@ from tokenmill.server.serving import (
     check_sampling_fields,
     clamp_logprob,
     collect_all,
-    engine_stream,
     get_ctx,
+    sample_streams,
     log_ignored_fields,
     merge,
     new_request_id,
@@ -134,19 +135,21 @@ async def _create_chat_completion(ctx: ServerContext, body: ChatCompletionReques
     request_id = new_request_id(raw, "chatcmpl")
     tracker = track(raw, request_id)
     tracker.prompt_tokens = len(ids)
-    streams = await start_streams([engine_stream(ctx, ids, params, request_id, tracker)])
+    streams = await start_streams(sample_streams(ctx, ids, params, request_id, tracker, 0))
     created = int(time.time())
     if body.stream:
-        return SSEResponse(_stream(ctx, body, request_id, created, streams, top_n))
-    (out,) = await collect_all(streams)
-    c = out.outputs[0]
-    lp = None
-    if top_n is not None and c.logprobs is not None:
-        lp = ChatChoiceLogProbs(content=chat_logprobs(c.token_ids, c.logprobs, top_n))
+        return SSEResponse(_stream(ctx, body, request_id, created, streams, top_n, len(ids)))
+    out = merge_samples(await collect_all(streams), params)
+    choices = []
+    for c in out.outputs:
+        lp = None
+        if top_n is not None and c.logprobs is not None:
+            lp = ChatChoiceLogProbs(content=chat_logprobs(c.token_ids, c.logprobs, top_n))
+        choices.append(ChatCompletionResponseChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                                                    logprobs=lp, finish_reason=c.finish_reason,
+                                                    stop_reason=c.stop_reason))
     resp = ChatCompletionResponse(
-        id=request_id, created=created, model=ctx.model_name,
-        choices=[ChatCompletionResponseChoice(index=0, message=ChatResponseMessage(content=c.text), logprobs=lp,
-                                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)],
+        id=request_id, created=created, model=ctx.model_name, choices=choices,
         usage=UsageInfo.from_outputs([out]),
     )
     return JSONResponse(resp.model_dump())
@@ -167,30 +170,32 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], top_
 
 
 async def _stream(ctx: ServerContext, body: ChatCompletionRequest, request_id: str, created: int, streams,
-                  top_n: int | None):
+                  top_n: int | None, prompt_tokens: int):
+    """Stream i carries choice i (n > 1: one per sample)."""
     opts = body.stream_options
     include_usage = bool(opts and opts.include_usage)
     continuous = bool(include_usage and opts.continuous_usage_stats)
     base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name}
-    usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    latest: dict[int, RequestOutput] = {}
 
-    def chunk(delta: dict, logprobs=None, finish_reason=None, stop_reason=None) -> bytes:
-        d = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
-                                  "stop_reason": stop_reason}]}
+    def usage() -> dict:
+        return UsageInfo.from_outputs(latest.values(), prompt_tokens).model_dump()
+
+    def chunk(index: int, delta: dict, logprobs=None, finish_reason=None, stop_reason=None) -> bytes:
+        d = {**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                  "finish_reason": finish_reason, "stop_reason": stop_reason}]}
         if include_usage:
-            d["usage"] = dict(usage) if continuous else None
+            d["usage"] = usage() if continuous else None
         return sse(d)
 
     try:
-        first, last = True, None
-        async for _, out in merge(streams):
-            last = out
+        async for i, out in merge(streams):
+            opened = i in latest
+            latest[i] = out
             c = out.outputs[0]
-            p, n = len(out.prompt_token_ids), len(c.token_ids)
-            usage.update(prompt_tokens=p, completion_tokens=n, total_tokens=p + n)
-            if first:  # OpenAI opens every stream with the role
-                yield chunk({"role": "assistant", "content": ""})
-                first = False
+            n = len(c.token_ids)
+            if not opened:  # OpenAI opens every choice with the role
+                yield chunk(i, {"role": "assistant", "content": ""})
             lp = None
             if top_n is not None and c.logprobs is not None and c.delta_token_ids:
                 k = len(c.delta_token_ids)
@@ -199,9 +204,9 @@ async def _stream(ctx: ServerContext, body: ChatCompletionRequest, request_id: s
             if not c.delta_text and lp is None and not out.finished:
                 continue
             delta = {"content": c.delta_text} if c.delta_text or not out.finished else {}
-            yield chunk(delta, lp, c.finish_reason, c.stop_reason)
+            yield chunk(i, delta, lp, c.finish_reason, c.stop_reason)
         if include_usage:
-            yield sse({**base, "choices": [], "usage": UsageInfo.from_outputs([last]).model_dump() if last else usage})
+            yield sse({**base, "choices": [], "usage": usage()})
     except (ValueError, RuntimeError, APIError) as e:
         yield stream_error_chunk(e)
     yield SSE_DONE

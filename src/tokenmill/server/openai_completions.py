@@ -18,7 +18,9 @@ from tokenmill.server.protocol import (
     ErrorResponse,
     UsageInfo,
 )
+from tokenmill.llm import merge_samples
 from tokenmill.server.serving import (
+    MAX_N,
     SSE_DONE,
     SSEResponse,
     ServerContext,
@@ -27,8 +29,8 @@ from tokenmill.server.serving import (
     check_sampling_fields,
     check_token_ids,
     collect_all,
-    engine_stream,
     get_ctx,
+    sample_streams,
     log_ignored_fields,
     merge,
     new_request_id,
@@ -88,8 +90,10 @@ async def _create_completion(ctx: ServerContext, body: CompletionRequest, raw: R
     check_model(ctx, body.model)
     if body.suffix is not None:
         raise APIError("suffix is not supported (no fill-in-the-middle)", param="suffix")
-    if body.best_of is not None and body.best_of != 1:
-        raise APIError(f"best_of must be 1 (not supported yet), got {body.best_of}", param="best_of")
+    if body.best_of is not None and not 1 <= body.best_of <= MAX_N:
+        raise APIError(f"best_of must be in [1, {MAX_N}], got {body.best_of}", param="best_of")
+    if body.stream and body.best_of is not None and body.best_of > (body.n or 1):
+        raise APIError("best_of > n cannot be streamed (the best are known only at the end)", param="best_of")
     check_sampling_fields(ctx, body)
     check_logprobs(ctx, body.logprobs, "logprobs")
     # Scoring calls (evaluation harnesses): echo=True, max_tokens 0, logprobs N: the prompt's logprobs only.
@@ -109,17 +113,19 @@ async def _create_completion(ctx: ServerContext, body: CompletionRequest, raw: R
     tracker = track(raw, request_id)
     tracker.prompt_tokens = sum(len(ids) for _, ids in prompts)
     many = len(prompts) > 1
-    streams = [
-        engine_stream(ctx, ids, sp, f"{request_id}-{i}" if many else request_id, tracker, i)
-        for i, ((_, ids), sp) in enumerate(zip(prompts, params))
-    ]
+    S = params[0].num_samples  # engine requests per prompt; choice index = prompt * n + sample
+    streams = []
+    for i, ((_, ids), sp) in enumerate(zip(prompts, params)):
+        streams += sample_streams(ctx, ids, sp, f"{request_id}-{i}" if many else request_id, tracker, i * S)
     streams = await start_streams(streams)
     texts = [text if text is not None else ctx.tokenizer.decode(ids) for text, ids in prompts] if body.echo else None
     created = int(time.time())
     if body.stream:
-        return SSEResponse(_stream(ctx, body, request_id, created, streams, texts))
+        stream_texts = [texts[k // S] for k in range(len(streams))] if texts else None
+        return SSEResponse(_stream(ctx, body, request_id, created, streams, stream_texts, tracker.prompt_tokens))
     outs = await collect_all(streams)
-    return JSONResponse(_response(ctx, body, request_id, created, outs, texts, score_only).model_dump())
+    merged = [merge_samples(outs[i * S : (i + 1) * S], sp) for i, sp in enumerate(params)]
+    return JSONResponse(_response(ctx, body, request_id, created, merged, texts, score_only).model_dump())
 
 
 def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob] | None], offset: int,
@@ -153,21 +159,9 @@ def _response(ctx, body, request_id, created, outs: list[RequestOutput], texts,
               score_only: bool = False) -> CompletionResponse:
     choices = []
     for i, out in enumerate(outs):
-        c = out.outputs[0]
-        prefix = texts[i] if texts else ""
-        lp = None
-        if body.logprobs is not None and c.logprobs is not None:
-            lp = CompletionLogProbs()
-            if out.prompt_logprobs is not None:  # echo: the prompt's tokens first
-                lp = completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, 0, ctx.tokenizer)
-            if not score_only:
-                gen = completion_logprobs(c.token_ids, c.logprobs, len(prefix))
-                for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-                    getattr(lp, field).extend(getattr(gen, field))
-        text = prefix if score_only else prefix + c.text
-        choices.append(CompletionResponseChoice(index=i, text=text, logprobs=lp,
-                                                finish_reason="length" if score_only else c.finish_reason,
-                                                stop_reason=None if score_only else c.stop_reason))
+        for c in out.outputs:
+            choices.append(_choice(ctx, body, out, c, i * len(out.outputs) + c.index, texts[i] if texts else "",
+                                   score_only))
     usage = UsageInfo.from_outputs(outs)
     if score_only:
         usage.completion_tokens, usage.total_tokens = 0, usage.prompt_tokens
@@ -175,7 +169,24 @@ def _response(ctx, body, request_id, created, outs: list[RequestOutput], texts,
                               usage=usage)
 
 
-async def _stream(ctx: ServerContext, body: CompletionRequest, request_id: str, created: int, streams, texts):
+def _choice(ctx, body, out: RequestOutput, c, index: int, prefix: str, score_only: bool) -> CompletionResponseChoice:
+    lp = None
+    if body.logprobs is not None and c.logprobs is not None:
+        lp = CompletionLogProbs()
+        if out.prompt_logprobs is not None:  # echo: the prompt's tokens first
+            lp = completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, 0, ctx.tokenizer)
+        if not score_only:
+            gen = completion_logprobs(c.token_ids, c.logprobs, len(prefix))
+            for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                getattr(lp, field).extend(getattr(gen, field))
+    text = prefix if score_only else prefix + c.text
+    return CompletionResponseChoice(index=index, text=text, logprobs=lp,
+                                    finish_reason="length" if score_only else c.finish_reason,
+                                    stop_reason=None if score_only else c.stop_reason)
+
+
+async def _stream(ctx: ServerContext, body: CompletionRequest, request_id: str, created: int, streams, texts,
+                  prompt_tokens: int):
     opts = body.stream_options
     include_usage = bool(opts and opts.include_usage)
     continuous = bool(include_usage and opts.continuous_usage_stats)
@@ -185,7 +196,7 @@ async def _stream(ctx: ServerContext, body: CompletionRequest, request_id: str, 
     latest: dict[int, RequestOutput] = {}
 
     def usage() -> dict:
-        return UsageInfo.from_outputs(latest.values()).model_dump()
+        return UsageInfo.from_outputs(latest.values(), prompt_tokens).model_dump()
 
     try:
         async for i, out in merge(streams):

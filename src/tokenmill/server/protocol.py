@@ -50,10 +50,12 @@ class UsageInfo(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def from_outputs(cls, outs) -> "UsageInfo":
-        """Summed over the (latest) RequestOutputs of one API request."""
-        p = sum(len(o.prompt_token_ids) for o in outs)
-        c = sum(len(o.outputs[0].token_ids) for o in outs)
+    def from_outputs(cls, outs, prompt_tokens: int | None = None) -> "UsageInfo":
+        """Summed over the (latest) RequestOutputs of one API request, every sample of each;
+        `prompt_tokens` when the outputs repeat a prompt (one per sample)."""
+        outs = list(outs)
+        p = sum(len(o.prompt_token_ids) for o in outs) if prompt_tokens is None else prompt_tokens
+        c = sum(len(x.token_ids) for o in outs for x in o.outputs)
         cached = sum(o.num_cached_tokens for o in outs)
         return cls(prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
                    prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
@@ -66,7 +68,7 @@ class _SamplingFields(OpenAIBaseModel):
     frequency_penalty: float | None = Field(0.0, description="in [-2, 2]")
     presence_penalty: float | None = Field(0.0, description="in [-2, 2]")
     logit_bias: dict[str, float] | None = Field(None, description="token id -> bias added to its logit, in [-100, 100]")
-    n: int | None = Field(1, description="only 1 is supported for now")
+    n: int | None = Field(1, description="completions per prompt (the samples share the prompt's KV blocks)")
     seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX, description="same seed, same output")
     stop: str | list[str] | None = Field(None, description="stop strings, never included in the output")
     stream: bool | None = False
@@ -93,7 +95,8 @@ class _SamplingFields(OpenAIBaseModel):
 class CompletionRequest(_SamplingFields):
     prompt: Union[list[int], list[list[int]], str, list[str]] = Field(
         ..., description="a string, a list of strings, token ids, or a list of token id lists")
-    best_of: int | None = Field(None, description="only 1 is supported")
+    best_of: int | None = Field(None, description="completions generated per prompt, the n with the highest "
+                                                  "cumulative logprob returned; not with stream")
     echo: bool | None = Field(False, description="prepend the prompt to the completion")
     logprobs: int | None = Field(None, description="log probabilities of the sampled token and the top N (N <= 20)")
     max_tokens: int | None = Field(16, description="new tokens at most; null: up to the context length")

@@ -72,8 +72,8 @@ def log_ignored_fields(body) -> None:
 
 def check_sampling_fields(ctx: ServerContext, body) -> None:
     """Checks shared by completions and chat that SamplingParams does not make."""
-    if body.n is not None and body.n != 1:
-        raise APIError(f"n must be 1 (parallel sampling is not supported yet), got {body.n}", param="n")
+    if body.n is not None and not 1 <= body.n <= MAX_N:
+        raise APIError(f"n must be in [1, {MAX_N}], got {body.n}", param="n")
     if body.logit_bias:
         try:
             ids = [int(k) for k in body.logit_bias]
@@ -115,6 +115,18 @@ def resolve_max_tokens(ctx: ServerContext, n_prompt: int, max_tokens: int | None
     return max_tokens
 
 
+MAX_N = 128  # samples per prompt (n or best_of)
+
+
+def sample_streams(ctx: ServerContext, prompt_ids: list[int], params: SamplingParams, base_id: str,
+                   tracker: RequestTracker, first_index: int) -> list[AsyncGenerator[RequestOutput, None]]:
+    """One engine stream per sample of one prompt (n or best_of of them), sharing a parent id."""
+    if params.num_samples == 1:
+        return [engine_stream(ctx, prompt_ids, params, base_id, tracker, first_index)]
+    return [engine_stream(ctx, prompt_ids, child, f"{base_id}-{j}", tracker, first_index + j, parent_id=base_id)
+            for j, child in enumerate(params.children())]
+
+
 def sampling_params(body, max_tokens: int, logprobs: int | None) -> SamplingParams:
     """SamplingParams from the OpenAI / vLLM fields; its ValueErrors become 400s naming the field."""
     def opt(v, default):
@@ -130,6 +142,7 @@ def sampling_params(body, max_tokens: int, logprobs: int | None) -> SamplingPara
             logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
             spaces_between_special_tokens=body.spaces_between_special_tokens,
             logit_bias=body.logit_bias, bad_words=body.bad_words, watermark=body.watermark,
+            n=opt(body.n, 1), best_of=getattr(body, "best_of", None),
         )
     except ValueError as e:
         raise APIError.from_value_error(e) from None
@@ -183,9 +196,10 @@ def track(raw: Request, request_id: str) -> RequestTracker:
 
 # ---- engine streams -----------------------------------------------------------------------
 async def engine_stream(ctx: ServerContext, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                        tracker: RequestTracker, index: int = 0) -> AsyncGenerator[RequestOutput, None]:
+                        tracker: RequestTracker, index: int = 0,
+                        parent_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:
     """The engine's outputs for one prompt; closing it early aborts the request (counted)."""
-    gen = ctx.aengine.generate(prompt_ids, params, request_id)
+    gen = ctx.aengine.generate(prompt_ids, params, request_id, parent_id)
     finished = refused = False
     try:
         async for out in gen:
