@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenmill.structured_output import GuidedDecodingParams
+
 
 @dataclass
 class SamplingParams:
@@ -36,6 +38,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     bad_words: list[str] | None = None  # words never generated (every tokenization the engine tries)
     watermark: bool = False  # Kirchenbauer et al. green-list watermark (the engine's gamma / delta)
+    guided_decoding: GuidedDecodingParams | None = None  # JSON schema / regex / choice / grammar
     # Filled in by the engine from the tokenizer / generation config.
     _eos_token_ids: set[int] = field(default_factory=set, repr=False)
 

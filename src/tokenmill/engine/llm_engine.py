@@ -23,6 +23,7 @@ from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured_output import StructuredOutputManager
 from tokenmill.watermark import WatermarkConfig
 
 logger = logging.getLogger("tokenmill")
@@ -65,6 +66,7 @@ class LLMEngine:
         self.core = EngineCore(self.config)
         self.output_processor = OutputProcessor(self.tokenizer.backend_tokenizer)
         self.eos_token_ids = _eos_ids(path, self.tokenizer, hf_config)
+        self.structured_output = StructuredOutputManager(self.tokenizer, model_config.vocab_size, self.eos_token_ids)
         self._ids = itertools.count()
         usable_tokens = (num_blocks - 1) * block_size
         logger.info(
@@ -147,8 +149,11 @@ class LLMEngine:
                 f"KV cache holds {kv.num_usable_blocks} blocks; lower max_tokens or raise --kv-cache-memory"
             )
         rid = request_id if request_id is not None else str(next(self._ids))
-        return Request(rid, ids, params, eos_token_ids=self.eos_token_ids, prompt=text,
-                       bad_words_token_ids=self._bad_words_ids(params.bad_words), parent_id=parent_id)
+        req = Request(rid, ids, params, eos_token_ids=self.eos_token_ids, prompt=text,
+                      bad_words_token_ids=self._bad_words_ids(params.bad_words), parent_id=parent_id)
+        if params.guided_decoding is not None:
+            req.matcher = self.structured_output.matcher_for(params.guided_decoding)
+        return req
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word as it would appear alone and after a space (vLLM's two spellings)."""

@@ -43,6 +43,7 @@ class Request:
     prompt: str | None = None
     cache_salt: str | None = None  # requests share cached prefixes only with the same salt
     parent_id: str | None = None  # the samples of one n > 1 request share a parent
+    matcher: object | None = None  # llguidance matcher when the output is constrained (structured output)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # from SamplingParams.bad_words
     # prompt_logprobs[i]: logprobs of prompt token i + 1 (filled as prompt chunks run; None until then)
     prompt_logprobs: list | None = None

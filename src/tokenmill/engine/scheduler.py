@@ -160,6 +160,8 @@ class Scheduler:
             if tok is None:
                 continue
             req.append_output_token(tok)
+            if req.matcher is not None:
+                req.matcher.consume_token(tok)
             status = self._check_stop(req, tok)
             if status is not None:
                 self.finish_request(req.request_id, status)
@@ -176,6 +178,8 @@ class Scheduler:
                 return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
+        if req.matcher is not None and req.matcher.is_stopped():  # the grammar is complete
+            return RequestStatus.FINISHED_STOPPED
         return None
 
     def stats(self) -> dict[str, float]:

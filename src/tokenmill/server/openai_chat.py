@@ -114,8 +114,6 @@ async def _create_chat_completion(ctx: ServerContext, body: ChatCompletionReques
     log_ignored_fields(body)
     check_model(ctx, body.model)
     check_sampling_fields(ctx, body)
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise APIError("response_format other than {'type': 'text'} is not supported", param="response_format")
     if body.tools and body.tool_choice != "none":
         raise APIError("tool calling is not supported; send tool_choice 'none' or no tools", param="tools")
     top_n = None

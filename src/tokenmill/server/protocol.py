@@ -87,6 +87,10 @@ class _SamplingFields(OpenAIBaseModel):
     skip_special_tokens: bool = Field(True, description="vLLM extra: drop special tokens from the text")
     spaces_between_special_tokens: bool = Field(True, description="vLLM extra")
     bad_words: list[str] | None = Field(None, description="vLLM extra: words never generated")
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM extra: output follows this JSON schema")
+    guided_regex: str | None = Field(None, description="vLLM extra: output matches this regex")
+    guided_choice: list[str] | None = Field(None, description="vLLM extra: output is one of these strings")
+    guided_grammar: str | None = Field(None, description="vLLM extra: output follows this grammar (Lark or GBNF)")
     watermark: bool = Field(False, description="tokenmill extra: green-list watermark (Kirchenbauer et al.; "
                             "detect with `tokenmill watermark detect`)")
 
@@ -157,7 +161,9 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, description="top alternatives per token (0-20), needs logprobs")
     max_tokens: int | None = Field(None, description="deprecated by OpenAI in favour of max_completion_tokens")
     max_completion_tokens: int | None = Field(None, description="new tokens at most (default: up to the context)")
-    response_format: dict[str, Any] | None = Field(None, description="only {'type': 'text'} is supported")
+    response_format: dict[str, Any] | None = Field(
+        None, description="{'type': 'text'}, {'type': 'json_object'} or {'type': 'json_schema', 'json_schema': "
+                          "{'name': ..., 'schema': {...}}}: the output always parses (and follows the schema)")
     tools: list[dict[str, Any]] | None = Field(None, description="not supported (refused unless tool_choice is none)")
     tool_choice: str | dict[str, Any] | None = None
     # vLLM extras

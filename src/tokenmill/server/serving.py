@@ -20,6 +20,7 @@ from fastapi.responses import Response, StreamingResponse
 from tokenmill.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured_output import GuidedDecodingParams
 from tokenmill.server.errors import APIError, openai_error_body
 
 logger = logging.getLogger("tokenmill.server")
@@ -127,6 +128,32 @@ def sample_streams(ctx: ServerContext, prompt_ids: list[int], params: SamplingPa
             for j, child in enumerate(params.children())]
 
 
+def guided_params(body, response_format: dict | None = None) -> GuidedDecodingParams | None:
+    """Structured output from OpenAI's response_format or vLLM's guided_* fields (one of them)."""
+    given = {k: getattr(body, f"guided_{k}") for k in ("json", "regex", "choice", "grammar")
+             if getattr(body, f"guided_{k}") is not None}
+    kind = (response_format or {}).get("type", "text")
+    if kind == "json_object":
+        given["json_object"] = True
+    elif kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise APIError("response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}",
+                           param="response_format")
+        given["json"] = spec["schema"]
+    elif kind != "text":
+        raise APIError(f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                       param="response_format")
+    if not given:
+        return None
+    if len(given) > 1:
+        raise APIError(f"give one kind of structured output, not {sorted(given)}", param="response_format")
+    try:
+        return GuidedDecodingParams(**given)
+    except ValueError as e:
+        raise APIError(str(e), param="guided_choice" if "choice" in given else "response_format") from None
+
+
 def sampling_params(body, max_tokens: int, logprobs: int | None) -> SamplingParams:
     """SamplingParams from the OpenAI / vLLM fields; its ValueErrors become 400s naming the field."""
     def opt(v, default):
@@ -143,6 +170,7 @@ def sampling_params(body, max_tokens: int, logprobs: int | None) -> SamplingPara
             spaces_between_special_tokens=body.spaces_between_special_tokens,
             logit_bias=body.logit_bias, bad_words=body.bad_words, watermark=body.watermark,
             n=opt(body.n, 1), best_of=getattr(body, "best_of", None),
+            guided_decoding=guided_params(body, getattr(body, "response_format", None)),
         )
     except ValueError as e:
         raise APIError.from_value_error(e) from None

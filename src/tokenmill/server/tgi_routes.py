@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 import tokenmill
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured_output import GuidedDecodingParams
 from tokenmill.server.errors import APIError
 from tokenmill.server.serving import (
     SSEResponse,
@@ -54,6 +55,8 @@ class TGIParameters(BaseModel):
     truncate: int | None = Field(None, description="keep only the last N input tokens")
     typical_p: float | None = Field(None, description="not supported")
     watermark: bool = Field(False, description="green-list watermark (the server's --watermark-gamma / -delta)")
+    grammar: dict[str, Any] | None = Field(None, description='{"type": "json", "value": schema} or '
+                                                             '{"type": "regex", "value": "..."}')
 
 
 class TGIRequest(BaseModel):
@@ -158,11 +161,23 @@ def _validate(ctx: ServerContext, req: TGIRequest) -> tuple[list[int], SamplingP
             seed=p.seed if sampling else None, repetition_penalty=p.repetition_penalty or 1.0,
             frequency_penalty=p.frequency_penalty or 0.0, max_tokens=max_new, stop=p.stop,
             include_stop_str_in_output=True,  # TGI's generated_text ends with the stop sequence
-            logprobs=p.top_n_tokens or 0, watermark=p.watermark,
+            logprobs=p.top_n_tokens or 0, watermark=p.watermark, guided_decoding=_grammar(p.grammar),
         )
     except ValueError as e:
         raise _bad(str(e)) from None
     return ids, params, sampling
+
+
+def _grammar(g: dict | None) -> GuidedDecodingParams | None:
+    """TGI's grammar parameter as structured-output constraints."""
+    if g is None:
+        return None
+    kind, value = g.get("type"), g.get("value")
+    if kind == "json" and isinstance(value, (dict, str)):
+        return GuidedDecodingParams(json=value)
+    if kind == "regex" and isinstance(value, str):
+        return GuidedDecodingParams(regex=value)
+    raise ValueError('grammar must be {"type": "json", "value": <schema>} or {"type": "regex", "value": <regex>}')
 
 
 def _finish_reason(out: RequestOutput) -> str:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.engine.request import Request
+from tokenmill.structured_output import apply_grammar_masks
 from tokenmill.watermark import WatermarkConfig, apply_watermark
 
 
@@ -36,6 +37,7 @@ class SamplingBatch:
     logit_bias: list[tuple[int, list[int], list[float]]]  # (row, token ids, biases)
     watermark_rows: list[int]
     watermark_prev: list[int]  # the token before each watermarked row's next one
+    matchers: list | None = None  # structured output: a grammar matcher per row (None: free)
 
     @classmethod
     def from_requests(cls, reqs: list[Request], vocab_size: int) -> "SamplingBatch":
@@ -84,6 +86,7 @@ class SamplingBatch:
             frequency_penalty=freq, output_counts=counts, seen_mask=seen, banned=banned,
             num_logprobs=[p.logprobs for p in ps], logit_bias=bias, watermark_rows=wm_rows,
             watermark_prev=wm_prev,
+            matchers=[r.matcher for r in reqs] if any(r.matcher is not None for r in reqs) else None,
         )
 
 
@@ -156,7 +159,8 @@ class Sampler:
         return SamplerOutput(token_list, lps)
 
     def _process_logits(self, logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
-        if b.repetition_penalty is None and not b.banned and not b.logit_bias and not b.watermark_rows:
+        if b.repetition_penalty is None and not b.banned and not b.logit_bias and not b.watermark_rows \
+                and b.matchers is None:
             return logits
         logits = logits.clone()
         if b.repetition_penalty is not None:
@@ -171,6 +175,8 @@ class Sampler:
             apply_watermark(logits, b.watermark_rows, b.watermark_prev, self.watermark)
         for row, ids in b.banned:
             logits[row, ids] = float("-inf")
+        if b.matchers is not None:  # last: nothing may bring back a token the grammar forbids
+            apply_grammar_masks(logits, b.matchers)
         return logits
 
     def _sample(self, logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:

@@ -1,0 +1,112 @@
+"""Structured output: constrain sampling to a JSON schema, a regex, a choice or a grammar.
+
+llguidance (a Rust grammar engine, from PyPI) does the work: a matcher per request follows the
+tokens it has produced and computes, at each step, the bitmask of tokens that keep the output
+inside the grammar. The sampler fills the masks of every constrained row of the batch into one
+bitmask tensor and applies it to all the logits at once. A grammar is compiled once; later
+requests with the same grammar get a copy of the compiled matcher.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class GuidedDecodingParams:
+    """One of these (vLLM's names): a JSON schema, any JSON object, a regex, a list of choices,
+    or a grammar (Lark, or GBNF as llama.cpp writes it)."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"guided decoding needs exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {given or 'none'}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("guided choice must be a non-empty list of non-empty strings")
+
+    def to_grammar(self) -> str:
+        """The llguidance grammar for these constraints."""
+        from llguidance import grammar_from
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        if self.json is not None:
+            schema = self.json if isinstance(self.json, str) else json.dumps(self.json)
+            return grammar_from("json_schema", schema)
+        if self.json_object:
+            return grammar_from("json_schema", json.dumps({"type": "object"}))
+        if self.regex is not None:
+            return grammar_from("regex", self.regex)
+        if self.choice is not None:
+            return grammar_from("lark", "start: " + " | ".join(json.dumps(c) for c in self.choice))
+        try:
+            lark = any_to_lark(self.grammar)  # GBNF (llama.cpp's `root ::= ...`) becomes Lark; Lark stays
+        except Exception as e:  # noqa: BLE001 - the converter's own error types
+            raise ValueError(f"invalid grammar: {e}") from None
+        return grammar_from("lark", lark)
+
+
+class StructuredOutputManager:
+    """Per engine: the llguidance tokenizer (built on first use) and compiled grammars."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: frozenset[int], cache_size: int = 256):
+        self.hf_tokenizer = hf_tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self._lltok = None
+        self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()  # requests are built on the server's thread too
+
+    @property
+    def lltokenizer(self):
+        if self._lltok is None:
+            import llguidance.hf
+
+            self._lltok = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
+                                                       eos_token=self.eos_token_ids or None)
+        return self._lltok
+
+    def matcher_for(self, params: GuidedDecodingParams):
+        """A fresh matcher for one request; ValueError if the grammar does not compile."""
+        from llguidance import LLMatcher
+
+        grammar = params.to_grammar()
+        with self._lock:
+            template = self._compiled.get(grammar)
+            if template is None:
+                template = LLMatcher(self.lltokenizer, grammar)
+                if template.is_error():
+                    raise ValueError(f"invalid guided decoding grammar: {template.get_error()}")
+                self._compiled[grammar] = template
+                if len(self._compiled) > self._cache_size:
+                    self._compiled.popitem(last=False)
+            else:
+                self._compiled.move_to_end(grammar)
+            return template.deep_copy()
+
+
+def apply_grammar_masks(logits: torch.Tensor, matchers: list) -> None:
+    """In place: mask the logits of every row whose matcher is not None to its allowed tokens,
+    in one pass over the batch."""
+    import llguidance.torch as lt
+
+    bitmask = lt.allocate_token_bitmask(logits.shape[0], logits.shape[1])
+    bitmask.fill_(-1)  # all allowed for unconstrained rows
+    for row, m in enumerate(matchers):
+        if m is not None:
+            lt.fill_next_token_bitmask(m, bitmask, row)
+    lt.apply_token_bitmask_inplace(logits, bitmask)

@@ -1,0 +1,90 @@
+"""Structured output (llguidance) through the server with the official `openai` client."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import openai
+import pytest
+from conftest import running_server
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30}, "age": {"type": "integer"},
+                                           "tags": {"type": "array", "maxItems": 3,
+                                                    "items": {"type": "string", "maxLength": 20}}},
+          "required": ["name", "age", "tags"], "additionalProperties": False}
+ASK = [{"role": "user", "content": "Describe a person as JSON."}]
+
+
+@pytest.fixture(scope="module")
+def served(smollm2_dir):
+    with running_server(smollm2_dir, dtype="bfloat16", kv_cache_memory=0.5) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def url(served):
+    return served[0].url
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model(served):
+    return served[1].engine.config.model.name
+
+
+def test_json_schema_always_parses(client, model):
+    r = client.chat.completions.create(
+        model=model, messages=ASK, n=4, temperature=1.0, seed=0, max_tokens=300,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}})
+    for choice in r.choices:
+        obj = json.loads(choice.message.content)
+        assert set(obj) == {"name", "age", "tags"} and isinstance(obj["name"], str)
+        assert isinstance(obj["age"], int) and all(isinstance(t, str) for t in obj["tags"])
+        assert choice.finish_reason == "stop"
+
+
+def test_json_object_and_vllm_guided_json(client, model):
+    r = client.chat.completions.create(model=model, messages=ASK, temperature=0.7, seed=1, max_tokens=200,
+                                       response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    c = client.completions.create(model=model, prompt="A person:", max_tokens=200, temperature=0.7, seed=2,
+                                  extra_body={"guided_json": SCHEMA})
+    assert set(json.loads(c.choices[0].text)) == {"name", "age", "tags"}
+
+
+def test_regex_choice_and_grammar(client, model, url):
+    r = client.completions.create(model=model, prompt="Call me at", max_tokens=20, temperature=1.0, seed=3,
+                                  extra_body={"guided_regex": "[0-9]{3}-[0-9]{4}"})
+    assert re.fullmatch("[0-9]{3}-[0-9]{4}", r.choices[0].text)
+    choices = ["positive", "negative", "neutral"]
+    stream = client.chat.completions.create(
+        model=model, stream=True, max_tokens=10,
+        messages=[{"role": "user", "content": "Sentiment of: I love it!"}], extra_body={"guided_choice": choices})
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) in choices
+    lark = client.completions.create(model=model, prompt="Answer:", max_tokens=10, temperature=1.0, seed=4,
+                                     extra_body={"guided_grammar": 'start: "yes" | "no"'})
+    assert lark.choices[0].text in ("yes", "no")
+    gbnf = client.completions.create(model=model, prompt="Count:", max_tokens=10, temperature=1.0, seed=5,
+                                     extra_body={"guided_grammar": 'root ::= ("one" | "two") " " ("cat" | "dog")'})
+    assert re.fullmatch("(one|two) (cat|dog)", gbnf.choices[0].text)
+    # TGI's grammar parameter.
+    small = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+             "required": ["name", "age"], "additionalProperties": False}
+    t = httpx.post(url + "/generate", timeout=120, json={"inputs": "A person as JSON:", "parameters": {
+        "max_new_tokens": 100, "grammar": {"type": "json", "value": small}}})
+    assert t.status_code == 200, t.text
+    assert set(json.loads(t.json()["generated_text"])) == {"name", "age"}
+    bad = httpx.post(url + "/generate", timeout=30, json={"inputs": "x", "parameters": {"grammar": {"type": "xml"}}})
+    assert bad.status_code == 422
+
+
+def test_bad_grammar_is_a_400(client, model):
+    with pytest.raises(openai.BadRequestError, match="grammar"):
+        client.completions.create(model=model, prompt="x", max_tokens=5, extra_body={"guided_regex": "(unclosed"})
