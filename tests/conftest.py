@@ -76,3 +76,16 @@ def running_server(model_dir: str, **engine_kwargs):
     finally:
         server.stop()
         aengine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(smollm2_dir):
+    """SmolLM2 (bf16) behind a real server, one per test module: .url, .aengine, .model, .client (openai)."""
+    import types
+
+    import openai
+
+    with running_server(smollm2_dir, dtype="bfloat16", kv_cache_memory=0.5) as (server, aengine):
+        with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+            yield types.SimpleNamespace(url=server.url, aengine=aengine, client=client,
+                                        model=aengine.engine.config.model.name)

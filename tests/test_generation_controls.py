@@ -7,7 +7,6 @@ import json
 import httpx
 import openai
 import pytest
-from conftest import running_server
 
 from tokenmill.cli import main
 from tokenmill.watermark import WatermarkConfig, detect, detect_text, greenlist
@@ -16,30 +15,23 @@ QUESTION = [{"role": "user", "content": "Tell me about the history of the Roman 
 
 
 @pytest.fixture(scope="module")
-def served(smollm2_dir):
-    with running_server(smollm2_dir, dtype="bfloat16", kv_cache_memory=0.5) as s:
-        yield s
+def url(smollm2_server):
+    return smollm2_server.url
 
 
 @pytest.fixture(scope="module")
-def url(served):
-    return served[0].url
+def client(smollm2_server):
+    return smollm2_server.client
 
 
 @pytest.fixture(scope="module")
-def client(url):
-    with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
+def model(smollm2_server):
+    return smollm2_server.model
 
 
 @pytest.fixture(scope="module")
-def model(served):
-    return served[1].engine.config.model.name
-
-
-@pytest.fixture(scope="module")
-def tok(served):
-    return served[1].engine.tokenizer
+def tok(smollm2_server):
+    return smollm2_server.aengine.engine.tokenizer
 
 
 def test_logit_bias(client, model, tok):

@@ -8,7 +8,6 @@ import re
 import httpx
 import openai
 import pytest
-from conftest import running_server
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30}, "age": {"type": "integer"},
                                            "tags": {"type": "array", "maxItems": 3,
@@ -18,25 +17,18 @@ ASK = [{"role": "user", "content": "Describe a person as JSON."}]
 
 
 @pytest.fixture(scope="module")
-def served(smollm2_dir):
-    with running_server(smollm2_dir, dtype="bfloat16", kv_cache_memory=0.5) as s:
-        yield s
+def url(smollm2_server):
+    return smollm2_server.url
 
 
 @pytest.fixture(scope="module")
-def url(served):
-    return served[0].url
+def client(smollm2_server):
+    return smollm2_server.client
 
 
 @pytest.fixture(scope="module")
-def client(url):
-    with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model(served):
-    return served[1].engine.config.model.name
+def model(smollm2_server):
+    return smollm2_server.model
 
 
 def test_json_schema_always_parses(client, model):
