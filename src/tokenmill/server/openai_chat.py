@@ -45,6 +45,13 @@ from tokenmill.server.serving import (
     stream_error_chunk,
     track,
 )
+from tokenmill.server.tool_calls import (
+    ToolPlan,
+    add_tool_prompt,
+    parse_tool_calls,
+    plan_tools,
+    template_knows_tools,
+)
 
 router = APIRouter(tags=["OpenAI"])
 
@@ -82,12 +89,17 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict]:
         d = {"role": m.role, "content": content}
         if m.name is not None:
             d["name"] = m.name
+        if m.tool_calls:
+            d["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
         out.append(d)
     return out
 
 
 def render_chat(ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool,
-                continue_final_message: bool, chat_template: str | None, kwargs: dict | None) -> list[int]:
+                continue_final_message: bool, chat_template: str | None, kwargs: dict | None,
+                tools: ToolPlan | None = None) -> list[int]:
     if add_generation_prompt and continue_final_message:
         raise APIError("add_generation_prompt and continue_final_message cannot both be true; "
                        "set add_generation_prompt to false to continue the last message",
@@ -100,6 +112,11 @@ def render_chat(ctx: ServerContext, messages: list[ChatMessage], add_generation_
     template = chat_template or ctx.chat_template
     if template:
         kw["chat_template"] = template
+    if tools is not None:
+        if template_knows_tools(template or getattr(ctx.engine.tokenizer, "chat_template", None)):
+            kw["tools"] = [{"type": "function", "function": f} for f in tools.tools]
+        else:
+            msgs = add_tool_prompt(msgs, tools)
     if continue_final_message:
         kw["continue_final_message"] = True
     try:
@@ -114,8 +131,7 @@ async def _create_chat_completion(ctx: ServerContext, body: ChatCompletionReques
     log_ignored_fields(body)
     check_model(ctx, body.model)
     check_sampling_fields(ctx, body)
-    if body.tools and body.tool_choice != "none":
-        raise APIError("tool calling is not supported; send tool_choice 'none' or no tools", param="tools")
+    plan = plan_tools(body.tools, body.tool_choice)
     top_n = None
     if body.top_logprobs is not None:
         if not body.logprobs:
@@ -124,11 +140,17 @@ async def _create_chat_completion(ctx: ServerContext, body: ChatCompletionReques
     if body.logprobs:
         top_n = body.top_logprobs or 0
     ids = render_chat(ctx, body.messages, body.add_generation_prompt, body.continue_final_message,
-                      body.chat_template, body.chat_template_kwargs)
+                      body.chat_template, body.chat_template_kwargs, plan)
     max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = resolve_max_tokens(ctx, len(ids), requested, "messages", max_param)
     params = sampling_params(body, max_tokens, top_n)
+    if plan is not None and plan.guided is not None:
+        if params.guided_decoding is not None:
+            raise APIError("tool_choice required or named cannot be combined with response_format or guided_*",
+                           param="tool_choice")
+        params.guided_decoding = plan.guided
+    plan = plan if plan is not None and plan.parses else None
 
     request_id = new_request_id(raw, "chatcmpl")
     tracker = track(raw, request_id)
@@ -136,16 +158,17 @@ async def _create_chat_completion(ctx: ServerContext, body: ChatCompletionReques
     streams = await start_streams(sample_streams(ctx, ids, params, request_id, tracker, 0))
     created = int(time.time())
     if body.stream:
-        return SSEResponse(_stream(ctx, body, request_id, created, streams, top_n, len(ids)))
+        return SSEResponse(_stream(ctx, body, request_id, created, streams, top_n, len(ids), plan))
     out = merge_samples(await collect_all(streams), params)
     choices = []
     for c in out.outputs:
         lp = None
         if top_n is not None and c.logprobs is not None:
             lp = ChatChoiceLogProbs(content=chat_logprobs(c.token_ids, c.logprobs, top_n))
-        choices.append(ChatCompletionResponseChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                                                    logprobs=lp, finish_reason=c.finish_reason,
-                                                    stop_reason=c.stop_reason))
+        content, calls = parse_tool_calls(plan, c.text) if plan is not None else (c.text, [])
+        choices.append(ChatCompletionResponseChoice(
+            index=c.index, message=ChatResponseMessage(content=content, tool_calls=calls or None), logprobs=lp,
+            finish_reason=_finish(plan, calls, c.finish_reason), stop_reason=c.stop_reason))
     resp = ChatCompletionResponse(
         id=request_id, created=created, model=ctx.model_name, choices=choices,
         usage=UsageInfo.from_outputs([out]),
@@ -167,9 +190,17 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], top_
     return content
 
 
+def _finish(plan: ToolPlan | None, calls: list, reason: str | None) -> str | None:
+    """OpenAI: tool_calls when the model chose to call (auto, required); stop for a forced function."""
+    if calls and plan is not None and plan.mode != "named" and reason == "stop":
+        return "tool_calls"
+    return reason
+
+
 async def _stream(ctx: ServerContext, body: ChatCompletionRequest, request_id: str, created: int, streams,
-                  top_n: int | None, prompt_tokens: int):
-    """Stream i carries choice i (n > 1: one per sample)."""
+                  top_n: int | None, prompt_tokens: int, plan: ToolPlan | None = None):
+    """Stream i carries choice i (n > 1: one per sample). With tools to parse, a choice's text is
+    held back until it is complete, then sent as content or as tool_calls."""
     opts = body.stream_options
     include_usage = bool(opts and opts.include_usage)
     continuous = bool(include_usage and opts.continuous_usage_stats)
@@ -199,6 +230,15 @@ async def _stream(ctx: ServerContext, body: ChatCompletionRequest, request_id: s
                 k = len(c.delta_token_ids)
                 content = chat_logprobs(c.delta_token_ids, c.logprobs[n - k:], top_n)
                 lp = {"content": [x.model_dump() for x in content]}
+            if plan is not None:
+                if out.finished:
+                    content, calls = parse_tool_calls(plan, c.text)
+                    if calls:
+                        yield chunk(i, {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]})
+                    elif content:
+                        yield chunk(i, {"content": content})
+                    yield chunk(i, {}, None, _finish(plan, calls, c.finish_reason), c.stop_reason)
+                continue
             if not c.delta_text and lp is None and not out.finished:
                 continue
             delta = {"content": c.delta_text} if c.delta_text or not out.finished else {}

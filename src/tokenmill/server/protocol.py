@@ -153,6 +153,8 @@ class ChatMessage(OpenAIBaseModel):
     role: str = Field(..., description="system, user, assistant (or any role the chat template knows)")
     content: str | list[ChatContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(None, description="an assistant turn's earlier tool calls")
+    tool_call_id: str | None = Field(None, description="a tool turn: the call it answers")
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -164,8 +166,9 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: dict[str, Any] | None = Field(
         None, description="{'type': 'text'}, {'type': 'json_object'} or {'type': 'json_schema', 'json_schema': "
                           "{'name': ..., 'schema': {...}}}: the output always parses (and follows the schema)")
-    tools: list[dict[str, Any]] | None = Field(None, description="not supported (refused unless tool_choice is none)")
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = Field(None, description="functions the model may call (OpenAI's format)")
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description="none, auto (default with tools), required, or {'type': 'function', 'function': {'name': ...}}")
     # vLLM extras
     add_generation_prompt: bool = Field(True, description="end the prompt with the assistant turn's header")
     continue_final_message: bool = Field(
@@ -191,6 +194,7 @@ class ChatChoiceLogProbs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatCompletionResponseChoice(BaseModel):

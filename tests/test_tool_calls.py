@@ -1,0 +1,104 @@
+"""Tool calling in chat (tools / tool_choice), through the server with the official `openai` client."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from tokenmill.server.tool_calls import add_tool_prompt, parse_tool_calls, plan_tools
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                      "parameters": {"type": "object", "properties": {
+                                          "city": {"type": "string", "maxLength": 30},
+                                          "unit": {"enum": ["celsius", "fahrenheit"]}},
+                                          "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "description": "Current time in a time zone",
+                                      "parameters": {"type": "object", "properties": {
+                                          "timezone": {"type": "string", "maxLength": 30}},
+                                          "required": ["timezone"], "additionalProperties": False}}},
+]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def client(smollm2_server):
+    return smollm2_server.client
+
+
+@pytest.fixture(scope="module")
+def model(smollm2_server):
+    return smollm2_server.model
+
+
+def test_required_gives_calls_of_the_given_tools(client, model):
+    r = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
+                                       max_tokens=200, temperature=0.7, seed=1)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        args = json.loads(call.function.arguments)
+        assert call.function.name in ("get_weather", "get_time")
+        if call.function.name == "get_weather":
+            assert set(args) == {"city", "unit"} and args["unit"] in ("celsius", "fahrenheit")
+
+
+def test_named_function_and_streaming(client, model, smollm2_server):
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=100)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city", "unit"}
+    assert r.choices[0].finish_reason == "stop"
+    stream = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice=choice,
+                                            max_tokens=100, stream=True)
+    calls, finish = [], None
+    for ch in stream:
+        for c in ch.choices:
+            calls += c.delta.tool_calls or []
+            finish = c.finish_reason or finish
+    assert len(calls) == 1 and calls[0].function.name == "get_weather" and finish == "stop"
+    assert set(json.loads(calls[0].function.arguments)) == {"city", "unit"}
+
+
+def test_auto_and_a_conversation_with_tool_results(client, model):
+    r = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, max_tokens=60, temperature=0)
+    msg = r.choices[0].message
+    assert msg.content or msg.tool_calls  # the model may answer or call; either comes back well-formed
+    convo = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": json.dumps({"city": "Paris", "unit": "celsius"})}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"},
+    ]
+    r = client.chat.completions.create(model=model, messages=convo, tools=TOOLS, tool_choice="none",
+                                       max_tokens=30, temperature=0)
+    assert r.choices[0].message.content and r.choices[0].message.tool_calls is None
+
+
+def test_bad_tool_requests(smollm2_server, model):
+    url = smollm2_server.url + "/v1/chat/completions"
+    for body, param in (({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                         "tool_choice"),
+                        ({"tool_choice": "required"}, "tool_choice"),
+                        ({"tools": [{"type": "function"}]}, "tools"),
+                        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+                         "tool_choice")):
+        r = httpx.post(url, json={"model": model, "messages": ASK, **body}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_parser_and_generic_prompt():
+    plan = plan_tools(TOOLS, "auto")
+    text = 'Sure.\n<tool_call>{"name": "get_time", "arguments": {"timezone": "UTC"}}</tool_call>\n' \
+           '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>'
+    content, calls = parse_tool_calls(plan, text)
+    assert [c["function"]["name"] for c in calls] == ["get_time"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"timezone": "UTC"}
+    assert content.startswith("Sure.")
+    assert parse_tool_calls(plan, "no calls here") == ("no calls here", [])
+    msgs = add_tool_prompt([{"role": "user", "content": "hi"}], plan)
+    assert msgs[0]["role"] == "system" and "get_weather" in msgs[0]["content"] and "<tool_call>" in msgs[0]["content"]
