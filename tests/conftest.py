@@ -89,3 +89,13 @@ def smollm2_server(smollm2_dir):
         with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
             yield types.SimpleNamespace(url=server.url, aengine=aengine, client=client,
                                         model=aengine.engine.config.model.name)
+
+
+@pytest.fixture(scope="module")
+def smollm2_client(smollm2_server):
+    return smollm2_server.client
+
+
+@pytest.fixture(scope="module")
+def smollm2_model(smollm2_server):
+    return smollm2_server.model

@@ -1,4 +1,4 @@
-"""logit_bias, bad_words and watermarking, through the server with the official `openai` client."""
+"""logit_bias, bad_words and watermarking, through the server with the official `openai` smollm2_client."""
 
 from __future__ import annotations
 
@@ -20,54 +20,44 @@ def url(smollm2_server):
 
 
 @pytest.fixture(scope="module")
-def client(smollm2_server):
-    return smollm2_server.client
-
-
-@pytest.fixture(scope="module")
-def model(smollm2_server):
-    return smollm2_server.model
-
-
-@pytest.fixture(scope="module")
 def tok(smollm2_server):
     return smollm2_server.aengine.engine.tokenizer
 
 
-def test_logit_bias(client, model, tok):
+def test_logit_bias(smollm2_client, smollm2_model, tok):
     rome = tok.encode(" Rome", add_special_tokens=False)[0]
-    r = client.completions.create(model=model, prompt="Once upon a time", max_tokens=6, temperature=0,
+    r = smollm2_client.completions.create(model=smollm2_model, prompt="Once upon a time", max_tokens=6, temperature=0,
                                   logit_bias={str(rome): 100}, logprobs=0)
     assert r.choices[0].logprobs.tokens == [" Rome"] * 6
-    plain = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=3, temperature=0)
+    plain = smollm2_client.chat.completions.create(model=smollm2_model, messages=QUESTION, max_tokens=3, temperature=0)
     first = tok.encode(plain.choices[0].message.content, add_special_tokens=False)[0]
-    banned = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=3, temperature=0,
+    banned = smollm2_client.chat.completions.create(model=smollm2_model, messages=QUESTION, max_tokens=3, temperature=0,
                                             logit_bias={str(first): -100})
     assert tok.encode(banned.choices[0].message.content, add_special_tokens=False)[0] != first
     for bias, msg in (({"abc": 1}, "token ids"), ({"99999999": 1}, "token ids"), ({str(rome): 250}, "-100, 100")):
         with pytest.raises(openai.BadRequestError, match=msg):
-            client.completions.create(model=model, prompt="Hi", max_tokens=2, logit_bias=bias)
+            smollm2_client.completions.create(model=smollm2_model, prompt="Hi", max_tokens=2, logit_bias=bias)
 
 
-def test_bad_words(client, model):
-    plain = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=40, temperature=0)
+def test_bad_words(smollm2_client, smollm2_model):
+    plain = smollm2_client.chat.completions.create(model=smollm2_model, messages=QUESTION, max_tokens=40, temperature=0)
     assert "Roman" in plain.choices[0].message.content and "empire" in plain.choices[0].message.content
-    r = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=40, temperature=0,
+    r = smollm2_client.chat.completions.create(model=smollm2_model, messages=QUESTION, max_tokens=40, temperature=0,
                                        extra_body={"bad_words": ["Roman", "empire"]})
     text = r.choices[0].message.content
     assert text and "Roman" not in text and "empire" not in text
 
 
-def _story(client, model, watermark: bool) -> str:
-    r = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Write a long story about a dragon who bakes bread."}],
+def _story(smollm2_client, smollm2_model, watermark: bool) -> str:
+    r = smollm2_client.chat.completions.create(
+        model=smollm2_model, messages=[{"role": "user", "content": "Write a long story about a dragon who bakes bread."}],
         max_tokens=200, temperature=1.0, seed=3, extra_body={"ignore_eos": True, "watermark": watermark})
     assert r.usage.completion_tokens == 200
     return r.choices[0].message.content
 
 
-def test_watermark_detected_only_when_on(client, model, smollm2_dir, capsys):
-    marked, plain = _story(client, model, True), _story(client, model, False)
+def test_watermark_detected_only_when_on(smollm2_client, smollm2_model, smollm2_dir, capsys):
+    marked, plain = _story(smollm2_client, smollm2_model, True), _story(smollm2_client, smollm2_model, False)
     z_marked = detect_text(marked, smollm2_dir).z_score
     z_plain = detect_text(plain, smollm2_dir).z_score
     assert z_marked > 4 and z_plain < 2, (z_marked, z_plain)

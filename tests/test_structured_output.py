@@ -1,4 +1,4 @@
-"""Structured output (llguidance) through the server with the official `openai` client."""
+"""Structured output (llguidance) through the server with the official `openai` smollm2_client."""
 
 from __future__ import annotations
 
@@ -21,19 +21,9 @@ def url(smollm2_server):
     return smollm2_server.url
 
 
-@pytest.fixture(scope="module")
-def client(smollm2_server):
-    return smollm2_server.client
-
-
-@pytest.fixture(scope="module")
-def model(smollm2_server):
-    return smollm2_server.model
-
-
-def test_json_schema_always_parses(client, model):
-    r = client.chat.completions.create(
-        model=model, messages=ASK, n=4, temperature=1.0, seed=0, max_tokens=300,
+def test_json_schema_always_parses(smollm2_client, smollm2_model):
+    r = smollm2_client.chat.completions.create(
+        model=smollm2_model, messages=ASK, n=4, temperature=1.0, seed=0, max_tokens=300,
         response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}})
     for choice in r.choices:
         obj = json.loads(choice.message.content)
@@ -42,28 +32,28 @@ def test_json_schema_always_parses(client, model):
         assert choice.finish_reason == "stop"
 
 
-def test_json_object_and_vllm_guided_json(client, model):
-    r = client.chat.completions.create(model=model, messages=ASK, temperature=0.7, seed=1, max_tokens=200,
+def test_json_object_and_vllm_guided_json(smollm2_client, smollm2_model):
+    r = smollm2_client.chat.completions.create(model=smollm2_model, messages=ASK, temperature=0.7, seed=1, max_tokens=200,
                                        response_format={"type": "json_object"})
     assert isinstance(json.loads(r.choices[0].message.content), dict)
-    c = client.completions.create(model=model, prompt="A person:", max_tokens=200, temperature=0.7, seed=2,
+    c = smollm2_client.completions.create(model=smollm2_model, prompt="A person:", max_tokens=200, temperature=0.7, seed=2,
                                   extra_body={"guided_json": SCHEMA})
     assert set(json.loads(c.choices[0].text)) == {"name", "age", "tags"}
 
 
-def test_regex_choice_and_grammar(client, model, url):
-    r = client.completions.create(model=model, prompt="Call me at", max_tokens=20, temperature=1.0, seed=3,
+def test_regex_choice_and_grammar(smollm2_client, smollm2_model, url):
+    r = smollm2_client.completions.create(model=smollm2_model, prompt="Call me at", max_tokens=20, temperature=1.0, seed=3,
                                   extra_body={"guided_regex": "[0-9]{3}-[0-9]{4}"})
     assert re.fullmatch("[0-9]{3}-[0-9]{4}", r.choices[0].text)
     choices = ["positive", "negative", "neutral"]
-    stream = client.chat.completions.create(
-        model=model, stream=True, max_tokens=10,
+    stream = smollm2_client.chat.completions.create(
+        model=smollm2_model, stream=True, max_tokens=10,
         messages=[{"role": "user", "content": "Sentiment of: I love it!"}], extra_body={"guided_choice": choices})
     assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) in choices
-    lark = client.completions.create(model=model, prompt="Answer:", max_tokens=10, temperature=1.0, seed=4,
+    lark = smollm2_client.completions.create(model=smollm2_model, prompt="Answer:", max_tokens=10, temperature=1.0, seed=4,
                                      extra_body={"guided_grammar": 'start: "yes" | "no"'})
     assert lark.choices[0].text in ("yes", "no")
-    gbnf = client.completions.create(model=model, prompt="Count:", max_tokens=10, temperature=1.0, seed=5,
+    gbnf = smollm2_client.completions.create(model=smollm2_model, prompt="Count:", max_tokens=10, temperature=1.0, seed=5,
                                      extra_body={"guided_grammar": 'root ::= ("one" | "two") " " ("cat" | "dog")'})
     assert re.fullmatch("(one|two) (cat|dog)", gbnf.choices[0].text)
     # TGI's grammar parameter.
@@ -77,6 +67,6 @@ def test_regex_choice_and_grammar(client, model, url):
     assert bad.status_code == 422
 
 
-def test_bad_grammar_is_a_400(client, model):
+def test_bad_grammar_is_a_400(smollm2_client, smollm2_model):
     with pytest.raises(openai.BadRequestError, match="grammar"):
-        client.completions.create(model=model, prompt="x", max_tokens=5, extra_body={"guided_regex": "(unclosed"})
+        smollm2_client.completions.create(model=smollm2_model, prompt="x", max_tokens=5, extra_body={"guided_regex": "(unclosed"})

@@ -1,4 +1,4 @@
-"""Tool calling in chat (tools / tool_choice), through the server with the official `openai` client."""
+"""Tool calling in chat (tools / tool_choice), through the server with the official `openai` smollm2_client."""
 
 from __future__ import annotations
 
@@ -24,18 +24,8 @@ TOOLS = [
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def client(smollm2_server):
-    return smollm2_server.client
-
-
-@pytest.fixture(scope="module")
-def model(smollm2_server):
-    return smollm2_server.model
-
-
-def test_required_gives_calls_of_the_given_tools(client, model):
-    r = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
+def test_required_gives_calls_of_the_given_tools(smollm2_client, smollm2_model):
+    r = smollm2_client.chat.completions.create(model=smollm2_model, messages=ASK, tools=TOOLS, tool_choice="required",
                                        max_tokens=200, temperature=0.7, seed=1)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
@@ -48,13 +38,13 @@ def test_required_gives_calls_of_the_given_tools(client, model):
             assert set(args) == {"city", "unit"} and args["unit"] in ("celsius", "fahrenheit")
 
 
-def test_named_function_and_streaming(client, model, smollm2_server):
+def test_named_function_and_streaming(smollm2_client, smollm2_model, smollm2_server):
     choice = {"type": "function", "function": {"name": "get_weather"}}
-    r = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=100)
+    r = smollm2_client.chat.completions.create(model=smollm2_model, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=100)
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city", "unit"}
     assert r.choices[0].finish_reason == "stop"
-    stream = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice=choice,
+    stream = smollm2_client.chat.completions.create(model=smollm2_model, messages=ASK, tools=TOOLS, tool_choice=choice,
                                             max_tokens=100, stream=True)
     calls, finish = [], None
     for ch in stream:
@@ -65,21 +55,21 @@ def test_named_function_and_streaming(client, model, smollm2_server):
     assert set(json.loads(calls[0].function.arguments)) == {"city", "unit"}
 
 
-def test_auto_and_a_conversation_with_tool_results(client, model):
-    r = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, max_tokens=60, temperature=0)
+def test_auto_and_a_conversation_with_tool_results(smollm2_client, smollm2_model):
+    r = smollm2_client.chat.completions.create(model=smollm2_model, messages=ASK, tools=TOOLS, max_tokens=60, temperature=0)
     msg = r.choices[0].message
-    assert msg.content or msg.tool_calls  # the model may answer or call; either comes back well-formed
+    assert msg.content or msg.tool_calls  # the smollm2_model may answer or call; either comes back well-formed
     convo = ASK + [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
             "name": "get_weather", "arguments": json.dumps({"city": "Paris", "unit": "celsius"})}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"},
     ]
-    r = client.chat.completions.create(model=model, messages=convo, tools=TOOLS, tool_choice="none",
+    r = smollm2_client.chat.completions.create(model=smollm2_model, messages=convo, tools=TOOLS, tool_choice="none",
                                        max_tokens=30, temperature=0)
     assert r.choices[0].message.content and r.choices[0].message.tool_calls is None
 
 
-def test_bad_tool_requests(smollm2_server, model):
+def test_bad_tool_requests(smollm2_server, smollm2_model):
     url = smollm2_server.url + "/v1/chat/completions"
     for body, param in (({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
                          "tool_choice"),
@@ -87,7 +77,7 @@ def test_bad_tool_requests(smollm2_server, model):
                         ({"tools": [{"type": "function"}]}, "tools"),
                         ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
                          "tool_choice")):
-        r = httpx.post(url, json={"model": model, "messages": ASK, **body}, timeout=30)
+        r = httpx.post(url, json={"model": smollm2_model, "messages": ASK, **body}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
