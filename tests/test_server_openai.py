@@ -486,3 +486,20 @@ def test_n_samples_share_the_prompt_and_are_indexed(client, model, aengine, url)
                                           max_tokens=4, temperature=1.0, seed=1)
     assert [c.index for c in chat.choices] == [0, 1]
     assert _wait_idle(aengine)
+
+
+def test_beam_search_over_http(client, model, tiny_llama_llm, url):
+    from tokenmill.beam_search import BeamSearchParams
+
+    prompt = "Hello world, the quick"
+    want = tiny_llama_llm.beam_search(prompt, BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True))[0]
+    r = client.completions.create(model=model, prompt=prompt, n=3, max_tokens=6,
+                                  extra_body={"use_beam_search": True, "ignore_eos": True})
+    assert [c.text for c in r.choices] == [s.text for s in want.sequences]
+    assert [c.index for c in r.choices] == [0, 1, 2] and r.usage.completion_tokens == 18
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], n=2,
+                                          max_tokens=5, extra_body={"use_beam_search": True})
+    assert len(chat.choices) == 2
+    bad = httpx.post(url + "/v1/completions", timeout=30, json={"model": model, "prompt": "x", "stream": True,
+                                                                 "use_beam_search": True})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "use_beam_search"

@@ -8,6 +8,7 @@ from typing import Iterator, Sequence
 
 from tqdm import tqdm
 
+from tokenmill.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from tokenmill.config import EngineArgs
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.outputs import RequestOutput
@@ -55,6 +56,29 @@ class LLM:
         finally:
             bar.close()
         return [merge_samples(outs, sp) for outs, sp in zip(samples, params)]  # type: ignore[arg-type]
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search over each prompt (vLLM's LLM.beam_search): the beam_width best sequences,
+        best first; each round runs every live beam of every prompt in one continuous batch."""
+        batch = _as_prompt_list(prompts, None)
+        tok = self.engine.tokenizer
+        limit = self.engine.config.scheduler.max_model_len
+        searches = []
+        for p in batch:
+            ids = tok.encode(p) if isinstance(p, str) else list(p)
+            room = max(limit - len(ids), 1)
+            searches.append(BeamSearch(ids, replace(params, max_tokens=min(params.max_tokens, room)),
+                                       self.engine.eos_token_ids))
+        while not all(s.done for s in searches):
+            live = [s for s in searches if not s.done]
+            seqs = [b.tokens for s in live for b in s.beams]
+            outs = self.generate(prompt_token_ids=seqs, sampling_params=live[0].round_params())
+            k = 0
+            for s in live:
+                n = len(s.beams)  # before advance() replaces them
+                s.advance(outs[k : k + n])
+                k += n
+        return [s.result(lambda t: tok.decode(t, skip_special_tokens=True)) for s in searches]
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yields a RequestOutput per new token (delta_text holds the new text)."""

@@ -33,6 +33,7 @@ from tokenmill.server.serving import (
     clamp_logprob,
     collect_all,
     get_ctx,
+    run_beam_search,
     sample_streams,
     log_ignored_fields,
     merge,
@@ -155,6 +156,16 @@ async def _create_chat_completion(ctx: ServerContext, body: ChatCompletionReques
     request_id = new_request_id(raw, "chatcmpl")
     tracker = track(raw, request_id)
     tracker.prompt_tokens = len(ids)
+    if body.use_beam_search:
+        result = await run_beam_search(ctx, ids, body, max_tokens, request_id)
+        n_out = sum(len(s.output_tokens) for s in result.sequences)
+        return JSONResponse(ChatCompletionResponse(
+            id=request_id, created=int(time.time()), model=ctx.model_name,
+            choices=[ChatCompletionResponseChoice(index=j, message=ChatResponseMessage(content=s.text),
+                                                  finish_reason="stop" if s.finished else "length")
+                     for j, s in enumerate(result.sequences)],
+            usage=UsageInfo(prompt_tokens=len(ids), completion_tokens=n_out, total_tokens=len(ids) + n_out),
+        ).model_dump())
     streams = await start_streams(sample_streams(ctx, ids, params, request_id, tracker, 0))
     created = int(time.time())
     if body.stream:

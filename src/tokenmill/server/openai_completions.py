@@ -35,6 +35,7 @@ from tokenmill.server.serving import (
     merge,
     new_request_id,
     resolve_max_tokens,
+    run_beam_search,
     run_cancellable,
     sampling_params,
     sse,
@@ -112,6 +113,8 @@ async def _create_completion(ctx: ServerContext, body: CompletionRequest, raw: R
     request_id = new_request_id(raw, "cmpl")
     tracker = track(raw, request_id)
     tracker.prompt_tokens = sum(len(ids) for _, ids in prompts)
+    if body.use_beam_search:
+        return JSONResponse((await _beam_search(ctx, body, request_id, prompts, params)).model_dump())
     many = len(prompts) > 1
     S = params[0].num_samples  # engine requests per prompt; choice index = prompt * n + sample
     streams = []
@@ -126,6 +129,21 @@ async def _create_completion(ctx: ServerContext, body: CompletionRequest, raw: R
     outs = await collect_all(streams)
     merged = [merge_samples(outs[i * S : (i + 1) * S], sp) for i, sp in enumerate(params)]
     return JSONResponse(_response(ctx, body, request_id, created, merged, texts, score_only).model_dump())
+
+
+async def _beam_search(ctx, body, request_id: str, prompts, params) -> CompletionResponse:
+    choices, completion_tokens = [], 0
+    for i, ((text, ids), sp) in enumerate(zip(prompts, params)):
+        result = await run_beam_search(ctx, ids, body, sp.max_tokens, f"{request_id}-{i}")
+        prefix = (text if text is not None else ctx.tokenizer.decode(ids)) if body.echo else ""
+        for j, seq in enumerate(result.sequences):
+            completion_tokens += len(seq.output_tokens)
+            choices.append(CompletionResponseChoice(index=i * len(result.sequences) + j, text=prefix + seq.text,
+                                                    finish_reason="stop" if seq.finished else "length"))
+    p = sum(len(ids) for _, ids in prompts)
+    return CompletionResponse(id=request_id, created=int(time.time()), model=ctx.model_name, choices=choices,
+                              usage=UsageInfo(prompt_tokens=p, completion_tokens=completion_tokens,
+                                              total_tokens=p + completion_tokens))
 
 
 def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob] | None], offset: int,

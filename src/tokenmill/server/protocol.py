@@ -87,6 +87,8 @@ class _SamplingFields(OpenAIBaseModel):
     skip_special_tokens: bool = Field(True, description="vLLM extra: drop special tokens from the text")
     spaces_between_special_tokens: bool = Field(True, description="vLLM extra")
     bad_words: list[str] | None = Field(None, description="vLLM extra: words never generated")
+    use_beam_search: bool = Field(False, description="vLLM extra: beam search with n beams (not streamed)")
+    length_penalty: float = Field(1.0, description="vLLM extra: beam scores are logprob / length ** this")
     guided_json: dict[str, Any] | str | None = Field(None, description="vLLM extra: output follows this JSON schema")
     guided_regex: str | None = Field(None, description="vLLM extra: output matches this regex")
     guided_choice: list[str] | None = Field(None, description="vLLM extra: output is one of these strings")

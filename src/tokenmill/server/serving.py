@@ -19,6 +19,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from tokenmill.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
 from tokenmill.outputs import RequestOutput
+from tokenmill.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured_output import GuidedDecodingParams
 from tokenmill.server.errors import APIError, openai_error_body
@@ -398,3 +399,33 @@ def stream_error_chunk(e: BaseException) -> bytes:
         return sse(openai_error_body(e.message, e.status, e.param))
     logger.exception("error while streaming", exc_info=e)
     return sse(openai_error_body(f"internal server error: {e!r}", 500))
+
+
+# ---- beam search ----------------------------------------------------------------------------
+async def run_beam_search(ctx: ServerContext, prompt_ids: list[int], body, max_tokens: int,
+                          request_id: str) -> BeamSearchOutput:
+    """vLLM's use_beam_search: n beams, rounds of one-token requests on the engine (see beam_search.py)."""
+    if body.stream:
+        raise APIError("use_beam_search cannot be streamed", param="use_beam_search")
+    try:
+        params = BeamSearchParams(beam_width=body.n or 1, max_tokens=max_tokens, ignore_eos=body.ignore_eos,
+                                  length_penalty=body.length_penalty)
+    except ValueError as e:
+        raise APIError(str(e), param="n") from None
+    search = BeamSearch(prompt_ids, params, ctx.engine.eos_token_ids)
+    while not search.done:
+        gens = [ctx.aengine.generate(b.tokens, search.round_params(), f"{request_id}-beam{search.rounds}-{i}")
+                for i, b in enumerate(search.beams)]
+        search.advance(await asyncio.gather(*[_last_output(g) for g in gens]))
+    return search.result(lambda t: ctx.tokenizer.decode(t, skip_special_tokens=True))
+
+
+async def _last_output(gen: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
+    out = None
+    try:
+        async with aclosing(gen):
+            async for out in gen:
+                pass
+    except (ValueError, QueueFullError, EngineDeadError) as e:
+        raise _as_api_error(e) from None
+    return out
