@@ -503,3 +503,16 @@ def test_beam_search_over_http(client, model, tiny_llama_llm, url):
     bad = httpx.post(url + "/v1/completions", timeout=30, json={"model": model, "prompt": "x", "stream": True,
                                                                  "use_beam_search": True})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "use_beam_search"
+
+
+def test_prompt_logprobs_field(client, model, aengine, tiny_llama_dir):
+    prompt = "The quick brown fox"
+    ids = aengine.engine.tokenizer.encode(prompt)
+    ref = _hf_prompt_logprobs(tiny_llama_dir, ids)
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=1, extra_body={"prompt_logprobs": 2})
+    plp = r.choices[0].model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    assert max(abs(plp[i + 1][str(ids[i + 1])]["logprob"] - ref[i]) for i in range(len(ids) - 1)) < 1e-3
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+                                          extra_body={"prompt_logprobs": 0})
+    assert chat.model_extra["prompt_logprobs"][0] is None and len(chat.model_extra["prompt_logprobs"]) > 3

@@ -38,6 +38,7 @@ from tokenmill.server.serving import (
     log_ignored_fields,
     merge,
     new_request_id,
+    prompt_logprobs_json,
     resolve_max_tokens,
     run_cancellable,
     sampling_params,
@@ -182,7 +183,7 @@ async def _create_chat_completion(ctx: ServerContext, body: ChatCompletionReques
             finish_reason=_finish(plan, calls, c.finish_reason), stop_reason=c.stop_reason))
     resp = ChatCompletionResponse(
         id=request_id, created=created, model=ctx.model_name, choices=choices,
-        usage=UsageInfo.from_outputs([out]),
+        usage=UsageInfo.from_outputs([out]), prompt_logprobs=prompt_logprobs_json(out),
     )
     return JSONResponse(resp.model_dump())
 

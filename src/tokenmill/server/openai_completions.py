@@ -34,6 +34,7 @@ from tokenmill.server.serving import (
     log_ignored_fields,
     merge,
     new_request_id,
+    prompt_logprobs_json,
     resolve_max_tokens,
     run_beam_search,
     run_cancellable,
@@ -107,7 +108,7 @@ async def _create_completion(ctx: ServerContext, body: CompletionRequest, raw: R
         max_tokens = resolve_max_tokens(ctx, len(ids), 1 if score_only else body.max_tokens)
         sp = sampling_params(body, max_tokens, body.logprobs)
         if body.echo and body.logprobs is not None:
-            sp.prompt_logprobs = body.logprobs
+            sp.prompt_logprobs = max(body.logprobs, sp.prompt_logprobs or 0)
         params.append(sp)
 
     request_id = new_request_id(raw, "cmpl")
@@ -200,7 +201,9 @@ def _choice(ctx, body, out: RequestOutput, c, index: int, prefix: str, score_onl
     text = prefix if score_only else prefix + c.text
     return CompletionResponseChoice(index=index, text=text, logprobs=lp,
                                     finish_reason="length" if score_only else c.finish_reason,
-                                    stop_reason=None if score_only else c.stop_reason)
+                                    stop_reason=None if score_only else c.stop_reason,
+                                    prompt_logprobs=prompt_logprobs_json(out) if body.prompt_logprobs is not None
+                                    else None)
 
 
 async def _stream(ctx: ServerContext, body: CompletionRequest, request_id: str, created: int, streams, texts,

@@ -87,6 +87,7 @@ class _SamplingFields(OpenAIBaseModel):
     skip_special_tokens: bool = Field(True, description="vLLM extra: drop special tokens from the text")
     spaces_between_special_tokens: bool = Field(True, description="vLLM extra")
     bad_words: list[str] | None = Field(None, description="vLLM extra: words never generated")
+    prompt_logprobs: int | None = Field(None, description="vLLM extra: each prompt token's logprob plus the top N")
     use_beam_search: bool = Field(False, description="vLLM extra: beam search with n beams (not streamed)")
     length_penalty: float = Field(1.0, description="vLLM extra: beam scores are logprob / length ** this")
     guided_json: dict[str, Any] | str | None = Field(None, description="vLLM extra: output follows this JSON schema")
@@ -123,6 +124,8 @@ class CompletionResponseChoice(BaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = Field(None, description="the stop string or token id that ended generation")
+    prompt_logprobs: list[dict[str, Any] | None] | None = Field(
+        None, description="vLLM extra: per prompt token, {token id: {logprob, rank, decoded_token}}; null first")
 
 
 class CompletionResponse(BaseModel):
@@ -214,6 +217,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[str, Any] | None] | None = Field(None, description="vLLM extra, as in completions")
 
 
 class DeltaMessage(BaseModel):

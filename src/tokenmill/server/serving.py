@@ -86,6 +86,7 @@ def check_sampling_fields(ctx: ServerContext, body) -> None:
         raise APIError("stream_options can only be given when stream is true", param="stream_options")
     if body.stop_token_ids:
         check_token_ids(ctx, body.stop_token_ids, "stop_token_ids")
+    check_logprobs(ctx, body.prompt_logprobs, "prompt_logprobs")
 
 
 def check_token_ids(ctx: ServerContext, ids: list[int], param: str) -> None:
@@ -172,6 +173,7 @@ def sampling_params(body, max_tokens: int, logprobs: int | None) -> SamplingPara
             logit_bias=body.logit_bias, bad_words=body.bad_words, watermark=body.watermark,
             n=opt(body.n, 1), best_of=getattr(body, "best_of", None),
             guided_decoding=guided_params(body, getattr(body, "response_format", None)),
+            prompt_logprobs=body.prompt_logprobs,
         )
     except ValueError as e:
         raise APIError.from_value_error(e) from None
@@ -186,6 +188,15 @@ def check_logprobs(ctx: ServerContext, n: int | None, param: str) -> None:
 def new_request_id(raw: Request, prefix: str) -> str:
     given = raw.headers.get("x-request-id")
     return f"{prefix}-{given}" if given else f"{prefix}-{uuid.uuid4().hex}"
+
+
+def prompt_logprobs_json(out: RequestOutput) -> list[dict | None] | None:
+    """vLLM's shape: per prompt token {token id: {logprob, rank, decoded_token}}, null for the first."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if step is None else {str(t): {"logprob": clamp_logprob(lp.logprob), "rank": lp.rank,
+                                                "decoded_token": lp.decoded_token} for t, lp in step.items()}
+            for step in out.prompt_logprobs]
 
 
 def clamp_logprob(x: float) -> float:
