@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import logging
 import queue
 import threading
@@ -42,6 +43,9 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, max_waiting: int | None = None):
         self.engine = engine
         self.max_waiting = max_waiting
+        small = os.environ.get("TOKENMILL_SMALL_STEP_BATCH", "8")
+        if small != "0":
+            engine.core.runner.reserve_core_for_server(int(small))
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
