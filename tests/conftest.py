@@ -99,3 +99,18 @@ def smollm2_client(smollm2_server):
 @pytest.fixture(scope="module")
 def smollm2_model(smollm2_server):
     return smollm2_server.model
+
+
+def reference_paged_decode(q, k_cache, v_cache, tables, lens, bs: int):
+    """Decode attention in float32 through block tables, the way SDPA computes it: [B, H, D]."""
+    import torch
+    import torch.nn.functional as F
+
+    out = []
+    for b in range(q.shape[0]):
+        pos = torch.arange(int(lens[b]))
+        slots = tables[b, pos // bs] * bs + pos % bs
+        k = k_cache[slots].float().transpose(0, 1)
+        v = v_cache[slots].float().transpose(0, 1)
+        out.append(F.scaled_dot_product_attention(q[b].float().unsqueeze(1), k, v, enable_gqa=True).squeeze(1))
+    return torch.stack(out)

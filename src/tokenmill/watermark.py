@@ -61,10 +61,7 @@ def detect(token_ids: list[int], vocab_size: int, gamma: float = 0.5) -> Waterma
         raise ValueError("need at least 2 tokens to score a watermark")
     green = 0
     for prev, tok in zip(token_ids, token_ids[1:]):
-        g = torch.Generator().manual_seed(HASH_KEY * prev)
-        # The same permutation as greenlist(): tok is green when it lands in the first gamma part.
-        perm = torch.randperm(vocab_size, generator=g)
-        green += bool((perm[: int(vocab_size * gamma)] == tok).any())
+        green += bool((greenlist(prev, vocab_size, gamma) == tok).any())
     z = (green - gamma * T) / math.sqrt(T * gamma * (1 - gamma))
     return WatermarkScore(T, green, green / T, z)
 

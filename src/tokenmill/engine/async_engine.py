@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import logging
+import os
 import queue
 import threading
 import time

@@ -105,11 +105,6 @@ class BlockPool:
             block.block_hash = block_hash
             self.cached[block_hash] = block
 
-    def reset_prefix_cache(self) -> None:
-        for b in self.cached.values():
-            b.block_hash = None
-        self.cached.clear()
-
 
 class KVCacheManager:
     """The scheduler's only view of KV memory: per-request block tables over a BlockPool."""
@@ -213,6 +208,3 @@ class KVCacheManager:
 
     def usage(self) -> float:
         return self.pool.usage()
-
-    def reset_prefix_cache(self) -> None:
-        self.pool.reset_prefix_cache()

@@ -2,9 +2,10 @@
 
 Each step: running requests get their tokens first (1 for decode, the next chunk for a
 prompt still being prefilled), then waiting requests are admitted FCFS, their prompts
-chunked to fit the budget, after the blocks the prefix cache already holds. When a running request cannot get a block, the latest-arrived
-running request is preempted: its blocks are freed and it goes back to the front of the
-waiting queue to be recomputed later, keeping the output it has produced.
+chunked to fit the budget, after the blocks the prefix cache already holds. When a running
+request cannot get a block, the latest-arrived running request is preempted: its blocks are
+freed and it goes back to the front of the waiting queue to be recomputed later, keeping the
+output it has produced.
 """
 
 from __future__ import annotations

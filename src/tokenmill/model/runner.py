@@ -43,6 +43,7 @@ class ModelRunner:
             use_cpp_kernels=cpu_kernels.enabled(), kv_scales=self.kv_scales,
         )
         self.sampler = Sampler(seed, watermark)
+        self._small_step: tuple[int, int] | None = None  # (max decode batch, threads): see reserve_core_for_server
 
     # ---- batch preparation ------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -107,8 +108,6 @@ class ModelRunner:
         want = self._small_step[1] if small else self._full_threads
         if want != torch.get_num_threads():  # set on the stepping thread: OpenMP's count is per thread
             torch.set_num_threads(want)
-
-    _small_step: tuple[int, int] | None = None
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> SamplerOutput | None:
