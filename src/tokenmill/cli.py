@@ -21,6 +21,8 @@ _ENGINE_HELP = {
     "kv_cache_memory": "GiB of memory for the paged KV cache (default 4)",
     "kv_cache_dtype": "auto (the model's dtype) | int8 (per-token, per-head scales: about half the memory "
                       "of bfloat16)",
+    "quantization": "weight-only quantization: int4 | int8 (groups of 32, quantized at load time) | gguf (keep a "
+                    "GGUF file's Q4_0 / Q4_1 / Q8_0 tensors as they are; default: weights in --dtype)",
     "num_gpu_blocks_override": "exact number of KV blocks (overrides --kv-cache-memory)",
     "max_num_seqs": "most requests in one batch",
     "max_num_batched_tokens": "token budget of one engine step (default 2048)",

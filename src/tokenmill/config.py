@@ -53,6 +53,7 @@ class EngineArgs:
     block_size: int = 16
     kv_cache_memory: float | None = None  # GiB for the KV pool; default: enough for the load
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 (per-token, per-head scales)
+    quantization: str | None = None  # int4 | int8 (weight-only, groups of 32) | gguf (keep a GGUF's blocks)
     num_gpu_blocks_override: int | None = None  # exact number of KV blocks (tests)
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # default: max(2048, max_model_len) capped
@@ -78,6 +79,7 @@ class ModelConfig:
     name: str
     device: str = "cpu"
     kv_cache_dtype: str = "auto"
+    quantization: str | None = None
 
     @property
     def num_layers(self) -> int:

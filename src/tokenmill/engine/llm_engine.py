@@ -21,6 +21,7 @@ from tokenmill.config import (
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.model.layers.quantization import check_quantization
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured_output import StructuredOutputManager
@@ -49,7 +50,7 @@ class LLMEngine:
         dtype = parse_dtype(args.dtype, args.device)
         name = args.served_model_name or (args.model or "SmolLM2-135M-Instruct")
         model_config = ModelConfig(path, hf_config, dtype, max_model_len, name, args.device,
-                                   check_kv_cache_dtype(args.kv_cache_dtype))
+                                   check_kv_cache_dtype(args.kv_cache_dtype), check_quantization(args.quantization))
 
         block_size = args.block_size
         num_blocks = self._num_kv_blocks(args, model_config)

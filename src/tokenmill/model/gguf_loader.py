@@ -2,7 +2,8 @@
 
 A GGUF file is converted once into config.json, model.safetensors (float32), tokenizer.json,
 tokenizer_config.json and generation_config.json, so the rest of the engine loads it like any HF
-folder. Parsing the 49k-token vocabulary with `gguf.GGUFReader` alone takes ~5 s, so the header is
+folder. Tensors stored as Q4_0, Q4_1 or Q8_0 are also kept as they are, re-laid out as int4 / int8
+groups of 32 with float16 scales (quantized.safetensors), for `--quantization gguf`. Parsing the 49k-token vocabulary with `gguf.GGUFReader` alone takes ~5 s, so the header is
 read here with a small parser and only `gguf.quants.dequantize` is used from the `gguf` package.
 """
 
@@ -28,8 +29,9 @@ logger = logging.getLogger("tokenmill")
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the converted output changes, so stale cache folders get rebuilt.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: Q4_0 / Q4_1 / Q8_0 blocks kept in quantized.safetensors
 _MARKER = "tokenmill_gguf.json"
+QUANTIZED_FILE = "quantized.safetensors"
 
 # general.architecture -> (transformers model class, undo llama.cpp's Q/K permutation?)
 _ARCHS: dict[str, tuple[str, bool]] = {
@@ -132,6 +134,16 @@ class _Gguf:
             return arr
         return [self._value(etype) for _ in range(count)]
 
+    def raw_blocks(self, name: str) -> tuple[int, np.ndarray] | None:
+        """(ggml type, raw bytes [N, K/32, block bytes]) of a 2-D Q4_0 / Q4_1 / Q8_0 tensor, else None."""
+        shape, qtype, offset = self.tensors[name]
+        if qtype not in _BLOCK_BYTES or len(shape) != 2:
+            return None
+        N, K = shape
+        size = _BLOCK_BYTES[qtype]
+        raw = np.frombuffer(self.buf, np.uint8, N * (K // 32) * size, self.data_start + offset)
+        return qtype, raw.reshape(N, K // 32, size)
+
     def tensor(self, name: str) -> np.ndarray:
         """The tensor dequantized to float32, in torch layout (out_features, in_features)."""
         import gguf
@@ -143,6 +155,25 @@ class _Gguf:
         out = gguf.quants.dequantize(raw.reshape(*shape[:-1], row_bytes), gguf.GGMLQuantizationType(qtype))
         return np.ascontiguousarray(out, dtype=np.float32).reshape(shape)
 
+
+
+_Q4_0, _Q4_1, _Q8_0 = 2, 3, 8  # ggml type ids
+_BLOCK_BYTES = {_Q4_0: 18, _Q4_1: 20, _Q8_0: 34}  # float16 d (and m), then 32 quants
+
+
+def _split_blocks(qtype: int, raw: np.ndarray) -> dict[str, np.ndarray]:
+    """GGUF blocks -> tokenmill's QuantLinear form: qweight (uint8 [N, K/2] nibbles in GGUF's order,
+    or int8 [N, K]) and float16 scales ([N, K/32, 2] = (d, m) for int4, [N, K/32] for int8).
+    Bytes are moved, not dequantized: Q4_0's w = d * (q - 8) is stored as m = -8d (exact in float16)."""
+    N, G, _ = raw.shape
+    d = raw[..., 0:2].copy().view(np.float16)[..., 0]
+    if qtype == _Q8_0:
+        return {"qweight": raw[..., 2:].copy().view(np.int8).reshape(N, G * 32), "scales": d}
+    if qtype == _Q4_1:
+        m, qs = raw[..., 2:4].copy().view(np.float16)[..., 0], raw[..., 4:]
+    else:
+        m, qs = (d * np.float16(-8)).astype(np.float16), raw[..., 2:]
+    return {"qweight": np.ascontiguousarray(qs).reshape(N, G * 16), "scales": np.stack([d, m], -1)}
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -333,6 +364,7 @@ def _convert(gguf_path: str, out: Path) -> None:
     permute = _ARCHS[arch][1]
 
     weights: dict[str, np.ndarray] = {}
+    quantized: dict[str, np.ndarray] = {}
     names = [n for n in g.tensors if n != "rope_freqs.weight"]  # consumed into the config
     for name in tqdm(names, desc=f"Converting {os.path.basename(gguf_path)}", unit="tensor"):
         parts = name.split(".")
@@ -342,14 +374,21 @@ def _convert(gguf_path: str, out: Path) -> None:
             hf = f"{_TENSOR_NAMES[parts[0]]}.{parts[1]}"
         else:
             raise ValueError(f"unexpected tensor {name!r} in {arch} GGUF")
-        w = g.tensor(name)
+        fix = (lambda w: w)
         if permute and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k"):
-            w = _unpermute(w, heads if parts[2] == "attn_q" else (kv_heads or heads))
-        weights[hf] = w
+            n_head = heads if parts[2] == "attn_q" else (kv_heads or heads)
+            fix = (lambda w: _unpermute(w, n_head))  # a permutation of rows: applies to blocks alike
+        weights[hf] = fix(g.tensor(name))
+        if (blocks := g.raw_blocks(name)) is not None:
+            stem = hf.removesuffix(".weight")
+            for key, arr in _split_blocks(*blocks).items():
+                quantized[f"{stem}.{key}"] = np.ascontiguousarray(fix(arr))
     tied = "lm_head.weight" not in weights
     vocab_size = weights["model.embed_tokens.weight"].shape[0]
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    del weights
+    if quantized:
+        save_file(quantized, str(out / QUANTIZED_FILE), metadata={"format": "pt"})
+    del weights, quantized
 
     config = _config(g, arch, tied, vocab_size, tok_ids)
     (out / "config.json").write_text(json.dumps(config, indent=2))

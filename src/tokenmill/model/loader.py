@@ -10,6 +10,8 @@ import time
 
 import torch
 
+from tokenmill.model.gguf_loader import QUANTIZED_FILE
+from tokenmill.model.layers.quantization import BITS, GROUP, quantize_model
 from tokenmill.model.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger("tokenmill")
@@ -64,19 +66,37 @@ def load_hf_config(path: str):
     return AutoConfig.from_pretrained(path)
 
 
-def _iter_safetensors(path: str):
+def _iter_safetensors(path: str, skip: set[str] = frozenset()):
     from safetensors import safe_open
 
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    files = sorted(f for f in glob.glob(os.path.join(path, "*.safetensors"))
+                   if os.path.basename(f) != QUANTIZED_FILE)
     if not files:
         raise ValueError(f"no *.safetensors weights in {path!r}")
     for fname in files:
         with safe_open(fname, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if name not in skip:
+                    yield name, f.get_tensor(name)
 
 
-def load_model(path: str, hf_config, dtype: torch.dtype, max_position: int, device: str = "cpu") -> torch.nn.Module:
+def _load_gguf_quantized(model: torch.nn.Module, path: str, dtype: torch.dtype) -> set[str]:
+    """--quantization gguf: install the GGUF's Q4_0 / Q4_1 / Q8_0 blocks as they are."""
+    from safetensors.torch import load_file
+
+    qpath = os.path.join(path, QUANTIZED_FILE)
+    if not os.path.exists(qpath):
+        raise ValueError("--quantization gguf needs a .gguf model with Q4_0, Q4_1 or Q8_0 tensors; "
+                         "for a Hugging Face checkpoint use --quantization int4 or int8")
+    used = model.load_quantized(load_file(qpath), dtype)
+    logger.info("GGUF quantized weights kept for %d tensors", len(used))
+    return used
+
+
+def load_model(path: str, hf_config, dtype: torch.dtype, max_position: int, device: str = "cpu",
+               quantization: str | None = None) -> torch.nn.Module:
+    """quantization: None (weights in `dtype`), "int4" / "int8" (quantized here, groups of 32) or
+    "gguf" (a GGUF's Q4_0 / Q4_1 / Q8_0 tensors kept quantized)."""
     t0 = time.perf_counter()
     cls = MODEL_REGISTRY[hf_config.architectures[0]]
     with torch.device("meta"):
@@ -85,8 +105,12 @@ def load_model(path: str, hf_config, dtype: torch.dtype, max_position: int, devi
     model.rope = model.make_rope(dtype).to(device)  # buffers were created on meta
     if model.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.load_weights(_iter_safetensors(path))
+    skip = _load_gguf_quantized(model, path, dtype) if quantization == "gguf" else set()
+    model.load_weights(_iter_safetensors(path, skip))
     model.eval()
+    if quantization in BITS:
+        n = quantize_model(model, BITS[quantization])
+        logger.info("quantized %d linear layers to %s (groups of %d)", n, quantization, GROUP)
     if device == "cpu" and os.environ.get("TOKENMILL_NO_PACKED_LINEAR") != "1":
         from tokenmill.model.layers.linear import pack_linears
 

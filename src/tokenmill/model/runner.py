@@ -24,7 +24,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = model_config.device
         self.model = load_model(
-            model_config.path, model_config.hf_config, model_config.dtype, model_config.max_model_len, self.device
+            model_config.path, model_config.hf_config, model_config.dtype, model_config.max_model_len, self.device,
+            model_config.quantization,
         )
         cfg = model_config
         # One tensor for the whole cache: [layers, K/V, slots, kv_heads, head_dim].

@@ -41,7 +41,7 @@ def load():
             with open(build_dir / "tokenmill.flock", "w") as guard:
                 fcntl.flock(guard, fcntl.LOCK_EX)  # one builder per machine; freed if it dies
                 (build_dir / "lock").unlink(missing_ok=True)  # torch's own lock: stale if we got here
-                _module = load_ext(name="tokenmill_cpu_kernels", sources=[str(SOURCE)], extra_cflags=_flags(),
+                _module = load_ext(name="tokenmill_cpu_kernels", sources=[str(p) for p in SOURCES], extra_cflags=_flags(),
                                    build_directory=str(build_dir), verbose=False)
         except Exception as e:  # noqa: BLE001 - no compiler, no ninja, ...: use the torch path
             logger.warning("C++ CPU kernels unavailable (%s); using the pure-torch attention path", e)
@@ -49,7 +49,7 @@ def load():
     return _module
 
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "quant_linear.cpp")]
 
 
 def _flags() -> list[str]:
@@ -65,7 +65,7 @@ def build_directory() -> Path:
     from torch.utils.cpp_extension import get_default_build_root
 
     tag = f"{' '.join(_flags())}|{torch.__version__}|{sys.version}".encode()
-    key = hashlib.sha256(SOURCE.read_bytes() + tag).hexdigest()[:16]
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + tag).hexdigest()[:16]
     return Path(get_default_build_root()) / f"tokenmill_cpu_kernels_{key}"
 
 

@@ -15,6 +15,7 @@ from torch import nn
 from tokenmill.model.layers import cpu_kernels
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata
 from tokenmill.model.layers.norm import RMSNorm
+from tokenmill.model.layers.quantization import GROUP, QuantEmbedding, QuantLinear
 from tokenmill.model.layers.rotary import RotaryEmbedding
 
 
@@ -115,6 +116,41 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(self.norm(hidden)).float()
 
     # ---- weights ---------------------------------------------------------------------
+    def load_quantized(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> set[str]:
+        """Install pre-quantized weights (`<hf name>.qweight` / `.scales`, e.g. GGUF Q4_1 blocks)
+        as QuantLinear / QuantEmbedding, fusing q/k/v and gate/up by stacking their rows. A fused
+        layer whose parts are not all quantized alike stays dense. Returns the HF names consumed."""
+        shards: dict[str, list[tuple[int, str, int, torch.Tensor, torch.Tensor]]] = {}
+        for key, qweight in tensors.items():
+            if not key.endswith(".qweight"):
+                continue
+            stem = key.removesuffix(".qweight")
+            name = stem.removeprefix("model.") + ".weight"
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            target, shard = _fused_target(name, self)
+            bits = 4 if qweight.dtype == torch.uint8 else 8
+            shards.setdefault(target.removesuffix(".weight"), []).append(
+                ((shard or (0, 0))[0], stem + ".weight", bits, qweight, tensors[stem + ".scales"]))
+        used: set[str] = set()
+        for path, parts in shards.items():
+            parent_path, _, child = path.rpartition(".")
+            parent = self.get_submodule(parent_path) if parent_path else self
+            module, bits = getattr(parent, child), {p[2] for p in parts}
+            parts.sort(key=lambda p: p[0])
+            qweight, scales = torch.cat([p[3] for p in parts]), torch.cat([p[4] for p in parts])
+            if len(bits) != 1 or module.weight.shape[0] != qweight.shape[0] or module.weight.shape[1] % GROUP:
+                continue
+            if isinstance(module, nn.Embedding):
+                setattr(parent, child, QuantEmbedding(qweight, scales, bits.pop(), dtype))
+                if self.tie_word_embeddings:
+                    self.lm_head = QuantLinear(qweight, scales, self.embed_tokens.bits)
+            else:
+                bias = module.bias.detach() if module.bias is not None else None  # loaded later, by name
+                setattr(parent, child, QuantLinear(qweight, scales, bits.pop(), bias))
+            used.update(p[1] for p in parts)
+        return used
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
         loaded: set[str] = set()

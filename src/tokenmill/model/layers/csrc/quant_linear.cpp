@@ -1,0 +1,258 @@
+// Weight-only quantized linear layers for CPU: y = x @ dequant(W)^T with W stored as int4 or int8
+// in groups of 32 along the input dimension, each group with float16 scale d (and, int4, an
+// offset m): w = q * d + m (int4, q in 0..15) or w = q * d (int8, q in -128..127).
+// These are GGUF's Q4_1 / Q4_0 (m = -8d) / Q8_0 blocks with the scales split out, so llama.cpp
+// files load without dequantizing. int4 byte j of a group holds element j (low nibble) and
+// element j + 16 (high nibble), as in GGUF.
+//
+// Each thread takes a range of output rows; it dequantizes 4 rows at a time into a small buffer
+// (L1-resident) and multiplies every input row by them, so a weight is read from memory once per
+// call whatever the batch size. The dot products run on AVX-512 (bf16 pairs with vdpbf16ps where
+// the CPU has it), with a portable scalar path elsewhere.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int kGroup = 32;
+constexpr int kRows = 4;  // weight rows dequantized and multiplied together
+constexpr int kBatch = 4;  // input rows per micro-tile
+
+inline float bf16_to_f(c10::BFloat16 v) {
+  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Dequantize one row of K weights to float32.
+template <int BITS>
+void dequant_row_f32(const uint8_t* q, const at::Half* s, float* w, int64_t K) {
+  const int64_t groups = K / kGroup;
+  for (int64_t g = 0; g < groups; ++g) {
+    float* wg = w + g * kGroup;
+    if constexpr (BITS == 4) {
+      const float d = static_cast<float>(s[2 * g]), m = static_cast<float>(s[2 * g + 1]);
+      const uint8_t* qg = q + g * kGroup / 2;
+#if defined(__AVX512F__)
+      const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg)));
+      const __m512i lo = _mm512_and_si512(bytes, _mm512_set1_epi32(0xF));
+      const __m512i hi = _mm512_srli_epi32(bytes, 4);
+      const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
+      _mm512_storeu_ps(wg, _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), vd, vm));
+      _mm512_storeu_ps(wg + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), vd, vm));
+#else
+      for (int j = 0; j < 16; ++j) {
+        wg[j] = (qg[j] & 0xF) * d + m;
+        wg[j + 16] = (qg[j] >> 4) * d + m;
+      }
+#endif
+    } else {
+      const float d = static_cast<float>(s[g]);
+      const int8_t* qg = reinterpret_cast<const int8_t*>(q) + g * kGroup;
+#if defined(__AVX512F__)
+      const __m512 vd = _mm512_set1_ps(d);
+      for (int h = 0; h < 2; ++h) {
+        const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + 16 * h)));
+        _mm512_storeu_ps(wg + 16 * h, _mm512_mul_ps(_mm512_cvtepi32_ps(v), vd));
+      }
+#else
+      for (int j = 0; j < kGroup; ++j) wg[j] = qg[j] * d;
+#endif
+    }
+  }
+}
+
+#if defined(__AVX512BF16__)
+// Dequantize one row straight to bf16 (round to nearest even), the operand of vdpbf16ps.
+template <int BITS>
+void dequant_row_bf16(const uint8_t* q, const at::Half* s, c10::BFloat16* w, int64_t K) {
+  alignas(64) float tmp[kGroup];
+  const int64_t groups = K / kGroup;
+  for (int64_t g = 0; g < groups; ++g) {
+    dequant_row_f32<BITS>(q + g * (BITS == 4 ? kGroup / 2 : kGroup), s + g * (BITS == 4 ? 2 : 1), tmp, kGroup);
+    const __m512bh packed = _mm512_cvtne2ps_pbh(_mm512_load_ps(tmp + 16), _mm512_load_ps(tmp));
+    _mm512_storeu_si512(reinterpret_cast<void*>(w + g * kGroup), reinterpret_cast<__m512i>(packed));
+  }
+}
+
+// out[m][n] = sum_k x[m][k] * w[n][k] for MB input rows and NB weight rows, bf16 pairs.
+template <int MB, int NB>
+inline void tile_bf16(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* w, int64_t ldw, int64_t K,
+                      float* out, int64_t ldo) {
+  __m512 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512bh wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + j * ldw + k));
+    for (int i = 0; i < MB; ++i) {
+      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + i * ldx + k));
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) out[i * ldo + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+#endif
+
+template <int MB, int NB>
+inline void tile_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* out, int64_t ldo) {
+#if defined(__AVX512F__)
+  __m512 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    __m512 wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_ps(w + j * ldw + k);
+    for (int i = 0; i < MB; ++i) {
+      const __m512 xv = _mm512_loadu_ps(x + i * ldx + k);
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) out[i * ldo + j] = _mm512_reduce_add_ps(acc[i][j]);
+#else
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) {
+      float s = 0.f;
+      for (int64_t k = 0; k < K; ++k) s += x[i * ldx + k] * w[j * ldw + k];
+      out[i * ldo + j] = s;
+    }
+#endif
+}
+
+// Runs tile<MB, NB> with MB, NB in 1..4 chosen at run time (tails of M and N).
+template <typename Fn>
+inline void dispatch_tile(int mb, int nb, Fn&& fn) {
+#define TM_NB(MB_)                                                 \
+  switch (nb) {                                                    \
+    case 1: fn(std::integral_constant<int, MB_>{}, std::integral_constant<int, 1>{}); break; \
+    case 2: fn(std::integral_constant<int, MB_>{}, std::integral_constant<int, 2>{}); break; \
+    case 3: fn(std::integral_constant<int, MB_>{}, std::integral_constant<int, 3>{}); break; \
+    default: fn(std::integral_constant<int, MB_>{}, std::integral_constant<int, 4>{}); break; \
+  }
+  switch (mb) {
+    case 1: TM_NB(1) break;
+    case 2: TM_NB(2) break;
+    case 3: TM_NB(3) break;
+    default: TM_NB(4) break;
+  }
+#undef TM_NB
+}
+
+template <typename T>
+inline void store(float v, T* dst) {
+  *dst = static_cast<T>(v);
+}
+
+// WT: the dequantized weight's type (bf16 with vdpbf16ps, else float); XT: x's type as the tile reads it.
+template <int BITS, typename WT, typename XT, typename OT>
+void qlinear(const XT* x, const uint8_t* qw, const at::Half* sc, OT* out, int64_t M, int64_t N, int64_t K) {
+  const int64_t row_bytes = BITS == 4 ? K / 2 : K;
+  const int64_t row_scales = BITS == 4 ? 2 * K / kGroup : K / kGroup;
+  // Grain: whole 4-row tiles, at least 32 rows per task so small layers are not over-split.
+  at::parallel_for(0, (N + kRows - 1) / kRows, 8, [&](int64_t begin, int64_t end) {
+    std::vector<WT> w(kRows * K);
+    std::vector<float> tmp(kRows * K);
+    alignas(64) float acc[kBatch * kRows];
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * kRows;
+      const int nb = static_cast<int>(std::min<int64_t>(kRows, N - n0));
+      for (int j = 0; j < nb; ++j) {
+        const uint8_t* q = qw + (n0 + j) * row_bytes;
+        const at::Half* s = sc + (n0 + j) * row_scales;
+#if defined(__AVX512BF16__)
+        if constexpr (std::is_same_v<WT, c10::BFloat16>) {
+          dequant_row_bf16<BITS>(q, s, w.data() + j * K, K);
+          continue;
+        }
+#endif
+        if constexpr (std::is_same_v<WT, float>) dequant_row_f32<BITS>(q, s, w.data() + j * K, K);
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += kBatch) {
+        const int mb = static_cast<int>(std::min<int64_t>(kBatch, M - m0));
+        dispatch_tile(mb, nb, [&](auto MB, auto NB) {
+#if defined(__AVX512BF16__)
+          if constexpr (std::is_same_v<WT, c10::BFloat16>) {
+            tile_bf16<decltype(MB)::value, decltype(NB)::value>(x + m0 * K, K, w.data(), K, K, acc, kRows);
+            return;
+          }
+#endif
+          if constexpr (std::is_same_v<WT, float>)
+            tile_f32<decltype(MB)::value, decltype(NB)::value>(reinterpret_cast<const float*>(x) + m0 * K, K,
+                                                               w.data(), K, K, acc, kRows);
+        });
+        for (int i = 0; i < mb; ++i)
+          for (int j = 0; j < nb; ++j) store(acc[i * kRows + j], out + (m0 + i) * N + n0 + j);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// x: [M, K] float32 or bfloat16; qweight: uint8 [N, K/2] (bits 4) or int8 [N, K] (bits 8);
+// scales: float16 [N, K/32, 2] (d, m) for bits 4, [N, K/32] (d) for bits 8. Returns [M, N] in x's dtype.
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8");
+  TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && qweight.is_contiguous() && scales.is_contiguous(),
+              "quant_linear: x [M, K], contiguous weights");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf, "quant_linear: float16 scales");
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  TORCH_CHECK(K % kGroup == 0, "quant_linear: in_features must be a multiple of 32");
+  TORCH_CHECK(qweight.size(1) == (bits == 4 ? K / 2 : K), "quant_linear: weight shape does not match x");
+  TORCH_CHECK(scales.numel() == N * (K / kGroup) * (bits == 4 ? 2 : 1), "quant_linear: scales shape");
+  auto out = torch::empty({M, N}, x.options());
+  if (M == 0) return out;
+  const uint8_t* qw = static_cast<const uint8_t*>(qweight.data_ptr());
+  const at::Half* sc = scales.data_ptr<at::Half>();
+  auto run = [&](auto bits_c) {
+    constexpr int B = decltype(bits_c)::value;
+    if (x.scalar_type() == at::kBFloat16) {
+      auto xc = x.contiguous();
+#if defined(__AVX512BF16__)
+      qlinear<B, c10::BFloat16>(xc.data_ptr<c10::BFloat16>(), qw, sc, out.data_ptr<c10::BFloat16>(), M, N, K);
+#else
+      auto xf = xc.to(at::kFloat);
+      qlinear<B, float>(xf.data_ptr<float>(), qw, sc, out.data_ptr<c10::BFloat16>(), M, N, K);
+#endif
+    } else {
+      TORCH_CHECK(x.scalar_type() == at::kFloat, "quant_linear: float32 or bfloat16 inputs");
+      auto xc = x.contiguous();
+      qlinear<B, float>(xc.data_ptr<float>(), qw, sc, out.data_ptr<float>(), M, N, K);
+    }
+  };
+  if (bits == 4) run(std::integral_constant<int, 4>{});
+  else run(std::integral_constant<int, 8>{});
+  return out;
+}
+
+// Rows of a quantized table (an embedding), dequantized: ids [T] -> [T, K] in `dtype`.
+torch::Tensor quant_embedding(torch::Tensor ids, torch::Tensor qweight, torch::Tensor scales, int64_t bits,
+                              at::ScalarType dtype) {
+  TORCH_CHECK(ids.scalar_type() == at::kLong && qweight.is_contiguous() && scales.is_contiguous(), "quant_embedding");
+  auto idc = ids.contiguous();
+  const int64_t T = idc.numel(), N = qweight.size(0);
+  const int64_t K = bits == 4 ? qweight.size(1) * 2 : qweight.size(1);
+  const int64_t row_bytes = qweight.size(1), row_scales = scales.numel() / N;
+  auto out = torch::empty({T, K}, torch::dtype(at::kFloat));
+  const int64_t* ip = idc.data_ptr<int64_t>();
+  const uint8_t* qw = static_cast<const uint8_t*>(qweight.data_ptr());
+  const at::Half* sc = scales.data_ptr<at::Half>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(ip[t] >= 0 && ip[t] < N, "quant_embedding: token id out of range");
+    float* o = out.data_ptr<float>() + t * K;
+    if (bits == 4) dequant_row_f32<4>(qw + ip[t] * row_bytes, sc + ip[t] * row_scales, o, K);
+    else dequant_row_f32<8>(qw + ip[t] * row_bytes, sc + ip[t] * row_scales, o, K);
+  }
+  return out.to(dtype);
+}

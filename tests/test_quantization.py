@@ -1,0 +1,128 @@
+"""Weight-only int4 / int8 quantization: the format, the C++ kernel, GGUF blocks loaded as they
+are, `--quantization int4|int8` on HF checkpoints, and a server running a quantized model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import PROMPTS, running_server
+from gguf_writer import write_gguf_from_hf
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.model.layers import cpu_kernels
+from tokenmill.model.layers.quantization import QuantEmbedding, QuantLinear, dequantize, quantize
+
+
+def _model(llm: LLM) -> torch.nn.Module:
+    return llm.engine.core.runner.model
+
+
+def _prompt_logprobs(llm: LLM, prompts=PROMPTS) -> list[torch.Tensor]:
+    """Logprob of every prompt token after the first (a teacher-forced view of the whole model)."""
+    outs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
+    return [torch.tensor([next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]]) for o in outs]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantize_round_trip_error_is_half_a_step(bits: int) -> None:
+    torch.manual_seed(0)
+    w = torch.randn(37, 96)
+    qweight, scales = quantize(w, bits)
+    assert qweight.dtype == (torch.uint8 if bits == 4 else torch.int8)
+    assert qweight.shape == (37, 96 // 2 if bits == 4 else 96) and scales.dtype == torch.float16
+    step = scales.float()[..., 0] if bits == 4 else scales.float()
+    err = (dequantize(qweight, scales, bits) - w).abs().view(37, 3, 32).amax(-1)
+    assert (err <= step * 0.5 + 2e-3).all()  # + float16 rounding of the scales
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_kernel_matches_dequantized_matmul(bits: int, dtype: torch.dtype) -> None:
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        pytest.skip("C++ kernels unavailable")
+    torch.manual_seed(1)
+    for M, N, K in [(1, 5, 32), (3, 8, 96), (5, 37, 64), (17, 4, 128), (64, 33, 576)]:
+        w, x = torch.randn(N, K) * 0.1, torch.randn(M, K).to(dtype)
+        qweight, scales = quantize(w, bits)
+        ref = F.linear(x.float(), dequantize(qweight, scales, bits).to(dtype).float())
+        out = kernels.quant_linear(x, qweight, scales, bits)
+        assert out.dtype == dtype and out.shape == (M, N)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out.float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
+def test_torch_fallback_matches_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(2)
+    lin = torch.nn.Linear(64, 24, bias=True)
+    q = QuantLinear.from_linear(lin, 4)
+    x = torch.randn(6, 64)
+    with_kernel = q(x)
+    monkeypatch.setattr(cpu_kernels, "ops_for", lambda x: None)
+    torch.testing.assert_close(q(x), with_kernel, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch,qtype,bits", [("llama", "Q4_1", 4), ("llama", "Q4_0", 4), ("qwen2", "Q8_0", 8)])
+def test_gguf_blocks_load_without_dequantizing(arch: str, qtype: str, bits: int, request: pytest.FixtureRequest,
+                                              tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--quantization gguf keeps the file's blocks: every QuantLinear stands for exactly the weight
+    the dense (dequantized) load produces, and both models score prompts alike."""
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_gguf_from_hf(request.getfixturevalue(f"tiny_{arch}_dir"), tmp_path / f"m.{qtype}.gguf", qtype)
+    dense = LLM(str(path), dtype="float32", kv_cache_memory=0.02)
+    quant = LLM(str(path), dtype="float32", kv_cache_memory=0.02, quantization="gguf")
+    dense_params = dict(_model(dense).named_parameters())
+    linears = {n: m for n, m in _model(quant).named_modules() if isinstance(m, QuantLinear)}
+    assert len(linears) == 2 * 4 + 1  # qkv, o, gate_up, down per layer, and the lm_head
+    for name, m in linears.items():
+        assert m.bits == bits
+        dense_w = dense_params.get(name + ".weight", dense_params.get("embed_tokens.weight"))  # tied lm_head
+        torch.testing.assert_close(dequantize(m.qweight, m.scales, bits), dense_w, rtol=0, atol=0)
+    if arch == "qwen2":  # tied: the embedding table and the lm_head share one set of Q8_0 blocks
+        assert isinstance(_model(quant).embed_tokens, QuantEmbedding)
+        assert _model(quant).lm_head.qweight is _model(quant).embed_tokens.qweight
+        assert _model(quant).layers[0].self_attn.qkv_proj.bias is not None  # float bias loaded by name
+    for a, b in zip(_prompt_logprobs(dense), _prompt_logprobs(quant)):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=0)
+
+
+def test_hf_checkpoint_quantized_at_load(tiny_qwen2_dir: str) -> None:
+    """int8 and int4 on an HF folder: linear layers quantized (the lm_head at int8 even for int4),
+    the weights take a quarter / half of the bytes, and int4 costs more accuracy than int8."""
+    base = LLM(tiny_qwen2_dir, dtype="bfloat16", kv_cache_memory=0.02)
+    ref = _prompt_logprobs(base)
+    dense_bytes = sum(2 * m.in_features * m.out_features for n, m in _model(base).named_modules()
+                      if n.endswith("proj"))  # bfloat16
+    diffs = {}
+    for method, bits in (("int8", 8), ("int4", 4)):
+        llm = LLM(tiny_qwen2_dir, dtype="bfloat16", kv_cache_memory=0.02, quantization=method)
+        model = _model(llm)
+        assert isinstance(model.lm_head, QuantLinear) and model.lm_head.bits == 8
+        assert isinstance(model.embed_tokens, QuantEmbedding)  # tied to the lm_head
+        projs = [m for n, m in model.named_modules() if isinstance(m, QuantLinear) and "proj" in n]
+        assert projs and all(m.bits == bits for m in projs)
+        qbytes = sum(m.qweight.numel() + 2 * m.scales.numel() for m in projs)
+        assert qbytes < dense_bytes * (0.32 if bits == 4 else 0.57)
+        diffs[method] = torch.cat([(a - b).abs() for a, b in zip(ref, _prompt_logprobs(llm))]).mean().item()
+    assert diffs["int8"] < 0.05 and diffs["int4"] < 0.5, diffs
+    assert diffs["int8"] < diffs["int4"], diffs
+
+
+def test_bad_quantization_choices_refused(tiny_llama_dir: str) -> None:
+    with pytest.raises(ValueError, match="unknown quantization 'int3'"):
+        LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.02, quantization="int3")
+    with pytest.raises(ValueError, match="needs a .gguf model"):
+        LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.02, quantization="gguf")
+
+
+def test_server_serves_an_int4_model(tiny_llama_dir: str) -> None:
+    import openai
+
+    with running_server(tiny_llama_dir, quantization="int4") as (server, aengine):
+        assert isinstance(aengine.engine.core.runner.model.layers[0].mlp.down_proj, QuantLinear)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        out = client.completions.create(model=aengine.engine.config.model.name, prompt="Hello world",
+                                        max_tokens=8, temperature=0)
+        assert out.usage.completion_tokens == 8 and out.choices[0].finish_reason == "length"
