@@ -118,18 +118,31 @@ def measure_matmul(dtype: torch.dtype, n: int = 4096, repeats: int = 5) -> float
     return 2 * n**3 / best
 
 
+def decode_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a batch-1 decode step must read: every weight once (quantized ones in their stored
+    form), but only one row of the embedding table (whose full table a tied lm_head does read)."""
+    seen, total = set(), 0
+    for mname, mod in model.named_modules():
+        if mname.startswith("rope"):
+            continue
+        embedding = "embed_tokens" in mname
+        for t in list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False)):
+            nbytes = t.numel() * t.element_size()
+            if embedding:
+                total += nbytes // t.shape[0]
+            elif id(t) not in seen:
+                seen.add(id(t))
+                total += nbytes
+    return total
+
+
 def run_roofline(llm, ns: argparse.Namespace) -> int:
     model = llm.engine.core.runner.model
     dtype = llm.engine.config.model.dtype
-    # Bytes a batch-1 decode step must read: every weight once, but only one embedding row.
-    weight_bytes = 0
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if "embed_tokens" in name:
-            weight_bytes += t.shape[-1] * t.element_size()
-        elif t.dtype.is_floating_point and t.dim() >= 1 and not name.startswith("rope"):
-            weight_bytes += t.numel() * t.element_size()
-    cfg = llm.engine.config.model.hf_config
-    matmul_params = weight_bytes / torch.tensor([], dtype=dtype).element_size() - cfg.vocab_size * cfg.hidden_size
+    weight_bytes = decode_weight_bytes(model)
+    # Multiply-adds per prompt token: the layers' linears (logits are computed for one token only).
+    matmul_params = sum(m.in_features * m.out_features for n, m in model.named_modules()
+                        if hasattr(m, "in_features") and n != "lm_head")
     bw = measure_bandwidth()
     peak = measure_matmul(dtype)
     lat = measure_latency(llm, ns.input_len, ns.output_len, ns.num_iters, ns.bench_seed)

@@ -16,7 +16,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -33,6 +33,14 @@ inline float bf16_to_f(c10::BFloat16 v) {
   return f;
 }
 
+inline float half_to_f(at::Half h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h.x);  // one instruction; c10's portable conversion is a dozen
+#else
+  return static_cast<float>(h);
+#endif
+}
+
 // Dequantize one row of K weights to float32.
 template <int BITS>
 void dequant_row_f32(const uint8_t* q, const at::Half* s, float* w, int64_t K) {
@@ -40,7 +48,7 @@ void dequant_row_f32(const uint8_t* q, const at::Half* s, float* w, int64_t K) {
   for (int64_t g = 0; g < groups; ++g) {
     float* wg = w + g * kGroup;
     if constexpr (BITS == 4) {
-      const float d = static_cast<float>(s[2 * g]), m = static_cast<float>(s[2 * g + 1]);
+      const float d = half_to_f(s[2 * g]), m = half_to_f(s[2 * g + 1]);
       const uint8_t* qg = q + g * kGroup / 2;
 #if defined(__AVX512F__)
       const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg)));
@@ -56,7 +64,7 @@ void dequant_row_f32(const uint8_t* q, const at::Half* s, float* w, int64_t K) {
       }
 #endif
     } else {
-      const float d = static_cast<float>(s[g]);
+      const float d = half_to_f(s[g]);
       const int8_t* qg = reinterpret_cast<const int8_t*>(q) + g * kGroup;
 #if defined(__AVX512F__)
       const __m512 vd = _mm512_set1_ps(d);
@@ -73,14 +81,29 @@ void dequant_row_f32(const uint8_t* q, const at::Half* s, float* w, int64_t K) {
 
 #if defined(__AVX512BF16__)
 // Dequantize one row straight to bf16 (round to nearest even), the operand of vdpbf16ps.
+// int4: the group's 16 possible values form a bf16 table that vpermw indexes by nibble.
 template <int BITS>
 void dequant_row_bf16(const uint8_t* q, const at::Half* s, c10::BFloat16* w, int64_t K) {
-  alignas(64) float tmp[kGroup];
   const int64_t groups = K / kGroup;
-  for (int64_t g = 0; g < groups; ++g) {
-    dequant_row_f32<BITS>(q + g * (BITS == 4 ? kGroup / 2 : kGroup), s + g * (BITS == 4 ? 2 : 1), tmp, kGroup);
-    const __m512bh packed = _mm512_cvtne2ps_pbh(_mm512_load_ps(tmp + 16), _mm512_load_ps(tmp));
-    _mm512_storeu_si512(reinterpret_cast<void*>(w + g * kGroup), reinterpret_cast<__m512i>(packed));
+  if constexpr (BITS == 4) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m256i low4 = _mm256_set1_epi16(0xF);
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m512 vals = _mm512_fmadd_ps(iota, _mm512_set1_ps(half_to_f(s[2 * g])), _mm512_set1_ps(half_to_f(s[2 * g + 1])));
+      const __m512i table = _mm512_castsi256_si512(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(vals)));
+      const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + g * 16)));
+      const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, low4)),
+                                             _mm256_srli_epi16(bytes, 4), 1);
+      _mm512_storeu_si512(reinterpret_cast<void*>(w + g * kGroup), _mm512_permutexvar_epi16(idx, table));
+    }
+  } else {
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m512 d = _mm512_set1_ps(half_to_f(s[g]));
+      const int8_t* qg = reinterpret_cast<const int8_t*>(q) + g * kGroup;
+      const __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg)))), d);
+      const __m512 b = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + 16)))), d);
+      _mm512_storeu_si512(reinterpret_cast<void*>(w + g * kGroup), reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a)));
+    }
   }
 }
 

@@ -1,0 +1,86 @@
+"""Weight-only quantization against bfloat16 weights: quality, memory and speed, one run.
+
+    python benchmarks/quantization.py       # SmolLM2 (the packaged Q4_1 GGUF): bf16 | gguf | int8 | int4
+
+Variants: bf16 (the GGUF dequantized to bfloat16, the default), gguf (--quantization gguf: the
+file's Q4_1 linear blocks and Q8_0 embedding kept as they are), int8 and int4 (--quantization
+int8|int4: the bf16 weights quantized at load time, groups of 32; the lm_head stays int8).
+Quality: the 32 chat prompts of benchmarks/variants.py, greedy, against bf16. Speed: batch-1
+TPOT and offline output throughput (64 x 256 in x 128 out), variants alternating, medians.
+Note: SmolLM2's weights ship as Q4_1, so bf16 here is already 4-bit-derived; re-quantizing them
+costs less than quantizing an original bf16 checkpoint would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from variants import agreement, alternating_throughput, chat_outputs, describe_agreement
+
+from tokenmill import LLM
+from tokenmill.bench.offline import measure_latency
+
+VARIANTS = {"bf16": None, "gguf": "gguf", "int8": "int8", "int4": "int4"}
+
+
+def weight_bytes(llm: LLM) -> int:
+    model = llm.engine.core.runner.model
+    seen, total = set(), 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        key = t.data_ptr() if t.layout == torch.strided else id(t)  # oneDNN-packed weights are opaque
+        if name.startswith("rope") or key in seen:
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    return total
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--out", default="benchmarks/results/quantization.json")
+    args = ap.parse_args(argv)
+    names = args.variants.split(",")
+    llms = {n: LLM(args.model, dtype="bfloat16", quantization=VARIANTS[n], kv_cache_memory=2.0,
+                   enable_prefix_caching=False) for n in names}
+    result: dict = {"args": vars(args), "weight_bytes": {n: weight_bytes(llm) for n, llm in llms.items()}}
+    outs = {n: chat_outputs(llm, args.max_tokens) for n, llm in llms.items()}
+    result["quality_vs_bf16"] = {n: agreement(outs["bf16"], outs[n], args.max_tokens) for n in names if n != "bf16"}
+    for n, q in result["quality_vs_bf16"].items():
+        print(f"quality {n:5} vs bf16 ({q['prompts']} prompts x {q['max_tokens']} greedy tokens): "
+              f"{describe_agreement(q)}", flush=True)
+    for n, b in result["weight_bytes"].items():
+        print(f"weights {n:5}: {b / 1e6:7.1f} MB ({b / result['weight_bytes'][names[0]]:.2f}x)")
+    if not args.skip_speed:
+        tpot: dict[str, list[float]] = {n: [] for n in names}
+        for rep in range(args.repeats):
+            for n, llm in llms.items():
+                tpot[n].append(measure_latency(llm, 256, 64, 1, seed=rep)["tpot_s"])
+        thr = alternating_throughput(llms, args.num_prompts, args.input_len, args.output_len, args.repeats)
+        med_tpot = {n: statistics.median(v) for n, v in tpot.items()}
+        med_thr = {n: statistics.median(v) for n, v in thr.items()}
+        result["speed"] = {"batch1_tpot_s": tpot, "median_batch1_tpot_s": med_tpot, "throughput_tok_s": thr,
+                           "median_throughput_tok_s": med_thr}
+        for n in names:
+            print(f"speed {n:5}: batch-1 TPOT {med_tpot[n] * 1e3:6.2f} ms ({med_tpot[names[0]] / med_tpot[n]:.2f}x), "
+                  f"{args.num_prompts} x {args.input_len} in x {args.output_len} out {med_thr[n]:7.1f} tok/s "
+                  f"({med_thr[n] / med_thr[names[0]]:.2f}x), medians of {args.repeats}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
