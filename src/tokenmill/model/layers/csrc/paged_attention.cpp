@@ -10,6 +10,9 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -23,6 +26,363 @@ inline float to_f(c10::BFloat16 x) {
 inline float to_f(int8_t x) { return static_cast<float>(x); }
 inline void from_f(float v, float* dst) { *dst = v; }
 inline void from_f(float v, c10::BFloat16* dst) { *dst = c10::BFloat16(v); }
+
+#if defined(__AVX512F__)
+// ---- AVX-512 decode path ----
+// Keys are taken in tiles of up to 16 consecutive slots of one block. For a tile, the dot
+// products of up to GB query heads (sharing one kv head) with every key row are accumulated
+// while the row is in registers, reduced to one vector of 16 scores per head, and the online
+// softmax runs on those vectors; then each V row is loaded once and FMA'd into the GB heads'
+// float32 accumulators, which stay in registers for the tile.
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Four vectors a, b, c, d -> per 128-bit lane k: [sum_k(a), sum_k(b), sum_k(c), sum_k(d)],
+// where sum_k is the sum of that vector's four floats in lane k.
+inline __m512 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)), _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));
+}
+// hsum4 of vectors 0-3, 4-7, 8-11, 12-15 -> lane j holds the full sum of vector j.
+inline __m512 hsum_lanes(__m512 u0, __m512 u1, __m512 u2, __m512 u3) {
+  const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(u2, u3, _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(u2, u3, _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// exp(x) for x <= 0 (arguments below ~-87 give ~0), float32 accuracy (a few ulp).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+constexpr int kTile = 16;        // keys per score vector
+constexpr float kNoScore = -1e30f;  // finite "minus infinity" (the build uses -ffast-math)
+
+// How a cache row is read. bf16 rows with D % 32 == 0 are loaded 32 elements at a time and
+// split into even and odd elements (shift / mask: no widening loads), so a row's float32
+// vectors hold its elements permuted; the queries and the accumulators use the same order
+// (RowLayout::kEvenOdd), undone when the result is written.
+template <typename T, typename C, int D>
+struct RowLayout {
+  static constexpr bool kEvenOdd = std::is_same_v<C, c10::BFloat16> && D % 32 == 0;
+  // Dots with bf16 K rows via vdpbf16ps when the queries are bf16 too: the bf16 x bf16
+  // products are exact in float32 and summed in float32.
+#if defined(__AVX512BF16__)
+  static constexpr bool kBf16Dot = kEvenOdd && std::is_same_v<T, c10::BFloat16>;
+#else
+  static constexpr bool kBf16Dot = false;
+#endif
+  // Position of element d in the permuted order.
+  static int64_t slot(int64_t d) {
+    if constexpr (!kEvenOdd) return d;
+    const int64_t c2 = d / 32, e = d % 32;
+    return c2 * 32 + (e % 2) * 16 + e / 2;
+  }
+};
+
+template <typename T, typename C, int D>
+inline void load_row(const C* r, __m512* v) {
+  if constexpr (RowLayout<T, C, D>::kEvenOdd) {
+    const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+#pragma GCC unroll 8
+    for (int c2 = 0; c2 < D / 32; ++c2) {
+      const __m512i x = _mm512_loadu_si512(reinterpret_cast<const void*>(r + c2 * 32));
+      v[2 * c2] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+      v[2 * c2 + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, hi));
+    }
+  } else {
+#pragma GCC unroll 16
+    for (int c = 0; c < D / 16; ++c) v[c] = load16(r + c * 16);
+  }
+}
+
+// One tile of n (1..16) keys at kp / vp (rows `row` elements apart) for GB query heads.
+// qf: the GB heads' queries (float32, D each); qb: the same as raw bf16 (vdpbf16ps path).
+// ksv / vsv: per-key scales (int8 cache) or null; m, l, acc: the heads' softmax state.
+template <typename T, typename C, int D, int GB>
+inline void attend_tile(const float* qf, const T* qb, const C* kp, const C* vp, int64_t row, int n,
+                        const float* ksv, const float* vsv, float scale, float* m, float* l, float* acc,
+                        const char* pfk, const char* pfv, int pf_step) {
+  constexpr int NV = D / 16;
+  const __mmask16 valid = n >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+  __m512 s[GB];
+  {
+    __m512 u[GB][4];
+#pragma GCC unroll 4
+    for (int j4 = 0; j4 < 4; ++j4) {
+      __m512 part[GB][4];
+#pragma GCC unroll 4
+      for (int jj = 0; jj < 4; ++jj) {
+        const int j = j4 * 4 + jj;
+        if (j < n) {
+          const C* kr = kp + j * row;
+          for (int o = 0; o < pf_step; o += 64) _mm_prefetch(pfk + j * pf_step + o, _MM_HINT_T1);
+          if constexpr (RowLayout<T, C, D>::kBf16Dot) {
+#if defined(__AVX512BF16__)
+            __m512i kv[D / 32];
+#pragma GCC unroll 8
+            for (int c = 0; c < D / 32; ++c) kv[c] = _mm512_loadu_si512(reinterpret_cast<const void*>(kr + c * 32));
+#pragma GCC unroll 4
+            for (int g = 0; g < GB; ++g) {
+              __m512 a = _mm512_setzero_ps();
+#pragma GCC unroll 8
+              for (int c = 0; c < D / 32; ++c)
+                a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(qb + g * D + c * 32)),
+                                     (__m512bh)kv[c]);
+              part[g][jj] = a;
+            }
+#endif
+          } else {
+            __m512 kv[NV];
+            load_row<T, C, D>(kr, kv);
+#pragma GCC unroll 4
+            for (int g = 0; g < GB; ++g) {
+              __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qf + g * D), kv[0]);
+#pragma GCC unroll 16
+              for (int c = 1; c < NV; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + c * 16), kv[c], a);
+              part[g][jj] = a;
+            }
+          }
+        } else {
+#pragma GCC unroll 4
+          for (int g = 0; g < GB; ++g) part[g][jj] = _mm512_setzero_ps();
+        }
+      }
+#pragma GCC unroll 4
+      for (int g = 0; g < GB; ++g) u[g][j4] = hsum4(part[g][0], part[g][1], part[g][2], part[g][3]);
+    }
+    __m512 sc = _mm512_set1_ps(scale);
+    if (ksv != nullptr) sc = _mm512_mul_ps(sc, _mm512_maskz_loadu_ps(valid, ksv));
+#pragma GCC unroll 4
+    for (int g = 0; g < GB; ++g)
+      s[g] = _mm512_mask_mov_ps(_mm512_set1_ps(kNoScore), valid,
+                                _mm512_mul_ps(hsum_lanes(u[g][0], u[g][1], u[g][2], u[g][3]), sc));
+  }
+  alignas(64) float p[GB][kTile];
+  float corr[GB];
+  const __m512 vs = vsv != nullptr ? _mm512_maskz_loadu_ps(valid, vsv) : _mm512_set1_ps(1.f);
+#pragma GCC unroll 4
+  for (int g = 0; g < GB; ++g) {
+    const float bm = std::max(m[g], _mm512_reduce_max_ps(s[g]));
+    corr[g] = std::exp(m[g] - bm);
+    const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s[g], _mm512_set1_ps(bm))));
+    l[g] = l[g] * corr[g] + _mm512_reduce_add_ps(e);
+    m[g] = bm;
+    _mm512_store_ps(p[g], _mm512_mul_ps(e, vs));  // int8 V: fold the row scale into the weight
+  }
+  __m512 a[GB][NV];
+#pragma GCC unroll 4
+  for (int g = 0; g < GB; ++g) {
+    const __m512 cg = _mm512_set1_ps(corr[g]);
+#pragma GCC unroll 16
+    for (int c = 0; c < NV; ++c) a[g][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + c * 16), cg);
+  }
+  for (int j = 0; j < n; ++j) {
+    const C* vr = vp + j * row;
+    for (int o = 0; o < pf_step; o += 64) _mm_prefetch(pfv + j * pf_step + o, _MM_HINT_T1);
+    __m512 vv[NV];
+    load_row<T, C, D>(vr, vv);
+#pragma GCC unroll 4
+    for (int g = 0; g < GB; ++g) {
+      const __m512 pj = _mm512_set1_ps(p[g][j]);
+#pragma GCC unroll 16
+      for (int c = 0; c < NV; ++c) a[g][c] = _mm512_fmadd_ps(pj, vv[c], a[g][c]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < GB; ++g)
+#pragma GCC unroll 16
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + g * D + c * 16, a[g][c]);
+}
+
+template <typename C>
+inline void prefetch_rows(const C* p, int64_t row, int64_t n, int64_t bytes) {
+  for (int64_t j = 0; j < n; ++j) {
+    const char* r = reinterpret_cast<const char*>(p + j * row);
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(r + o, _MM_HINT_T1);
+  }
+}
+
+// Work items are (sequence, split): a split is a run of the sequence's blocks, all kv heads,
+// so each block's K and V (contiguous: [block_size, Hkv, D]) are streamed once, front to back.
+// Sequences are split (partial softmax states merged at the end) only when there are too few
+// of them to keep every thread busy.
+template <typename T, typename C, int D>
+void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const float* k_scale,
+                   const float* v_scale, const int64_t* tables, const int64_t* seq_lens, T* out,
+                   int64_t B, int64_t H, int64_t Hkv, int64_t block_size, int64_t max_blocks,
+                   float scale) {
+  static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
+  constexpr bool quantized = std::is_same_v<C, int8_t>;
+  constexpr int NV = D / 16;
+  // Query heads per register tile: GB * NV float32 accumulators held in zmm registers.
+  constexpr int kMaxGB = NV <= 4 ? 4 : NV <= 5 ? 3 : NV <= 8 ? 2 : 1;
+  using Layout = RowLayout<T, C, D>;
+  const int64_t G = H / Hkv;
+  const int64_t row = Hkv * D;  // elements per cache slot
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) longest = std::max(longest, seq_lens[b]);
+  const int64_t most_blocks = (longest + block_size - 1) / block_size;
+  const int64_t threads = at::get_num_threads();
+  int64_t S = 1;
+  if (B < 4 * threads) S = std::max<int64_t>(1, std::min<int64_t>((4 * threads + B - 1) / B, most_blocks / 2));
+  std::vector<float> part_ml(S > 1 ? B * S * H * 2 : 0), part_acc(S > 1 ? B * S * H * D : 0);
+  at::parallel_for(0, B * S, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(H * D), acc(H * D), m(H), l(H), ksv(Hkv * kTile), vsv(Hkv * kTile);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / S, s = i % S;
+      const int64_t L = seq_lens[b];
+      const int64_t* table = tables + b * max_blocks;
+      const int64_t nblocks = (L + block_size - 1) / block_size;
+      const int64_t per_split = (nblocks + S - 1) / S;
+      const int64_t bi0 = std::min(nblocks, s * per_split), bi1 = std::min(nblocks, bi0 + per_split);
+      const T* qb = q + b * H * D;
+      for (int64_t g = 0; g < H; ++g)
+        for (int64_t d = 0; d < D; ++d) qf[g * D + Layout::slot(d)] = to_f(qb[g * D + d]);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), kNoScore);
+      std::fill(l.begin(), l.end(), 0.f);
+      // The next block's K and V rows are prefetched a few lines per key row processed, so
+      // that memory stays busy while this block is computed.
+      const int64_t row_bytes = row * static_cast<int64_t>(sizeof(C));
+      if (bi0 < bi1) {
+        const int64_t first = std::min(block_size, L - bi0 * block_size) * row_bytes;
+        prefetch_rows(reinterpret_cast<const char*>(k_cache + table[bi0] * block_size * row), 0, 1, first);
+        prefetch_rows(reinterpret_cast<const char*>(v_cache + table[bi0] * block_size * row), 0, 1, first);
+      }
+      for (int64_t bi = bi0; bi < bi1; ++bi) {
+        const char* nk = nullptr;
+        const char* nv = nullptr;
+        int64_t next_bytes = 0;
+        if (bi + 1 < bi1) {
+          const int64_t nbase = table[bi + 1] * block_size;
+          next_bytes = std::min(block_size, L - (bi + 1) * block_size) * row_bytes;
+          nk = reinterpret_cast<const char*>(k_cache + nbase * row);
+          nv = reinterpret_cast<const char*>(v_cache + nbase * row);
+          if constexpr (quantized) {
+            prefetch_rows(k_scale + nbase * Hkv, 0, 1, block_size * Hkv * 4);
+            prefetch_rows(v_scale + nbase * Hkv, 0, 1, block_size * Hkv * 4);
+          }
+        }
+        int64_t pf_done = 0;
+        const int64_t nb = std::min(block_size, L - bi * block_size);
+        const int64_t base = table[bi] * block_size;
+        for (int64_t j0 = 0; j0 < nb; j0 += kTile) {
+          const int n = static_cast<int>(std::min<int64_t>(kTile, nb - j0));
+          if constexpr (quantized) {
+            for (int j = 0; j < n; ++j)
+              for (int64_t h = 0; h < Hkv; ++h) {
+                ksv[h * kTile + j] = k_scale[(base + j0 + j) * Hkv + h];
+                vsv[h * kTile + j] = v_scale[(base + j0 + j) * Hkv + h];
+              }
+          }
+          const int64_t calls = ((nb - j0 + kTile - 1) / kTile) * Hkv;  // tile x head calls left
+          for (int64_t h = 0; h < Hkv; ++h) {
+            // This call's share of the next block, in 64-byte lines per key row.
+            const int64_t left = next_bytes - pf_done;
+            const int step = left > 0 ? static_cast<int>((left / (calls - h) + n * 64 - 1) / (n * 64) * 64) : 0;
+            const char* pfk = nk + pf_done;
+            const char* pfv = nv + pf_done;
+            pf_done += static_cast<int64_t>(step) * n;
+            const C* kp = k_cache + (base + j0) * row + h * D;
+            const C* vp = v_cache + (base + j0) * row + h * D;
+            const float* ks = quantized ? ksv.data() + h * kTile : nullptr;
+            const float* vs = quantized ? vsv.data() + h * kTile : nullptr;
+            for (int64_t g0 = h * G; g0 < (h + 1) * G; g0 += kMaxGB) {
+              const int64_t gb = std::min<int64_t>(kMaxGB, (h + 1) * G - g0);
+              const float* qg = qf.data() + g0 * D;
+              const T* qbg = qb + g0 * D;
+              float* mg = m.data() + g0;
+              float* lg = l.data() + g0;
+              float* ag = acc.data() + g0 * D;
+              const int pstep = g0 == h * G ? step : 0;
+              switch (gb) {
+                case 1: attend_tile<T, C, D, 1>(qg, qbg, kp, vp, row, n, ks, vs, scale, mg, lg, ag, pfk, pfv, pstep); break;
+                case 2:
+                  if constexpr (kMaxGB >= 2) attend_tile<T, C, D, 2>(qg, qbg, kp, vp, row, n, ks, vs, scale, mg, lg, ag, pfk, pfv, pstep);
+                  break;
+                case 3:
+                  if constexpr (kMaxGB >= 3) attend_tile<T, C, D, 3>(qg, qbg, kp, vp, row, n, ks, vs, scale, mg, lg, ag, pfk, pfv, pstep);
+                  break;
+                default:
+                  if constexpr (kMaxGB >= 4) attend_tile<T, C, D, 4>(qg, qbg, kp, vp, row, n, ks, vs, scale, mg, lg, ag, pfk, pfv, pstep);
+                  break;
+              }
+            }
+          }
+        }
+      }
+      if constexpr (Layout::kEvenOdd) {  // accumulators back to element order
+        float tmp[D];
+        for (int64_t g = 0; g < H; ++g) {
+          float* ag = acc.data() + g * D;
+          for (int64_t d = 0; d < D; ++d) tmp[d] = ag[Layout::slot(d)];
+          std::copy(tmp, tmp + D, ag);
+        }
+      }
+      if (S == 1) {
+        T* ob = out + b * H * D;
+        for (int64_t g = 0; g < H; ++g) {
+          const float inv = 1.f / l[g];
+          for (int d = 0; d < D; ++d) from_f(acc[g * D + d] * inv, ob + g * D + d);
+        }
+      } else {
+        float* ml = part_ml.data() + i * H * 2;
+        std::copy(m.begin(), m.end(), ml);
+        std::copy(l.begin(), l.end(), ml + H);
+        std::copy(acc.begin(), acc.end(), part_acc.data() + i * H * D);
+      }
+    }
+  });
+  if (S == 1) return;
+  // Merge the splits' partial softmax states: out = sum_s w_s acc_s / sum_s w_s l_s,
+  // w_s = exp(m_s - max_s m_s).
+  at::parallel_for(0, B * H, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> o(D);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / H, g = i % H;
+      float mx = kNoScore;
+      for (int64_t s = 0; s < S; ++s) mx = std::max(mx, part_ml[((b * S + s) * H) * 2 + g]);
+      float lsum = 0.f;
+      std::fill(o.begin(), o.end(), 0.f);
+      for (int64_t s = 0; s < S; ++s) {
+        const float* ml = part_ml.data() + (b * S + s) * H * 2;
+        const float w = std::exp(ml[g] - mx);
+        lsum += w * ml[H + g];
+        const float* a = part_acc.data() + ((b * S + s) * H + g) * D;
+        for (int d = 0; d < D; ++d) o[d] += w * a[d];
+      }
+      const float inv = 1.f / lsum;
+      for (int d = 0; d < D; ++d) from_f(o[d] * inv, out + i * D + d);
+    }
+  });
+}
+
+#else  // portable path
 
 template <typename T, typename C, int D>
 void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const float* k_scale,
@@ -96,6 +456,8 @@ void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const float* 
     }
   });
 }
+
+#endif  // __AVX512F__
 
 template <typename T, typename C>
 void dispatch_head_dim(int64_t D, const T* q, const C* k, const C* v, const float* ks, const float* vs,
