@@ -128,7 +128,7 @@ def main(argv=None) -> None:
     prompts = make_prompts(args.num_prompts, args.input_len, vocab, special_token_ids(tok), args.seed)
     llm = LLM(path, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-              num_threads=threads)
+              num_threads=threads, enable_prefix_caching=False)  # pass 2 repeats pass 1's prompts
     torch.set_num_threads(threads)
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompt_token_ids=prompts[:4], sampling_params=SamplingParams(temperature=0.0, max_tokens=4,
