@@ -2,7 +2,8 @@
 
     python benchmarks/quantization.py       # SmolLM2 (the packaged Q4_1 GGUF): bf16 | gguf | int8 | int4
 
-Variants: bf16 (the GGUF dequantized to bfloat16, the default), gguf (--quantization gguf: the
+Variants: bf16 (the GGUF dequantized to bfloat16, the default), fp32 (the same in float32; quality
+only, as the scale of bf16's own rounding), gguf (--quantization gguf: the
 file's Q4_1 linear blocks and Q8_0 embedding kept as they are), int8 and int4 (--quantization
 int8|int4: the bf16 weights quantized at load time, groups of 32; the lm_head stays int8).
 Quality: the 32 chat prompts of benchmarks/variants.py, greedy, against bf16. Speed: batch-1
@@ -25,7 +26,10 @@ from variants import agreement, alternating_throughput, chat_outputs, describe_a
 from tokenmill import LLM
 from tokenmill.bench.offline import measure_latency
 
-VARIANTS = {"bf16": None, "gguf": "gguf", "int8": "int8", "int4": "int4"}
+# name -> (dtype, --quantization). fp32 is in the quality table only: how far plain bf16 is from
+# full precision puts the quantized variants' distance from bf16 in scale.
+VARIANTS = {"bf16": ("bfloat16", None), "gguf": ("bfloat16", "gguf"), "int8": ("bfloat16", "int8"),
+            "int4": ("bfloat16", "int4"), "fp32": ("float32", None)}
 
 
 def weight_bytes(llm: LLM) -> int:
@@ -53,7 +57,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="benchmarks/results/quantization.json")
     args = ap.parse_args(argv)
     names = args.variants.split(",")
-    llms = {n: LLM(args.model, dtype="bfloat16", quantization=VARIANTS[n], kv_cache_memory=2.0,
+    llms = {n: LLM(args.model, dtype=VARIANTS[n][0], quantization=VARIANTS[n][1], kv_cache_memory=2.0,
                    enable_prefix_caching=False) for n in names}
     result: dict = {"args": vars(args), "weight_bytes": {n: weight_bytes(llm) for n, llm in llms.items()}}
     outs = {n: chat_outputs(llm, args.max_tokens) for n, llm in llms.items()}
@@ -63,12 +67,15 @@ def main(argv=None) -> int:
               f"{describe_agreement(q)}", flush=True)
     for n, b in result["weight_bytes"].items():
         print(f"weights {n:5}: {b / 1e6:7.1f} MB ({b / result['weight_bytes'][names[0]]:.2f}x)")
+    names = [n for n in names if n != "fp32"]
+    llms.pop("fp32", None)
     if not args.skip_speed:
         tpot: dict[str, list[float]] = {n: [] for n in names}
         for rep in range(args.repeats):
-            for n, llm in llms.items():
-                tpot[n].append(measure_latency(llm, 256, 64, 1, seed=rep)["tpot_s"])
-        thr = alternating_throughput(llms, args.num_prompts, args.input_len, args.output_len, args.repeats)
+            for n in names:
+                tpot[n].append(measure_latency(llms[n], 256, 64, 1, seed=rep)["tpot_s"])
+        thr = alternating_throughput({n: llms[n] for n in names}, args.num_prompts, args.input_len, args.output_len,
+                                     args.repeats)
         med_tpot = {n: statistics.median(v) for n, v in tpot.items()}
         med_thr = {n: statistics.median(v) for n, v in thr.items()}
         result["speed"] = {"batch1_tpot_s": tpot, "median_batch1_tpot_s": med_tpot, "throughput_tok_s": thr,

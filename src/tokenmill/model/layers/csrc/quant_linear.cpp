@@ -79,6 +79,36 @@ void dequant_row_f32(const uint8_t* q, const at::Half* s, float* w, int64_t K) {
   }
 }
 
+#if defined(__AVX512F__)
+// Sums of 16 vectors at once: lane i of the result is the sum of v[i]'s lanes (a transpose-add
+// tree: 4 levels of 8 + 4 + 4 + 2 shuffles, instead of 16 separate horizontal reductions).
+inline __m512 hsum16(const __m512* v) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [v0+v2, u0+u2, v1+v3, u1+u3] of v = v[2i], u = v[2i+1]
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane's sum of v[4i..4i+3]
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x44), _mm512_shuffle_f32x4(b[0], b[1], 0xEE));
+  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x44), _mm512_shuffle_f32x4(b[2], b[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+}
+
+// out[i * ldo + j] = sum of acc[i][j]'s lanes.
+template <int MB, int NB>
+inline void store_sums(__m512 (&acc)[MB][NB], float* out, int64_t ldo) {
+  if constexpr (MB * NB == 16 && NB == 4) {
+    if (ldo == 4) {
+      _mm512_storeu_ps(out, hsum16(&acc[0][0]));
+      return;
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) out[i * ldo + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+#endif
+
 #if defined(__AVX512BF16__)
 // Dequantize one row straight to bf16 (round to nearest even), the operand of vdpbf16ps.
 // int4: the group's 16 possible values form a bf16 table that vpermw indexes by nibble.
@@ -122,8 +152,7 @@ inline void tile_bf16(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* 
       for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
     }
   }
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) out[i * ldo + j] = _mm512_reduce_add_ps(acc[i][j]);
+  store_sums<MB, NB>(acc, out, ldo);
 }
 #endif
 
@@ -141,8 +170,7 @@ inline void tile_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, i
       for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
     }
   }
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) out[i * ldo + j] = _mm512_reduce_add_ps(acc[i][j]);
+  store_sums<MB, NB>(acc, out, ldo);
 #else
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) {
@@ -185,7 +213,6 @@ void qlinear(const XT* x, const uint8_t* qw, const at::Half* sc, OT* out, int64_
   // Grain: whole 4-row tiles, at least 32 rows per task so small layers are not over-split.
   at::parallel_for(0, (N + kRows - 1) / kRows, 8, [&](int64_t begin, int64_t end) {
     std::vector<WT> w(kRows * K);
-    std::vector<float> tmp(kRows * K);
     alignas(64) float acc[kBatch * kRows];
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kRows;
