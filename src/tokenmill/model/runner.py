@@ -73,7 +73,8 @@ class ModelRunner:
                 kv_slots = None
                 if start > 0:
                     kv_slots = _slots_for(table, start + n, bs)
-                prefills.append(PrefillChunk(row0, row0 + n, start, kv_slots))
+                chunk_table = torch.tensor(table[: -(-(start + n) // bs)], dtype=torch.long)
+                prefills.append(PrefillChunk(row0, row0 + n, start, kv_slots, chunk_table))
             if s.samples:
                 logits_rows.append(row0 + n - 1)
 

@@ -7,7 +7,8 @@ sees the cache layout, so a GPU backend (flash-attn, FlashInfer) can replace thi
 
 CPU backend: decode requests (one query token each) go through one C++ kernel call that
 reads K/V in place through their block tables (a pure-torch gather + SDPA when the kernels
-are unavailable); prompt chunks run one SDPA call each, causal with the cached prefix in front.
+are unavailable); prompt chunks run one C++ kernel call each (csrc/paged_prefill.cpp: causal,
+keys read in place through the block table), or one SDPA call each without the kernels.
 
 With an int8 cache (`--kv-cache-dtype int8`) each token's K and V are stored per kv head as
 int8 with one float32 scale (absmax / 127) and dequantized where they are read.
@@ -30,6 +31,7 @@ class PrefillChunk:
     q_end: int
     context_len: int  # tokens already in the cache before this chunk
     kv_slots: torch.Tensor | None  # [context_len + q_len] slots, only when context_len > 0
+    block_table: torch.Tensor | None = None  # [ceil((context_len + q_len) / block_size)] int64 (C++ kernel)
 
 
 @dataclass
@@ -93,6 +95,16 @@ class AttentionBackend:
         if meta.decode_rows is not None:
             out[meta.decode_rows] = self._decode(q[meta.decode_rows], k_cache, v_cache, meta, scales)
         for c in meta.prefills or ():
+            # The kernel reads all keys (prefix and this chunk's, just written) in place through the
+            # block table. Not for a fresh prompt with an int8 cache: the torch path attends its
+            # unquantized K/V there, and that is kept.
+            if (self.kernels is not None and c.block_table is not None and q.dtype in (torch.float32, torch.bfloat16)
+                    and (k_cache.dtype == q.dtype or (scales is not None and c.context_len > 0))):
+                out[c.q_start : c.q_end] = self.kernels.paged_prefill(
+                    q[c.q_start : c.q_end], k_cache, v_cache, c.block_table, c.context_len, meta.block_size,
+                    self.scale, *(scales or ()),
+                )
+                continue
             qc = q[c.q_start : c.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if c.context_len == 0:  # whole prompt in this chunk: attend to the fresh K/V
                 kc = k[c.q_start : c.q_end].transpose(0, 1).unsqueeze(0)
