@@ -126,3 +126,19 @@ def test_server_serves_an_int4_model(tiny_llama_dir: str) -> None:
         out = client.completions.create(model=aengine.engine.config.model.name, prompt="Hello world",
                                         max_tokens=8, temperature=0)
         assert out.usage.completion_tokens == 8 and out.choices[0].finish_reason == "length"
+
+
+def test_tied_lm_head_small_batches_read_the_embedding_table_in_place(tiny_qwen2_dir: str) -> None:
+    """bf16, tied embeddings: the packed lm_head keeps the (shared) table for batches of <= 16
+    rows, run by the engine's bf16-weight kernel; its logits equal oneDNN's within bf16 rounding."""
+    from tokenmill.model.layers import linear
+
+    llm = LLM(tiny_qwen2_dir, dtype="bfloat16", kv_cache_memory=0.02)
+    head = _model(llm).lm_head
+    if not isinstance(head, linear.PackedLinear) or head.plain_weight is None:
+        pytest.skip("no oneDNN packing or no AVX512-BF16 kernel here")
+    assert head.plain_weight.data_ptr() == _model(llm).embed_tokens.weight.data_ptr()  # no copy
+    for rows in (1, 5, 16, 17):
+        x = torch.randn(rows, head.in_features).bfloat16()
+        packed = torch.ops.mkldnn._linear_pointwise(x, head.packed_weight, None, "none", [], "")
+        torch.testing.assert_close(head(x).float(), packed.float(), atol=2e-2, rtol=2e-2)

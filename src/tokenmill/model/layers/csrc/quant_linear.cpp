@@ -112,13 +112,22 @@ inline void store_sums(__m512 (&acc)[MB][NB], float* out, int64_t ldo) {
 #if defined(__AVX512BF16__)
 // Dequantize one row straight to bf16 (round to nearest even), the operand of vdpbf16ps.
 // int4: the group's 16 possible values form a bf16 table that vpermw indexes by nibble.
+// pq / ps (or null): the same row of the next tile, prefetched into L2 meanwhile, a line at a time.
 template <int BITS>
-void dequant_row_bf16(const uint8_t* q, const at::Half* s, c10::BFloat16* w, int64_t K) {
+void dequant_row_bf16(const uint8_t* q, const at::Half* s, c10::BFloat16* w, int64_t K,
+                      const uint8_t* pq = nullptr, const at::Half* ps = nullptr) {
   const int64_t groups = K / kGroup;
+  constexpr int64_t group_bytes = BITS == 4 ? kGroup / 2 : kGroup, group_scales = BITS == 4 ? 2 : 1;
+  auto prefetch = [&](int64_t g) {  // a trickle, one line when the group starts one: bursts do not help
+    if (pq == nullptr) return;
+    if ((g * group_bytes) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(pq + g * group_bytes), _MM_HINT_T1);
+    if ((g * group_scales * 2) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(ps + g * group_scales), _MM_HINT_T1);
+  };
   if constexpr (BITS == 4) {
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m256i low4 = _mm256_set1_epi16(0xF);
     for (int64_t g = 0; g < groups; ++g) {
+      prefetch(g);
       const __m512 vals = _mm512_fmadd_ps(iota, _mm512_set1_ps(half_to_f(s[2 * g])), _mm512_set1_ps(half_to_f(s[2 * g + 1])));
       const __m512i table = _mm512_castsi256_si512(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(vals)));
       const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + g * 16)));
@@ -128,6 +137,7 @@ void dequant_row_bf16(const uint8_t* q, const at::Half* s, c10::BFloat16* w, int
     }
   } else {
     for (int64_t g = 0; g < groups; ++g) {
+      prefetch(g);
       const __m512 d = _mm512_set1_ps(half_to_f(s[g]));
       const int8_t* qg = reinterpret_cast<const int8_t*>(q) + g * kGroup;
       const __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg)))), d);
@@ -138,13 +148,17 @@ void dequant_row_bf16(const uint8_t* q, const at::Half* s, c10::BFloat16* w, int
 }
 
 // out[m][n] = sum_k x[m][k] * w[n][k] for MB input rows and NB weight rows, bf16 pairs.
+// `next` (or null): rows to prefetch into L2 meanwhile, one cache line per row per step (a
+// steady trickle keeps the memory pipeline busy; a burst would not).
 template <int MB, int NB>
 inline void tile_bf16(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* w, int64_t ldw, int64_t K,
-                      float* out, int64_t ldo) {
+                      float* out, int64_t ldo, const c10::BFloat16* next = nullptr) {
   __m512 acc[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 32) {
+    if (next != nullptr)
+      for (int j = 0; j < kRows; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + j * ldw + k), _MM_HINT_T1);
     __m512bh wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + j * ldw + k));
     for (int i = 0; i < MB; ++i) {
@@ -210,6 +224,7 @@ template <int BITS, typename WT, typename XT, typename OT>
 void qlinear(const XT* x, const uint8_t* qw, const at::Half* sc, OT* out, int64_t M, int64_t N, int64_t K) {
   const int64_t row_bytes = BITS == 4 ? K / 2 : K;
   const int64_t row_scales = BITS == 4 ? 2 * K / kGroup : K / kGroup;
+  static_assert(BITS != 16 || std::is_same_v<WT, c10::BFloat16>, "bf16 weights need the bf16 tile");
   // Grain: whole 4-row tiles, at least 32 rows per task so small layers are not over-split.
   at::parallel_for(0, (N + kRows - 1) / kRows, 8, [&](int64_t begin, int64_t end) {
     std::vector<WT> w(kRows * K);
@@ -217,29 +232,40 @@ void qlinear(const XT* x, const uint8_t* qw, const at::Half* sc, OT* out, int64_
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kRows;
       const int nb = static_cast<int>(std::min<int64_t>(kRows, N - n0));
-      for (int j = 0; j < nb; ++j) {
-        const uint8_t* q = qw + (n0 + j) * row_bytes;
-        const at::Half* s = sc + (n0 + j) * row_scales;
+      const WT* wt = w.data();  // this tile's weight rows, dequantized
+      const WT* next = nullptr;
+      if constexpr (BITS == 16) {  // plain bf16 weights: read in place, the next tile prefetched
+        wt = reinterpret_cast<const WT*>(qw) + n0 * K;
+        next = t + 1 < end ? wt + kRows * K : nullptr;
+      }
+      if constexpr (BITS != 16) {
+        for (int j = 0; j < nb; ++j) {
+          const uint8_t* q = qw + (n0 + j) * row_bytes;
+          const at::Half* s = sc + (n0 + j) * row_scales;
 #if defined(__AVX512BF16__)
-        if constexpr (std::is_same_v<WT, c10::BFloat16>) {
-          dequant_row_bf16<BITS>(q, s, w.data() + j * K, K);
-          continue;
-        }
+          if constexpr (std::is_same_v<WT, c10::BFloat16>) {
+            const bool more = t + 1 < end;
+            dequant_row_bf16<BITS>(q, s, w.data() + j * K, K, more ? q + kRows * row_bytes : nullptr,
+                                   more ? s + kRows * row_scales : nullptr);
+            continue;
+          }
 #endif
-        if constexpr (std::is_same_v<WT, float>) dequant_row_f32<BITS>(q, s, w.data() + j * K, K);
+          if constexpr (std::is_same_v<WT, float>) dequant_row_f32<BITS>(q, s, w.data() + j * K, K);
+        }
       }
       for (int64_t m0 = 0; m0 < M; m0 += kBatch) {
         const int mb = static_cast<int>(std::min<int64_t>(kBatch, M - m0));
         dispatch_tile(mb, nb, [&](auto MB, auto NB) {
 #if defined(__AVX512BF16__)
           if constexpr (std::is_same_v<WT, c10::BFloat16>) {
-            tile_bf16<decltype(MB)::value, decltype(NB)::value>(x + m0 * K, K, w.data(), K, K, acc, kRows);
+            tile_bf16<decltype(MB)::value, decltype(NB)::value>(x + m0 * K, K, wt, K, K, acc, kRows,
+                                                                m0 == 0 ? next : nullptr);
             return;
           }
 #endif
           if constexpr (std::is_same_v<WT, float>)
             tile_f32<decltype(MB)::value, decltype(NB)::value>(reinterpret_cast<const float*>(x) + m0 * K, K,
-                                                               w.data(), K, K, acc, kRows);
+                                                               wt, K, K, acc, kRows);
         });
         for (int i = 0; i < mb; ++i)
           for (int j = 0; j < nb; ++j) store(acc[i * kRows + j], out + (m0 + i) * N + n0 + j);
@@ -253,7 +279,21 @@ void qlinear(const XT* x, const uint8_t* qw, const at::Half* sc, OT* out, int64_
 // x: [M, K] float32 or bfloat16; qweight: uint8 [N, K/2] (bits 4) or int8 [N, K] (bits 8);
 // scales: float16 [N, K/32, 2] (d, m) for bits 4, [N, K/32] (d) for bits 8. Returns [M, N] in x's dtype.
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, int64_t bits) {
-  TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8");
+  if (bits == 16) {  // plain bf16 weights [N, K] (scales unused): the same tiles, nothing to dequantize
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && qweight.scalar_type() == at::kBFloat16 &&
+                qweight.is_contiguous() && qweight.size(1) == x.size(1) && x.size(1) % kGroup == 0,
+                "quant_linear bits=16: bf16 x [M, K] and weight [N, K], K a multiple of 32");
+#if defined(__AVX512BF16__)
+    auto xc = x.contiguous();
+    auto out = torch::empty({x.size(0), qweight.size(0)}, x.options());
+    qlinear<16, c10::BFloat16>(xc.data_ptr<c10::BFloat16>(), static_cast<const uint8_t*>(qweight.data_ptr()),
+                               nullptr, out.data_ptr<c10::BFloat16>(), x.size(0), qweight.size(0), x.size(1));
+    return out;
+#else
+    TORCH_CHECK(false, "quant_linear bits=16 needs AVX512-BF16");
+#endif
+  }
+  TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4, 8 or 16");
   TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && qweight.is_contiguous() && scales.is_contiguous(),
               "quant_linear: x [M, K], contiguous weights");
   TORCH_CHECK(scales.scalar_type() == at::kHalf, "quant_linear: float16 scales");
