@@ -54,14 +54,18 @@ def test_kernel_matches_dequantized_matmul(bits: int, dtype: torch.dtype) -> Non
         torch.testing.assert_close(out.float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
 
 
-def test_torch_fallback_matches_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("bits", [4, 8])
+def test_torch_fallback_matches_kernel(bits: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small batches (the tile kernel), large ones (a dequantized copy through oneDNN) and the
+    pure-torch fallback compute the same layer."""
     torch.manual_seed(2)
     lin = torch.nn.Linear(64, 24, bias=True)
-    q = QuantLinear.from_linear(lin, 4)
-    x = torch.randn(6, 64)
-    with_kernel = q(x)
+    q = QuantLinear.from_linear(lin, bits)
+    x = torch.randn(200, 64)
+    small, large = torch.cat([q(x[i : i + 8]) for i in range(0, 200, 8)]), q(x)
+    torch.testing.assert_close(large, small, atol=1e-4, rtol=1e-4)
     monkeypatch.setattr(cpu_kernels, "ops_for", lambda x: None)
-    torch.testing.assert_close(q(x), with_kernel, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(q(x), small, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("arch,qtype,bits", [("llama", "Q4_1", 4), ("llama", "Q4_0", 4), ("qwen2", "Q8_0", 8)])
@@ -142,3 +146,17 @@ def test_tied_lm_head_small_batches_read_the_embedding_table_in_place(tiny_qwen2
         x = torch.randn(rows, head.in_features).bfloat16()
         packed = torch.ops.mkldnn._linear_pointwise(x, head.packed_weight, None, "none", [], "")
         torch.testing.assert_close(head(x).float(), packed.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_converted_folder_stays_a_plain_hf_folder(smollm2_dir: str) -> None:
+    """The GGUF blocks live in a subfolder: tools that load every top-level *.safetensors (vLLM,
+    transformers) see only the dequantized weights."""
+    import glob
+    import os
+
+    from safetensors import safe_open
+
+    for f in glob.glob(os.path.join(smollm2_dir, "*.safetensors")):
+        with safe_open(f, framework="pt") as st:
+            assert not any(k.endswith((".qweight", ".scales")) for k in st.keys())
+    assert os.path.exists(os.path.join(smollm2_dir, "gguf_blocks", "model.safetensors"))

@@ -631,9 +631,17 @@ def main(argv=None) -> int:
                         env, flags, how = base_env, ["--quantization", "gguf"], "--quantization gguf"
                     else:
                         src = base_checkout(peers_dir, args.base_ref)
-                        env = dict(base_env, PYTHONPATH=str(src))
+                        # An older tokenmill converts the GGUF itself, into a cache of its own: a folder
+                        # converted by this version may hold files it does not know.
+                        env = dict(base_env, PYTHONPATH=str(src),
+                                   TOKENMILL_CACHE_DIR=str(src.parent / ".tokenmill-cache"))
                         flags, how = [], f"at {args.base_ref} (`PYTHONPATH={src}`)"
-                    cmd = lambda port, _x=flags: [sys.executable, "-m", "tokenmill.cli", "serve", model_path,  # noqa: E731
+                    served = model_path
+                    if name == "tokenmill-base" and args.model is None:
+                        from tokenmill.model.gguf_loader import default_model_path
+
+                        served = default_model_path()
+                    cmd = lambda port, _x=flags, _m=served: [sys.executable, "-m", "tokenmill.cli", "serve", _m,  # noqa: E731
                                                   "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port),
                                                   "--num-threads", str(threads), "--disable-log-requests",
                                                   "--uvicorn-log-level", "warning", *_x]

@@ -3,7 +3,7 @@
 A GGUF file is converted once into config.json, model.safetensors (float32), tokenizer.json,
 tokenizer_config.json and generation_config.json, so the rest of the engine loads it like any HF
 folder. Tensors stored as Q4_0, Q4_1 or Q8_0 are also kept as they are, re-laid out as int4 / int8
-groups of 32 with float16 scales (quantized.safetensors), for `--quantization gguf`. Parsing the 49k-token vocabulary with `gguf.GGUFReader` alone takes ~5 s, so the header is
+groups of 32 with float16 scales (gguf_blocks/model.safetensors), for `--quantization gguf`. Parsing the 49k-token vocabulary with `gguf.GGUFReader` alone takes ~5 s, so the header is
 read here with a small parser and only `gguf.quants.dequantize` is used from the `gguf` package.
 """
 
@@ -29,9 +29,11 @@ logger = logging.getLogger("tokenmill")
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the converted output changes, so stale cache folders get rebuilt.
-CONVERTER_VERSION = 2  # 2: Q4_0 / Q4_1 / Q8_0 blocks kept in quantized.safetensors
+CONVERTER_VERSION = 3  # 3: Q4_0 / Q4_1 / Q8_0 blocks kept in gguf_blocks/model.safetensors
 _MARKER = "tokenmill_gguf.json"
-QUANTIZED_FILE = "quantized.safetensors"
+# In a subfolder: tools that load every top-level *.safetensors (vLLM, transformers, older
+# tokenmill) keep seeing a plain HF folder.
+QUANTIZED_FILE = os.path.join("gguf_blocks", "model.safetensors")
 
 # general.architecture -> (transformers model class, undo llama.cpp's Q/K permutation?)
 _ARCHS: dict[str, tuple[str, bool]] = {
@@ -387,6 +389,7 @@ def _convert(gguf_path: str, out: Path) -> None:
     vocab_size = weights["model.embed_tokens.weight"].shape[0]
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     if quantized:
+        (out / QUANTIZED_FILE).parent.mkdir()
         save_file(quantized, str(out / QUANTIZED_FILE), metadata={"format": "pt"})
     del weights, quantized
 
@@ -453,8 +456,8 @@ def gguf_to_hf_folder(gguf_path: str, cache_dir: str | None = None) -> str:
         _convert(gguf_path, tmp)
         info = {"converter_version": CONVERTER_VERSION, "source": gguf_path, "sha256": digest}
         (tmp / _MARKER).write_text(json.dumps(info, indent=2))  # last: only complete folders have it
-        for f in tmp.iterdir():  # mkdtemp and safetensors create owner-only; a cache can be shared
-            f.chmod(0o644)
+        for f in tmp.rglob("*"):  # mkdtemp and safetensors create owner-only; a cache can be shared
+            f.chmod(0o755 if f.is_dir() else 0o644)
         tmp.chmod(0o755)
         if final.exists() and not _complete(final):  # incomplete or older converter: move aside
             old = Path(tempfile.mkdtemp(prefix=".tmp-old-", dir=final.parent))

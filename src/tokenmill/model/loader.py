@@ -69,8 +69,7 @@ def load_hf_config(path: str):
 def _iter_safetensors(path: str, skip: set[str] = frozenset()):
     from safetensors import safe_open
 
-    files = sorted(f for f in glob.glob(os.path.join(path, "*.safetensors"))
-                   if os.path.basename(f) != QUANTIZED_FILE)
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors weights in {path!r}")
     for fname in files:

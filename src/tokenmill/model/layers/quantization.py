@@ -24,6 +24,10 @@ from tokenmill.model.layers import cpu_kernels
 logger = logging.getLogger("tokenmill")
 
 GROUP = 32
+# Rows from which a step dequantizes each weight once and runs oneDNN's GEMM on it (prompt
+# steps: the GEMM is compute-bound there and oneDNN's beats the engine's tile kernel; the
+# copy costs a weight's bf16 size in memory traffic, small against 128+ rows of work).
+LARGE_BATCH = 128
 QUANTIZATION_METHODS = ("int4", "int8", "gguf")
 BITS = {"int4": 4, "int8": 8}
 
@@ -79,7 +83,9 @@ class QuantLinear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         ops = cpu_kernels.ops_for(x2)
-        if ops is not None:
+        if ops is not None and x2.shape[0] >= LARGE_BATCH:  # prompt steps: oneDNN on a dequantized copy
+            y = F.linear(x2, ops.dequantize_weight(self.qweight, self.scales, self.bits, x2.dtype))
+        elif ops is not None:
             y = ops.quant_linear(x2, self.qweight, self.scales, self.bits)
         else:  # no C++ kernels: dequantize on the fly (slow, but the same numbers)
             y = F.linear(x2, dequantize(self.qweight, self.scales, self.bits).to(x.dtype))

@@ -607,6 +607,7 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
 
 // quant_linear.cpp
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, int64_t bits);
+torch::Tensor dequantize_weight(torch::Tensor qweight, torch::Tensor scales, int64_t bits, at::ScalarType dtype);
 torch::Tensor quant_embedding(torch::Tensor ids, torch::Tensor qweight, torch::Tensor scales, int64_t bits,
                               at::ScalarType dtype);
 
@@ -620,5 +621,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm, float32 inside");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("quant_linear", &quant_linear, "weight-only int4/int8 linear (groups of 32)");
+  m.def("dequantize_weight", &dequantize_weight, "an int4/int8 weight, dequantized (for large batches)");
   m.def("quant_embedding", &quant_embedding, "rows of an int4/int8 table, dequantized");
 }

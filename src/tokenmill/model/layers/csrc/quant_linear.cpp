@@ -326,6 +326,43 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
   return out;
 }
 
+// The whole weight dequantized: [N, K] in `dtype` (bfloat16 or float32). For large batches
+// (prompt steps) a dequantized copy through oneDNN's GEMM beats dequantizing per tile.
+torch::Tensor dequantize_weight(torch::Tensor qweight, torch::Tensor scales, int64_t bits, at::ScalarType dtype) {
+  TORCH_CHECK((bits == 4 || bits == 8) && qweight.is_contiguous() && scales.is_contiguous() &&
+              scales.scalar_type() == at::kHalf, "dequantize_weight inputs");
+  const int64_t N = qweight.size(0), K = bits == 4 ? qweight.size(1) * 2 : qweight.size(1);
+  const int64_t row_bytes = qweight.size(1), row_scales = scales.numel() / N;
+  const uint8_t* qw = static_cast<const uint8_t*>(qweight.data_ptr());
+  const at::Half* sc = scales.data_ptr<at::Half>();
+  auto out = torch::empty({N, K}, torch::dtype(dtype));
+  const bool bf16 = dtype == at::kBFloat16;
+  TORCH_CHECK(bf16 || dtype == at::kFloat, "dequantize_weight: bfloat16 or float32");
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> tmp(bf16 ? K : 0);
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* q = qw + n * row_bytes;
+      const at::Half* s = sc + n * row_scales;
+      if (bf16) {
+#if defined(__AVX512BF16__)
+        if (bits == 4) dequant_row_bf16<4>(q, s, out.data_ptr<c10::BFloat16>() + n * K, K);
+        else dequant_row_bf16<8>(q, s, out.data_ptr<c10::BFloat16>() + n * K, K);
+        continue;
+#endif
+        if (bits == 4) dequant_row_f32<4>(q, s, tmp.data(), K);
+        else dequant_row_f32<8>(q, s, tmp.data(), K);
+        c10::BFloat16* o = out.data_ptr<c10::BFloat16>() + n * K;
+        for (int64_t k = 0; k < K; ++k) o[k] = c10::BFloat16(tmp[k]);
+      } else if (bits == 4) {
+        dequant_row_f32<4>(q, s, out.data_ptr<float>() + n * K, K);
+      } else {
+        dequant_row_f32<8>(q, s, out.data_ptr<float>() + n * K, K);
+      }
+    }
+  });
+  return out;
+}
+
 // Rows of a quantized table (an embedding), dequantized: ids [T] -> [T, K] in `dtype`.
 torch::Tensor quant_embedding(torch::Tensor ids, torch::Tensor qweight, torch::Tensor scales, int64_t bits,
                               at::ScalarType dtype) {
