@@ -49,7 +49,8 @@ def load():
     return _module
 
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "paged_prefill.cpp", "quant_linear.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name
+           for name in ("paged_attention.cpp", "paged_prefill.cpp", "quant_linear.cpp", "bindings.cpp")]
 
 
 def _flags() -> list[str]:

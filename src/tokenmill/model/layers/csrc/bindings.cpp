@@ -1,0 +1,35 @@
+// Python bindings of the engine's CPU kernels (one extension module built from every csrc file).
+#include <torch/extension.h>
+
+// paged_attention.cpp
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_tables, torch::Tensor seq_lens, int64_t block_size,
+                           double scale, c10::optional<torch::Tensor> k_scale,
+                           c10::optional<torch::Tensor> v_scale);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
+
+// paged_prefill.cpp
+torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
+                            int64_t context_len, int64_t block_size, double scale,
+                            c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale);
+
+// quant_linear.cpp
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, int64_t bits);
+torch::Tensor dequantize_weight(torch::Tensor qweight, torch::Tensor scales, int64_t bits, at::ScalarType dtype);
+torch::Tensor quant_embedding(torch::Tensor ids, torch::Tensor qweight, torch::Tensor scales, int64_t bits,
+                              at::ScalarType dtype);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)", py::arg("q"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("block_size"), py::arg("scale"),
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
+  m.def("paged_prefill", &paged_prefill, "paged causal prefill attention (CPU)", py::arg("q"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("block_table"), py::arg("context_len"), py::arg("block_size"), py::arg("scale"),
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
+  m.def("rms_norm", &rms_norm, "RMSNorm, float32 inside");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("quant_linear", &quant_linear, "weight-only int4/int8 linear (groups of 32), or bf16 weights (bits 16)");
+  m.def("dequantize_weight", &dequantize_weight, "an int4/int8 weight, dequantized (for large batches)");
+  m.def("quant_embedding", &quant_embedding, "rows of an int4/int8 table, dequantized");
+}
