@@ -12,12 +12,17 @@ median of --repeats. Also prints the KV bytes per token and the tokens a budget 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-from pathlib import Path
 
-from variants import agreement, alternating_throughput, chat_outputs, describe_agreement
+from variants import (
+    add_workload_args,
+    agreement,
+    alternating_throughput,
+    chat_outputs,
+    describe_agreement,
+    write_result,
+)
 
 from tokenmill import LLM
 
@@ -43,15 +48,8 @@ def speed(model: str | None, dtype: str, num_prompts: int, input_len: int, outpu
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None)
+    add_workload_args(ap, "benchmarks/results/kv_cache_dtype.json")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--input-len", type=int, default=256)
-    ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--skip-speed", action="store_true")
-    ap.add_argument("--out", default="benchmarks/results/kv_cache_dtype.json")
     args = ap.parse_args(argv)
     result = {"args": vars(args), "quality": quality(args.model, args.dtype, args.max_tokens)}
     q = result["quality"]
@@ -64,8 +62,7 @@ def main(argv=None) -> int:
               f"{args.dtype} cache {s['median_tok_s']['auto']:.1f} tok/s, int8 cache {s['median_tok_s']['int8']:.1f} "
               f"tok/s ({s['int8_over_auto']:.2f}x); KV bytes/token {s['kv_bytes_per_token']['auto']} -> "
               f"{s['kv_bytes_per_token']['int8']} ({s['int8_memory_ratio']:.2f}x)")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_result(args.out, result)
     return 0
 
 

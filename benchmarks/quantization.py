@@ -15,13 +15,18 @@ costs less than quantizing an original bf16 checkpoint would.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-from pathlib import Path
 
 import torch
-from variants import agreement, alternating_throughput, chat_outputs, describe_agreement
+from variants import (
+    add_workload_args,
+    agreement,
+    alternating_throughput,
+    chat_outputs,
+    describe_agreement,
+    write_result,
+)
 
 from tokenmill import LLM
 from tokenmill.bench.offline import measure_latency
@@ -46,15 +51,8 @@ def weight_bytes(llm: LLM) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None)
+    add_workload_args(ap, "benchmarks/results/quantization.json")
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--input-len", type=int, default=256)
-    ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--skip-speed", action="store_true")
-    ap.add_argument("--out", default="benchmarks/results/quantization.json")
     args = ap.parse_args(argv)
     names = args.variants.split(",")
     llms = {n: LLM(args.model, dtype=VARIANTS[n][0], quantization=VARIANTS[n][1], kv_cache_memory=2.0,
@@ -84,8 +82,7 @@ def main(argv=None) -> int:
             print(f"speed {n:5}: batch-1 TPOT {med_tpot[n] * 1e3:6.2f} ms ({med_tpot[names[0]] / med_tpot[n]:.2f}x), "
                   f"{args.num_prompts} x {args.input_len} in x {args.output_len} out {med_thr[n]:7.1f} tok/s "
                   f"({med_thr[n] / med_thr[names[0]]:.2f}x), medians of {args.repeats}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_result(args.out, result)
     return 0
 
 

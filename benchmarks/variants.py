@@ -4,9 +4,12 @@ offline throughput with the variants alternating (median of repeats)."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import random
 import statistics
 import time
+from pathlib import Path
 
 from tokenmill import LLM, SamplingParams
 
@@ -70,3 +73,20 @@ def alternating_throughput(llms: dict[str, LLM], num_prompts: int, input_len: in
             res[name].append(tps)
             print(f"  repeat {rep + 1} {name:5}: {tps:7.1f} output tok/s", flush=True)
     return res
+
+
+def add_workload_args(ap: argparse.ArgumentParser, out: str) -> None:
+    """The flags every variant benchmark takes: quality length, speed workload, result path."""
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per quality prompt")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--out", default=out)
+
+
+def write_result(path: str, result: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=1))

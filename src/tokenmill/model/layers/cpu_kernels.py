@@ -51,6 +51,7 @@ def load():
 
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("paged_attention.cpp", "paged_prefill.cpp", "quant_linear.cpp", "bindings.cpp")]
+HEADERS = [Path(__file__).parent / "csrc" / "cpu_common.h"]  # not compiled alone, but part of the build key
 
 
 def _flags() -> list[str]:
@@ -66,7 +67,7 @@ def build_directory() -> Path:
     from torch.utils.cpp_extension import get_default_build_root
 
     tag = f"{' '.join(_flags())}|{torch.__version__}|{sys.version}".encode()
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + tag).hexdigest()[:16]
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + tag).hexdigest()[:16]
     return Path(get_default_build_root()) / f"tokenmill_cpu_kernels_{key}"
 
 

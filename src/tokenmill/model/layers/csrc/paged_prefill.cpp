@@ -23,26 +23,19 @@
 #include <cstring>
 #include <memory>
 #include <type_traits>
+
+#include "cpu_common.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
+using namespace tm_cpu;
+
 constexpr int kNK = 32;             // keys per tile
 constexpr int kQT = 32;             // queries per work item
 constexpr float kNoScore = -1e30f;  // finite "minus infinity" (the build uses -ffast-math)
-
-inline float pf_to_f(float x) { return x; }
-inline float pf_to_f(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-inline float pf_to_f(int8_t x) { return static_cast<float>(x); }
-inline void pf_from_f(float v, float* dst) { *dst = v; }
-inline void pf_from_f(float v, c10::BFloat16* dst) { *dst = c10::BFloat16(v); }
 
 // bf16 bits of a cache element (exact for bf16 and int8 values).
 inline uint16_t bf_bits(c10::BFloat16 x) { return x.x; }
@@ -66,22 +59,6 @@ struct Cmp {
 };
 
 #if defined(__AVX512F__)
-inline __m512 pf_exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
-
 template <bool BF>
 inline __m512 madd(__m512 acc, __m512i a, __m512i b) {
   if constexpr (BF) {
@@ -268,8 +245,8 @@ void prefill_kernel(const T* q, const C* k_cache, const C* v_cache, const float*
           const C* kr = krow[j];
           const C* vr = vrow[j];
           for (int d = 0; d < D; ++d) {
-            K[d * kNK + j] = f_bits(pf_to_f(kr[d]));
-            V[j * D + d] = f_bits(pf_to_f(vr[d]));
+            K[d * kNK + j] = f_bits(to_f(kr[d]));
+            V[j * D + d] = f_bits(to_f(vr[d]));
           }
         }
         for (int j = nk; j < kNK; ++j) {
@@ -330,7 +307,7 @@ void prefill_kernel(const T* q, const C* k_cache, const C* v_cache, const float*
           if constexpr (BF) {
             std::memcpy(dst, src, D * sizeof(T));  // T is bf16 here
           } else {
-            for (int d = 0; d < D; ++d) dst[d] = f_bits(pf_to_f(src[d]));
+            for (int d = 0; d < D; ++d) dst[d] = f_bits(to_f(src[d]));
           }
           pos[r] = ctx + q0 + qi;
           m[r] = kNoScore;
@@ -369,8 +346,8 @@ void prefill_kernel(const T* q, const C* k_cache, const C* v_cache, const float*
           const __m512 s1 = _mm512_mask_mul_ps(none, v1, _mm512_loadu_ps(s + 16), _mm512_loadu_ps(KF + 16));
           const float bm = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
           const __m512 bmv = _mm512_set1_ps(bm);
-          __m512 e0 = _mm512_maskz_mov_ps(v0, pf_exp16(_mm512_sub_ps(s0, bmv)));
-          __m512 e1 = _mm512_maskz_mov_ps(v1, pf_exp16(_mm512_sub_ps(s1, bmv)));
+          __m512 e0 = _mm512_maskz_mov_ps(v0, exp16(_mm512_sub_ps(s0, bmv)));
+          __m512 e1 = _mm512_maskz_mov_ps(v1, exp16(_mm512_sub_ps(s1, bmv)));
           corr[r] = std::exp(m[r] - bm);
           _mm512_storeu_ps(l.get() + r * 16, _mm512_fmadd_ps(_mm512_loadu_ps(l.get() + r * 16), _mm512_set1_ps(corr[r]),
                                                             _mm512_add_ps(e0, e1)));
@@ -422,7 +399,7 @@ void prefill_kernel(const T* q, const C* k_cache, const C* v_cache, const float*
           const float inv = 1.f / lsum;
           T* dst = out + ((q0 + qi) * H + h * G + g) * D;
           const float* o = O.get() + r * D;
-          for (int d = 0; d < D; ++d) pf_from_f(o[d] * inv, dst + d);
+          for (int d = 0; d < D; ++d) from_f(o[d] * inv, dst + d);
         }
     }
   });

@@ -16,22 +16,19 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_common.h"
+
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
+using namespace tm_cpu;
+
 constexpr int kGroup = 32;
 constexpr int kRows = 4;  // weight rows dequantized and multiplied together
 constexpr int kBatch = 4;  // input rows per micro-tile
-
-inline float bf16_to_f(c10::BFloat16 v) {
-  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
 
 inline float half_to_f(at::Half h) {
 #if defined(__F16C__)
@@ -80,21 +77,6 @@ void dequant_row_f32(const uint8_t* q, const at::Half* s, float* w, int64_t K) {
 }
 
 #if defined(__AVX512F__)
-// Sums of 16 vectors at once: lane i of the result is the sum of v[i]'s lanes (a transpose-add
-// tree: 4 levels of 8 + 4 + 4 + 2 shuffles, instead of 16 separate horizontal reductions).
-inline __m512 hsum16(const __m512* v) {
-  __m512 a[8], b[4];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [v0+v2, u0+u2, v1+v3, u1+u3] of v = v[2i], u = v[2i+1]
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane's sum of v[4i..4i+3]
-    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x44), _mm512_shuffle_f32x4(b[0], b[1], 0xEE));
-  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x44), _mm512_shuffle_f32x4(b[2], b[3], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
-}
-
 // out[i * ldo + j] = sum of acc[i][j]'s lanes.
 template <int MB, int NB>
 inline void store_sums(__m512 (&acc)[MB][NB], float* out, int64_t ldo) {
