@@ -201,29 +201,3 @@ def test_kv_budget_too_small_for_one_request_refuses_to_start(tiny_llama_dir, ca
     assert llm.engine.core.kv.num_usable_blocks == 12
     assert "12 blocks x 16 tokens = 192 tokens" in caplog.text
     assert "max concurrency at max_model_len 128: 1.50x" in caplog.text
-
-
-def test_server_runs_small_decode_steps_on_one_thread_fewer(tiny_llama_dir):
-    import torch
-
-    full = torch.get_num_threads()
-    if full < 2:
-        pytest.skip("needs 2 or more torch threads")
-    llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.01)
-    runner = llm.engine.core.runner
-    runner.reserve_core_for_server(max_batch=2)
-    seen = []
-    inner = runner.model.forward
-
-    def spy(*a, **kw):
-        seen.append((a[3].all_decode, torch.get_num_threads()))
-        return inner(*a, **kw)
-
-    runner.model.forward = spy
-    try:
-        llm.generate(PROMPTS[:2], SamplingParams(max_tokens=3, ignore_eos=True))  # decode batch 2: small
-        llm.generate(PROMPTS[:3], SamplingParams(max_tokens=3, ignore_eos=True))  # decode batch 3: not
-    finally:
-        torch.set_num_threads(full)
-    assert (True, full - 1) in seen and (True, full) in seen
-    assert all(n == full for decode, n in seen if not decode)  # prompt steps keep every thread

@@ -1,7 +1,14 @@
 """AsyncLLMEngine: an asyncio front over an LLMEngine stepping in a thread of its own.
 
 The engine thread owns the LLMEngine: every add, abort and step happens there, so the
-scheduler, block pool and tokenizer are never touched from two threads. Callers talk to it
+scheduler, block pool and tokenizer are never touched from two threads. `from_args` also
+builds the engine there, so that it is the process's only thread that ever runs a torch
+op: each thread that starts OpenMP work gets a pool of workers of its own, and once a
+process has more OpenMP workers than cores, libgomp cuts its barrier spinning to ~100
+iterations, so the engine's workers go to sleep and are woken (a futex round trip) at each of
+the few hundred parallel ops of a step. Building the model on the main thread and stepping
+it on this one cost a third of the throughput on 2 cores (347 -> 228 output tok/s offline,
+the engine's OpenMP worker busy 65% instead of 99%). Callers talk to it
 through an inbox; each request gets an asyncio queue that the engine thread fills with
 `loop.call_soon_threadsafe`. A caller that stops iterating (a client disconnect) aborts its
 request, which frees its KV blocks at the next step.
@@ -12,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import queue
 import threading
 import time
@@ -40,12 +46,11 @@ class _Stream:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, max_waiting: int | None = None):
-        self.engine = engine
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], max_waiting: int | None = None):
+        """`engine`: an LLMEngine, or a function that builds one (run on the engine thread;
+        preferred, see the module's docstring). Construction errors are raised here."""
+        self.engine: LLMEngine = engine if isinstance(engine, LLMEngine) else None  # type: ignore[assignment]
         self.max_waiting = max_waiting
-        small = os.environ.get("TOKENMILL_SMALL_STEP_BATCH", "8")
-        if small != "0":
-            engine.core.runner.reserve_core_for_server(int(small))
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -54,12 +59,17 @@ class AsyncLLMEngine:
         self._error: BaseException | None = None
         # Observers called from the engine thread after each step (metrics).
         self.step_observers: list[Callable[[list[RequestOutput], float], None]] = []
-        self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
+        self._ready = threading.Event()
+        factory = None if isinstance(engine, LLMEngine) else engine
+        self._thread = threading.Thread(target=self._run, args=(factory,), name="tokenmill-engine", daemon=True)
         self._thread.start()
+        self._ready.wait()
+        if self.engine is None:
+            raise self._error  # type: ignore[misc]
 
     @classmethod
     def from_args(cls, model: str | None = None, max_waiting: int | None = None, **kw) -> "AsyncLLMEngine":
-        return cls(LLMEngine.from_args(model, **kw), max_waiting)
+        return cls(lambda: LLMEngine.from_args(model, **kw), max_waiting)
 
     # ---- public API (event loop side) --------------------------------------------------
     @property
@@ -118,7 +128,15 @@ class AsyncLLMEngine:
         self._thread.join(timeout)
 
     # ---- engine thread -----------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, factory: Callable[[], LLMEngine] | None) -> None:
+        try:
+            if factory is not None:
+                self.engine = factory()
+        except BaseException as e:  # noqa: BLE001 - raised again by __init__
+            self._error = e
+            return
+        finally:
+            self._ready.set()
         engine = self.engine
         try:
             while not self._stopping:

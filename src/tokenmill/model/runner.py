@@ -44,7 +44,6 @@ class ModelRunner:
             use_cpp_kernels=cpu_kernels.enabled(), kv_scales=self.kv_scales,
         )
         self.sampler = Sampler(seed, watermark)
-        self._small_step: tuple[int, int] | None = None  # (max decode batch, threads): see reserve_core_for_server
 
     # ---- batch preparation ------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -95,27 +94,9 @@ class ModelRunner:
         )
 
     # ---- the step ---------------------------------------------------------------------
-    def reserve_core_for_server(self, max_batch: int = 8) -> None:
-        """Serving: run small decode steps on one thread fewer than the machine has. Such steps are
-        memory-bound and gain little from the last core, while the HTTP event loop and clients
-        need one: sharing it stalls torch's threads at every barrier. Measured on 2 cores behind
-        the server (256 in / 128 out): output tok/s +29% at 1 concurrent request (TPOT 21.4 ->
-        16.3 ms), +34% at 8, unchanged at 32 (where a limit of 32 loses 5%)."""
-        self._full_threads = torch.get_num_threads()
-        if self._full_threads > 1:
-            self._small_step = (max_batch, self._full_threads - 1)
-
-    def _pick_threads(self, sched: SchedulerOutput, meta: AttentionMetadata) -> None:
-        small = meta.all_decode and len(sched.scheduled) <= self._small_step[0]
-        want = self._small_step[1] if small else self._full_threads
-        if want != torch.get_num_threads():  # set on the stepping thread: OpenMP's count is per thread
-            torch.set_num_threads(want)
-
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> SamplerOutput | None:
         input_ids, positions, meta, logits_rows = self.prepare(sched)
-        if self._small_step is not None:
-            self._pick_threads(sched, meta)
         hidden = self.model(input_ids, positions, self.attn, meta)
         self._prompt_logprobs(sched, hidden)
         if not logits_rows:
