@@ -12,6 +12,17 @@ from tiny_models import build_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
+def kernels():
+    """The engine's C++ CPU kernels (built once; a build failure fails the tests using them)."""
+    from tokenmill.model.layers import cpu_kernels
+
+    mod = cpu_kernels.load()
+    if mod is None:
+        pytest.fail("C++ CPU kernels failed to build")
+    return mod
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama"))
 

@@ -7,16 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.model.layers import cpu_kernels
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata, PrefillChunk, quantize_int8
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    mod = cpu_kernels.load()
-    if mod is None:
-        pytest.fail("C++ CPU kernels failed to build")
-    return mod
 
 
 def reference_paged_prefill(q, k_cache, v_cache, table, context_len: int, bs: int, scale: float):

@@ -160,3 +160,31 @@ def test_converted_folder_stays_a_plain_hf_folder(smollm2_dir: str) -> None:
         with safe_open(f, framework="pt") as st:
             assert not any(k.endswith((".qweight", ".scales")) for k in st.keys())
     assert os.path.exists(os.path.join(smollm2_dir, "gguf_blocks", "model.safetensors"))
+
+
+def test_small_models_keep_plain_weights_for_small_batches(tiny_llama_dir: str, monkeypatch) -> None:
+    """bf16: every packed linear of a small model also keeps its plain weight (batches of <= 16
+    rows run the engine's kernel on it); past PLAIN_WEIGHTS_MAX_BYTES or with
+    TOKENMILL_PLAIN_WEIGHTS=0 only a tied lm_head does. Outputs agree within bf16 rounding."""
+    from tokenmill.model.layers import linear
+
+    def packed(llm):
+        return [m for m in _model(llm).modules() if isinstance(m, linear.PackedLinear)]
+
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    llm = LLM(tiny_llama_dir, dtype="bfloat16", kv_cache_memory=0.02)
+    layers = packed(llm)
+    if not layers or linear._small_batch_kernel_works() is False:
+        pytest.skip("no oneDNN packing or no AVX512-BF16 kernel here")
+    assert all(m.plain_weight is not None for m in layers)
+    with_plain = llm.generate(["Hello world", "The sky is"], params)
+    monkeypatch.setattr(linear, "PLAIN_WEIGHTS_MAX_BYTES", 1000)
+    tied = LLM(tiny_llama_dir, dtype="bfloat16", kv_cache_memory=0.02)
+    head = _model(tied).lm_head
+    assert all(m.plain_weight is None for m in packed(tied) if m is not head)
+    monkeypatch.setenv("TOKENMILL_PLAIN_WEIGHTS", "1")
+    assert all(m.plain_weight is not None for m in packed(LLM(tiny_llama_dir, dtype="bfloat16", kv_cache_memory=0.02)))
+    for a, b in zip(with_plain, tied.generate(["Hello world", "The sky is"], params)):
+        la = next(iter(a.outputs[0].logprobs[0].values())).logprob
+        lb = next(iter(b.outputs[0].logprobs[0].values())).logprob
+        assert abs(la - lb) < 0.05  # the first token's logprob: same weights, another summation order

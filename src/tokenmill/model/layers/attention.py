@@ -75,11 +75,27 @@ class AttentionBackend:
 
             self.kernels = cpu_kernels.load()
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, Hkv, D]. Returns [T, H * D]."""
+    def fuses_rope(self, qkv: torch.Tensor) -> bool:
+        """Whether rope_and_cache can take this projection: the C++ kernels, and a cache in
+        its dtype (an int8 cache quantizes on write: the unfused path)."""
+        return (self.kernels is not None and self.kv_scales is None and qkv.dtype == self.kv_cache.dtype
+                and qkv.dtype in (torch.float32, torch.bfloat16))
+
+    def rope_and_cache(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """One kernel for what `rope` and forward's cache write do: rotates q and k, writes k
+        and v at meta.slot_mapping; returns q [T, H, D]. Then call forward(layer, q, None, None, meta)."""
+        return self.kernels.rope_and_cache(qkv, positions, cos, sin, self.kv_cache[layer, 0], self.kv_cache[layer, 1],
+                                           meta.slot_mapping, self.num_heads, self.num_kv_heads)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, Hkv, D], or None when rope_and_cache has written them. Returns [T, H * D]."""
         k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
         scales = None
-        if self.kv_scales is not None:
+        if k is None:
+            pass
+        elif self.kv_scales is not None:
             scales = (self.kv_scales[layer, 0], self.kv_scales[layer, 1])
             for cache, scale_cache, x in ((k_cache, scales[0], k), (v_cache, scales[1], v)):
                 xq, xs = quantize_int8(x)
@@ -107,6 +123,7 @@ class AttentionBackend:
                 continue
             qc = q[c.q_start : c.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if c.context_len == 0:  # whole prompt in this chunk: attend to the fresh K/V
+                assert k is not None, "a prompt chunk without a block table needs its fresh K/V"
                 kc = k[c.q_start : c.q_end].transpose(0, 1).unsqueeze(0)
                 vc = v[c.q_start : c.q_end].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=self.scale, enable_gqa=self.gqa)

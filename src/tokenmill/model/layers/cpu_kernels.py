@@ -50,7 +50,7 @@ def load():
 
 
 SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("paged_attention.cpp", "paged_prefill.cpp", "quant_linear.cpp", "bindings.cpp")]
+           for name in ("paged_attention.cpp", "paged_prefill.cpp", "quant_linear.cpp", "fused_ops.cpp", "bindings.cpp")]
 HEADERS = [Path(__file__).parent / "csrc" / "cpu_common.h"]  # not compiled alone, but part of the build key
 
 

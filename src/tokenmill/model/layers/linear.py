@@ -8,6 +8,7 @@ for prefill, with bit-identical results.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from torch import nn
@@ -23,11 +24,10 @@ _SMALL_BATCH = 16  # rows up to which the engine's kernel beats oneDNN's packed 
 
 
 class PackedLinear(nn.Module):
-    """oneDNN-packed bf16 linear. `plain_weight`: the unpacked weight when it is kept in memory
-    anyway (a tied lm_head's weight is the embedding table): batches of up to 16 rows then read
-    it in place with the engine's GEMV-style kernel, which streams weights at 23-29 GB/s where
-    oneDNN's packed GEMM reaches ~14 at batch 1 (measured on 2 cores, 30 layers of SmolLM2
-    shapes); larger batches keep oneDNN."""
+    """oneDNN-packed bf16 linear. `plain_weight`: the unpacked weight, when kept (see
+    pack_linears): batches of up to 16 rows then read it in place with the engine's GEMV-style
+    kernel, which streams weights at 23-29 GB/s where oneDNN's packed GEMM reaches ~14 at
+    batch 1 (measured on 2 cores, 30 layers of SmolLM2 shapes); larger batches keep oneDNN."""
 
     def __init__(self, linear: nn.Linear, plain_weight: torch.Tensor | None = None):
         super().__init__()
@@ -48,22 +48,33 @@ class PackedLinear(nn.Module):
 _NO_SCALES = torch.empty(0, dtype=torch.float16)
 
 
+# Keep every linear's plain weight too (for the small-batch kernel) while that costs at most
+# this much memory: 1 GiB, models up to ~0.5B parameters. TOKENMILL_PLAIN_WEIGHTS=1 / 0 forces it.
+PLAIN_WEIGHTS_MAX_BYTES = 1 << 30
+
+
 def pack_linears(model: nn.Module, dtype: torch.dtype) -> int:
-    """Swap the model's bf16 CPU nn.Linear layers for PackedLinear when oneDNN can run them."""
+    """Swap the model's bf16 CPU nn.Linear layers for PackedLinear when oneDNN can run them.
+    A tied lm_head keeps its plain weight (the embedding table, in memory anyway); the other
+    layers keep theirs while all of them together fit PLAIN_WEIGHTS_MAX_BYTES."""
     if dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
         return 0
     if not _works():
         return 0
     embedding_tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    linears = [(parent, name, child) for parent in list(model.modules()) for name, child in parent.named_children()
+               if type(child) is nn.Linear and child.weight.device.type == "cpu"]
     small_batch_kernel = _small_batch_kernel_works()
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.weight.device.type == "cpu":
-                tied = id(child.weight) in embedding_tables and small_batch_kernel
-                setattr(parent, name, PackedLinear(child, child.weight.detach() if tied else None))
-                count += 1
-    return count
+    extra = sum(c.weight.numel() * c.weight.element_size() for _, _, c in linears if id(c.weight) not in embedding_tables)
+    forced = os.environ.get("TOKENMILL_PLAIN_WEIGHTS")
+    keep_all = small_batch_kernel and (forced == "1" or (forced != "0" and extra <= PLAIN_WEIGHTS_MAX_BYTES))
+    for parent, name, child in linears:
+        keep = keep_all or (id(child.weight) in embedding_tables and small_batch_kernel)
+        setattr(parent, name, PackedLinear(child, child.weight.detach() if keep else None))
+    if keep_all:
+        logger.info("bf16 linears: oneDNN-packed, and plain weights kept for batches of <= %d rows (+%.0f MB)",
+                    _SMALL_BATCH, extra / 1e6)
+    return len(linears)
 
 
 def _small_batch_kernel_works() -> bool:

@@ -6,8 +6,14 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
                            torch::Tensor block_tables, torch::Tensor seq_lens, int64_t block_size,
                            double scale, c10::optional<torch::Tensor> k_scale,
                            c10::optional<torch::Tensor> v_scale);
+
+// fused_ops.cpp
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
+void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
+torch::Tensor rope_and_cache(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                             torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping,
+                             int64_t num_heads, int64_t num_kv_heads);
 
 // paged_prefill.cpp
 torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
@@ -28,7 +34,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v_cache"), py::arg("block_table"), py::arg("context_len"), py::arg("block_size"), py::arg("scale"),
         py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
   m.def("rms_norm", &rms_norm, "RMSNorm, float32 inside");
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = RMSNorm(residual), both in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("rope_and_cache", &rope_and_cache, "rotary embedding of q and k, k and v written to the paged cache; "
+        "returns q", py::arg("qkv"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("slot_mapping"), py::arg("num_heads"), py::arg("num_kv_heads"));
   m.def("quant_linear", &quant_linear, "weight-only int4/int8 linear (groups of 32), or bf16 weights (bits 16)");
   m.def("dequantize_weight", &dequantize_weight, "an int4/int8 weight, dequantized (for large batches)");
   m.def("quant_embedding", &quant_embedding, "rows of an int4/int8 table, dequantized");
