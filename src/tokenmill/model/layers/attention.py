@@ -63,6 +63,8 @@ class AttentionBackend:
         # only): [num_layers, 2, num_slots, num_kv_heads] float32.
         self.kv_cache = kv_cache
         self.kv_scales = kv_scales
+        # Each layer's K and V views, made once (indexing the cache costs a few us per call).
+        self.layer_caches = [(kv_cache[i, 0], kv_cache[i, 1]) for i in range(kv_cache.shape[0])]
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -85,13 +87,13 @@ class AttentionBackend:
                        sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """One kernel for what `rope` and forward's cache write do: rotates q and k, writes k
         and v at meta.slot_mapping; returns q [T, H, D]. Then call forward(layer, q, None, None, meta)."""
-        return self.kernels.rope_and_cache(qkv, positions, cos, sin, self.kv_cache[layer, 0], self.kv_cache[layer, 1],
-                                           meta.slot_mapping, self.num_heads, self.num_kv_heads)
+        return self.kernels.rope_and_cache(qkv, positions, cos, sin, *self.layer_caches[layer], meta.slot_mapping,
+                                           self.num_heads, self.num_kv_heads)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D], or None when rope_and_cache has written them. Returns [T, H * D]."""
-        k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
+        k_cache, v_cache = self.layer_caches[layer]
         scales = None
         if k is None:
             pass

@@ -85,6 +85,6 @@ def ops_for(x):
         import torch
 
         _CPU_DTYPES = (torch.float32, torch.bfloat16)
-    if x.dtype not in _CPU_DTYPES or x.device.type != "cpu" or not enabled():
+    if not x.is_cpu or x.dtype not in _CPU_DTYPES or not enabled():
         return None
-    return load()
+    return _module if _module is not None else load()
