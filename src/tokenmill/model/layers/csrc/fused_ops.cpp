@@ -11,6 +11,9 @@
 #include <cstring>
 
 #include "cpu_common.h"
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -74,10 +77,46 @@ void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
   });
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// 16 lanes at a time (masked tails): T loaded as float, products rounded to T exactly as the
+// scalar path (round-to-nearest-even on the bits), stored rounded to T.
+inline __m512 load_lanes(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load_lanes(const c10::BFloat16* p, __mmask16 m) {
+  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512i bf16_bits(__m512 v) {  // RNE to bf16, left in the upper 16 bits (as c10::BFloat16)
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
+                                        _mm512_set1_epi32(0x7FFF));
+  return _mm512_and_si512(_mm512_add_epi32(u, bias), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+}
+inline __m512 round_lanes(__m512 v, const float*) { return v; }
+inline __m512 round_lanes(__m512 v, const c10::BFloat16*) { return _mm512_castsi512_ps(bf16_bits(v)); }
+inline void store_lanes(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store_lanes(c10::BFloat16* p, __m512 v, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits(v), 16)));
+}
+#endif
+
 // Rotary embedding, neox layout (rotate_half), as `x * cos + rotate_half(x) * sin` in T:
 // out[i] = x[i] cos[i] - x[i+h] sin[i], out[i+h] = x[i+h] cos[i+h] + x[i] sin[i+h].
 template <typename T>
 inline void rope_head(const T* x, const T* cos, const T* sin, T* out, int64_t half) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const T* tag = nullptr;
+  for (int64_t i = 0; i < half; i += 16) {
+    const __mmask16 m = half - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (half - i)) - 1);
+    const __m512 a = load_lanes(x + i, m), b = load_lanes(x + i + half, m);
+    const __m512 lo = _mm512_add_ps(round_lanes(_mm512_mul_ps(a, load_lanes(cos + i, m)), tag),
+                                    round_lanes(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), b), load_lanes(sin + i, m)), tag));
+    const __m512 hi = _mm512_add_ps(round_lanes(_mm512_mul_ps(b, load_lanes(cos + i + half, m)), tag),
+                                    round_lanes(_mm512_mul_ps(a, load_lanes(sin + i + half, m)), tag));
+    store_lanes(out + i, lo, m);
+    store_lanes(out + i + half, hi, m);
+  }
+  return;
+#endif
   for (int64_t i = 0; i < half; ++i) {
     const float a = to_f(x[i]), b = to_f(x[i + half]);
     from_f(rnd<T>(a * to_f(cos[i])) + rnd<T>(-b * to_f(sin[i])), out + i);
