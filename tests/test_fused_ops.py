@@ -75,3 +75,17 @@ def test_model_with_fused_kernels_matches_without(tiny_llama_dir, monkeypatch, d
         la = [next(iter(d.values())).logprob for d in a.outputs[0].logprobs]
         lb = [next(iter(d.values())).logprob for d in b.outputs[0].logprobs]
         assert max(abs(x - y) for x, y in zip(la, lb)) < (0.05 if dtype == "bfloat16" else 1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (9, 40), (64, 100)])
+def test_silu_and_mul_matches_torch(kernels, dtype, rows, inter):
+    torch.manual_seed(rows)
+    gate_up = (torch.randn(rows, 2 * inter) * 4).to(dtype)  # wide range: both sigmoid branches, saturation
+    gate, up = gate_up.split(inter, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = kernels.silu_and_mul(gate_up)
+    if dtype == torch.bfloat16:  # at most one bf16 step apart (exp's last bits may round differently)
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1.6e-2)
+    else:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
