@@ -49,7 +49,7 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], max_waiting: int | None = None):
         """`engine`: an LLMEngine, or a function that builds one (run on the engine thread;
         preferred, see the module's docstring). Construction errors are raised here."""
-        self.engine: LLMEngine = engine if isinstance(engine, LLMEngine) else None  # type: ignore[assignment]
+        self.engine: LLMEngine = None  # type: ignore[assignment]  # set on the engine thread
         self.max_waiting = max_waiting
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -60,8 +60,8 @@ class AsyncLLMEngine:
         # Observers called from the engine thread after each step (metrics).
         self.step_observers: list[Callable[[list[RequestOutput], float], None]] = []
         self._ready = threading.Event()
-        factory = None if isinstance(engine, LLMEngine) else engine
-        self._thread = threading.Thread(target=self._run, args=(factory,), name="tokenmill-engine", daemon=True)
+        build = (lambda: engine) if isinstance(engine, LLMEngine) else engine
+        self._thread = threading.Thread(target=self._run, args=(build,), name="tokenmill-engine", daemon=True)
         self._thread.start()
         self._ready.wait()
         if self.engine is None:
@@ -128,10 +128,9 @@ class AsyncLLMEngine:
         self._thread.join(timeout)
 
     # ---- engine thread -----------------------------------------------------------------
-    def _run(self, factory: Callable[[], LLMEngine] | None) -> None:
+    def _run(self, build: Callable[[], LLMEngine]) -> None:
         try:
-            if factory is not None:
-                self.engine = factory()
+            self.engine = build()
         except BaseException as e:  # noqa: BLE001 - raised again by __init__
             self._error = e
             return

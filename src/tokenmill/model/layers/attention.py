@@ -94,18 +94,16 @@ class AttentionBackend:
                 meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D], or None when rope_and_cache has written them. Returns [T, H * D]."""
         k_cache, v_cache = self.layer_caches[layer]
-        scales = None
-        if k is None:
-            pass
-        elif self.kv_scales is not None:
-            scales = (self.kv_scales[layer, 0], self.kv_scales[layer, 1])
-            for cache, scale_cache, x in ((k_cache, scales[0], k), (v_cache, scales[1], v)):
-                xq, xs = quantize_int8(x)
-                cache.index_copy_(0, meta.slot_mapping, xq)
-                scale_cache.index_copy_(0, meta.slot_mapping, xs)
-        else:
-            k_cache.index_copy_(0, meta.slot_mapping, k)
-            v_cache.index_copy_(0, meta.slot_mapping, v)
+        scales = None if self.kv_scales is None else (self.kv_scales[layer, 0], self.kv_scales[layer, 1])
+        if k is not None:  # else rope_and_cache wrote them (never with an int8 cache)
+            if scales is not None:
+                for cache, scale_cache, x in ((k_cache, scales[0], k), (v_cache, scales[1], v)):
+                    xq, xs = quantize_int8(x)
+                    cache.index_copy_(0, meta.slot_mapping, xq)
+                    scale_cache.index_copy_(0, meta.slot_mapping, xs)
+            else:
+                k_cache.index_copy_(0, meta.slot_mapping, k)
+                v_cache.index_copy_(0, meta.slot_mapping, v)
         T = q.shape[0]
         if meta.all_decode:
             return self._decode(q, k_cache, v_cache, meta, scales).reshape(T, -1)

@@ -41,6 +41,22 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// 16 bf16 values (their bits) widened to float32: a bf16 is the upper half of a float.
+inline __m512 bf16x16_to_f32(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// Online softmax: acc[r][v] = O[r * ld + 16 v ..] * corr[r], R rows of NV vectors, before new terms add in.
+template <int R, int NV>
+inline void load_rescaled(__m512 (&acc)[R][NV], const float* O, int64_t ld, const float* corr) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const __m512 c = _mm512_set1_ps(corr[r]);
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_mul_ps(_mm512_loadu_ps(O + r * ld + v * 16), c);
+  }
+}
+
 // Four vectors a, b, c, d -> per 128-bit lane k: [sum_k(a), sum_k(b), sum_k(c), sum_k(d)],
 // where sum_k is the sum of that vector's four floats in lane k.
 inline __m512 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {

@@ -82,8 +82,7 @@ void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
 // scalar path (round-to-nearest-even on the bits), stored rounded to T.
 inline __m512 load_lanes(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load_lanes(const c10::BFloat16* p, __mmask16 m) {
-  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, p));
 }
 inline __m512i bf16_bits(__m512 v) {  // RNE to bf16, left in the upper 16 bits (as c10::BFloat16)
   const __m512i u = _mm512_castps_si512(v);

@@ -30,8 +30,7 @@ using namespace tm_cpu;
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return bf16x16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 inline __m512 load16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -153,12 +152,7 @@ inline void attend_tile(const float* qf, const T* qb, const C* kp, const C* vp, 
     _mm512_store_ps(p[g], _mm512_mul_ps(e, vs));  // int8 V: fold the row scale into the weight
   }
   __m512 a[GB][NV];
-#pragma GCC unroll 4
-  for (int g = 0; g < GB; ++g) {
-    const __m512 cg = _mm512_set1_ps(corr[g]);
-#pragma GCC unroll 16
-    for (int c = 0; c < NV; ++c) a[g][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + c * 16), cg);
-  }
+  load_rescaled<GB, NV>(a, acc, D, corr);
   for (int j = 0; j < n; ++j) {
     const C* vr = vp + j * row;
     for (int o = 0; o < pf_step; o += 64) _mm_prefetch(pfv + j * pf_step + o, _MM_HINT_T1);

@@ -117,12 +117,7 @@ inline void pv_rows(const uint32_t* P, const uint32_t* Vp, int J, float* O, cons
 #if defined(__AVX512F__)
   constexpr int NV = D / 16;
   __m512 acc[NR][NV];
-#pragma GCC unroll 8
-  for (int r = 0; r < NR; ++r) {
-    const __m512 c = _mm512_set1_ps(corr[r]);
-#pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_mul_ps(_mm512_loadu_ps(O + r * D + v * 16), c);
-  }
+  load_rescaled<NR, NV>(acc, O, D, corr);
   for (int j = 0; j < J; ++j) {
     __m512i vv[NV];
 #pragma GCC unroll 16
