@@ -8,6 +8,7 @@ import torch
 
 from tokenmill.config import ModelConfig
 from tokenmill.engine.scheduler import SchedulerOutput
+from tokenmill.model.fused_decode import FusedDecode
 from tokenmill.model.layers import cpu_kernels
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata, PrefillChunk
 from tokenmill.model.layers.sampler import Sampler, SamplerOutput, SamplingBatch, score_tokens
@@ -44,6 +45,7 @@ class ModelRunner:
             use_cpp_kernels=cpu_kernels.enabled(), kv_scales=self.kv_scales,
         )
         self.sampler = Sampler(seed, watermark)
+        self.fused_decode = FusedDecode.build(self.model, self.attn, cfg.dtype, block_size)
 
     # ---- batch preparation ------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -97,11 +99,15 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> SamplerOutput | None:
         input_ids, positions, meta, logits_rows = self.prepare(sched)
-        hidden = self.model(input_ids, positions, self.attn, meta)
-        self._prompt_logprobs(sched, hidden)
+        if (self.fused_decode is not None and self.fused_decode.accepts(meta, len(input_ids))
+                and not _wants_prompt_logprobs(sched)):
+            logits = self.fused_decode(input_ids, positions, meta, logits_rows)
+        else:
+            hidden = self.model(input_ids, positions, self.attn, meta)
+            self._prompt_logprobs(sched, hidden)
+            logits = self.model.compute_logits(hidden[logits_rows]) if logits_rows else None
         if not logits_rows:
             return None
-        logits = self.model.compute_logits(hidden[logits_rows])
         sampling_reqs = [s.request for s in sched.scheduled if s.samples]
         batch = SamplingBatch.from_requests(sampling_reqs, logits.shape[-1])
         return self.sampler(logits, batch)
@@ -119,6 +125,12 @@ class ModelRunner:
                 targets = req.prompt_token_ids[start + 1 : end + 1]
                 req.prompt_logprobs[start:end] = score_tokens(logits, targets, req.sampling_params.prompt_logprobs)
             row += n
+
+
+def _wants_prompt_logprobs(sched: SchedulerOutput) -> bool:
+    """Whether a request of this step still has prompt tokens to score (needs hidden states)."""
+    return any(s.request.prompt_logprobs is not None and s.request.num_computed_tokens < s.request.num_prompt_tokens - 1
+               for s in sched.scheduled)
 
 
 def _slots_for(table: list[int], length: int, bs: int) -> torch.Tensor:

@@ -26,6 +26,9 @@ torch::Tensor dequantize_weight(torch::Tensor qweight, torch::Tensor scales, int
 torch::Tensor quant_embedding(torch::Tensor ids, torch::Tensor qweight, torch::Tensor scales, int64_t bits,
                               at::ScalarType dtype);
 
+// decode_step.cpp (defined only where the CPU has AVX512-BF16)
+void bind_fused_decoder(pybind11::module_& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)", py::arg("q"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("block_size"), py::arg("scale"),
@@ -42,4 +45,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "weight-only int4/int8 linear (groups of 32), or bf16 weights (bits 16)");
   m.def("dequantize_weight", &dequantize_weight, "an int4/int8 weight, dequantized (for large batches)");
   m.def("quant_embedding", &quant_embedding, "rows of an int4/int8 table, dequantized");
+  bind_fused_decoder(m);
 }

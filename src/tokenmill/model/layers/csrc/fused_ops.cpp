@@ -1,46 +1,17 @@
 // Fused element-wise ops around the linears: memory-bound, and each one replaces several
 // small torch ops (torch's bfloat16 element-wise path is slow on CPU, and every op costs a
 // few microseconds of dispatch: a decode step runs ~40 of them per layer without these).
-// Rounding follows the torch ops they replace (each bfloat16 product or sum rounded), so
-// results match the unfused path bit for bit in bfloat16.
+// The row kernels are in elementwise.h (shared with the fused decode step).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <cmath>
 #include <cstdint>
-#include <cstring>
 
-#include "cpu_common.h"
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "elementwise.h"
 
 namespace {
 
 using namespace tm_cpu;
-
-template <typename T>
-inline T round_to(float v) {
-  T out;
-  from_f(v, &out);
-  return out;
-}
-template <typename T>
-inline float rnd(float v) {  // v rounded to T and back (a no-op for float)
-  return to_f(round_to<T>(v));
-}
-
-// One row: out = w * T(x * rsqrt(mean(x^2) + eps)), in float32 as Hugging Face does.
-template <typename T>
-inline void rms_norm_row(const T* x, const T* w, T* o, int64_t dim, float eps) {
-  float ss = 0.f;
-  for (int64_t i = 0; i < dim; ++i) {
-    const float v = to_f(x[i]);
-    ss += v * v;
-  }
-  const float inv = 1.f / std::sqrt(ss / dim + eps);
-  for (int64_t i = 0; i < dim; ++i) from_f(to_f(w[i]) * rnd<T>(to_f(x[i]) * inv), o + i);
-}
 
 template <typename T>
 void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t dim, float eps) {
@@ -49,16 +20,10 @@ void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t dim, fl
   });
 }
 
-// residual += x (rounded to T, as `residual + x` is); x = rms_norm(residual). Both in place.
 template <typename T>
 void add_rms_norm_rows(T* x, T* residual, const T* w, int64_t rows, int64_t dim, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      T* xr = x + r * dim;
-      T* res = residual + r * dim;
-      for (int64_t i = 0; i < dim; ++i) from_f(to_f(res[i]) + to_f(xr[i]), res + i);
-      rms_norm_row(res, w, xr, dim, eps);
-    }
+    for (int64_t r = begin; r < end; ++r) add_rms_norm_row(x + r * dim, residual + r * dim, w, x + r * dim, dim, eps);
   });
 }
 
@@ -67,78 +32,20 @@ void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* g = gu + r * 2 * inter;
-      const T* u = g + inter;
-      T* o = out + r * inter;
-      for (int64_t i = 0; i < inter; ++i) {
-        const float gv = to_f(g[i]);
-        from_f(rnd<T>(gv / (1.f + std::exp(-gv))) * to_f(u[i]), o + i);
-      }
+      silu_mul_row(g, g + inter, out + r * inter, inter);
     }
   });
-}
-
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-// 16 lanes at a time (masked tails): T loaded as float, products rounded to T exactly as the
-// scalar path (round-to-nearest-even on the bits), stored rounded to T.
-inline __m512 load_lanes(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load_lanes(const c10::BFloat16* p, __mmask16 m) {
-  return bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, p));
-}
-inline __m512i bf16_bits(__m512 v) {  // RNE to bf16, left in the upper 16 bits (as c10::BFloat16)
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
-                                        _mm512_set1_epi32(0x7FFF));
-  return _mm512_and_si512(_mm512_add_epi32(u, bias), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
-}
-inline __m512 round_lanes(__m512 v, const float*) { return v; }
-inline __m512 round_lanes(__m512 v, const c10::BFloat16*) { return _mm512_castsi512_ps(bf16_bits(v)); }
-inline void store_lanes(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-inline void store_lanes(c10::BFloat16* p, __m512 v, __mmask16 m) {
-  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits(v), 16)));
-}
-#endif
-
-// Rotary embedding, neox layout (rotate_half), as `x * cos + rotate_half(x) * sin` in T:
-// out[i] = x[i] cos[i] - x[i+h] sin[i], out[i+h] = x[i+h] cos[i+h] + x[i] sin[i+h].
-template <typename T>
-inline void rope_head(const T* x, const T* cos, const T* sin, T* out, int64_t half) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-  const T* tag = nullptr;
-  for (int64_t i = 0; i < half; i += 16) {
-    const __mmask16 m = half - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (half - i)) - 1);
-    const __m512 a = load_lanes(x + i, m), b = load_lanes(x + i + half, m);
-    const __m512 lo = _mm512_add_ps(round_lanes(_mm512_mul_ps(a, load_lanes(cos + i, m)), tag),
-                                    round_lanes(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), b), load_lanes(sin + i, m)), tag));
-    const __m512 hi = _mm512_add_ps(round_lanes(_mm512_mul_ps(b, load_lanes(cos + i + half, m)), tag),
-                                    round_lanes(_mm512_mul_ps(a, load_lanes(sin + i + half, m)), tag));
-    store_lanes(out + i, lo, m);
-    store_lanes(out + i + half, hi, m);
-  }
-  return;
-#endif
-  for (int64_t i = 0; i < half; ++i) {
-    const float a = to_f(x[i]), b = to_f(x[i + half]);
-    from_f(rnd<T>(a * to_f(cos[i])) + rnd<T>(-b * to_f(sin[i])), out + i);
-    from_f(rnd<T>(b * to_f(cos[i + half])) + rnd<T>(a * to_f(sin[i + half])), out + i + half);
-  }
 }
 
 template <typename T>
 void rope_and_cache_rows(const T* qkv, const int64_t* positions, const T* cos, const T* sin, T* k_cache,
                          T* v_cache, const int64_t* slots, T* q_out, int64_t rows, int64_t heads, int64_t kv_heads,
                          int64_t dim) {
-  const int64_t width = (heads + 2 * kv_heads) * dim, kv_width = kv_heads * dim, half = dim / 2;
+  const int64_t width = (heads + 2 * kv_heads) * dim;
   at::parallel_for(0, rows, 32, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* row = qkv + r * width;
-      const T* c = cos + positions[r] * dim;
-      const T* s = sin + positions[r] * dim;
-      for (int64_t h = 0; h < heads; ++h) rope_head(row + h * dim, c, s, q_out + (r * heads + h) * dim, half);
-      T* kc = k_cache + slots[r] * kv_width;
-      const T* k = row + heads * dim;
-      for (int64_t h = 0; h < kv_heads; ++h) rope_head(k + h * dim, c, s, kc + h * dim, half);
-      std::memcpy(v_cache + slots[r] * kv_width, k + kv_width, kv_width * sizeof(T));
-    }
+    for (int64_t r = begin; r < end; ++r)
+      rope_and_cache_row(qkv + r * width, positions[r], cos, sin, k_cache, v_cache, slots[r],
+                         q_out + r * heads * dim, heads, kv_heads, dim);
   });
 }
 

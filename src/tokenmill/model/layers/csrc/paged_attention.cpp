@@ -1,6 +1,6 @@
 // Paged decode attention for CPU: one query token per sequence, K/V read in place through
-// block tables (no gathered copy of the cache). Parallel over (sequence, kv head) with ATen's
-// thread pool; scores and accumulation in float32; float32, bfloat16 or int8 cache (int8 with
+// block tables (no gathered copy of the cache). Parallel over work items (paged_decode.h), by
+// ATen's thread pool here or by the fused decode step's threads; scores and accumulation in float32; float32, bfloat16 or int8 cache (int8 with
 // one float32 scale per slot and kv head).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "cpu_common.h"
+#include "paged_decode.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -19,6 +20,8 @@
 namespace {
 
 using namespace tm_cpu;
+
+constexpr float kNoScore = -1e30f;  // finite "minus infinity" (the build uses -ffast-math)
 
 #if defined(__AVX512F__)
 // ---- AVX-512 decode path ----
@@ -37,7 +40,6 @@ inline __m512 load16(const int8_t* p) {
 }
 
 constexpr int kTile = 16;        // keys per score vector
-constexpr float kNoScore = -1e30f;  // finite "minus infinity" (the build uses -ffast-math)
 
 // How a cache row is read. bf16 rows with D % 32 == 0 are loaded 32 elements at a time and
 // split into even and odd elements (shift / mask: no widening loads), so a row's float32
@@ -181,192 +183,161 @@ inline void prefetch_rows(const C* p, int64_t row, int64_t n, int64_t bytes) {
 
 // Work items are (sequence, split): a split is a run of the sequence's blocks, all kv heads,
 // so each block's K and V (contiguous: [block_size, Hkv, D]) are streamed once, front to back.
-// Sequences are split (partial softmax states merged at the end) only when there are too few
-// of them to keep every thread busy.
+// Sequences are split (partial softmax states merged afterwards) only when there are too few
+// of them to keep every thread busy (decode_splits).
 template <typename T, typename C, int D>
-void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const float* k_scale,
-                   const float* v_scale, const int64_t* tables, const int64_t* seq_lens, T* out,
-                   int64_t B, int64_t H, int64_t Hkv, int64_t block_size, int64_t max_blocks,
-                   float scale) {
+void decode_items_d(const DecodeArgs<T, C>& a, int64_t begin, int64_t end) {
   static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
   constexpr bool quantized = std::is_same_v<C, int8_t>;
   constexpr int NV = D / 16;
   // Query heads per register tile: GB * NV float32 accumulators held in zmm registers.
   constexpr int kMaxGB = NV <= 4 ? 4 : NV <= 5 ? 3 : NV <= 8 ? 2 : 1;
   using Layout = RowLayout<T, C, D>;
+  const int64_t H = a.H, Hkv = a.Hkv, S = a.splits, block_size = a.block_size;
+  const C* k_cache = a.k_cache;
+  const C* v_cache = a.v_cache;
+  const float* k_scale = a.k_scale;
+  const float* v_scale = a.v_scale;
+  const float scale = a.scale;
   const int64_t G = H / Hkv;
   const int64_t row = Hkv * D;  // elements per cache slot
-  int64_t longest = 0;
-  for (int64_t b = 0; b < B; ++b) longest = std::max(longest, seq_lens[b]);
-  const int64_t most_blocks = (longest + block_size - 1) / block_size;
-  const int64_t threads = at::get_num_threads();
-  int64_t S = 1;
-  if (B < 4 * threads) S = std::max<int64_t>(1, std::min<int64_t>((4 * threads + B - 1) / B, most_blocks / 2));
-  std::vector<float> part_ml(S > 1 ? B * S * H * 2 : 0), part_acc(S > 1 ? B * S * H * D : 0);
-  at::parallel_for(0, B * S, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(H * D), acc(H * D), m(H), l(H), ksv(Hkv * kTile), vsv(Hkv * kTile);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / S, s = i % S;
-      const int64_t L = seq_lens[b];
-      const int64_t* table = tables + b * max_blocks;
-      const int64_t nblocks = (L + block_size - 1) / block_size;
-      const int64_t per_split = (nblocks + S - 1) / S;
-      const int64_t bi0 = std::min(nblocks, s * per_split), bi1 = std::min(nblocks, bi0 + per_split);
-      const T* qb = q + b * H * D;
-      for (int64_t g = 0; g < H; ++g)
-        for (int64_t d = 0; d < D; ++d) qf[g * D + Layout::slot(d)] = to_f(qb[g * D + d]);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(m.begin(), m.end(), kNoScore);
-      std::fill(l.begin(), l.end(), 0.f);
-      // The next block's K and V rows are prefetched a few lines per key row processed, so
-      // that memory stays busy while this block is computed.
-      const int64_t row_bytes = row * static_cast<int64_t>(sizeof(C));
-      if (bi0 < bi1) {
-        const int64_t first = std::min(block_size, L - bi0 * block_size) * row_bytes;
-        prefetch_rows(reinterpret_cast<const char*>(k_cache + table[bi0] * block_size * row), 0, 1, first);
-        prefetch_rows(reinterpret_cast<const char*>(v_cache + table[bi0] * block_size * row), 0, 1, first);
-      }
-      for (int64_t bi = bi0; bi < bi1; ++bi) {
-        const char* nk = nullptr;
-        const char* nv = nullptr;
-        int64_t next_bytes = 0;
-        if (bi + 1 < bi1) {
-          const int64_t nbase = table[bi + 1] * block_size;
-          next_bytes = std::min(block_size, L - (bi + 1) * block_size) * row_bytes;
-          nk = reinterpret_cast<const char*>(k_cache + nbase * row);
-          nv = reinterpret_cast<const char*>(v_cache + nbase * row);
-          if constexpr (quantized) {
-            prefetch_rows(k_scale + nbase * Hkv, 0, 1, block_size * Hkv * 4);
-            prefetch_rows(v_scale + nbase * Hkv, 0, 1, block_size * Hkv * 4);
-          }
+  std::vector<float> qf(H * D), acc(H * D), m(H), l(H), ksv(Hkv * kTile), vsv(Hkv * kTile);
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t b = i / S, s = i % S;
+    const int64_t L = a.seq_lens[b];
+    const int64_t* table = a.tables + b * a.max_blocks;
+    const int64_t nblocks = (L + block_size - 1) / block_size;
+    const int64_t per_split = (nblocks + S - 1) / S;
+    const int64_t bi0 = std::min(nblocks, s * per_split), bi1 = std::min(nblocks, bi0 + per_split);
+    const T* qb = a.q + b * H * D;
+    for (int64_t g = 0; g < H; ++g)
+      for (int64_t d = 0; d < D; ++d) qf[g * D + Layout::slot(d)] = to_f(qb[g * D + d]);
+    std::fill(acc.begin(), acc.end(), 0.f);
+    std::fill(m.begin(), m.end(), kNoScore);
+    std::fill(l.begin(), l.end(), 0.f);
+    // The next block's K and V rows are prefetched a few lines per key row processed, so
+    // that memory stays busy while this block is computed.
+    const int64_t row_bytes = row * static_cast<int64_t>(sizeof(C));
+    if (bi0 < bi1) {
+      const int64_t first = std::min(block_size, L - bi0 * block_size) * row_bytes;
+      prefetch_rows(reinterpret_cast<const char*>(k_cache + table[bi0] * block_size * row), 0, 1, first);
+      prefetch_rows(reinterpret_cast<const char*>(v_cache + table[bi0] * block_size * row), 0, 1, first);
+    }
+    for (int64_t bi = bi0; bi < bi1; ++bi) {
+      const char* nk = nullptr;
+      const char* nv = nullptr;
+      int64_t next_bytes = 0;
+      if (bi + 1 < bi1) {
+        const int64_t nbase = table[bi + 1] * block_size;
+        next_bytes = std::min(block_size, L - (bi + 1) * block_size) * row_bytes;
+        nk = reinterpret_cast<const char*>(k_cache + nbase * row);
+        nv = reinterpret_cast<const char*>(v_cache + nbase * row);
+        if constexpr (quantized) {
+          prefetch_rows(k_scale + nbase * Hkv, 0, 1, block_size * Hkv * 4);
+          prefetch_rows(v_scale + nbase * Hkv, 0, 1, block_size * Hkv * 4);
         }
-        int64_t pf_done = 0;
-        const int64_t nb = std::min(block_size, L - bi * block_size);
-        const int64_t base = table[bi] * block_size;
-        for (int64_t j0 = 0; j0 < nb; j0 += kTile) {
-          const int n = static_cast<int>(std::min<int64_t>(kTile, nb - j0));
-          if constexpr (quantized) {
-            for (int j = 0; j < n; ++j)
-              for (int64_t h = 0; h < Hkv; ++h) {
-                ksv[h * kTile + j] = k_scale[(base + j0 + j) * Hkv + h];
-                vsv[h * kTile + j] = v_scale[(base + j0 + j) * Hkv + h];
-              }
-          }
-          const int64_t calls = ((nb - j0 + kTile - 1) / kTile) * Hkv;  // tile x head calls left
-          for (int64_t h = 0; h < Hkv; ++h) {
-            // This call's share of the next block, in 64-byte lines per key row.
-            const int64_t left = next_bytes - pf_done;
-            const int step = left > 0 ? static_cast<int>((left / (calls - h) + n * 64 - 1) / (n * 64) * 64) : 0;
-            const char* pfk = nk + pf_done;
-            const char* pfv = nv + pf_done;
-            pf_done += static_cast<int64_t>(step) * n;
-            const C* kp = k_cache + (base + j0) * row + h * D;
-            const C* vp = v_cache + (base + j0) * row + h * D;
-            const float* ks = quantized ? ksv.data() + h * kTile : nullptr;
-            const float* vs = quantized ? vsv.data() + h * kTile : nullptr;
-            for (int64_t g0 = h * G; g0 < (h + 1) * G; g0 += kMaxGB) {
-              const int64_t gb = std::min<int64_t>(kMaxGB, (h + 1) * G - g0);
-              const float* qg = qf.data() + g0 * D;
-              const T* qbg = qb + g0 * D;
-              float* mg = m.data() + g0;
-              float* lg = l.data() + g0;
-              float* ag = acc.data() + g0 * D;
-              const int pstep = g0 == h * G ? step : 0;
-              switch (gb) {
-                case 1: attend_tile<T, C, D, 1>(qg, qbg, kp, vp, row, n, ks, vs, scale, mg, lg, ag, pfk, pfv, pstep); break;
-                case 2:
-                  if constexpr (kMaxGB >= 2) attend_tile<T, C, D, 2>(qg, qbg, kp, vp, row, n, ks, vs, scale, mg, lg, ag, pfk, pfv, pstep);
-                  break;
-                case 3:
-                  if constexpr (kMaxGB >= 3) attend_tile<T, C, D, 3>(qg, qbg, kp, vp, row, n, ks, vs, scale, mg, lg, ag, pfk, pfv, pstep);
-                  break;
-                default:
-                  if constexpr (kMaxGB >= 4) attend_tile<T, C, D, 4>(qg, qbg, kp, vp, row, n, ks, vs, scale, mg, lg, ag, pfk, pfv, pstep);
-                  break;
-              }
+      }
+      int64_t pf_done = 0;
+      const int64_t nb = std::min(block_size, L - bi * block_size);
+      const int64_t base = table[bi] * block_size;
+      for (int64_t j0 = 0; j0 < nb; j0 += kTile) {
+        const int n = static_cast<int>(std::min<int64_t>(kTile, nb - j0));
+        if constexpr (quantized) {
+          for (int j = 0; j < n; ++j)
+            for (int64_t h = 0; h < Hkv; ++h) {
+              ksv[h * kTile + j] = k_scale[(base + j0 + j) * Hkv + h];
+              vsv[h * kTile + j] = v_scale[(base + j0 + j) * Hkv + h];
+            }
+        }
+        const int64_t calls = ((nb - j0 + kTile - 1) / kTile) * Hkv;  // tile x head calls left
+        for (int64_t h = 0; h < Hkv; ++h) {
+          // This call's share of the next block, in 64-byte lines per key row.
+          const int64_t left = next_bytes - pf_done;
+          const int step = left > 0 ? static_cast<int>((left / (calls - h) + n * 64 - 1) / (n * 64) * 64) : 0;
+          const char* pfk = nk + pf_done;
+          const char* pfv = nv + pf_done;
+          pf_done += static_cast<int64_t>(step) * n;
+          const C* kp = k_cache + (base + j0) * row + h * D;
+          const C* vp = v_cache + (base + j0) * row + h * D;
+          const float* ks = quantized ? ksv.data() + h * kTile : nullptr;
+          const float* vs = quantized ? vsv.data() + h * kTile : nullptr;
+          for (int64_t g0 = h * G; g0 < (h + 1) * G; g0 += kMaxGB) {
+            const int64_t gb = std::min<int64_t>(kMaxGB, (h + 1) * G - g0);
+            const float* qg = qf.data() + g0 * D;
+            const T* qbg = qb + g0 * D;
+            float* mg = m.data() + g0;
+            float* lg = l.data() + g0;
+            float* ag = acc.data() + g0 * D;
+            const int pstep = g0 == h * G ? step : 0;
+            switch (gb) {
+              case 1: attend_tile<T, C, D, 1>(qg, qbg, kp, vp, row, n, ks, vs, scale, mg, lg, ag, pfk, pfv, pstep); break;
+              case 2:
+                if constexpr (kMaxGB >= 2) attend_tile<T, C, D, 2>(qg, qbg, kp, vp, row, n, ks, vs, scale, mg, lg, ag, pfk, pfv, pstep);
+                break;
+              case 3:
+                if constexpr (kMaxGB >= 3) attend_tile<T, C, D, 3>(qg, qbg, kp, vp, row, n, ks, vs, scale, mg, lg, ag, pfk, pfv, pstep);
+                break;
+              default:
+                if constexpr (kMaxGB >= 4) attend_tile<T, C, D, 4>(qg, qbg, kp, vp, row, n, ks, vs, scale, mg, lg, ag, pfk, pfv, pstep);
+                break;
             }
           }
         }
       }
-      if constexpr (Layout::kEvenOdd) {  // accumulators back to element order
-        float tmp[D];
-        for (int64_t g = 0; g < H; ++g) {
-          float* ag = acc.data() + g * D;
-          for (int64_t d = 0; d < D; ++d) tmp[d] = ag[Layout::slot(d)];
-          std::copy(tmp, tmp + D, ag);
-        }
-      }
-      if (S == 1) {
-        T* ob = out + b * H * D;
-        for (int64_t g = 0; g < H; ++g) {
-          const float inv = 1.f / l[g];
-          for (int d = 0; d < D; ++d) from_f(acc[g * D + d] * inv, ob + g * D + d);
-        }
-      } else {
-        float* ml = part_ml.data() + i * H * 2;
-        std::copy(m.begin(), m.end(), ml);
-        std::copy(l.begin(), l.end(), ml + H);
-        std::copy(acc.begin(), acc.end(), part_acc.data() + i * H * D);
+    }
+    if constexpr (Layout::kEvenOdd) {  // accumulators back to element order
+      float tmp[D];
+      for (int64_t g = 0; g < H; ++g) {
+        float* ag = acc.data() + g * D;
+        for (int64_t d = 0; d < D; ++d) tmp[d] = ag[Layout::slot(d)];
+        std::copy(tmp, tmp + D, ag);
       }
     }
-  });
-  if (S == 1) return;
-  // Merge the splits' partial softmax states: out = sum_s w_s acc_s / sum_s w_s l_s,
-  // w_s = exp(m_s - max_s m_s).
-  at::parallel_for(0, B * H, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> o(D);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / H, g = i % H;
-      float mx = kNoScore;
-      for (int64_t s = 0; s < S; ++s) mx = std::max(mx, part_ml[((b * S + s) * H) * 2 + g]);
-      float lsum = 0.f;
-      std::fill(o.begin(), o.end(), 0.f);
-      for (int64_t s = 0; s < S; ++s) {
-        const float* ml = part_ml.data() + (b * S + s) * H * 2;
-        const float w = std::exp(ml[g] - mx);
-        lsum += w * ml[H + g];
-        const float* a = part_acc.data() + ((b * S + s) * H + g) * D;
-        for (int d = 0; d < D; ++d) o[d] += w * a[d];
+    if (S == 1) {
+      T* ob = a.out + b * H * D;
+      for (int64_t g = 0; g < H; ++g) {
+        const float inv = 1.f / l[g];
+        for (int d = 0; d < D; ++d) from_f(acc[g * D + d] * inv, ob + g * D + d);
       }
-      const float inv = 1.f / lsum;
-      for (int d = 0; d < D; ++d) from_f(o[d] * inv, out + i * D + d);
+    } else {
+      float* ml = a.part_ml + i * H * 2;
+      std::copy(m.begin(), m.end(), ml);
+      std::copy(l.begin(), l.end(), ml + H);
+      std::copy(acc.begin(), acc.end(), a.part_acc + i * H * D);
     }
-  });
+  }
 }
 
 #else  // portable path
 
+// Work items are sequences (never split): one pass over each block (online softmax, rescaled
+// once per block), K and V rows of a block read once, straight from the paged cache.
 template <typename T, typename C, int D>
-void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const float* k_scale,
-                   const float* v_scale, const int64_t* tables, const int64_t* seq_lens, T* out,
-                   int64_t B, int64_t H, int64_t Hkv, int64_t block_size, int64_t max_blocks,
-                   float scale) {
+void decode_items_d(const DecodeArgs<T, C>& a, int64_t begin, int64_t end) {
   constexpr bool quantized = std::is_same_v<C, int8_t>;
-  // One pass over each block (online softmax, rescaled once per block): K and V rows of a
-  // block are read once, straight from the paged cache.
+  const int64_t H = a.H, Hkv = a.Hkv, block_size = a.block_size;
   const int64_t G = H / Hkv;
   const int64_t row = Hkv * D;  // elements per cache slot
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), s(G * block_size), m(G), l(G);
-    alignas(64) float kv[D];
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / Hkv, h = i % Hkv;
-      const int64_t L = seq_lens[b];
-      const int64_t* table = tables + b * max_blocks;
+  std::vector<float> qf(G * D), acc(G * D), s(G * block_size), m(G), l(G);
+  alignas(64) float kv[D];
+  for (int64_t b = begin; b < end; ++b) {
+    const int64_t L = a.seq_lens[b];
+    const int64_t* table = a.tables + b * a.max_blocks;
+    for (int64_t h = 0; h < Hkv; ++h) {
       for (int64_t g = 0; g < G; ++g)
-        for (int d = 0; d < D; ++d) qf[g * D + d] = to_f(q[(b * H + h * G + g) * D + d]) * scale;
+        for (int d = 0; d < D; ++d) qf[g * D + d] = to_f(a.q[(b * H + h * G + g) * D + d]) * a.scale;
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), -INFINITY);
       std::fill(l.begin(), l.end(), 0.f);
       for (int64_t t0 = 0; t0 < L; t0 += block_size) {
         const int64_t n = std::min(block_size, L - t0);
         const int64_t base = table[t0 / block_size] * block_size;
-        const C* kb = k_cache + base * row + h * D;
-        const C* vb = v_cache + base * row + h * D;
+        const C* kb = a.k_cache + base * row + h * D;
+        const C* vb = a.v_cache + base * row + h * D;
         for (int64_t j = 0; j < n; ++j) {
           const C* kp = kb + j * row;
           for (int d = 0; d < D; ++d) kv[d] = to_f(kp[d]);
-          const float ks = quantized ? k_scale[(base + j) * Hkv + h] : 1.f;
+          const float ks = quantized ? a.k_scale[(base + j) * Hkv + h] : 1.f;
           for (int64_t g = 0; g < G; ++g) {
             const float* qg = qf.data() + g * D;
             float dot = 0.f;
@@ -392,7 +363,7 @@ void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const float* 
         }
         for (int64_t j = 0; j < n; ++j) {
           const C* vp = vb + j * row;
-          const float vs = quantized ? v_scale[(base + j) * Hkv + h] : 1.f;
+          const float vs = quantized ? a.v_scale[(base + j) * Hkv + h] : 1.f;
           for (int d = 0; d < D; ++d) kv[d] = to_f(vp[d]) * vs;
           for (int64_t g = 0; g < G; ++g) {
             const float p = s[g * block_size + j];
@@ -403,28 +374,75 @@ void decode_kernel(const T* q, const C* k_cache, const C* v_cache, const float* 
       }
       for (int64_t g = 0; g < G; ++g) {
         const float inv = 1.f / l[g];
-        for (int d = 0; d < D; ++d) from_f(acc[g * D + d] * inv, out + (b * H + h * G + g) * D + d);
+        for (int d = 0; d < D; ++d) from_f(acc[g * D + d] * inv, a.out + (b * H + h * G + g) * D + d);
       }
     }
-  });
+  }
 }
 
 #endif  // __AVX512F__
 
+}  // namespace
+
+namespace tm_cpu {
+
+int64_t decode_splits(const int64_t* seq_lens, int64_t B, int64_t block_size, int64_t threads) {
+#if defined(__AVX512F__)
+  if (B >= 4 * threads) return 1;
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) longest = std::max(longest, seq_lens[b]);
+  const int64_t most_blocks = (longest + block_size - 1) / block_size;
+  return std::max<int64_t>(1, std::min<int64_t>((4 * threads + B - 1) / B, most_blocks / 2));
+#else
+  return 1;
+#endif
+}
+
 template <typename T, typename C>
-void dispatch_head_dim(int64_t D, const T* q, const C* k, const C* v, const float* ks, const float* vs,
-                       const int64_t* tables, const int64_t* lens, T* out, int64_t B, int64_t H,
-                       int64_t Hkv, int64_t bs, int64_t mb, float scale) {
+void decode_items(const DecodeArgs<T, C>& a, int64_t begin, int64_t end) {
 #define TM_CASE(DIM) \
-  case DIM: return decode_kernel<T, C, DIM>(q, k, v, ks, vs, tables, lens, out, B, H, Hkv, bs, mb, scale);
-  switch (D) {
+  case DIM: return decode_items_d<T, C, DIM>(a, begin, end);
+  switch (a.D) {
     TM_CASE(16) TM_CASE(32) TM_CASE(64) TM_CASE(80) TM_CASE(96) TM_CASE(128) TM_CASE(256)
-    default: TORCH_CHECK(false, "paged_decode: unsupported head_dim ", D);
+    default: TORCH_CHECK(false, "paged_decode: unsupported head_dim ", a.D);
   }
 #undef TM_CASE
 }
 
-}  // namespace
+// out = sum_s w_s acc_s / sum_s w_s l_s with w_s = exp(m_s - max_s m_s), over the splits of
+// items [begin, end) of (sequence, head).
+template <typename T, typename C>
+void decode_merge(const DecodeArgs<T, C>& a, int64_t begin, int64_t end) {
+  const int64_t H = a.H, D = a.D, S = a.splits;
+  std::vector<float> o(D);
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t b = i / H, g = i % H;
+    float mx = kNoScore;
+    for (int64_t s = 0; s < S; ++s) mx = std::max(mx, a.part_ml[((b * S + s) * H) * 2 + g]);
+    float lsum = 0.f;
+    std::fill(o.begin(), o.end(), 0.f);
+    for (int64_t s = 0; s < S; ++s) {
+      const float* ml = a.part_ml + (b * S + s) * H * 2;
+      const float w = std::exp(ml[g] - mx);
+      lsum += w * ml[H + g];
+      const float* acc = a.part_acc + ((b * S + s) * H + g) * D;
+      for (int d = 0; d < D; ++d) o[d] += w * acc[d];
+    }
+    const float inv = 1.f / lsum;
+    for (int d = 0; d < D; ++d) from_f(o[d] * inv, a.out + i * D + d);
+  }
+}
+
+#define TM_INSTANTIATE(T, C)                                                      \
+  template void decode_items<T, C>(const DecodeArgs<T, C>&, int64_t, int64_t); \
+  template void decode_merge<T, C>(const DecodeArgs<T, C>&, int64_t, int64_t);
+TM_INSTANTIATE(float, float)
+TM_INSTANTIATE(c10::BFloat16, c10::BFloat16)
+TM_INSTANTIATE(float, int8_t)
+TM_INSTANTIATE(c10::BFloat16, int8_t)
+#undef TM_INSTANTIATE
+
+}  // namespace tm_cpu
 
 // q: [B, H, D]; k_cache, v_cache: [slots, Hkv, D] (q's dtype, or int8 with k_scale / v_scale:
 // [slots, Hkv] float32); block_tables: [B, max_blocks] int64; seq_lens: [B] int64 (keys per
@@ -451,25 +469,27 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
   TORCH_CHECK(H % Hkv == 0, "heads not a multiple of kv heads");
   auto out = torch::empty_like(q);
-  const float sc = static_cast<float>(scale);
-  const int64_t* tp = bt.data_ptr<int64_t>();
   const int64_t* lp = sl.data_ptr<int64_t>();
-  const int64_t mb = bt.size(1);
-  auto run = [&](auto* qp, auto* op) {
+  const int64_t S = decode_splits(lp, B, block_size, at::get_num_threads());
+  std::vector<float> part_ml(S > 1 ? B * S * H * 2 : 0), part_acc(S > 1 ? B * S * H * D : 0);
+  auto run = [&](auto* qp, auto* kp, auto* vp, auto* op) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(qp)>>;
-    if (quantized) {
-      dispatch_head_dim<T, int8_t>(D, qp, k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), ks, vs, tp, lp,
-                                   op, B, H, Hkv, block_size, mb, sc);
-    } else {
-      dispatch_head_dim<T, T>(D, qp, k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), ks, vs, tp, lp, op, B, H,
-                              Hkv, block_size, mb, sc);
-    }
+    using C = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
+    const DecodeArgs<T, C> a{qp, kp, vp, ks, vs, bt.data_ptr<int64_t>(), lp, op, B, H, Hkv, D, block_size,
+                             bt.size(1), static_cast<float>(scale), S, part_ml.data(), part_acc.data()};
+    at::parallel_for(0, B * S, 1, [&](int64_t begin, int64_t end) { decode_items(a, begin, end); });
+    if (S > 1) at::parallel_for(0, B * H, 16, [&](int64_t begin, int64_t end) { decode_merge(a, begin, end); });
+  };
+  auto with_q = [&](auto* qp, auto* op) {
+    using T = std::remove_pointer_t<decltype(qp)>;
+    if (quantized) run(qp, k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), op);
+    else run(qp, k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), op);
   };
   if (q.scalar_type() == at::kFloat) {
-    run(q.data_ptr<float>(), out.data_ptr<float>());
+    with_q(q.data_ptr<float>(), out.data_ptr<float>());
   } else if (q.scalar_type() == at::kBFloat16) {
     using BF = c10::BFloat16;
-    run(q.data_ptr<BF>(), out.data_ptr<BF>());
+    with_q(q.data_ptr<BF>(), out.data_ptr<BF>());
   } else {
     TORCH_CHECK(false, "paged_decode: float32 or bfloat16 queries only");
   }

@@ -5,10 +5,11 @@
 // files load without dequantizing. int4 byte j of a group holds element j (low nibble) and
 // element j + 16 (high nibble), as in GGUF.
 //
-// Each thread takes a range of output rows; it dequantizes 4 rows at a time into a small buffer
-// (L1-resident) and multiplies every input row by them, so a weight is read from memory once per
-// call whatever the batch size. The dot products run on AVX-512 (bf16 pairs with vdpbf16ps where
-// the CPU has it), with a portable scalar path elsewhere.
+// Each thread takes a range of 4-row tiles of the output (linear.h); it dequantizes a tile's rows
+// into a small buffer (L1-resident) and multiplies every input row by them, so a weight is read
+// from memory once per call whatever the batch size. The dot products run on AVX-512 (bf16 pairs
+// with vdpbf16ps where the CPU has it), with a portable scalar path elsewhere. Plain bf16
+// weights (bits 16: small batches of an unquantized model) are read in place, row after row.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "cpu_common.h"
+#include "linear.h"
 
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
@@ -26,8 +28,8 @@ namespace {
 
 using namespace tm_cpu;
 
-constexpr int kGroup = 32;
-constexpr int kRows = 4;  // weight rows dequantized and multiplied together
+constexpr int kRows = kTileRows;  // weight rows dequantized and multiplied together
+constexpr int kStreamRows = 2;  // bf16 weights: up to this many input rows, rows_bf16 (else 4 x 4 tiles)
 constexpr int kBatch = 4;  // input rows per micro-tile
 
 inline float half_to_f(at::Half h) {
@@ -197,79 +199,212 @@ inline void dispatch_tile(int mb, int nb, Fn&& fn) {
 }
 
 template <typename T>
-inline void store(float v, T* dst) {
-  *dst = static_cast<T>(v);
+inline void store(float v, T* dst, const T* bias) {
+  if (bias == nullptr) {
+    *dst = static_cast<T>(v);
+  } else {  // rounded to T first, then the bias added and rounded again, as `y + bias` does
+    *dst = static_cast<T>(static_cast<float>(static_cast<T>(v)) + static_cast<float>(*bias));
+  }
 }
 
-// WT: the dequantized weight's type (bf16 with vdpbf16ps, else float); XT: x's type as the tile reads it.
+// Tiles [t0, t1), several input rows: each tile's rows dequantized into an L1-resident buffer
+// (WT: bf16 with vdpbf16ps, else float; plain bf16 weights are read in place, the next tile
+// prefetched), then multiplied by every input row in 4 x 4 register tiles.
 template <int BITS, typename WT, typename XT, typename OT>
-void qlinear(const XT* x, const uint8_t* qw, const at::Half* sc, OT* out, int64_t M, int64_t N, int64_t K) {
+void tiles_4x4(const XT* x, int64_t M, const LinearWeights& lw, int64_t t0, int64_t t1, OT* out, int64_t ldo,
+               const OT* bias) {
+  static_assert(BITS != 16 || std::is_same_v<WT, c10::BFloat16>, "bf16 weights need the bf16 tile");
+  const int64_t N = lw.N, K = lw.K;
+  const uint8_t* qw = static_cast<const uint8_t*>(lw.data);
+  const at::Half* sc = lw.scales;
   const int64_t row_bytes = BITS == 4 ? K / 2 : K;
   const int64_t row_scales = BITS == 4 ? 2 * K / kGroup : K / kGroup;
-  static_assert(BITS != 16 || std::is_same_v<WT, c10::BFloat16>, "bf16 weights need the bf16 tile");
-  // Grain: whole 4-row tiles, at least 32 rows per task so small layers are not over-split.
-  at::parallel_for(0, (N + kRows - 1) / kRows, 8, [&](int64_t begin, int64_t end) {
-    std::vector<WT> w(kRows * K);
-    alignas(64) float acc[kBatch * kRows];
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n0 = t * kRows;
-      const int nb = static_cast<int>(std::min<int64_t>(kRows, N - n0));
-      const WT* wt = w.data();  // this tile's weight rows, dequantized
-      const WT* next = nullptr;
-      if constexpr (BITS == 16) {  // plain bf16 weights: read in place, the next tile prefetched
-        wt = reinterpret_cast<const WT*>(qw) + n0 * K;
-        next = t + 1 < end ? wt + kRows * K : nullptr;
-      }
-      if constexpr (BITS != 16) {
-        for (int j = 0; j < nb; ++j) {
-          const uint8_t* q = qw + (n0 + j) * row_bytes;
-          const at::Half* s = sc + (n0 + j) * row_scales;
+  thread_local std::vector<WT> buf;
+  if constexpr (BITS != 16) buf.resize(kRows * K);
+  alignas(64) float acc[kBatch * kRows];
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t n0 = t * kRows;
+    const int nb = static_cast<int>(std::min<int64_t>(kRows, N - n0));
+    const WT* w = buf.data();  // this tile's weight rows, dequantized
+    const WT* next = nullptr;
+    if constexpr (BITS == 16) {
+      w = reinterpret_cast<const WT*>(qw) + n0 * K;
+      next = t + 1 < t1 ? w + kRows * K : nullptr;
+    } else {
+      for (int j = 0; j < nb; ++j) {
+        const uint8_t* q = qw + (n0 + j) * row_bytes;
+        const at::Half* s = sc + (n0 + j) * row_scales;
 #if defined(__AVX512BF16__)
-          if constexpr (std::is_same_v<WT, c10::BFloat16>) {
-            const bool more = t + 1 < end;
-            dequant_row_bf16<BITS>(q, s, w.data() + j * K, K, more ? q + kRows * row_bytes : nullptr,
-                                   more ? s + kRows * row_scales : nullptr);
-            continue;
-          }
-#endif
-          if constexpr (std::is_same_v<WT, float>) dequant_row_f32<BITS>(q, s, w.data() + j * K, K);
+        if constexpr (std::is_same_v<WT, c10::BFloat16>) {
+          const bool more = t + 1 < t1;
+          dequant_row_bf16<BITS>(q, s, buf.data() + j * K, K, more ? q + kRows * row_bytes : nullptr,
+                                 more ? s + kRows * row_scales : nullptr);
+          continue;
         }
-      }
-      for (int64_t m0 = 0; m0 < M; m0 += kBatch) {
-        const int mb = static_cast<int>(std::min<int64_t>(kBatch, M - m0));
-        dispatch_tile(mb, nb, [&](auto MB, auto NB) {
-#if defined(__AVX512BF16__)
-          if constexpr (std::is_same_v<WT, c10::BFloat16>) {
-            tile_bf16<decltype(MB)::value, decltype(NB)::value>(x + m0 * K, K, wt, K, K, acc, kRows,
-                                                                m0 == 0 ? next : nullptr);
-            return;
-          }
 #endif
-          if constexpr (std::is_same_v<WT, float>)
-            tile_f32<decltype(MB)::value, decltype(NB)::value>(reinterpret_cast<const float*>(x) + m0 * K, K,
-                                                               wt, K, K, acc, kRows);
-        });
-        for (int i = 0; i < mb; ++i)
-          for (int j = 0; j < nb; ++j) store(acc[i * kRows + j], out + (m0 + i) * N + n0 + j);
+        if constexpr (std::is_same_v<WT, float>) dequant_row_f32<BITS>(q, s, buf.data() + j * K, K);
       }
     }
-  });
+    for (int64_t m0 = 0; m0 < M; m0 += kBatch) {
+      const int mb = static_cast<int>(std::min<int64_t>(kBatch, M - m0));
+      dispatch_tile(mb, nb, [&](auto MB, auto NB) {
+#if defined(__AVX512BF16__)
+        if constexpr (std::is_same_v<WT, c10::BFloat16>) {
+          tile_bf16<decltype(MB)::value, decltype(NB)::value>(x + m0 * K, K, w, K, K, acc, kRows,
+                                                              m0 == 0 ? next : nullptr);
+          return;
+        }
+#endif
+        if constexpr (std::is_same_v<WT, float>)
+          tile_f32<decltype(MB)::value, decltype(NB)::value>(reinterpret_cast<const float*>(x) + m0 * K, K, w, K, K,
+                                                             acc, kRows);
+      });
+      for (int i = 0; i < mb; ++i)
+        for (int j = 0; j < nb; ++j)
+          store(acc[i * kRows + j], out + (m0 + i) * ldo + n0 + j, bias == nullptr ? nullptr : bias + n0 + j);
+    }
+  }
 }
+
+#if defined(__AVX512BF16__)
+// sums[m] = x[m] . w for MB input rows (ldx apart) and one bf16 weight row of K (a multiple of
+// 32): two accumulators per input row (alternate 32-element chunks), then one horizontal sum.
+template <int MB>
+inline void dot_rows_bf16(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* w, int64_t K, float* sums) {
+  __m512 a[MB][2];
+  for (int m = 0; m < MB; ++m) a[m][0] = a[m][1] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + k));
+    const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + k + 32));
+    for (int m = 0; m < MB; ++m) {
+      a[m][0] = _mm512_dpbf16_ps(a[m][0], reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + m * ldx + k)), w0);
+      a[m][1] = _mm512_dpbf16_ps(a[m][1], reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + m * ldx + k + 32)), w1);
+    }
+  }
+  if (k < K) {
+    const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + k));
+    for (int m = 0; m < MB; ++m)
+      a[m][0] = _mm512_dpbf16_ps(a[m][0], reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + m * ldx + k)), w0);
+  }
+  for (int m = 0; m < MB; ++m) sums[m] = _mm512_reduce_add_ps(_mm512_add_ps(a[m][0], a[m][1]));
+}
+
+// Plain bf16 weights and 1-2 input rows (bandwidth-bound), tiles [t0, t1): one weight row after
+// another, front to back (a single linear stream that the hardware prefetcher follows at full
+// bandwidth; the 4 x 4 tiles' four interleaved rows, even software-prefetched, measured ~25%
+// slower at one input row), each multiplied by the input rows while in L1.
+template <typename OT>
+void rows_bf16(const c10::BFloat16* x, int64_t M, const LinearWeights& lw, int64_t t0, int64_t t1, OT* out,
+                 int64_t ldo, const OT* bias) {
+  const int64_t K = lw.K, n1 = std::min(lw.N, t1 * kRows);
+  const c10::BFloat16* W = static_cast<const c10::BFloat16*>(lw.data);
+  alignas(64) float sums[kBatch];
+  for (int64_t n = t0 * kRows; n < n1; ++n) {
+    const c10::BFloat16* wr = W + n * K;
+    for (int64_t m0 = 0; m0 < M; m0 += kBatch) {
+      const int mb = static_cast<int>(std::min<int64_t>(kBatch, M - m0));
+      switch (mb) {
+        case 1: dot_rows_bf16<1>(x + m0 * K, K, wr, K, sums); break;
+        case 2: dot_rows_bf16<2>(x + m0 * K, K, wr, K, sums); break;
+        case 3: dot_rows_bf16<3>(x + m0 * K, K, wr, K, sums); break;
+        default: dot_rows_bf16<4>(x + m0 * K, K, wr, K, sums); break;
+      }
+      for (int i = 0; i < mb; ++i) store(sums[i], out + (m0 + i) * ldo + n, bias == nullptr ? nullptr : bias + n);
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+namespace tm_cpu {
+
+template <typename XT, typename OT>
+void linear_tiles(const XT* x, int64_t M, const LinearWeights& w, int64_t t0, int64_t t1, OT* out, int64_t ldo,
+                  const OT* bias) {
+  if (M == 0 || t0 >= t1) return;
+  if (w.bits == 16) {
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<XT, c10::BFloat16>) {
+      if (M <= kStreamRows) rows_bf16<OT>(x, M, w, t0, t1, out, ldo, bias);
+      else tiles_4x4<16, c10::BFloat16>(x, M, w, t0, t1, out, ldo, bias);
+      return;
+    }
+#endif
+    TORCH_CHECK(false, "linear bits=16 needs bfloat16 inputs and AVX512-BF16");
+  }
+  auto run = [&](auto bits_c) {
+    constexpr int B = decltype(bits_c)::value;
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<XT, c10::BFloat16>) {
+      tiles_4x4<B, c10::BFloat16>(x, M, w, t0, t1, out, ldo, bias);
+      return;
+    }
+#endif
+    if constexpr (std::is_same_v<XT, float>) {
+      tiles_4x4<B, float>(x, M, w, t0, t1, out, ldo, bias);
+    } else {
+      TORCH_CHECK(false, "quantized linear: bfloat16 inputs need AVX512-BF16 (convert them to float32)");
+    }
+  };
+  if (w.bits == 4) run(std::integral_constant<int, 4>{});
+  else run(std::integral_constant<int, 8>{});
+}
+
+template <typename T>
+void embedding_row(const LinearWeights& table, int64_t id, T* out) {
+  const int64_t K = table.K;
+  if (table.bits == 16) {
+    const c10::BFloat16* row = static_cast<const c10::BFloat16*>(table.data) + id * K;
+    for (int64_t k = 0; k < K; ++k) out[k] = static_cast<T>(static_cast<float>(row[k]));
+    return;
+  }
+  thread_local std::vector<float> tmp;
+  tmp.resize(K);
+  const uint8_t* q = static_cast<const uint8_t*>(table.data);
+  if (table.bits == 4) dequant_row_f32<4>(q + id * K / 2, table.scales + id * 2 * K / kGroup, tmp.data(), K);
+  else dequant_row_f32<8>(q + id * K, table.scales + id * K / kGroup, tmp.data(), K);
+  for (int64_t k = 0; k < K; ++k) out[k] = static_cast<T>(tmp[k]);
+}
+
+template void embedding_row<float>(const LinearWeights&, int64_t, float*);
+template void embedding_row<c10::BFloat16>(const LinearWeights&, int64_t, c10::BFloat16*);
+
+template void linear_tiles<float, float>(const float*, int64_t, const LinearWeights&, int64_t, int64_t, float*,
+                                         int64_t, const float*);
+template void linear_tiles<float, c10::BFloat16>(const float*, int64_t, const LinearWeights&, int64_t, int64_t,
+                                                 c10::BFloat16*, int64_t, const c10::BFloat16*);
+template void linear_tiles<c10::BFloat16, c10::BFloat16>(const c10::BFloat16*, int64_t, const LinearWeights&,
+                                                         int64_t, int64_t, c10::BFloat16*, int64_t,
+                                                         const c10::BFloat16*);
+
+}  // namespace tm_cpu
+
+namespace {
+
+// The op: tiles shared out over ATen's thread pool, at least 8 tiles (32 rows) per task so
+// small layers are not over-split.
+template <typename XT, typename OT>
+void linear_op(const XT* x, int64_t M, const LinearWeights& w, OT* out) {
+  at::parallel_for(0, w.tiles(), 8, [&](int64_t begin, int64_t end) { linear_tiles(x, M, w, begin, end, out, w.N); });
+}
+
 
 }  // namespace
 
 // x: [M, K] float32 or bfloat16; qweight: uint8 [N, K/2] (bits 4) or int8 [N, K] (bits 8);
 // scales: float16 [N, K/32, 2] (d, m) for bits 4, [N, K/32] (d) for bits 8. Returns [M, N] in x's dtype.
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, int64_t bits) {
-  if (bits == 16) {  // plain bf16 weights [N, K] (scales unused): the same tiles, nothing to dequantize
+  if (bits == 16) {  // plain bf16 weights [N, K] (scales unused)
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && qweight.scalar_type() == at::kBFloat16 &&
                 qweight.is_contiguous() && qweight.size(1) == x.size(1) && x.size(1) % kGroup == 0,
                 "quant_linear bits=16: bf16 x [M, K] and weight [N, K], K a multiple of 32");
 #if defined(__AVX512BF16__)
     auto xc = x.contiguous();
     auto out = torch::empty({x.size(0), qweight.size(0)}, x.options());
-    qlinear<16, c10::BFloat16>(xc.data_ptr<c10::BFloat16>(), static_cast<const uint8_t*>(qweight.data_ptr()),
-                               nullptr, out.data_ptr<c10::BFloat16>(), x.size(0), qweight.size(0), x.size(1));
+    const LinearWeights w{16, qweight.data_ptr(), nullptr, qweight.size(0), x.size(1)};
+    linear_op(xc.data_ptr<c10::BFloat16>(), x.size(0), w, out.data_ptr<c10::BFloat16>());
     return out;
 #else
     TORCH_CHECK(false, "quant_linear bits=16 needs AVX512-BF16");
@@ -285,26 +420,20 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
   TORCH_CHECK(scales.numel() == N * (K / kGroup) * (bits == 4 ? 2 : 1), "quant_linear: scales shape");
   auto out = torch::empty({M, N}, x.options());
   if (M == 0) return out;
-  const uint8_t* qw = static_cast<const uint8_t*>(qweight.data_ptr());
-  const at::Half* sc = scales.data_ptr<at::Half>();
-  auto run = [&](auto bits_c) {
-    constexpr int B = decltype(bits_c)::value;
-    if (x.scalar_type() == at::kBFloat16) {
-      auto xc = x.contiguous();
+  const LinearWeights w{static_cast<int>(bits), qweight.data_ptr(), scales.data_ptr<at::Half>(), N, K};
+  if (x.scalar_type() == at::kBFloat16) {
+    auto xc = x.contiguous();
 #if defined(__AVX512BF16__)
-      qlinear<B, c10::BFloat16>(xc.data_ptr<c10::BFloat16>(), qw, sc, out.data_ptr<c10::BFloat16>(), M, N, K);
+    linear_op(xc.data_ptr<c10::BFloat16>(), M, w, out.data_ptr<c10::BFloat16>());
 #else
-      auto xf = xc.to(at::kFloat);
-      qlinear<B, float>(xf.data_ptr<float>(), qw, sc, out.data_ptr<c10::BFloat16>(), M, N, K);
+    auto xf = xc.to(at::kFloat);
+    linear_op(xf.data_ptr<float>(), M, w, out.data_ptr<c10::BFloat16>());
 #endif
-    } else {
-      TORCH_CHECK(x.scalar_type() == at::kFloat, "quant_linear: float32 or bfloat16 inputs");
-      auto xc = x.contiguous();
-      qlinear<B, float>(xc.data_ptr<float>(), qw, sc, out.data_ptr<float>(), M, N, K);
-    }
-  };
-  if (bits == 4) run(std::integral_constant<int, 4>{});
-  else run(std::integral_constant<int, 8>{});
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "quant_linear: float32 or bfloat16 inputs");
+    auto xc = x.contiguous();
+    linear_op(xc.data_ptr<float>(), M, w, out.data_ptr<float>());
+  }
   return out;
 }
 

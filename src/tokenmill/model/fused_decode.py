@@ -1,0 +1,95 @@
+"""The fused decode step: small all-decode batches run as one C++ call per step.
+
+A decode step of a small batch is bound by reading the weights (batch 1 reads every weight once
+per token). Run op by op it is ~300 kernel calls with Python between them, and the weight
+stream stalls at each; csrc/decode_step.cpp runs the whole forward pass (embedding, layers,
+final norm, LM head) in one parallel region with the same row and tile kernels, so its logits
+equal the op-by-op model's bit for bit. This is the CPU's counterpart of capturing a decode
+graph on a GPU: it changes how the step is run, not what it computes.
+
+Used for steps whose rows are all decode tokens, at most SMALL_BATCH of them (where the linears
+run the engine's own small-batch kernel anyway), on bf16 models whose linears are plain bf16
+weights or int4 / int8 blocks, with a bf16 KV cache. TOKENMILL_FUSED_DECODE=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from torch import nn
+
+from tokenmill.model.layers import cpu_kernels
+from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata
+from tokenmill.model.layers.linear import SMALL_BATCH, PackedLinear
+from tokenmill.model.layers.quantization import QuantEmbedding, QuantLinear
+
+logger = logging.getLogger("tokenmill")
+
+
+def _linear_spec(layer: nn.Module) -> tuple | None:
+    """(weight, scales, bits, bias) as the C++ decoder takes it, or None if it cannot run it."""
+    if isinstance(layer, PackedLinear) and layer.plain_weight is not None:
+        return layer.plain_weight, None, 16, layer.bias
+    if isinstance(layer, QuantLinear):
+        bias = layer.bias.detach() if layer.bias is not None else None
+        return layer.qweight, layer.scales, layer.bits, bias
+    return None
+
+
+class FusedDecode:
+    def __init__(self, decoder):
+        self.decoder = decoder
+
+    @classmethod
+    def build(cls, model: nn.Module, attn: AttentionBackend, dtype: torch.dtype, block_size: int) -> FusedDecode | None:
+        """The fused step for this model, or None (logged) when it cannot run it."""
+        if os.environ.get("TOKENMILL_FUSED_DECODE") == "0":
+            return None
+        kernels = cpu_kernels.load() if cpu_kernels.enabled() else None
+        reason = None
+        if kernels is None or not hasattr(kernels, "FusedDecoder"):
+            reason = "needs the C++ kernels built with AVX512-BF16"
+        elif dtype != torch.bfloat16 or attn.kernels is None or attn.kv_scales is not None:
+            reason = "needs bfloat16 activations and a bfloat16 KV cache"
+        if reason is None:
+            layers = model.layers
+            parts = [p for layer in layers for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                     layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+            specs = [_linear_spec(p) for p in parts + [model.lm_head]]
+            if any(s is None for s in specs):
+                reason = "needs every linear as plain bf16 weights or int4 / int8 blocks"
+        if reason is not None:
+            logger.info("fused decode step off: %s", reason)
+            return None
+        embed = model.embed_tokens
+        if isinstance(embed, QuantEmbedding):
+            table = (embed.qweight, embed.scales, embed.bits)
+        else:
+            table = (embed.weight.detach(), None, 16)
+        norms = [n.weight.detach() for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        norms.append(model.norm.weight.detach())
+        caches = [c for pair in attn.layer_caches for c in pair]
+        a0 = layers[0].self_attn
+        try:
+            decoder = kernels.FusedDecoder(
+                *table, norms, specs, caches, model.rope.cos, model.rope.sin, a0.num_heads, a0.num_kv_heads,
+                a0.head_dim, layers[0].mlp.intermediate, model.norm.eps, block_size, attn.scale,
+            )
+        except RuntimeError as e:  # a shape or dtype the C++ decoder does not take
+            logger.info("fused decode step off: %s", e)
+            return None
+        logger.info("fused decode step on for all-decode batches of <= %d rows", SMALL_BATCH)
+        return cls(decoder)
+
+    @staticmethod
+    def accepts(meta: AttentionMetadata, rows: int) -> bool:
+        return meta.all_decode and rows <= SMALL_BATCH
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 logits_rows: list[int]) -> torch.Tensor:
+        """Runs the step (K/V written, as the model would); float32 logits of `logits_rows`."""
+        rows = torch.tensor(logits_rows, dtype=torch.long)
+        return self.decoder.forward(input_ids, positions, meta.slot_mapping, meta.decode_block_tables,
+                                    meta.decode_seq_lens, rows).float()

@@ -1,0 +1,273 @@
+// The fused decode step: a whole forward pass of a Llama-family model (embedding, every layer,
+// final norm, LM head) for a small batch of decode tokens, in ONE OpenMP parallel region.
+//
+// Batch-1 decode reads every weight once per token, so it is bound by memory bandwidth. Run as
+// ~300 separate ops per step (each a fork/join of the thread pool, with Python between them),
+// the weight stream stalls at every op boundary: 30 layers of SmolLM2's linears as 120 kernel
+// calls stream ~25-30 GB/s where the same kernel in one region streams ~37 (2 cores).
+// Here each thread runs its share of every stage and the threads meet at a barrier where a
+// stage needs the whole of the previous one's output:
+//
+//   per layer: [norm] qkv | rope + cache write | attention (| merge of split sequences) |
+//              o_proj | [add + norm] gate_up + silu | down |
+//   then:      [add + norm] lm_head rows
+//
+// Stages in [brackets] are tiny per-row element-wise work that every thread does redundantly
+// on its own copy of the residual stream (cheaper than a barrier). Every stage calls the same
+// row / tile kernels as the separate ops (linear.h, elementwise.h, paged_decode.h) and splits
+// its work the same way, so logits equal the unfused model's bit for bit. bfloat16 activations,
+// plain bf16 or int4 / int8 weights, a bf16 KV cache.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
+
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+#include "elementwise.h"
+#include "linear.h"
+#include "paged_decode.h"
+
+#if defined(__AVX512BF16__)
+
+namespace {
+
+using namespace tm_cpu;
+using BF16 = c10::BFloat16;
+
+// A linear layer as Python hands it over: (weight, scales or None, bits, bias or None).
+using LinearSpec = std::tuple<torch::Tensor, c10::optional<torch::Tensor>, int64_t, c10::optional<torch::Tensor>>;
+
+struct Linear {
+  LinearWeights w;
+  const BF16* bias = nullptr;
+  std::vector<torch::Tensor> keep;  // the tensors the pointers point into
+};
+
+Linear make_linear(const LinearSpec& spec, int64_t in_features, int64_t out_features, const char* name) {
+  const auto& [weight, scales, bits, bias] = spec;
+  TORCH_CHECK(weight.is_contiguous() && weight.dim() == 2 && weight.size(0) == out_features, name,
+              ": a contiguous [out, in] weight");
+  TORCH_CHECK(in_features % kGroup == 0, name, ": in_features must be a multiple of 32");
+  Linear lin;
+  lin.w.bits = static_cast<int>(bits);
+  lin.w.data = weight.data_ptr();
+  lin.w.N = out_features;
+  lin.w.K = in_features;
+  lin.keep.push_back(weight);
+  if (bits == 16) {
+    TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.size(1) == in_features, name, ": bf16 weight");
+  } else {
+    TORCH_CHECK(bits == 4 || bits == 8, name, ": bits must be 4, 8 or 16");
+    TORCH_CHECK(scales.has_value() && scales->scalar_type() == at::kHalf && scales->is_contiguous() &&
+                    scales->numel() == out_features * (in_features / kGroup) * (bits == 4 ? 2 : 1) &&
+                    weight.size(1) == (bits == 4 ? in_features / 2 : in_features),
+                name, ": quantized weight / scales shapes");
+    lin.w.scales = scales->data_ptr<at::Half>();
+    lin.keep.push_back(*scales);
+  }
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == out_features, name,
+                ": bf16 bias");
+    lin.bias = bias->data_ptr<BF16>();
+    lin.keep.push_back(*bias);
+  }
+  return lin;
+}
+
+// This thread's share [begin, end) of n items split evenly over nt threads.
+inline std::pair<int64_t, int64_t> share(int64_t n, int t, int nt) { return {n * t / nt, n * (t + 1) / nt}; }
+
+}  // namespace
+
+class FusedDecoder {
+ public:
+  // norms: input and post-attention norm weights of each layer, then the final norm; linears:
+  // qkv, o, gate_up, down of each layer, then the LM head; kv_caches: each layer's K and V
+  // ([slots, kv_heads, head_dim] views of the cache); cos / sin: [max_position, head_dim].
+  FusedDecoder(torch::Tensor embed, c10::optional<torch::Tensor> embed_scales, int64_t embed_bits,
+               std::vector<torch::Tensor> norms, std::vector<LinearSpec> linears, std::vector<torch::Tensor> kv_caches,
+               torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t kv_heads, int64_t head_dim,
+               int64_t intermediate, double eps, int64_t block_size, double scale)
+      : norms_(std::move(norms)), kv_caches_(std::move(kv_caches)), cos_(cos), sin_(sin), heads_(heads),
+        kv_heads_(kv_heads), head_dim_(head_dim), inter_(intermediate), eps_(static_cast<float>(eps)),
+        block_size_(block_size), scale_(static_cast<float>(scale)) {
+    layers_ = static_cast<int64_t>(kv_caches_.size()) / 2;
+    TORCH_CHECK(layers_ > 0 && static_cast<int64_t>(norms_.size()) == 2 * layers_ + 1 &&
+                    static_cast<int64_t>(linears.size()) == 4 * layers_ + 1,
+                "FusedDecoder: 2 norms and 4 linears per layer, then the final norm and the LM head");
+    hidden_ = norms_[0].numel();
+    vocab_ = std::get<0>(linears.back()).size(0);
+    TORCH_CHECK(heads % kv_heads == 0 && (head_dim == 64 || head_dim == 128 || head_dim == 16 || head_dim == 32 ||
+                                          head_dim == 80 || head_dim == 96 || head_dim == 256),
+                "FusedDecoder: unsupported heads / head_dim");
+    TORCH_CHECK(intermediate % kTileRows == 0, "FusedDecoder: intermediate size must be a multiple of 4");
+    for (const auto& n : norms_)
+      TORCH_CHECK(n.scalar_type() == at::kBFloat16 && n.is_contiguous() && n.numel() == hidden_, "FusedDecoder: norms");
+    for (const auto& c : kv_caches_)
+      TORCH_CHECK(c.scalar_type() == at::kBFloat16 && c.is_contiguous() && c.dim() == 3 && c.size(1) == kv_heads &&
+                      c.size(2) == head_dim, "FusedDecoder: bf16 caches [slots, kv_heads, head_dim]");
+    TORCH_CHECK(cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16 && cos.is_contiguous() &&
+                    sin.is_contiguous() && cos.size(-1) == head_dim, "FusedDecoder: bf16 cos / sin tables");
+    const int64_t q_size = heads * head_dim, qkv_size = q_size + 2 * kv_heads * head_dim;
+    for (int64_t l = 0; l < layers_; ++l) {
+      qkv_.push_back(make_linear(linears[4 * l], hidden_, qkv_size, "qkv_proj"));
+      o_.push_back(make_linear(linears[4 * l + 1], q_size, hidden_, "o_proj"));
+      gate_up_.push_back(make_linear(linears[4 * l + 2], hidden_, 2 * intermediate, "gate_up_proj"));
+      down_.push_back(make_linear(linears[4 * l + 3], intermediate, hidden_, "down_proj"));
+    }
+    lm_head_ = make_linear(linears.back(), hidden_, vocab_, "lm_head");
+    TORCH_CHECK(embed.is_contiguous() && embed.dim() == 2, "FusedDecoder: embedding table");
+    embed_rows_ = embed.size(0);
+    const LinearSpec table{embed, embed_scales, embed_bits, c10::nullopt};
+    embed_ = make_linear(table, hidden_, embed_rows_, "embed_tokens");
+  }
+
+  // One decode step for M rows: token ids, positions, KV slots [M] (int64), block tables
+  // [M, max_blocks] and sequence lengths [M] (the new token included), and the rows that need
+  // logits. Returns bf16 logits [len(logits_rows), vocab].
+  torch::Tensor forward(torch::Tensor ids, torch::Tensor positions, torch::Tensor slots, torch::Tensor block_tables,
+                        torch::Tensor seq_lens, torch::Tensor logits_rows) {
+    const int64_t M = ids.numel(), R = logits_rows.numel();
+    for (const auto* t : {&ids, &positions, &slots, &seq_lens, &logits_rows})
+      TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1, "FusedDecoder: int64 vectors");
+    TORCH_CHECK(positions.numel() == M && slots.numel() == M && seq_lens.numel() == M && M > 0,
+                "FusedDecoder: one position, slot and length per row");
+    TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2 &&
+                    block_tables.size(0) == M, "FusedDecoder: int64 block tables [M, max_blocks]");
+    const int64_t* id = ids.data_ptr<int64_t>();
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    const int64_t* lens = seq_lens.data_ptr<int64_t>();
+    const int64_t* lrows = logits_rows.data_ptr<int64_t>();
+    const int64_t slots_total = kv_caches_[0].size(0), max_pos = cos_.size(0);
+    for (int64_t m = 0; m < M; ++m) {  // nothing inside the parallel region may throw
+      TORCH_CHECK(id[m] >= 0 && id[m] < embed_rows_, "FusedDecoder: token id out of range");
+      TORCH_CHECK(pos[m] >= 0 && pos[m] < max_pos && slot[m] >= 0 && slot[m] < slots_total && lens[m] >= 1 &&
+                      lens[m] <= block_tables.size(1) * block_size_, "FusedDecoder: position / slot / length");
+    }
+    for (int64_t r = 0; r < R; ++r) TORCH_CHECK(lrows[r] >= 0 && lrows[r] < M, "FusedDecoder: logits row");
+
+    const int64_t H = heads_, Hkv = kv_heads_, D = head_dim_, I = inter_, hid = hidden_;
+    const int64_t qkv_w = (H + 2 * Hkv) * D;
+    const int nt = at::get_num_threads();
+    const int64_t S = decode_splits(lens, M, block_size_, nt);
+    auto bf = torch::TensorOptions().dtype(at::kBFloat16);
+    auto qkv = torch::empty({M, qkv_w}, bf), q = torch::empty({M, H * D}, bf), attn = torch::empty({M, H * D}, bf);
+    auto o = torch::empty({M, hid}, bf), gu = torch::empty({M, 2 * I}, bf), act = torch::empty({M, I}, bf);
+    auto down = torch::empty({M, hid}, bf), logits = torch::empty({R, vocab_}, bf);
+    std::vector<float> part_ml(S > 1 ? M * S * H * 2 : 0), part_acc(S > 1 ? M * S * H * D : 0);
+    BF16* qkv_p = qkv.data_ptr<BF16>();
+    BF16* q_p = q.data_ptr<BF16>();
+    BF16* attn_p = attn.data_ptr<BF16>();
+    BF16* o_p = o.data_ptr<BF16>();
+    BF16* gu_p = gu.data_ptr<BF16>();
+    BF16* act_p = act.data_ptr<BF16>();
+    BF16* down_p = down.data_ptr<BF16>();
+    const BF16* cos = cos_.data_ptr<BF16>();
+    const BF16* sin = sin_.data_ptr<BF16>();
+
+#pragma omp parallel num_threads(nt)
+    {
+      const int t = omp_get_thread_num(), n_t = omp_get_num_threads();
+      // This thread's copy of the residual stream and of the normalised rows.
+      std::vector<BF16> resid(M * hid), xn(M * hid);
+      for (int64_t m = 0; m < M; ++m) embedding_row(embed_.w, id[m], resid.data() + m * hid);
+      auto linear = [&](const Linear& lin, const BF16* x, int64_t rows, BF16* out, int64_t ldo) {
+        const auto [t0, t1] = share(lin.w.tiles(), t, n_t);
+        linear_tiles(x, rows, lin.w, t0, t1, out, ldo, lin.bias);
+      };
+      for (int64_t l = 0; l < layers_; ++l) {
+        const BF16* in_norm = norms_[2 * l].data_ptr<BF16>();
+        for (int64_t m = 0; m < M; ++m) {
+          if (l == 0) rms_norm_row(resid.data() + m * hid, in_norm, xn.data() + m * hid, hid, eps_);
+          else add_rms_norm_row(down_p + m * hid, resid.data() + m * hid, in_norm, xn.data() + m * hid, hid, eps_);
+        }
+        linear(qkv_[l], xn.data(), M, qkv_p, qkv_w);
+#pragma omp barrier
+        BF16* k_cache = kv_caches_[2 * l].data_ptr<BF16>();
+        BF16* v_cache = kv_caches_[2 * l + 1].data_ptr<BF16>();
+        {
+          const auto [r0, r1] = share(M, t, n_t);
+          for (int64_t r = r0; r < r1; ++r)
+            rope_and_cache_row(qkv_p + r * qkv_w, pos[r], cos, sin, k_cache, v_cache, slot[r], q_p + r * H * D, H,
+                               Hkv, D);
+        }
+#pragma omp barrier
+        const DecodeArgs<BF16, BF16> a{q_p, k_cache, v_cache, nullptr, nullptr, block_tables.data_ptr<int64_t>(), lens,
+                                       attn_p, M, H, Hkv, D, block_size_, block_tables.size(1), scale_, S,
+                                       part_ml.data(), part_acc.data()};
+        {
+          const auto [i0, i1] = share(M * S, t, n_t);
+          decode_items(a, i0, i1);
+        }
+#pragma omp barrier
+        if (S > 1) {
+          const auto [i0, i1] = share(M * H, t, n_t);
+          decode_merge(a, i0, i1);
+#pragma omp barrier
+        }
+        linear(o_[l], attn_p, M, o_p, hid);
+#pragma omp barrier
+        const BF16* post_norm = norms_[2 * l + 1].data_ptr<BF16>();
+        for (int64_t m = 0; m < M; ++m)
+          add_rms_norm_row(o_p + m * hid, resid.data() + m * hid, post_norm, xn.data() + m * hid, hid, eps_);
+        {
+          // gate rows and the matching up rows (one tile grid: I is a multiple of 4), then silu(gate) * up
+          // on the same columns.
+          const Linear& gl = gate_up_[l];
+          const int64_t half_tiles = I / kTileRows;
+          const auto [t0, t1] = share(half_tiles, t, n_t);
+          linear_tiles(xn.data(), M, gl.w, t0, t1, gu_p, 2 * I, gl.bias);
+          linear_tiles(xn.data(), M, gl.w, half_tiles + t0, half_tiles + t1, gu_p, 2 * I, gl.bias);
+          const int64_t c0 = t0 * kTileRows, c1 = t1 * kTileRows;
+          for (int64_t m = 0; m < M; ++m)
+            silu_mul_row(gu_p + m * 2 * I + c0, gu_p + m * 2 * I + I + c0, act_p + m * I + c0, c1 - c0);
+        }
+#pragma omp barrier
+        linear(down_[l], act_p, M, down_p, hid);
+#pragma omp barrier
+      }
+      const BF16* final_norm = norms_.back().data_ptr<BF16>();
+      for (int64_t m = 0; m < M; ++m)
+        add_rms_norm_row(down_p + m * hid, resid.data() + m * hid, final_norm, xn.data() + m * hid, hid, eps_);
+      std::vector<BF16> rows(R * hid);  // the rows that need logits
+      for (int64_t r = 0; r < R; ++r)
+        std::copy(xn.data() + lrows[r] * hid, xn.data() + (lrows[r] + 1) * hid, rows.data() + r * hid);
+      if (R > 0) linear(lm_head_, rows.data(), R, logits.data_ptr<BF16>(), vocab_);
+    }
+    return logits;
+  }
+
+ private:
+  std::vector<torch::Tensor> norms_, kv_caches_;
+  torch::Tensor cos_, sin_;
+  std::vector<Linear> qkv_, o_, gate_up_, down_;
+  Linear lm_head_, embed_;
+  int64_t layers_ = 0, hidden_ = 0, vocab_ = 0, embed_rows_ = 0;
+  int64_t heads_, kv_heads_, head_dim_, inter_;
+  float eps_;
+  int64_t block_size_;
+  float scale_;
+};
+
+void bind_fused_decoder(pybind11::module_& m) {
+  namespace py = pybind11;
+  py::class_<FusedDecoder>(m, "FusedDecoder", "A whole decode step of a Llama-family model in one parallel region")
+      .def(py::init<torch::Tensor, c10::optional<torch::Tensor>, int64_t, std::vector<torch::Tensor>,
+                    std::vector<LinearSpec>, std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, int64_t,
+                    int64_t, int64_t, int64_t, double, int64_t, double>(),
+           py::arg("embed"), py::arg("embed_scales"), py::arg("embed_bits"), py::arg("norms"), py::arg("linears"),
+           py::arg("kv_caches"), py::arg("cos"), py::arg("sin"), py::arg("heads"), py::arg("kv_heads"),
+           py::arg("head_dim"), py::arg("intermediate"), py::arg("eps"), py::arg("block_size"), py::arg("scale"))
+      .def("forward", &FusedDecoder::forward, py::arg("ids"), py::arg("positions"), py::arg("slots"),
+           py::arg("block_tables"), py::arg("seq_lens"), py::arg("logits_rows"),
+           py::call_guard<py::gil_scoped_release>());
+}
+
+#else  // no AVX512-BF16: no fused decode step (the model runs op by op)
+
+void bind_fused_decoder(pybind11::module_&) {}
+
+#endif

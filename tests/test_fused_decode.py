@@ -1,0 +1,150 @@
+"""The fused decode step (csrc/decode_step.cpp): a whole decode forward pass in one C++ call.
+
+Its logits must equal the op-by-op model's bit for bit (the same kernels, the same splits), for
+every weight form it takes (plain bf16, int4, int8, GGUF-style blocks), GQA, q/k/v biases, tied
+embeddings and batches of several rows; the runner must use it only for small all-decode steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.model.fused_decode import FusedDecode
+from tokenmill.model.layers.linear import SMALL_BATCH
+
+KW = dict(dtype="bfloat16", kv_cache_memory=0.02, enable_prefix_caching=False)
+
+
+def _runner(llm):
+    return llm.engine.core.runner
+
+
+def _fused_or_skip(llm):
+    fd = _runner(llm).fused_decode
+    if fd is None:
+        pytest.skip("no fused decode step here (needs the C++ kernels with AVX512-BF16)")
+    return fd
+
+
+def _decode_steps(llm, prompts: list[list[int]], max_tokens: int = 3):
+    """(input_ids, positions, meta, logits_rows, kv cache copy) of each all-decode step of a run."""
+    runner = _runner(llm)
+    steps, inner = [], runner.execute
+
+    def spy(sched):
+        if all(s.num_new_tokens == 1 for s in sched.scheduled):
+            steps.append((*runner.prepare(sched), runner.kv_cache.clone()))
+        return inner(sched)
+
+    runner.execute = spy
+    try:
+        llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                                             ignore_eos=True))
+    finally:
+        runner.execute = inner
+    return steps
+
+
+def _prompts(n: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(n)
+    return [torch.randint(3, vocab, (5 + 7 * i,), generator=g).tolist() for i in range(n)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("quantization", [None, "int4", "int8"])
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_fused_logits_equal_the_model_run_op_by_op(arch, quantization, rows, request):
+    """llama: GQA, untied lm_head; qwen2: q/k/v biases, tied embeddings (with int4 / int8 the
+    tied table is a quantized embedding shared with the lm_head)."""
+    llm = LLM(request.getfixturevalue(f"tiny_{arch}_dir"), quantization=quantization, **KW)
+    fd = _fused_or_skip(llm)
+    runner = _runner(llm)
+    ids, pos, meta, rows_, kv = _decode_steps(llm, _prompts(rows, llm.engine.config.model.vocab_size))[0]
+    assert len(ids) == rows and meta.all_decode
+    with torch.inference_mode():
+        runner.kv_cache.copy_(kv)
+        fused = fd(ids, pos, meta, rows_)
+        fused_cache = runner.kv_cache.clone()
+        runner.kv_cache.copy_(kv)
+        hidden = runner.model(ids, pos, runner.attn, meta)
+        want = runner.model.compute_logits(hidden[rows_])
+    assert fused.dtype == torch.float32 and fused.shape == want.shape
+    assert torch.equal(fused, want)
+    # The same K/V written to the same slots (slots never written hold whatever memory held: NaN too).
+    torch.testing.assert_close(fused_cache, runner.kv_cache, atol=0, rtol=0, equal_nan=True)
+
+
+def test_long_sequences_split_attention_across_threads(tiny_llama_dir):
+    """One sequence of ~300 tokens: attention splits its keys over the threads and merges."""
+    llm = LLM(tiny_llama_dir, **KW)
+    fd = _fused_or_skip(llm)
+    runner = _runner(llm)
+    ids, pos, meta, rows, kv = _decode_steps(llm, [[5 + i % 200 for i in range(300)]])[0]
+    assert int(meta.decode_seq_lens[0]) > 256
+    with torch.inference_mode():
+        runner.kv_cache.copy_(kv)
+        fused = fd(ids, pos, meta, rows)
+        runner.kv_cache.copy_(kv)
+        want = runner.model.compute_logits(runner.model(ids, pos, runner.attn, meta)[rows])
+    assert torch.equal(fused, want)
+
+
+def test_generation_is_the_same_with_and_without_it(tiny_qwen2_dir, monkeypatch):
+    prompts = ["The capital of France is", "1 2 3 4 5 6 7 8", "Hello", "def add(a, b):"]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+    on = LLM(tiny_qwen2_dir, **KW)
+    _fused_or_skip(on)
+    monkeypatch.setenv("TOKENMILL_FUSED_DECODE", "0")
+    off = LLM(tiny_qwen2_dir, **KW)
+    assert _runner(off).fused_decode is None
+    for a, b in zip(on.generate(prompts, params), off.generate(prompts, params)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def test_runner_uses_it_only_for_small_all_decode_steps(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, max_num_seqs=32, **KW)
+    fd = _fused_or_skip(llm)
+    runner = _runner(llm)
+    calls, inner = [], fd.__call__
+
+    class Spy:
+        decoder = fd.decoder
+        accepts = staticmethod(fd.accepts)
+
+        def __call__(self, input_ids, *args):
+            calls.append(len(input_ids))
+            return inner(input_ids, *args)
+
+    runner.fused_decode = Spy()
+    vocab = llm.engine.config.model.vocab_size
+    llm.generate(prompt_token_ids=_prompts(SMALL_BATCH + 4, vocab),
+                 sampling_params=SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert calls == []  # 20 decode rows: more than SMALL_BATCH, op by op
+    llm.generate(prompt_token_ids=_prompts(3, vocab), sampling_params=SamplingParams(temperature=0, max_tokens=4,
+                                                                                   ignore_eos=True))
+    assert calls == [3, 3, 3]  # the prompt step ran op by op, the 3 decode steps fused
+    calls.clear()
+    llm.generate(prompt_token_ids=_prompts(2, vocab),
+                 sampling_params=SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=1))
+    assert calls == [2, 2]  # prompt logprobs need hidden states: only their prompt step is op by op
+
+
+def test_off_where_it_cannot_run(tiny_llama_dir):
+    assert _runner(LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.02)).fused_decode is None
+    assert _runner(LLM(tiny_llama_dir, kv_cache_dtype="int8", **KW)).fused_decode is None
+
+
+def test_bad_inputs_raise_instead_of_crashing(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, **KW)
+    fd = _fused_or_skip(llm)
+    ids, pos, meta, rows, _ = _decode_steps(llm, [[5, 6, 7]])[0]
+    with pytest.raises(RuntimeError, match="token id out of range"):
+        fd(torch.tensor([10**6]), pos, meta, rows)
+    with pytest.raises(RuntimeError, match="logits row"):
+        fd(ids, pos, meta, [3])
+    with pytest.raises(RuntimeError, match="2 norms and 4 linears per layer"):
+        type(fd.decoder)(torch.zeros(4, 64, dtype=torch.bfloat16), None, 16, [], [], [], torch.zeros(1), torch.zeros(1),
+                         1, 1, 64, 64, 1e-6, 16, 0.125)
+    assert isinstance(FusedDecode.build(_runner(llm).model, _runner(llm).attn, torch.bfloat16, 16), FusedDecode)
