@@ -114,6 +114,11 @@ def load_model(path: str, hf_config, dtype: torch.dtype, max_position: int, devi
         from tokenmill.model.layers.linear import pack_linears
 
         pack_linears(model, dtype)
+    if device == "cpu":
+        from tokenmill.model.layers.weight_arena import place_decode_weights
+
+        moved = place_decode_weights(model)
+        logger.debug("%.0f MB of decode weights in one huge-page arena", moved / 1e6)
     logger.info("loaded weights from %s in %.2fs (%s)", path, time.perf_counter() - t0, dtype)
     return model
 
