@@ -148,3 +148,22 @@ def test_bad_inputs_raise_instead_of_crashing(tiny_llama_dir):
         type(fd.decoder)(torch.zeros(4, 64, dtype=torch.bfloat16), None, 16, [], [], [], torch.zeros(1), torch.zeros(1),
                          1, 1, 64, 64, 1e-6, 16, 0.125)
     assert isinstance(FusedDecode.build(_runner(llm).model, _runner(llm).attn, torch.bfloat16, 16), FusedDecode)
+
+
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_decode_weights_sit_in_one_arena_in_execution_order(tiny_qwen2_dir, quantization):
+    """What a small-batch step streams is one 2 MiB-aligned buffer, read front to back: each
+    layer's qkv, o, gate_up and down, then the LM head; a tied table stays one shared copy."""
+    from tokenmill.model.layers.weight_arena import HUGE_PAGE, _decode_tensors
+
+    llm = LLM(tiny_qwen2_dir, quantization=quantization, **KW)
+    model = _runner(llm).model
+    tensors = [getattr(m, name) for m, name in _decode_tensors(model)]
+    storages = {t.untyped_storage().data_ptr() for t in tensors}
+    assert len(storages) == 1
+    starts = [t.data_ptr() for t in tensors]
+    layer_part = starts[: 4 * len(model.layers) * (1 if quantization is None else 2)]
+    assert layer_part == sorted(layer_part) and min(starts) % HUGE_PAGE == 0
+    table = model.embed_tokens.weight if quantization is None else model.embed_tokens.qweight
+    head = model.lm_head.plain_weight if quantization is None else model.lm_head.qweight
+    assert table.data_ptr() == head.data_ptr()  # tied: one copy

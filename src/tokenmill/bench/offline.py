@@ -4,7 +4,7 @@
 - latency: batch-1 prefill time for a prompt length and time per output token (TPOT).
 - roofline: this machine's memory bandwidth and matmul FLOP/s, and how close batch-1 decode
   (bound by reading every weight once per token) and large-batch prefill (bound by matmul
-  FLOP/s) come to them.
+  FLOP/s) come to them. Bandwidth and decode are measured in alternating rounds.
 """
 
 from __future__ import annotations
@@ -67,25 +67,26 @@ def run_throughput(llm, ns: argparse.Namespace) -> int:
     return _emit(res, ns.output_json)
 
 
+def _timed_stream(llm, prompt: list[int], params) -> tuple[float, float]:
+    """One batch-1 generation: (seconds to the first token, time per output token after it)."""
+    t0 = time.perf_counter()
+    first = last = None
+    for _ in llm.stream(prompt, params):
+        now = time.perf_counter()
+        first = first if first is not None else now
+        last = now
+    return first - t0, (last - first) / max(params.max_tokens - 1, 1)
+
+
 def measure_latency(llm, input_len: int, output_len: int, iters: int, seed: int = 0) -> dict:
     """Median batch-1 prefill time (to the first token) and TPOT over `iters` runs."""
     prompts = _random_prompts(llm, iters + 1, input_len, seed)
     params = _params(output_len)
-    prefill, tpot = [], []
-    for i, prompt in enumerate(prompts):
-        t0 = time.perf_counter()
-        first = last = None
-        for out in llm.stream(prompt, params):
-            now = time.perf_counter()
-            first = first if first is not None else now
-            last = now
-        if i == 0:
-            continue  # warm-up
-        prefill.append(first - t0)
-        tpot.append((last - first) / max(output_len - 1, 1))
+    _timed_stream(llm, prompts[0], params)  # warm-up
+    runs = [_timed_stream(llm, p, params) for p in prompts[1:]]
+    prefill, tpot = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
     return {"input_len": input_len, "output_len": output_len, "iters": iters,
-            "prefill_s": statistics.median(prefill), "tpot_s": statistics.median(tpot),
-            "decode_tokens_per_s": 1.0 / statistics.median(tpot)}
+            "prefill_s": prefill, "tpot_s": tpot, "decode_tokens_per_s": 1.0 / tpot}
 
 
 def run_latency(llm, ns: argparse.Namespace) -> int:
@@ -97,8 +98,11 @@ def run_latency(llm, ns: argparse.Namespace) -> int:
 
 
 def measure_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
-    """Read bandwidth (bytes/s): a sum over a buffer far larger than the caches, best of N."""
-    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
+    """Read bandwidth (bytes/s): a sum over a buffer far larger than the caches, best of N. The
+    buffer is on the same kind of pages as the weights a decode step streams (weight_arena)."""
+    from tokenmill.model.layers.weight_arena import huge_page_buffer
+
+    x = huge_page_buffer(int(gib * 2**30)).view(torch.float32).fill_(1.0)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -143,10 +147,19 @@ def run_roofline(llm, ns: argparse.Namespace) -> int:
     # Multiply-adds per prompt token: the layers' linears (logits are computed for one token only).
     matmul_params = sum(m.in_features * m.out_features for n, m in model.named_modules()
                         if hasattr(m, "in_features") and n != "lm_head")
-    bw = measure_bandwidth()
+    # Memory bandwidth on a shared machine drifts by tens of percent within minutes: each round
+    # measures it right before one batch-1 decode run, and the fraction is the rounds' median.
+    prompts = _random_prompts(llm, ns.num_iters + 1, ns.input_len, ns.bench_seed)
+    params = _params(ns.output_len)
+    _timed_stream(llm, prompts[0], params)  # warm-up
+    rounds = []
+    for prompt in prompts[1:]:
+        bw = measure_bandwidth()
+        rounds.append((bw, _timed_stream(llm, prompt, params)[1]))
+    bw = statistics.median(r[0] for r in rounds)
+    tpot = statistics.median(r[1] for r in rounds)
+    fraction = statistics.median(weight_bytes / r[1] / r[0] for r in rounds)
     peak = measure_matmul(dtype)
-    lat = measure_latency(llm, ns.input_len, ns.output_len, ns.num_iters, ns.bench_seed)
-    decode_bw = weight_bytes / lat["tpot_s"]
     prefill_tokens = ns.prefill_len
     thr_prompts = _random_prompts(llm, 1, prefill_tokens, ns.bench_seed + 1)
     t0 = time.perf_counter()
@@ -155,18 +168,19 @@ def run_roofline(llm, ns: argparse.Namespace) -> int:
     prefill_flops = 2 * matmul_params * prefill_tokens / prefill_s
     res = {
         "memory_bandwidth_gb_s": bw / 1e9, "matmul_gflop_s": peak / 1e9, "dtype": str(dtype),
-        "weight_bytes_per_decode_step": weight_bytes, "batch1_tpot_s": lat["tpot_s"],
-        "batch1_decode_gb_s": decode_bw / 1e9, "batch1_decode_fraction_of_bandwidth": decode_bw / bw,
+        "weight_bytes_per_decode_step": weight_bytes, "batch1_tpot_s": tpot,
+        "batch1_decode_gb_s": weight_bytes / tpot / 1e9, "batch1_decode_fraction_of_bandwidth": fraction,
+        "rounds": [{"memory_bandwidth_gb_s": b / 1e9, "batch1_tpot_s": t} for b, t in rounds],
         "decode_roofline_tokens_per_s": bw / weight_bytes,
         "prefill_tokens": prefill_tokens, "prefill_s": prefill_s,
         "prefill_gflop_s": prefill_flops / 1e9, "prefill_fraction_of_matmul_peak": prefill_flops / peak,
     }
-    print(f"machine: memory bandwidth {res['memory_bandwidth_gb_s']:.1f} GB/s, "
+    print(f"machine: memory bandwidth {res['memory_bandwidth_gb_s']:.1f} GB/s (median of {len(rounds)} rounds), "
           f"{dtype} matmul {res['matmul_gflop_s']:.0f} GFLOP/s ({torch.get_num_threads()} threads)")
-    print(f"batch-1 decode: {weight_bytes / 1e6:.0f} MB of weights per token, TPOT {lat['tpot_s'] * 1e3:.2f} ms "
-          f"-> {res['batch1_decode_gb_s']:.1f} GB/s = {100 * res['batch1_decode_fraction_of_bandwidth']:.0f}% of "
-          f"bandwidth (roofline {res['decode_roofline_tokens_per_s']:.0f} tokens/s, "
-          f"measured {1 / lat['tpot_s']:.1f})")
+    print(f"batch-1 decode: {weight_bytes / 1e6:.0f} MB of weights per token, TPOT {tpot * 1e3:.2f} ms "
+          f"-> {res['batch1_decode_gb_s']:.1f} GB/s = {100 * fraction:.0f}% of bandwidth (median of the rounds' "
+          f"ratios; roofline {res['decode_roofline_tokens_per_s']:.0f} tokens/s, measured {1 / tpot:.1f})")
+    print("  rounds (GB/s, TPOT ms): " + ", ".join(f"{b / 1e9:.1f} / {t * 1e3:.2f}" for b, t in rounds))
     print(f"prefill of {prefill_tokens} tokens: {prefill_s:.2f} s -> {res['prefill_gflop_s']:.0f} GFLOP/s = "
           f"{100 * res['prefill_fraction_of_matmul_peak']:.0f}% of the matmul peak")
     return _emit(res, ns.output_json)
@@ -191,7 +205,8 @@ def add_offline_parsers(b) -> None:
     r = b.add_parser("roofline", help="memory bandwidth and matmul FLOP/s, and how close decode and prefill come")
     add_engine_args(r)
     add_workload_args(r, 32, 64)
-    r.add_argument("--num-iters", type=int, default=3, help="timed batch-1 decode runs (default 3)")
+    r.add_argument("--num-iters", type=int, default=5,
+                   help="rounds of (bandwidth, one timed batch-1 decode run); medians are reported (default 5)")
     r.add_argument("--prefill-len", type=int, default=2048, help="prompt tokens of the prefill measurement")
     r.set_defaults(bench_run=run_roofline)
     for sp in (t, lt, r):

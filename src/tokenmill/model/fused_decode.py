@@ -92,4 +92,4 @@ class FusedDecode:
         """Runs the step (K/V written, as the model would); float32 logits of `logits_rows`."""
         rows = torch.tensor(logits_rows, dtype=torch.long)
         return self.decoder.forward(input_ids, positions, meta.slot_mapping, meta.decode_block_tables,
-                                    meta.decode_seq_lens, rows).float()
+                                    meta.decode_seq_lens, rows)

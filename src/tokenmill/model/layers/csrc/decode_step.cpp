@@ -126,7 +126,8 @@ class FusedDecoder {
 
   // One decode step for M rows: token ids, positions, KV slots [M] (int64), block tables
   // [M, max_blocks] and sequence lengths [M] (the new token included), and the rows that need
-  // logits. Returns bf16 logits [len(logits_rows), vocab].
+  // logits. Returns their logits [len(logits_rows), vocab]: float32 values of the bf16 LM head
+  // output, as the model's compute_logits gives them.
   torch::Tensor forward(torch::Tensor ids, torch::Tensor positions, torch::Tensor slots, torch::Tensor block_tables,
                         torch::Tensor seq_lens, torch::Tensor logits_rows) {
     const int64_t M = ids.numel(), R = logits_rows.numel();
@@ -157,6 +158,9 @@ class FusedDecoder {
     auto qkv = torch::empty({M, qkv_w}, bf), q = torch::empty({M, H * D}, bf), attn = torch::empty({M, H * D}, bf);
     auto o = torch::empty({M, hid}, bf), gu = torch::empty({M, 2 * I}, bf), act = torch::empty({M, I}, bf);
     auto down = torch::empty({M, hid}, bf), logits = torch::empty({R, vocab_}, bf);
+    auto logits_f32 = torch::empty({R, vocab_}, torch::TensorOptions().dtype(at::kFloat));
+    const BF16* logits_b = logits.data_ptr<BF16>();
+    float* logits_f = logits_f32.data_ptr<float>();
     std::vector<float> part_ml(S > 1 ? M * S * H * 2 : 0), part_acc(S > 1 ? M * S * H * D : 0);
     BF16* qkv_p = qkv.data_ptr<BF16>();
     BF16* q_p = q.data_ptr<BF16>();
@@ -235,9 +239,16 @@ class FusedDecoder {
       std::vector<BF16> rows(R * hid);  // the rows that need logits
       for (int64_t r = 0; r < R; ++r)
         std::copy(xn.data() + lrows[r] * hid, xn.data() + (lrows[r] + 1) * hid, rows.data() + r * hid);
-      if (R > 0) linear(lm_head_, rows.data(), R, logits.data_ptr<BF16>(), vocab_);
+      if (R > 0) {
+        linear(lm_head_, rows.data(), R, logits.data_ptr<BF16>(), vocab_);
+        // float32 logits of this thread's columns, while they are in its cache (= `.float()`)
+        const auto [t0, t1] = share(lm_head_.w.tiles(), t, n_t);
+        const int64_t c0 = t0 * kTileRows, c1 = std::min(vocab_, t1 * kTileRows);
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t c = c0; c < c1; ++c) logits_f[r * vocab_ + c] = static_cast<float>(logits_b[r * vocab_ + c]);
+      }
     }
-    return logits;
+    return logits_f32;
   }
 
  private:
