@@ -132,22 +132,6 @@ def test_server_serves_an_int4_model(tiny_llama_dir: str) -> None:
         assert out.usage.completion_tokens == 8 and out.choices[0].finish_reason == "length"
 
 
-def test_tied_lm_head_small_batches_read_the_embedding_table_in_place(tiny_qwen2_dir: str) -> None:
-    """bf16, tied embeddings: the packed lm_head keeps the (shared) table for batches of <= 16
-    rows, run by the engine's bf16-weight kernel; its logits equal oneDNN's within bf16 rounding."""
-    from tokenmill.model.layers import linear
-
-    llm = LLM(tiny_qwen2_dir, dtype="bfloat16", kv_cache_memory=0.02)
-    head = _model(llm).lm_head
-    if not isinstance(head, linear.PackedLinear) or head.plain_weight is None:
-        pytest.skip("no oneDNN packing or no AVX512-BF16 kernel here")
-    assert head.plain_weight.data_ptr() == _model(llm).embed_tokens.weight.data_ptr()  # no copy
-    for rows in (1, 5, 16, 17):
-        x = torch.randn(rows, head.in_features).bfloat16()
-        packed = torch.ops.mkldnn._linear_pointwise(x, head.packed_weight, None, "none", [], "")
-        torch.testing.assert_close(head(x).float(), packed.float(), atol=2e-2, rtol=2e-2)
-
-
 def test_converted_folder_stays_a_plain_hf_folder(smollm2_dir: str) -> None:
     """The GGUF blocks live in a subfolder: tools that load every top-level *.safetensors (vLLM,
     transformers) see only the dequantized weights."""
@@ -160,31 +144,3 @@ def test_converted_folder_stays_a_plain_hf_folder(smollm2_dir: str) -> None:
         with safe_open(f, framework="pt") as st:
             assert not any(k.endswith((".qweight", ".scales")) for k in st.keys())
     assert os.path.exists(os.path.join(smollm2_dir, "gguf_blocks", "model.safetensors"))
-
-
-def test_small_models_keep_plain_weights_for_small_batches(tiny_llama_dir: str, monkeypatch) -> None:
-    """bf16: every packed linear of a small model also keeps its plain weight (batches of <= 16
-    rows run the engine's kernel on it); past PLAIN_WEIGHTS_MAX_BYTES or with
-    TOKENMILL_PLAIN_WEIGHTS=0 only a tied lm_head does. Outputs agree within bf16 rounding."""
-    from tokenmill.model.layers import linear
-
-    def packed(llm):
-        return [m for m in _model(llm).modules() if isinstance(m, linear.PackedLinear)]
-
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
-    llm = LLM(tiny_llama_dir, dtype="bfloat16", kv_cache_memory=0.02)
-    layers = packed(llm)
-    if not layers or linear._small_batch_kernel_works() is False:
-        pytest.skip("no oneDNN packing or no AVX512-BF16 kernel here")
-    assert all(m.plain_weight is not None for m in layers)
-    with_plain = llm.generate(["Hello world", "The sky is"], params)
-    monkeypatch.setattr(linear, "PLAIN_WEIGHTS_MAX_BYTES", 1000)
-    tied = LLM(tiny_llama_dir, dtype="bfloat16", kv_cache_memory=0.02)
-    head = _model(tied).lm_head
-    assert all(m.plain_weight is None for m in packed(tied) if m is not head)
-    monkeypatch.setenv("TOKENMILL_PLAIN_WEIGHTS", "1")
-    assert all(m.plain_weight is not None for m in packed(LLM(tiny_llama_dir, dtype="bfloat16", kv_cache_memory=0.02)))
-    for a, b in zip(with_plain, tied.generate(["Hello world", "The sky is"], params)):
-        la = next(iter(a.outputs[0].logprobs[0].values())).logprob
-        lb = next(iter(b.outputs[0].logprobs[0].values())).logprob
-        assert abs(la - lb) < 0.05  # the first token's logprob: same weights, another summation order

@@ -8,8 +8,8 @@ equal the op-by-op model's bit for bit. This is the CPU's counterpart of capturi
 graph on a GPU: it changes how the step is run, not what it computes.
 
 Used for steps whose rows are all decode tokens, at most SMALL_BATCH of them (where the linears
-run the engine's own small-batch kernel anyway), on bf16 models whose linears are plain bf16
-weights or int4 / int8 blocks, with a bf16 KV cache. TOKENMILL_FUSED_DECODE=0 turns it off.
+run the engine's own kernels anyway), on bf16 models whose linears are bf16 panels or int4 /
+int8 blocks, with a bf16 KV cache. TOKENMILL_FUSED_DECODE=0 turns it off.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ logger = logging.getLogger("tokenmill")
 
 def _linear_spec(layer: nn.Module) -> tuple | None:
     """(weight, scales, bits, bias) as the C++ decoder takes it, or None if it cannot run it."""
-    if isinstance(layer, PackedLinear) and layer.plain_weight is not None:
-        return layer.plain_weight, None, 16, layer.bias
+    if isinstance(layer, PackedLinear) and layer.panels is not None:
+        return layer.panels, None, 16, layer.bias
     if isinstance(layer, QuantLinear):
         bias = layer.bias.detach() if layer.bias is not None else None
         return layer.qweight, layer.scales, layer.bits, bias
@@ -59,7 +59,7 @@ class FusedDecode:
                                                      layer.mlp.gate_up_proj, layer.mlp.down_proj)]
             specs = [_linear_spec(p) for p in parts + [model.lm_head]]
             if any(s is None for s in specs):
-                reason = "needs every linear as plain bf16 weights or int4 / int8 blocks"
+                reason = "needs every linear as bf16 panels or int4 / int8 blocks"
         if reason is not None:
             logger.info("fused decode step off: %s", reason)
             return None
@@ -75,7 +75,8 @@ class FusedDecode:
         try:
             decoder = kernels.FusedDecoder(
                 *table, norms, specs, caches, model.rope.cos, model.rope.sin, a0.num_heads, a0.num_kv_heads,
-                a0.head_dim, layers[0].mlp.intermediate, model.norm.eps, block_size, attn.scale,
+                a0.head_dim, layers[0].mlp.intermediate, model.lm_head.out_features, model.norm.eps, block_size,
+                attn.scale,
             )
         except RuntimeError as e:  # a shape or dtype the C++ decoder does not take
             logger.info("fused decode step off: %s", e)

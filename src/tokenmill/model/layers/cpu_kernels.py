@@ -50,8 +50,8 @@ def load():
 
 
 SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("paged_attention.cpp", "paged_prefill.cpp", "quant_linear.cpp", "fused_ops.cpp", "decode_step.cpp",
-                        "bindings.cpp")]
+           for name in ("paged_attention.cpp", "paged_prefill.cpp", "quant_linear.cpp", "panel_linear.cpp", "fused_ops.cpp",
+                        "decode_step.cpp", "bindings.cpp")]
 # Not compiled alone, but part of the build key.
 HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_common.h", "elementwise.h", "linear.h", "paged_decode.h")]
 

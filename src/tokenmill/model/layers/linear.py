@@ -1,4 +1,5 @@
-"""CPU linear layers with weights pre-packed for oneDNN.
+"""CPU linear layers with weights pre-packed: for oneDNN (prompt steps) and in panels for the
+engine's own kernel (decode steps of up to SMALL_BATCH rows).
 
 torch's bfloat16 F.linear re-lays out the weight on every call; packing it once at load time
 (the layout oneDNN's AMX kernels read) is 1.3-2x faster for decode-sized batches and no slower
@@ -19,73 +20,70 @@ logger = logging.getLogger("tokenmill")
 
 _BATCH_HINT = 64  # oneDNN picks the packed layout for this batch size; any size still works
 
-
-SMALL_BATCH = 16  # rows up to which the engine's kernel beats oneDNN's packed GEMM on a plain weight
+# Rows up to which the engine's panel kernel runs a linear instead of oneDNN (it is faster up to
+# ~128 rows on SmolLM2's shapes; past 64 rows a step is a prompt step, where oneDNN's blocking
+# for large batches is the safer choice).
+SMALL_BATCH = 64
 
 
 class PackedLinear(nn.Module):
-    """oneDNN-packed bf16 linear. `plain_weight`: the unpacked weight, when kept (see
-    pack_linears): batches of up to 16 rows then read it in place with the engine's GEMV-style
-    kernel, which streams weights at 23-29 GB/s where oneDNN's packed GEMM reaches ~14 at
-    batch 1 (measured on 2 cores, 30 layers of SmolLM2 shapes); larger batches keep oneDNN."""
+    """oneDNN-packed bf16 linear. `panels` (when kept, see pack_linears): the weight packed in
+    panels of 32 rows for the engine's own kernel (csrc/panel_linear.cpp), which batches of up
+    to SMALL_BATCH rows run: it streams weights ~10-30% faster than a row-by-row GEMV at 1 row and
+    beats oneDNN's packed GEMM at 8-128 rows (2 cores, AVX512-BF16, SmolLM2 shapes)."""
 
-    def __init__(self, linear: nn.Linear, plain_weight: torch.Tensor | None = None):
+    def __init__(self, linear: nn.Linear, panels: torch.Tensor | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         w = linear.weight.detach()
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(w, _BATCH_HINT), persistent=False)
         bias = linear.bias.detach() if linear.bias is not None else None
         self.register_buffer("bias", bias, persistent=False)
-        self.plain_weight = plain_weight  # not a buffer: it belongs to the module that owns it
+        self.panels = panels  # not a buffer: the weight arena owns it (weight_arena.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.plain_weight is not None and x.dim() == 2 and x.shape[0] <= SMALL_BATCH:
-            y = cpu_kernels.load().quant_linear(x, self.plain_weight, _NO_SCALES, 16)
-            return y if self.bias is None else y + self.bias
+        if self.panels is not None and x.dim() == 2 and x.shape[0] <= SMALL_BATCH:
+            return cpu_kernels.load().panel_linear(x, self.panels, self.out_features, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
-_NO_SCALES = torch.empty(0, dtype=torch.float16)
-
-
-# Keep every linear's plain weight too (for the small-batch kernel) while that costs at most
-# this much memory: 1 GiB, models up to ~0.5B parameters. TOKENMILL_PLAIN_WEIGHTS=1 / 0 forces it.
-PLAIN_WEIGHTS_MAX_BYTES = 1 << 30
+# Keep every linear's panels too (for the small-batch kernel) while that costs at most this
+# much memory: 1 GiB, models up to ~0.5B parameters. TOKENMILL_PANEL_WEIGHTS=1 / 0 forces it.
+PANEL_WEIGHTS_MAX_BYTES = 1 << 30
 
 
 def pack_linears(model: nn.Module, dtype: torch.dtype) -> int:
-    """Swap the model's bf16 CPU nn.Linear layers for PackedLinear when oneDNN can run them.
-    A tied lm_head keeps its plain weight (the embedding table, in memory anyway); the other
-    layers keep theirs while all of them together fit PLAIN_WEIGHTS_MAX_BYTES."""
+    """Swap the model's bf16 CPU nn.Linear layers for PackedLinear when oneDNN can run them, each
+    also keeping its weight in panels while all of them together fit PANEL_WEIGHTS_MAX_BYTES."""
     if dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
         return 0
     if not _works():
         return 0
-    embedding_tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     linears = [(parent, name, child) for parent in list(model.modules()) for name, child in parent.named_children()
                if type(child) is nn.Linear and child.weight.device.type == "cpu"]
-    small_batch_kernel = _small_batch_kernel_works()
-    extra = sum(c.weight.numel() * c.weight.element_size() for _, _, c in linears if id(c.weight) not in embedding_tables)
-    forced = os.environ.get("TOKENMILL_PLAIN_WEIGHTS")
-    keep_all = small_batch_kernel and (forced == "1" or (forced != "0" and extra <= PLAIN_WEIGHTS_MAX_BYTES))
+    extra = sum(c.weight.numel() * c.weight.element_size() for _, _, c in linears)
+    forced = os.environ.get("TOKENMILL_PANEL_WEIGHTS")
+    keep = _panel_kernel_works() and (forced == "1" or (forced != "0" and extra <= PANEL_WEIGHTS_MAX_BYTES))
+    kernels = cpu_kernels.load() if keep else None
     for parent, name, child in linears:
-        keep = keep_all or (id(child.weight) in embedding_tables and small_batch_kernel)
-        setattr(parent, name, PackedLinear(child, child.weight.detach() if keep else None))
-    if keep_all:
-        logger.info("bf16 linears: oneDNN-packed, and plain weights kept for batches of <= %d rows (+%.0f MB)",
+        panels = kernels.pack_panels(child.weight.detach()) if keep else None
+        setattr(parent, name, PackedLinear(child, panels))
+    if keep:
+        logger.info("bf16 linears: oneDNN-packed, and in panels for batches of <= %d rows (+%.0f MB)",
                     SMALL_BATCH, extra / 1e6)
     return len(linears)
 
 
-def _small_batch_kernel_works() -> bool:
-    """The engine's bf16-weight kernel needs the C++ kernels built with AVX512-BF16."""
+def _panel_kernel_works() -> bool:
+    """The panel kernel needs the C++ kernels built with AVX512-BF16."""
     kernels = cpu_kernels.load() if cpu_kernels.enabled() else None
     if kernels is None:
         return False
     try:
-        w, x = torch.randn(8, 64).bfloat16(), torch.randn(3, 64).bfloat16()
+        w, x = torch.randn(40, 64).bfloat16(), torch.randn(3, 64).bfloat16()
+        y = kernels.panel_linear(x, kernels.pack_panels(w), 40)
         # The result is rounded to bf16: compare within its relative precision.
-        return torch.allclose(kernels.quant_linear(x, w, _NO_SCALES, 16).float(), x.float() @ w.float().T, rtol=1e-2, atol=1e-2)
+        return torch.allclose(y.float(), x.float() @ w.float().T, rtol=1e-2, atol=1e-2)
     except RuntimeError:  # built without AVX512-BF16
         return False
 

@@ -6,8 +6,8 @@ than the same bytes in one buffer in the order a step reads them, and ~1.2-1.45x
 that buffer on transparent huge pages (2 MiB: a TLB entry covers 512x more, so the stream
 stops for page walks far less often), measured on the fused decode step, 2 cores.
 
-`place_decode_weights` copies the weights the small-batch kernels read (plain bf16 weights and
-int4 / int8 blocks) into such an arena, in execution order, and points the layers at it. Where
+`place_decode_weights` copies the weights the small-batch kernels read (bf16 panels and int4 /
+int8 blocks) into such an arena, in execution order, and points the layers at it. Where
 the kernel does not do huge pages (transparent_hugepage "never", not Linux), the arena is still
 one buffer in execution order.
 """
@@ -47,12 +47,10 @@ def _decode_tensors(model: nn.Module) -> list[tuple[nn.Module, str]]:
     from tokenmill.model.layers.quantization import QuantEmbedding, QuantLinear
 
     def of(m: nn.Module) -> list[tuple[nn.Module, str]]:
-        if isinstance(m, PackedLinear) and m.plain_weight is not None:
-            return [(m, "plain_weight")]
-        if isinstance(m, (QuantLinear, QuantEmbedding)):
+        if isinstance(m, PackedLinear) and m.panels is not None:
+            return [(m, "panels")]
+        if isinstance(m, (QuantLinear, QuantEmbedding)):  # a quantized table is a tied lm_head's
             return [(m, "qweight"), (m, "scales")]
-        if isinstance(m, nn.Embedding):
-            return [(m, "weight")]
         return []
 
     order: list[nn.Module] = []
@@ -64,10 +62,10 @@ def _decode_tensors(model: nn.Module) -> list[tuple[nn.Module, str]]:
 
 def place_decode_weights(model: nn.Module) -> int:
     """Move the weights small-batch steps stream into one huge-page arena, in the order a step
-    reads them (a tied embedding table once, shared as before). Returns the bytes moved."""
+    reads them (a tied quantized table once, shared as before). Returns the bytes moved."""
     slots = _decode_tensors(model)
-    # Keyed by storage, not by tensor object: a tied lm_head's plain weight is a detached alias
-    # of the embedding table, and stays one (shared) copy.
+    # Keyed by storage, not by tensor object: a tied quantized table is shared by the embedding
+    # and the lm_head, and stays one copy.
     unique: dict[tuple, torch.Tensor] = {}
     for m, name in slots:
         t = getattr(m, name)
@@ -90,10 +88,7 @@ def place_decode_weights(model: nn.Module) -> int:
         view = moved.get(_key(t))
         if view is None:
             continue
-        if isinstance(t, nn.Parameter):  # an embedding table: the parameter now wraps the arena
-            t.data = view
-        else:
-            setattr(m, name, view)
+        setattr(m, name, view)
     return total
 
 

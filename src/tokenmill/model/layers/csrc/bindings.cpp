@@ -15,6 +15,10 @@ torch::Tensor rope_and_cache(torch::Tensor qkv, torch::Tensor positions, torch::
                              torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping,
                              int64_t num_heads, int64_t num_kv_heads);
 
+// panel_linear.cpp
+torch::Tensor pack_panels(torch::Tensor weight);
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias);
+
 // paged_prefill.cpp
 torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
                             int64_t context_len, int64_t block_size, double scale,
@@ -42,7 +46,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_and_cache", &rope_and_cache, "rotary embedding of q and k, k and v written to the paged cache; "
         "returns q", py::arg("qkv"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("slot_mapping"), py::arg("num_heads"), py::arg("num_kv_heads"));
-  m.def("quant_linear", &quant_linear, "weight-only int4/int8 linear (groups of 32), or bf16 weights (bits 16)");
+  m.def("quant_linear", &quant_linear, "weight-only int4/int8 linear (groups of 32)");
+  m.def("pack_panels", &pack_panels, "a bf16 [N, K] weight packed in panels of 32 rows for panel_linear");
+  m.def("panel_linear", &panel_linear, "bf16 linear on panel-packed weights (small and medium batches)",
+        py::arg("x"), py::arg("panels"), py::arg("out_features"), py::arg("bias") = py::none());
   m.def("dequantize_weight", &dequantize_weight, "an int4/int8 weight, dequantized (for large batches)");
   m.def("quant_embedding", &quant_embedding, "rows of an int4/int8 table, dequantized");
   bind_fused_decoder(m);

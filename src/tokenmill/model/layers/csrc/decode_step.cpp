@@ -16,7 +16,7 @@
 // on its own copy of the residual stream (cheaper than a barrier). Every stage calls the same
 // row / tile kernels as the separate ops (linear.h, elementwise.h, paged_decode.h) and splits
 // its work the same way, so logits equal the unfused model's bit for bit. bfloat16 activations,
-// plain bf16 or int4 / int8 weights, a bf16 KV cache.
+// bf16 weights in panels or int4 / int8 weights, a bf16 KV cache.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -47,8 +47,13 @@ struct Linear {
 
 Linear make_linear(const LinearSpec& spec, int64_t in_features, int64_t out_features, const char* name) {
   const auto& [weight, scales, bits, bias] = spec;
-  TORCH_CHECK(weight.is_contiguous() && weight.dim() == 2 && weight.size(0) == out_features, name,
-              ": a contiguous [out, in] weight");
+  if (bits == 16 && weight.dim() == 4) {  // panels
+    TORCH_CHECK(weight.is_contiguous() && weight.size(0) * kPanelRows >= out_features && weight.size(1) * 2 == in_features &&
+                    weight.size(2) == kPanelRows, name, ": bf16 panels [ceil(out / 32), in / 2, 32, 2]");
+  } else {
+    TORCH_CHECK(weight.is_contiguous() && weight.dim() == 2 && weight.size(0) == out_features, name,
+                ": a contiguous [out, in] weight");
+  }
   TORCH_CHECK(in_features % kGroup == 0, name, ": in_features must be a multiple of 32");
   Linear lin;
   lin.w.bits = static_cast<int>(bits);
@@ -57,7 +62,7 @@ Linear make_linear(const LinearSpec& spec, int64_t in_features, int64_t out_feat
   lin.w.K = in_features;
   lin.keep.push_back(weight);
   if (bits == 16) {
-    TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.size(1) == in_features, name, ": bf16 weight");
+    TORCH_CHECK(weight.scalar_type() == at::kBFloat16, name, ": bf16 weight");
   } else {
     TORCH_CHECK(bits == 4 || bits == 8, name, ": bits must be 4, 8 or 16");
     TORCH_CHECK(scales.has_value() && scales->scalar_type() == at::kHalf && scales->is_contiguous() &&
@@ -89,7 +94,7 @@ class FusedDecoder {
   FusedDecoder(torch::Tensor embed, c10::optional<torch::Tensor> embed_scales, int64_t embed_bits,
                std::vector<torch::Tensor> norms, std::vector<LinearSpec> linears, std::vector<torch::Tensor> kv_caches,
                torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t kv_heads, int64_t head_dim,
-               int64_t intermediate, double eps, int64_t block_size, double scale)
+               int64_t intermediate, int64_t vocab_size, double eps, int64_t block_size, double scale)
       : norms_(std::move(norms)), kv_caches_(std::move(kv_caches)), cos_(cos), sin_(sin), heads_(heads),
         kv_heads_(kv_heads), head_dim_(head_dim), inter_(intermediate), eps_(static_cast<float>(eps)),
         block_size_(block_size), scale_(static_cast<float>(scale)) {
@@ -98,11 +103,11 @@ class FusedDecoder {
                     static_cast<int64_t>(linears.size()) == 4 * layers_ + 1,
                 "FusedDecoder: 2 norms and 4 linears per layer, then the final norm and the LM head");
     hidden_ = norms_[0].numel();
-    vocab_ = std::get<0>(linears.back()).size(0);
+    vocab_ = vocab_size;
     TORCH_CHECK(heads % kv_heads == 0 && (head_dim == 64 || head_dim == 128 || head_dim == 16 || head_dim == 32 ||
                                           head_dim == 80 || head_dim == 96 || head_dim == 256),
                 "FusedDecoder: unsupported heads / head_dim");
-    TORCH_CHECK(intermediate % kTileRows == 0, "FusedDecoder: intermediate size must be a multiple of 4");
+    TORCH_CHECK(intermediate % kPanelRows == 0, "FusedDecoder: intermediate size must be a multiple of 32");
     for (const auto& n : norms_)
       TORCH_CHECK(n.scalar_type() == at::kBFloat16 && n.is_contiguous() && n.numel() == hidden_, "FusedDecoder: norms");
     for (const auto& c : kv_caches_)
@@ -122,6 +127,9 @@ class FusedDecoder {
     embed_rows_ = embed.size(0);
     const LinearSpec table{embed, embed_scales, embed_bits, c10::nullopt};
     embed_ = make_linear(table, hidden_, embed_rows_, "embed_tokens");
+    TORCH_CHECK(embed_bits != 16 || embed.dim() == 2, "FusedDecoder: a plain [rows, hidden] bf16 embedding table");
+    for (const auto& l : linears)
+      TORCH_CHECK(std::get<2>(l) != 16 || std::get<0>(l).dim() == 4, "FusedDecoder: bf16 linears must be panels");
   }
 
   // One decode step for M rows: token ids, positions, KV slots [M] (int64), block tables
@@ -179,8 +187,8 @@ class FusedDecoder {
       std::vector<BF16> resid(M * hid), xn(M * hid);
       for (int64_t m = 0; m < M; ++m) embedding_row(embed_.w, id[m], resid.data() + m * hid);
       auto linear = [&](const Linear& lin, const BF16* x, int64_t rows, BF16* out, int64_t ldo) {
-        const auto [t0, t1] = share(lin.w.tiles(), t, n_t);
-        linear_tiles(x, rows, lin.w, t0, t1, out, ldo, lin.bias);
+        const auto [u0, u1] = share(lin.w.units(), t, n_t);
+        linear_units(x, rows, lin.w, u0, u1, out, ldo, lin.bias);
       };
       for (int64_t l = 0; l < layers_; ++l) {
         const BF16* in_norm = norms_[2 * l].data_ptr<BF16>();
@@ -218,14 +226,14 @@ class FusedDecoder {
         for (int64_t m = 0; m < M; ++m)
           add_rms_norm_row(o_p + m * hid, resid.data() + m * hid, post_norm, xn.data() + m * hid, hid, eps_);
         {
-          // gate rows and the matching up rows (one tile grid: I is a multiple of 4), then silu(gate) * up
-          // on the same columns.
+          // gate rows and the matching up rows (one grid of units: I is a multiple of 32), then
+          // silu(gate) * up on the same columns.
           const Linear& gl = gate_up_[l];
-          const int64_t half_tiles = I / kTileRows;
-          const auto [t0, t1] = share(half_tiles, t, n_t);
-          linear_tiles(xn.data(), M, gl.w, t0, t1, gu_p, 2 * I, gl.bias);
-          linear_tiles(xn.data(), M, gl.w, half_tiles + t0, half_tiles + t1, gu_p, 2 * I, gl.bias);
-          const int64_t c0 = t0 * kTileRows, c1 = t1 * kTileRows;
+          const int64_t rows_per = gl.w.unit_rows(), half = I / rows_per;
+          const auto [u0, u1] = share(half, t, n_t);
+          linear_units(xn.data(), M, gl.w, u0, u1, gu_p, 2 * I, gl.bias);
+          linear_units(xn.data(), M, gl.w, half + u0, half + u1, gu_p, 2 * I, gl.bias);
+          const int64_t c0 = u0 * rows_per, c1 = u1 * rows_per;
           for (int64_t m = 0; m < M; ++m)
             silu_mul_row(gu_p + m * 2 * I + c0, gu_p + m * 2 * I + I + c0, act_p + m * I + c0, c1 - c0);
         }
@@ -242,8 +250,8 @@ class FusedDecoder {
       if (R > 0) {
         linear(lm_head_, rows.data(), R, logits.data_ptr<BF16>(), vocab_);
         // float32 logits of this thread's columns, while they are in its cache (= `.float()`)
-        const auto [t0, t1] = share(lm_head_.w.tiles(), t, n_t);
-        const int64_t c0 = t0 * kTileRows, c1 = std::min(vocab_, t1 * kTileRows);
+        const auto [u0, u1] = share(lm_head_.w.units(), t, n_t);
+        const int64_t c0 = u0 * lm_head_.w.unit_rows(), c1 = std::min(vocab_, u1 * lm_head_.w.unit_rows());
         for (int64_t r = 0; r < R; ++r)
           for (int64_t c = c0; c < c1; ++c) logits_f[r * vocab_ + c] = static_cast<float>(logits_b[r * vocab_ + c]);
       }
@@ -268,10 +276,11 @@ void bind_fused_decoder(pybind11::module_& m) {
   py::class_<FusedDecoder>(m, "FusedDecoder", "A whole decode step of a Llama-family model in one parallel region")
       .def(py::init<torch::Tensor, c10::optional<torch::Tensor>, int64_t, std::vector<torch::Tensor>,
                     std::vector<LinearSpec>, std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, int64_t,
-                    int64_t, int64_t, int64_t, double, int64_t, double>(),
+                    int64_t, int64_t, int64_t, int64_t, double, int64_t, double>(),
            py::arg("embed"), py::arg("embed_scales"), py::arg("embed_bits"), py::arg("norms"), py::arg("linears"),
            py::arg("kv_caches"), py::arg("cos"), py::arg("sin"), py::arg("heads"), py::arg("kv_heads"),
-           py::arg("head_dim"), py::arg("intermediate"), py::arg("eps"), py::arg("block_size"), py::arg("scale"))
+           py::arg("head_dim"), py::arg("intermediate"), py::arg("vocab_size"), py::arg("eps"), py::arg("block_size"),
+           py::arg("scale"))
       .def("forward", &FusedDecoder::forward, py::arg("ids"), py::arg("positions"), py::arg("slots"),
            py::arg("block_tables"), py::arg("seq_lens"), py::arg("logits_rows"),
            py::call_guard<py::gil_scoped_release>());

@@ -1,6 +1,6 @@
-// The engine's small-batch linear kernel, shared by the quant_linear op (one call, ATen's thread
-// pool) and the fused decode step (each thread of one parallel region computing its own tiles).
-// Both split the output rows into the same tiles and compute each output alike, so the two
+// The engine's small-batch linear kernels, shared by the ops (one call on ATen's thread pool)
+// and the fused decode step (each thread of one parallel region computing its own units).
+// Both split the output rows into the same units and compute each output alike, so the two
 // paths give the same numbers bit for bit.
 #pragma once
 
@@ -10,28 +10,43 @@
 
 namespace tm_cpu {
 
-constexpr int kGroup = 32;     // quantization group: inputs sharing one scale
-constexpr int kTileRows = 4;   // output rows per tile; threads take whole tiles
+constexpr int kGroup = 32;      // quantization group: inputs sharing one scale
+constexpr int kTileRows = 4;    // int4 / int8: output rows per tile (a unit of work)
+constexpr int kPanelRows = 32;  // bf16: output rows per panel (a unit of work)
 
-// A linear layer's weight: plain bf16 [N, K] (bits 16), or int8 [N, K] / int4 [N, K / 2] in
-// groups of 32 with float16 scales (see quant_linear.cpp).
+// A linear layer's weight: bf16 packed in panels (bits 16, panel_linear.cpp), or int8 [N, K] /
+// int4 [N, K / 2] in groups of 32 with float16 scales (bits 8 / 4, quant_linear.cpp).
 struct LinearWeights {
   int bits = 16;
   const void* data = nullptr;
   const at::Half* scales = nullptr;  // null for bits 16
   int64_t N = 0, K = 0;
-  int64_t tiles() const { return (N + kTileRows - 1) / kTileRows; }
+  int64_t unit_rows() const { return bits == 16 ? kPanelRows : kTileRows; }
+  int64_t units() const { return (N + unit_rows() - 1) / unit_rows(); }
 };
 
-// out[m * ldo + n] = x[m] . w[n] (+ bias[n], rounded as `y + bias` is) for the M input rows
-// (K apart) and the output rows n of tiles [t0, t1). XT / OT: float or c10::BFloat16 (bits 16
-// needs bf16 inputs and AVX512-BF16).
+// Quantized weights: out[m * ldo + n] = x[m] . w[n] (+ bias[n], rounded as `y + bias` is) for
+// the M input rows (K apart) and the output rows n of tiles [t0, t1). XT / OT: float or
+// c10::BFloat16 (bf16 inputs need AVX512-BF16).
 template <typename XT, typename OT>
 void linear_tiles(const XT* x, int64_t M, const LinearWeights& w, int64_t t0, int64_t t1, OT* out, int64_t ldo,
                   const OT* bias = nullptr);
 
-// Row `id` of an embedding table in the same form (bits 16: a bf16 copy; 4 / 8: dequantized
-// in float32, then rounded to T, as quant_embedding(...).to(dtype) is).
+#if defined(__AVX512BF16__)
+// bf16 panels: the same for the output rows of panels [p0, p1).
+void panel_units(const c10::BFloat16* x, int64_t M, const LinearWeights& w, int64_t p0, int64_t p1,
+                 c10::BFloat16* out, int64_t ldo, const c10::BFloat16* bias);
+
+// Either kind, bf16 activations: units [u0, u1) of w.units().
+inline void linear_units(const c10::BFloat16* x, int64_t M, const LinearWeights& w, int64_t u0, int64_t u1,
+                         c10::BFloat16* out, int64_t ldo, const c10::BFloat16* bias) {
+  if (w.bits == 16) panel_units(x, M, w, u0, u1, out, ldo, bias);
+  else linear_tiles(x, M, w, u0, u1, out, ldo, bias);
+}
+#endif
+
+// Row `id` of an embedding table: bits 16 a plain bf16 [rows, K] table (copied), 4 / 8
+// quantized (dequantized in float32, then rounded to T, as quant_embedding(...).to(dtype) is).
 template <typename T>
 void embedding_row(const LinearWeights& table, int64_t id, T* out);
 

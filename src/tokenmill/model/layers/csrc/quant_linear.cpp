@@ -8,8 +8,8 @@
 // Each thread takes a range of 4-row tiles of the output (linear.h); it dequantizes a tile's rows
 // into a small buffer (L1-resident) and multiplies every input row by them, so a weight is read
 // from memory once per call whatever the batch size. The dot products run on AVX-512 (bf16 pairs
-// with vdpbf16ps where the CPU has it), with a portable scalar path elsewhere. Plain bf16
-// weights (bits 16: small batches of an unquantized model) are read in place, row after row.
+// with vdpbf16ps where the CPU has it), with a portable scalar path elsewhere. (bf16 weights:
+// panel_linear.cpp.)
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -29,7 +29,6 @@ namespace {
 using namespace tm_cpu;
 
 constexpr int kRows = kTileRows;  // weight rows dequantized and multiplied together
-constexpr int kStreamRows = 2;  // bf16 weights: up to this many input rows, rows_bf16 (else 4 x 4 tiles)
 constexpr int kBatch = 4;  // input rows per micro-tile
 
 inline float half_to_f(at::Half h) {
@@ -132,17 +131,13 @@ void dequant_row_bf16(const uint8_t* q, const at::Half* s, c10::BFloat16* w, int
 }
 
 // out[m][n] = sum_k x[m][k] * w[n][k] for MB input rows and NB weight rows, bf16 pairs.
-// `next` (or null): rows to prefetch into L2 meanwhile, one cache line per row per step (a
-// steady trickle keeps the memory pipeline busy; a burst would not).
 template <int MB, int NB>
 inline void tile_bf16(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* w, int64_t ldw, int64_t K,
-                      float* out, int64_t ldo, const c10::BFloat16* next = nullptr) {
+                      float* out, int64_t ldo) {
   __m512 acc[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 32) {
-    if (next != nullptr)
-      for (int j = 0; j < kRows; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + j * ldw + k), _MM_HINT_T1);
     __m512bh wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + j * ldw + k));
     for (int i = 0; i < MB; ++i) {
@@ -207,51 +202,42 @@ inline void store(float v, T* dst, const T* bias) {
   }
 }
 
-// Tiles [t0, t1), several input rows: each tile's rows dequantized into an L1-resident buffer
-// (WT: bf16 with vdpbf16ps, else float; plain bf16 weights are read in place, the next tile
-// prefetched), then multiplied by every input row in 4 x 4 register tiles.
+// Tiles [t0, t1): each tile's rows dequantized into an L1-resident buffer (WT: bf16 with
+// vdpbf16ps, else float), then multiplied by every input row in 4 x 4 register tiles.
 template <int BITS, typename WT, typename XT, typename OT>
 void tiles_4x4(const XT* x, int64_t M, const LinearWeights& lw, int64_t t0, int64_t t1, OT* out, int64_t ldo,
                const OT* bias) {
-  static_assert(BITS != 16 || std::is_same_v<WT, c10::BFloat16>, "bf16 weights need the bf16 tile");
   const int64_t N = lw.N, K = lw.K;
   const uint8_t* qw = static_cast<const uint8_t*>(lw.data);
   const at::Half* sc = lw.scales;
   const int64_t row_bytes = BITS == 4 ? K / 2 : K;
   const int64_t row_scales = BITS == 4 ? 2 * K / kGroup : K / kGroup;
   thread_local std::vector<WT> buf;
-  if constexpr (BITS != 16) buf.resize(kRows * K);
+  buf.resize(kRows * K);
   alignas(64) float acc[kBatch * kRows];
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t n0 = t * kRows;
     const int nb = static_cast<int>(std::min<int64_t>(kRows, N - n0));
     const WT* w = buf.data();  // this tile's weight rows, dequantized
-    const WT* next = nullptr;
-    if constexpr (BITS == 16) {
-      w = reinterpret_cast<const WT*>(qw) + n0 * K;
-      next = t + 1 < t1 ? w + kRows * K : nullptr;
-    } else {
-      for (int j = 0; j < nb; ++j) {
-        const uint8_t* q = qw + (n0 + j) * row_bytes;
-        const at::Half* s = sc + (n0 + j) * row_scales;
+    for (int j = 0; j < nb; ++j) {
+      const uint8_t* q = qw + (n0 + j) * row_bytes;
+      const at::Half* s = sc + (n0 + j) * row_scales;
 #if defined(__AVX512BF16__)
-        if constexpr (std::is_same_v<WT, c10::BFloat16>) {
-          const bool more = t + 1 < t1;
-          dequant_row_bf16<BITS>(q, s, buf.data() + j * K, K, more ? q + kRows * row_bytes : nullptr,
-                                 more ? s + kRows * row_scales : nullptr);
-          continue;
-        }
-#endif
-        if constexpr (std::is_same_v<WT, float>) dequant_row_f32<BITS>(q, s, buf.data() + j * K, K);
+      if constexpr (std::is_same_v<WT, c10::BFloat16>) {
+        const bool more = t + 1 < t1;
+        dequant_row_bf16<BITS>(q, s, buf.data() + j * K, K, more ? q + kRows * row_bytes : nullptr,
+                               more ? s + kRows * row_scales : nullptr);
+        continue;
       }
+#endif
+      if constexpr (std::is_same_v<WT, float>) dequant_row_f32<BITS>(q, s, buf.data() + j * K, K);
     }
     for (int64_t m0 = 0; m0 < M; m0 += kBatch) {
       const int mb = static_cast<int>(std::min<int64_t>(kBatch, M - m0));
       dispatch_tile(mb, nb, [&](auto MB, auto NB) {
 #if defined(__AVX512BF16__)
         if constexpr (std::is_same_v<WT, c10::BFloat16>) {
-          tile_bf16<decltype(MB)::value, decltype(NB)::value>(x + m0 * K, K, w, K, K, acc, kRows,
-                                                              m0 == 0 ? next : nullptr);
+          tile_bf16<decltype(MB)::value, decltype(NB)::value>(x + m0 * K, K, w, K, K, acc, kRows);
           return;
         }
 #endif
@@ -266,55 +252,6 @@ void tiles_4x4(const XT* x, int64_t M, const LinearWeights& lw, int64_t t0, int6
   }
 }
 
-#if defined(__AVX512BF16__)
-// sums[m] = x[m] . w for MB input rows (ldx apart) and one bf16 weight row of K (a multiple of
-// 32): two accumulators per input row (alternate 32-element chunks), then one horizontal sum.
-template <int MB>
-inline void dot_rows_bf16(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* w, int64_t K, float* sums) {
-  __m512 a[MB][2];
-  for (int m = 0; m < MB; ++m) a[m][0] = a[m][1] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 64 <= K; k += 64) {
-    const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + k));
-    const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + k + 32));
-    for (int m = 0; m < MB; ++m) {
-      a[m][0] = _mm512_dpbf16_ps(a[m][0], reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + m * ldx + k)), w0);
-      a[m][1] = _mm512_dpbf16_ps(a[m][1], reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + m * ldx + k + 32)), w1);
-    }
-  }
-  if (k < K) {
-    const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + k));
-    for (int m = 0; m < MB; ++m)
-      a[m][0] = _mm512_dpbf16_ps(a[m][0], reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + m * ldx + k)), w0);
-  }
-  for (int m = 0; m < MB; ++m) sums[m] = _mm512_reduce_add_ps(_mm512_add_ps(a[m][0], a[m][1]));
-}
-
-// Plain bf16 weights and 1-2 input rows (bandwidth-bound), tiles [t0, t1): one weight row after
-// another, front to back (a single linear stream that the hardware prefetcher follows at full
-// bandwidth; the 4 x 4 tiles' four interleaved rows, even software-prefetched, measured ~25%
-// slower at one input row), each multiplied by the input rows while in L1.
-template <typename OT>
-void rows_bf16(const c10::BFloat16* x, int64_t M, const LinearWeights& lw, int64_t t0, int64_t t1, OT* out,
-                 int64_t ldo, const OT* bias) {
-  const int64_t K = lw.K, n1 = std::min(lw.N, t1 * kRows);
-  const c10::BFloat16* W = static_cast<const c10::BFloat16*>(lw.data);
-  alignas(64) float sums[kBatch];
-  for (int64_t n = t0 * kRows; n < n1; ++n) {
-    const c10::BFloat16* wr = W + n * K;
-    for (int64_t m0 = 0; m0 < M; m0 += kBatch) {
-      const int mb = static_cast<int>(std::min<int64_t>(kBatch, M - m0));
-      switch (mb) {
-        case 1: dot_rows_bf16<1>(x + m0 * K, K, wr, K, sums); break;
-        case 2: dot_rows_bf16<2>(x + m0 * K, K, wr, K, sums); break;
-        case 3: dot_rows_bf16<3>(x + m0 * K, K, wr, K, sums); break;
-        default: dot_rows_bf16<4>(x + m0 * K, K, wr, K, sums); break;
-      }
-      for (int i = 0; i < mb; ++i) store(sums[i], out + (m0 + i) * ldo + n, bias == nullptr ? nullptr : bias + n);
-    }
-  }
-}
-#endif
 
 }  // namespace
 
@@ -324,16 +261,6 @@ template <typename XT, typename OT>
 void linear_tiles(const XT* x, int64_t M, const LinearWeights& w, int64_t t0, int64_t t1, OT* out, int64_t ldo,
                   const OT* bias) {
   if (M == 0 || t0 >= t1) return;
-  if (w.bits == 16) {
-#if defined(__AVX512BF16__)
-    if constexpr (std::is_same_v<XT, c10::BFloat16>) {
-      if (M <= kStreamRows) rows_bf16<OT>(x, M, w, t0, t1, out, ldo, bias);
-      else tiles_4x4<16, c10::BFloat16>(x, M, w, t0, t1, out, ldo, bias);
-      return;
-    }
-#endif
-    TORCH_CHECK(false, "linear bits=16 needs bfloat16 inputs and AVX512-BF16");
-  }
   auto run = [&](auto bits_c) {
     constexpr int B = decltype(bits_c)::value;
 #if defined(__AVX512BF16__)
@@ -387,30 +314,15 @@ namespace {
 // small layers are not over-split.
 template <typename XT, typename OT>
 void linear_op(const XT* x, int64_t M, const LinearWeights& w, OT* out) {
-  at::parallel_for(0, w.tiles(), 8, [&](int64_t begin, int64_t end) { linear_tiles(x, M, w, begin, end, out, w.N); });
+  at::parallel_for(0, w.units(), 8, [&](int64_t begin, int64_t end) { linear_tiles(x, M, w, begin, end, out, w.N); });
 }
-
 
 }  // namespace
 
 // x: [M, K] float32 or bfloat16; qweight: uint8 [N, K/2] (bits 4) or int8 [N, K] (bits 8);
 // scales: float16 [N, K/32, 2] (d, m) for bits 4, [N, K/32] (d) for bits 8. Returns [M, N] in x's dtype.
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, int64_t bits) {
-  if (bits == 16) {  // plain bf16 weights [N, K] (scales unused)
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && qweight.scalar_type() == at::kBFloat16 &&
-                qweight.is_contiguous() && qweight.size(1) == x.size(1) && x.size(1) % kGroup == 0,
-                "quant_linear bits=16: bf16 x [M, K] and weight [N, K], K a multiple of 32");
-#if defined(__AVX512BF16__)
-    auto xc = x.contiguous();
-    auto out = torch::empty({x.size(0), qweight.size(0)}, x.options());
-    const LinearWeights w{16, qweight.data_ptr(), nullptr, qweight.size(0), x.size(1)};
-    linear_op(xc.data_ptr<c10::BFloat16>(), x.size(0), w, out.data_ptr<c10::BFloat16>());
-    return out;
-#else
-    TORCH_CHECK(false, "quant_linear bits=16 needs AVX512-BF16");
-#endif
-  }
-  TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4, 8 or 16");
+  TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8");
   TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && qweight.is_contiguous() && scales.is_contiguous(),
               "quant_linear: x [M, K], contiguous weights");
   TORCH_CHECK(scales.scalar_type() == at::kHalf, "quant_linear: float16 scales");

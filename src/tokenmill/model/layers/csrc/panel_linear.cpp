@@ -1,0 +1,143 @@
+// bf16 linear layers for small and medium batches (decode steps), on weights packed in panels.
+//
+// A panel is 32 output rows of the weight, stored as [K/2][32][2]: for each pair of inputs
+// (k, k+1), the 32 rows' two weights side by side: one 64-byte zmm of vdpbf16ps operands. The
+// kernel keeps MB x 2 accumulators of 16 outputs each and, per input pair, loads the panel's
+// two zmm once, broadcasts each input row's pair and issues 2 * MB vdpbf16ps: no horizontal
+// sums, every weight byte read once per call, a thread's panels one sequential stream.
+// Measured on SmolLM2's shapes (2 cores, AVX512-BF16): at 1 row it streams the weights ~10-30%
+// faster than a row-by-row GEMV, and at 8-128 rows it beats oneDNN's packed GEMM (e.g. 32 rows
+// 304-371 GFLOP/s vs 214-329).
+//
+// Each output sums its products in one float32 accumulator over the input pairs in order, so
+// the result does not depend on the batch size or on how panels are shared out among threads.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+
+#include "linear.h"
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+namespace {
+
+using namespace tm_cpu;
+using BF16 = c10::BFloat16;
+
+constexpr int kMaxRows = 8;  // input rows per register tile (2 x 8 accumulators)
+
+// 16 floats -> 16 bf16 (round to nearest even), as c10::BFloat16(float) rounds.
+inline __m256i to_bf16(__m512 v) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)); }
+inline __m512 from_bf16(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
+
+// out[m][0..ncols) = x[m] . panel rows (+ bias, rounded as `y + bias` is) for MB input rows.
+template <int MB>
+inline void panel_tile(const BF16* x, int64_t ldx, const BF16* panel, int64_t K, BF16* out, int64_t ldo, int ncols,
+                       const BF16* bias) {
+  __m512 acc[MB][2];
+  for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  const int32_t* xp = reinterpret_cast<const int32_t*>(x);  // input pairs
+  const int64_t ldp = ldx / 2;
+  const BF16* w = panel;
+  for (int64_t kp = 0; kp < K / 2; ++kp, w += 2 * kPanelRows) {
+    const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w));
+    const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + 32));
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) {
+      const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(xp[m * ldp + kp]));
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xb, w0);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xb, w1);
+    }
+  }
+  const __mmask16 lo_mask = ncols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
+  const __mmask16 hi_mask = ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0 : static_cast<__mmask16>((1u << (ncols - 16)) - 1);
+  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+  if (bias != nullptr) {
+    b0 = from_bf16(_mm256_maskz_loadu_epi16(lo_mask, bias));
+    b1 = from_bf16(_mm256_maskz_loadu_epi16(hi_mask, bias + 16));
+  }
+  for (int m = 0; m < MB; ++m) {
+    __m256i lo = to_bf16(acc[m][0]), hi = to_bf16(acc[m][1]);
+    if (bias != nullptr) {
+      lo = to_bf16(_mm512_add_ps(from_bf16(lo), b0));
+      hi = to_bf16(_mm512_add_ps(from_bf16(hi), b1));
+    }
+    _mm256_mask_storeu_epi16(out + m * ldo, lo_mask, lo);
+    _mm256_mask_storeu_epi16(out + m * ldo + 16, hi_mask, hi);
+  }
+}
+
+}  // namespace
+
+namespace tm_cpu {
+
+void panel_units(const BF16* x, int64_t M, const LinearWeights& w, int64_t p0, int64_t p1, BF16* out, int64_t ldo,
+                 const BF16* bias) {
+  const int64_t K = w.K;
+  const BF16* packed = static_cast<const BF16*>(w.data);
+  for (int64_t p = p0; p < p1; ++p) {
+    const BF16* panel = packed + p * K * kPanelRows;
+    const int64_t n0 = p * kPanelRows;
+    const int nc = static_cast<int>(std::min<int64_t>(kPanelRows, w.N - n0));
+    const BF16* pb = bias == nullptr ? nullptr : bias + n0;
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+      const int mb = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
+      const BF16* xm = x + m0 * K;
+      BF16* o = out + m0 * ldo + n0;
+      switch (mb) {
+#define TM_CASE(R) \
+  case R: panel_tile<R>(xm, K, panel, K, o, ldo, nc, pb); break;
+        TM_CASE(1) TM_CASE(2) TM_CASE(3) TM_CASE(4) TM_CASE(5) TM_CASE(6) TM_CASE(7) TM_CASE(8)
+#undef TM_CASE
+      }
+    }
+  }
+}
+
+}  // namespace tm_cpu
+
+#endif  // __AVX512BF16__
+
+// weight [N, K] bf16 -> panels [ceil(N / 32), K / 2, 32, 2] (rows past N zero).
+torch::Tensor pack_panels(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.size(1) % 2 == 0,
+              "pack_panels: a bf16 [N, K] weight, K even");
+  const auto w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), P = (N + tm_cpu::kPanelRows - 1) / tm_cpu::kPanelRows;
+  auto out = torch::zeros({P, K / 2, tm_cpu::kPanelRows, 2}, w.options());
+  const int32_t* src = reinterpret_cast<const int32_t*>(w.data_ptr());  // (k, k+1) pairs
+  int32_t* dst = reinterpret_cast<int32_t*>(out.data_ptr());
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t c = 0; c < tm_cpu::kPanelRows && p * tm_cpu::kPanelRows + c < N; ++c) {
+        const int32_t* row = src + (p * tm_cpu::kPanelRows + c) * (K / 2);
+        int32_t* col = dst + p * (K / 2) * tm_cpu::kPanelRows + c;
+        for (int64_t kp = 0; kp < K / 2; ++kp) col[kp * tm_cpu::kPanelRows] = row[kp];
+      }
+  });
+  return out;
+}
+
+// x [M, K] bf16 @ (panels of an [N, K] weight)^T (+ bias [N]) -> [M, N] bf16.
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && panels.scalar_type() == at::kBFloat16 &&
+                  panels.is_contiguous() && panels.dim() == 4 && panels.size(2) == tm_cpu::kPanelRows &&
+                  panels.size(1) * 2 == x.size(1) && panels.size(0) * tm_cpu::kPanelRows >= N,
+              "panel_linear: bf16 x [M, K] and panels [ceil(N / 32), K / 2, 32, 2]");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == N),
+              "panel_linear: bias must be bf16 [N]");
+#if defined(__AVX512BF16__)
+  const auto xc = x.contiguous();
+  auto out = torch::empty({x.size(0), N}, x.options());
+  const tm_cpu::LinearWeights w{16, panels.data_ptr(), nullptr, N, x.size(1)};
+  const c10::BFloat16* b = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
+  at::parallel_for(0, w.units(), 1, [&](int64_t p0, int64_t p1) {
+    tm_cpu::panel_units(xc.data_ptr<c10::BFloat16>(), x.size(0), w, p0, p1, out.data_ptr<c10::BFloat16>(), N, b);
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "panel_linear needs AVX512-BF16");
+#endif
+}
