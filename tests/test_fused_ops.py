@@ -89,3 +89,17 @@ def test_silu_and_mul_matches_torch(kernels, dtype, rows, inter):
         torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1.6e-2)
     else:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 49152), (5, 37), (33, 1000)])
+def test_argmax_rows_matches_torch_max(kernels, rows, vocab):
+    """Greedy sampling's argmax: torch's first-max tie rule, tails shorter than a vector, rows
+    whose logits are all equal or -inf but one (a grammar mask)."""
+    torch.manual_seed(rows)
+    x = torch.randn(rows, vocab)
+    x[0, vocab // 2] = x[0, vocab - 1] = x[0].max() + 1  # a tie: the first one wins
+    if rows > 1:
+        x[1] = 3.0
+        x[-1] = float("-inf")
+        x[-1, vocab - 1] = 0.0
+    assert torch.equal(kernels.argmax_rows(x), x.max(dim=-1).indices)

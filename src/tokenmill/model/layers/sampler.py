@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.engine.request import Request
+from tokenmill.model.layers import cpu_kernels
 from tokenmill.structured_output import apply_grammar_masks
 from tokenmill.watermark import WatermarkConfig, apply_watermark
 
@@ -139,7 +140,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         logits = self._process_logits(logits, batch)
         if batch.all_greedy:
-            tokens = logits.max(dim=-1).indices  # faster than argmax on CPU, same first-max tie rule
+            tokens = _argmax(logits)
         else:
             tokens = self._sample(logits, batch)
         token_list = tokens.tolist()
@@ -181,7 +182,7 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
         greedy_rows = b.temperature == 0
-        greedy_tokens = logits.argmax(dim=-1)
+        greedy_tokens = _argmax(logits)
         temp = torch.where(greedy_rows, torch.ones_like(b.temperature), b.temperature)
         logits = logits / temp.unsqueeze(1)
         if b.top_k is not None or b.top_p is not None:
@@ -195,6 +196,15 @@ class Sampler:
             noise[i].exponential_(generator=g if g is not None else self.generator)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(greedy_rows, greedy_tokens, sampled)
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first largest logit's index: the C++ kernel on CPU (one pass; torch's max over
+    32 x 49152 takes ~1.3 ms on 2 cores), else torch (max is faster than argmax, same tie rule)."""
+    ops = cpu_kernels.ops_for(logits)
+    if ops is not None and logits.dtype == torch.float32 and logits.dim() == 2:
+        return ops.argmax_rows(logits)
+    return logits.max(dim=-1).indices
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:

@@ -11,6 +11,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
+torch::Tensor argmax_rows(torch::Tensor logits);
 torch::Tensor rope_and_cache(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                              torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping,
                              int64_t num_heads, int64_t num_kv_heads);
@@ -43,6 +44,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm, float32 inside");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = RMSNorm(residual), both in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("argmax_rows", &argmax_rows, "each row's first largest value's index (greedy sampling)");
   m.def("rope_and_cache", &rope_and_cache, "rotary embedding of q and k, k and v written to the paged cache; "
         "returns q", py::arg("qkv"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("slot_mapping"), py::arg("num_heads"), py::arg("num_kv_heads"));
