@@ -104,9 +104,7 @@ class FusedDecoder {
                 "FusedDecoder: 2 norms and 4 linears per layer, then the final norm and the LM head");
     hidden_ = norms_[0].numel();
     vocab_ = vocab_size;
-    TORCH_CHECK(heads % kv_heads == 0 && (head_dim == 64 || head_dim == 128 || head_dim == 16 || head_dim == 32 ||
-                                          head_dim == 80 || head_dim == 96 || head_dim == 256),
-                "FusedDecoder: unsupported heads / head_dim");
+    TORCH_CHECK(heads % kv_heads == 0 && decode_head_dim_supported(head_dim), "FusedDecoder: unsupported heads / head_dim");
     TORCH_CHECK(intermediate % kPanelRows == 0, "FusedDecoder: intermediate size must be a multiple of 32");
     for (const auto& n : norms_)
       TORCH_CHECK(n.scalar_type() == at::kBFloat16 && n.is_contiguous() && n.numel() == hidden_, "FusedDecoder: norms");
@@ -123,11 +121,10 @@ class FusedDecoder {
       down_.push_back(make_linear(linears[4 * l + 3], intermediate, hidden_, "down_proj"));
     }
     lm_head_ = make_linear(linears.back(), hidden_, vocab_, "lm_head");
-    TORCH_CHECK(embed.is_contiguous() && embed.dim() == 2, "FusedDecoder: embedding table");
+    TORCH_CHECK(embed.is_contiguous() && embed.dim() == 2, "FusedDecoder: a [rows, hidden] (or quantized) embedding table");
     embed_rows_ = embed.size(0);
     const LinearSpec table{embed, embed_scales, embed_bits, c10::nullopt};
     embed_ = make_linear(table, hidden_, embed_rows_, "embed_tokens");
-    TORCH_CHECK(embed_bits != 16 || embed.dim() == 2, "FusedDecoder: a plain [rows, hidden] bf16 embedding table");
     for (const auto& l : linears)
       TORCH_CHECK(std::get<2>(l) != 16 || std::get<0>(l).dim() == 4, "FusedDecoder: bf16 linears must be panels");
   }

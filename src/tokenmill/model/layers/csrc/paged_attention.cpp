@@ -398,12 +398,23 @@ int64_t decode_splits(const int64_t* seq_lens, int64_t B, int64_t block_size, in
 #endif
 }
 
+#define TM_HEAD_DIMS(X) X(16) X(32) X(64) X(80) X(96) X(128) X(256)
+
+bool decode_head_dim_supported(int64_t D) {
+#define TM_CASE(DIM) case DIM:
+  switch (D) {
+    TM_HEAD_DIMS(TM_CASE) return true;
+    default: return false;
+  }
+#undef TM_CASE
+}
+
 template <typename T, typename C>
 void decode_items(const DecodeArgs<T, C>& a, int64_t begin, int64_t end) {
 #define TM_CASE(DIM) \
   case DIM: return decode_items_d<T, C, DIM>(a, begin, end);
   switch (a.D) {
-    TM_CASE(16) TM_CASE(32) TM_CASE(64) TM_CASE(80) TM_CASE(96) TM_CASE(128) TM_CASE(256)
+    TM_HEAD_DIMS(TM_CASE)
     default: TORCH_CHECK(false, "paged_decode: unsupported head_dim ", a.D);
   }
 #undef TM_CASE

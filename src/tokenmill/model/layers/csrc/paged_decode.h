@@ -27,6 +27,9 @@ struct DecodeArgs {
   float* part_acc = nullptr;  //             [B * splits, H, D] unnormalised outputs
 };
 
+// Whether the kernel is compiled for this head_dim.
+bool decode_head_dim_supported(int64_t D);
+
 // How many pieces each sequence's keys are split into so that `threads` threads all get work.
 int64_t decode_splits(const int64_t* seq_lens, int64_t B, int64_t block_size, int64_t threads);
 
