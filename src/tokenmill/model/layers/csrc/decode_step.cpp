@@ -8,8 +8,8 @@
 // Here each thread runs its share of every stage and the threads meet at a barrier where a
 // stage needs the whole of the previous one's output:
 //
-//   per layer: [norm] qkv | rope + cache write | attention (| merge of split sequences) |
-//              o_proj | [add + norm] gate_up + silu | down |
+//   per layer: [norm] qkv | rope + cache write (| when sequences are split) attention
+//              (| merge of split sequences) | o_proj | [add + norm] gate_up + silu | down |
 //   then:      [add + norm] lm_head rows
 //
 // Stages in [brackets] are tiny per-row element-wise work that every thread does redundantly
@@ -203,7 +203,9 @@ class FusedDecoder {
             rope_and_cache_row(qkv_p + r * qkv_w, pos[r], cos, sin, k_cache, v_cache, slot[r], q_p + r * H * D, H,
                                Hkv, D);
         }
+        if (S > 1) {  // (unsplit, a thread attends exactly the rows it just rotated: no wait needed)
 #pragma omp barrier
+        }
         const DecodeArgs<BF16, BF16> a{q_p, k_cache, v_cache, nullptr, nullptr, block_tables.data_ptr<int64_t>(), lens,
                                        attn_p, M, H, Hkv, D, block_size_, block_tables.size(1), scale_, S,
                                        part_ml.data(), part_acc.data()};
