@@ -4,6 +4,7 @@
     python benchmarks/profile_throughput.py                     # 64 x 256 in x 128 out, bf16
     python benchmarks/profile_throughput.py --dtype float32
     python benchmarks/profile_throughput.py --trace /tmp/decode-trace.json
+    python benchmarks/profile_throughput.py --num-prompts 128 --concurrency 32   # a serving client's closed loop
 
 Two passes over the same workload, driving the engine step by step:
  1. unprofiled, timing every step: the share of the wall time in prompt (prefill) steps,
@@ -104,6 +105,8 @@ def main(argv=None) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="pass 1: keep this many requests in flight, adding one as one finishes (default: all at once)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-memory", type=float, default=4.0)
     p.add_argument("--prefill-steps", type=int, default=2, help="prefill steps to profile (pass 2)")
@@ -141,13 +144,20 @@ def main(argv=None) -> None:
 
     # ---- pass 1: unprofiled, every step timed --------------------------------------------
     wait_idle(args.wait_idle, 0.2, "pass 1")
-    add_all(llm, prompts, sp)
+    # A closed loop (--concurrency): a new request each time one finishes, as a serving client
+    # at that concurrency sends them; default: every prompt at once.
+    pending = list(prompts)
+    add_all(llm, pending[: args.concurrency or len(pending)], sp)
+    del pending[: args.concurrency or len(pending)]
     steps = []
     with CpuMeter(threads) as m:
         while eng.has_unfinished_requests():
             t0 = time.perf_counter()
-            eng.step()
+            outs = eng.step()
             steps.append(dict(timer.last, step_s=time.perf_counter() - t0))
+            finished = sum(1 for o in outs if o.finished)
+            add_all(llm, pending[:finished], sp)
+            del pending[:finished]
     n_out = args.num_prompts * args.output_len
     print(f"pass 1 (unprofiled): {m.wall:.2f} s, {n_out / m.wall:.1f} output tok/s, {len(steps)} steps {cpu_note(m)}")
     pre = [s for s in steps if s["prefill_tokens"]]

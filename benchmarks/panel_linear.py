@@ -1,0 +1,62 @@
+#!/usr/bin/env python
+"""The panel kernel (csrc/panel_linear.cpp) against oneDNN's packed GEMM, per linear shape.
+
+    python benchmarks/panel_linear.py                    # SmolLM2-135M's shapes, rows 1 8 16 32 64
+    python benchmarks/panel_linear.py --rows 1,2,4,128
+
+For each of SmolLM2's linears (qkv, o, gate_up, down: 30 copies each, so that weights come from
+memory as in a decode step; the LM head: one 56 MB copy) and each batch size, the two kernels run
+interleaved (`--repeats` times each); prints the median GFLOP/s of each, their ratio, and at one
+row the weight bytes streamed per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+SHAPES = {"qkv": (832, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", default="1,8,16,32,64", help="batch sizes (comma-separated)")
+    p.add_argument("--repeats", type=int, default=15)
+    args = p.parse_args(argv)
+    from tokenmill.model.layers import cpu_kernels
+
+    k = cpu_kernels.load()
+    if k is None or not hasattr(k, "panel_linear"):
+        raise SystemExit("the C++ kernels are unavailable")
+    print(f"{torch.get_num_threads()} threads; GFLOP/s, medians of {args.repeats} interleaved runs")
+    for name, (N, K) in SHAPES.items():
+        copies = 1 if name == "lm_head" else 30
+        ws = [torch.randn(N, K).bfloat16() for _ in range(copies)]
+        onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in ws]
+        panels = [k.pack_panels(w) for w in ws]
+        for M in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(M, K).bfloat16()
+            runs = {"oneDNN": lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in onednn],
+                    "panels": lambda: [k.panel_linear(x, w, N) for w in panels]}
+            times: dict[str, list[float]] = {n: [] for n in runs}
+            for f in runs.values():
+                f()
+            for _ in range(args.repeats):
+                for n, f in runs.items():
+                    t0 = time.perf_counter()
+                    f()
+                    times[n].append((time.perf_counter() - t0) / copies)
+            t1, t2 = statistics.median(times["oneDNN"]), statistics.median(times["panels"])
+            flop = 2 * M * N * K
+            line = (f"{name:8s} rows {M:4d}: oneDNN {flop / t1 / 1e9:6.0f}  panels {flop / t2 / 1e9:6.0f}  "
+                    f"panels / oneDNN {t1 / t2:5.2f}x")
+            if M == 1:
+                line += f"  (panels stream {N * K * 2 / t2 / 1e9:.1f} GB/s)"
+            print(line)
+
+
+if __name__ == "__main__":
+    main()
