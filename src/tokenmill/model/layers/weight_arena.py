@@ -84,11 +84,9 @@ def place_decode_weights(model: nn.Module) -> int:
         moved[key] = arena[offsets[key] : offsets[key] + nbytes].view(t.dtype).view(t.shape)
         moved[key].copy_(t)
     for m, name in slots:
-        t = getattr(m, name)
-        view = moved.get(_key(t))
-        if view is None:
-            continue
-        setattr(m, name, view)
+        view = moved.get(_key(getattr(m, name)))
+        if view is not None:
+            setattr(m, name, view)
     return total
 
 

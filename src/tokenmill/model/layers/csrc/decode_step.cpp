@@ -45,8 +45,11 @@ struct Linear {
   std::vector<torch::Tensor> keep;  // the tensors the pointers point into
 };
 
-Linear make_linear(const LinearSpec& spec, int64_t in_features, int64_t out_features, const char* name) {
+// bf16 weights are panels, except a plain [rows, hidden] embedding table (`plain_ok`).
+Linear make_linear(const LinearSpec& spec, int64_t in_features, int64_t out_features, const char* name,
+                   bool plain_ok = false) {
   const auto& [weight, scales, bits, bias] = spec;
+  TORCH_CHECK(bits != 16 || weight.dim() == 4 || plain_ok, name, ": bf16 linears must be panels");
   if (bits == 16 && weight.dim() == 4) {  // panels
     TORCH_CHECK(weight.is_contiguous() && weight.size(0) * kPanelRows >= out_features && weight.size(1) * 2 == in_features &&
                     weight.size(2) == kPanelRows, name, ": bf16 panels [ceil(out / 32), in / 2, 32, 2]");
@@ -124,9 +127,7 @@ class FusedDecoder {
     TORCH_CHECK(embed.is_contiguous() && embed.dim() == 2, "FusedDecoder: a [rows, hidden] (or quantized) embedding table");
     embed_rows_ = embed.size(0);
     const LinearSpec table{embed, embed_scales, embed_bits, c10::nullopt};
-    embed_ = make_linear(table, hidden_, embed_rows_, "embed_tokens");
-    for (const auto& l : linears)
-      TORCH_CHECK(std::get<2>(l) != 16 || std::get<0>(l).dim() == 4, "FusedDecoder: bf16 linears must be panels");
+    embed_ = make_linear(table, hidden_, embed_rows_, "embed_tokens", /*plain_ok=*/true);
   }
 
   // One decode step for M rows: token ids, positions, KV slots [M] (int64), block tables
@@ -164,7 +165,7 @@ class FusedDecoder {
     auto o = torch::empty({M, hid}, bf), gu = torch::empty({M, 2 * I}, bf), act = torch::empty({M, I}, bf);
     auto down = torch::empty({M, hid}, bf), logits = torch::empty({R, vocab_}, bf);
     auto logits_f32 = torch::empty({R, vocab_}, torch::TensorOptions().dtype(at::kFloat));
-    const BF16* logits_b = logits.data_ptr<BF16>();
+    BF16* logits_b = logits.data_ptr<BF16>();
     float* logits_f = logits_f32.data_ptr<float>();
     std::vector<float> part_ml(S > 1 ? M * S * H * 2 : 0), part_acc(S > 1 ? M * S * H * D : 0);
     BF16* qkv_p = qkv.data_ptr<BF16>();
@@ -247,7 +248,7 @@ class FusedDecoder {
       for (int64_t r = 0; r < R; ++r)
         std::copy(xn.data() + lrows[r] * hid, xn.data() + (lrows[r] + 1) * hid, rows.data() + r * hid);
       if (R > 0) {
-        linear(lm_head_, rows.data(), R, logits.data_ptr<BF16>(), vocab_);
+        linear(lm_head_, rows.data(), R, logits_b, vocab_);
         // float32 logits of this thread's columns, while they are in its cache (= `.float()`)
         const auto [u0, u1] = share(lm_head_.w.units(), t, n_t);
         const int64_t c0 = u0 * lm_head_.w.unit_rows(), c1 = std::min(vocab_, u1 * lm_head_.w.unit_rows());

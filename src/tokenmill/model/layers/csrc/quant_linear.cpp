@@ -252,7 +252,6 @@ void tiles_4x4(const XT* x, int64_t M, const LinearWeights& lw, int64_t t0, int6
   }
 }
 
-
 }  // namespace
 
 namespace tm_cpu {
@@ -287,12 +286,19 @@ void embedding_row(const LinearWeights& table, int64_t id, T* out) {
     for (int64_t k = 0; k < K; ++k) out[k] = static_cast<T>(static_cast<float>(row[k]));
     return;
   }
-  thread_local std::vector<float> tmp;
-  tmp.resize(K);
   const uint8_t* q = static_cast<const uint8_t*>(table.data);
-  if (table.bits == 4) dequant_row_f32<4>(q + id * K / 2, table.scales + id * 2 * K / kGroup, tmp.data(), K);
-  else dequant_row_f32<8>(q + id * K, table.scales + id * K / kGroup, tmp.data(), K);
-  for (int64_t k = 0; k < K; ++k) out[k] = static_cast<T>(tmp[k]);
+  auto dequant = [&](float* f) {
+    if (table.bits == 4) dequant_row_f32<4>(q + id * K / 2, table.scales + id * 2 * K / kGroup, f, K);
+    else dequant_row_f32<8>(q + id * K, table.scales + id * K / kGroup, f, K);
+  };
+  if constexpr (std::is_same_v<T, float>) {
+    dequant(out);  // in place
+  } else {  // through a float32 row
+    thread_local std::vector<float> tmp;
+    tmp.resize(K);
+    dequant(tmp.data());
+    for (int64_t k = 0; k < K; ++k) out[k] = static_cast<T>(tmp[k]);
+  }
 }
 
 template void embedding_row<float>(const LinearWeights&, int64_t, float*);
@@ -393,16 +399,14 @@ torch::Tensor quant_embedding(torch::Tensor ids, torch::Tensor qweight, torch::T
   auto idc = ids.contiguous();
   const int64_t T = idc.numel(), N = qweight.size(0);
   const int64_t K = bits == 4 ? qweight.size(1) * 2 : qweight.size(1);
-  const int64_t row_bytes = qweight.size(1), row_scales = scales.numel() / N;
+  TORCH_CHECK((bits == 4 || bits == 8) && scales.scalar_type() == at::kHalf &&
+                  scales.numel() == N * (K / kGroup) * (bits == 4 ? 2 : 1), "quant_embedding: bits 4 or 8, scales shape");
   auto out = torch::empty({T, K}, torch::dtype(at::kFloat));
   const int64_t* ip = idc.data_ptr<int64_t>();
-  const uint8_t* qw = static_cast<const uint8_t*>(qweight.data_ptr());
-  const at::Half* sc = scales.data_ptr<at::Half>();
+  const LinearWeights table{static_cast<int>(bits), qweight.data_ptr(), scales.data_ptr<at::Half>(), N, K};
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(ip[t] >= 0 && ip[t] < N, "quant_embedding: token id out of range");
-    float* o = out.data_ptr<float>() + t * K;
-    if (bits == 4) dequant_row_f32<4>(qw + ip[t] * row_bytes, sc + ip[t] * row_scales, o, K);
-    else dequant_row_f32<8>(qw + ip[t] * row_bytes, sc + ip[t] * row_scales, o, K);
+    embedding_row(table, ip[t], out.data_ptr<float>() + t * K);
   }
   return out.to(dtype);
 }
