@@ -181,9 +181,11 @@ def test_api_key(served, model):
     try:
         with httpx.Client(base_url=server.url, timeout=30) as h:
             assert h.get("/health").status_code == 200  # health stays open for load balancers
+            # the API's documentation too (a browser cannot send the key), as vLLM's
+            for path in ("/openapi.json", "/docs", "/docs-static/swagger-ui.css"):
+                assert h.get(path).status_code == 200, path
             for method, path in (("GET", "/v1/models"), ("POST", C), ("POST", CHAT), ("GET", "/metrics"),
-                                 ("POST", "/tokenize"), ("POST", "/generate"), ("GET", "/version"),
-                                 ("GET", "/openapi.json")):
+                                 ("POST", "/tokenize"), ("POST", "/generate"), ("GET", "/version")):
                 r = h.request(method, path, json={"model": model, "prompt": "Hi"})
                 assert r.status_code == 401, path
                 if path != "/generate":

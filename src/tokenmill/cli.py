@@ -157,6 +157,8 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         max_logprobs=ns.max_logprobs, chat_template=chat_template, log_requests=not ns.disable_log_requests,
         uvicorn_log_level=ns.uvicorn_log_level, timeout_keep_alive=ns.timeout_keep_alive,
         ssl_keyfile=ns.ssl_keyfile, ssl_certfile=ns.ssl_certfile, root_path=ns.root_path,
+        trust_request_chat_template=ns.trust_request_chat_template,
+        max_request_body_bytes=ns.max_request_body_bytes or None, max_prompts_per_request=ns.max_prompts_per_request,
     )
 
 
@@ -183,6 +185,14 @@ def add_server_args(s: argparse.ArgumentParser) -> None:
                    help="largest logprobs / top_logprobs a request may ask for (default 20)")
     g.add_argument("--chat-template", default=None,
                    help="Jinja chat template (a file path or the template itself) instead of the model's")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a chat_template sent in a request (default: refused with 400; a template is a "
+                        "program the server runs)")
+    g.add_argument("--max-request-body-bytes", type=int, default=2_000_000,
+                   help="refuse larger request bodies with 413 (default 2000000, as TGI's --payload-limit; "
+                        "0: no limit)")
+    g.add_argument("--max-prompts-per-request", type=int, default=256,
+                   help="most prompts one /v1/completions request may carry (default 256)")
     g.add_argument("--disable-log-requests", action="store_true",
                    help="do not write the access-log line of each request (id, tokens in/out, TTFT, latency)")
     g.add_argument("--uvicorn-log-level", default="info",

@@ -98,6 +98,14 @@ class StructuredOutputManager:
                 self._compiled.move_to_end(grammar)
             return template.deep_copy()
 
+    def allows_only_eos(self, matcher) -> bool:
+        """True when the matcher's next token can only be EOS (the grammar accepts nothing more)."""
+        import numpy as np
+
+        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        allowed = np.flatnonzero(bits[: self.vocab_size])
+        return set(allowed.tolist()) <= set(self.eos_token_ids)
+
 
 def apply_grammar_masks(logits: torch.Tensor, matchers: list) -> None:
     """In place: mask the logits of every row whose matcher is not None to its allowed tokens,

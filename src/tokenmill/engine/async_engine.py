@@ -12,6 +12,11 @@ the engine's OpenMP worker busy 65% instead of 99%). Callers talk to it
 through an inbox; each request gets an asyncio queue that the engine thread fills with
 `loop.call_soon_threadsafe`. A caller that stops iterating (a client disconnect) aborts its
 request, which frees its KV blocks at the next step.
+
+Requests are prepared (tokenized, bad words tokenized, grammars compiled, validated) on a small
+worker pool, `prep_pool`, never on the engine thread: a request with 20,000 bad words must not
+stall every other stream for the seconds its tokenization takes. The server runs its own
+tokenization and chat-template rendering on the same pool, off the event loop.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
@@ -59,6 +65,7 @@ class AsyncLLMEngine:
         self._error: BaseException | None = None
         # Observers called from the engine thread after each step (metrics).
         self.step_observers: list[Callable[[list[RequestOutput], float], None]] = []
+        self.prep_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenmill-prep")
         self._ready = threading.Event()
         build = (lambda: engine) if isinstance(engine, LLMEngine) else engine
         self._thread = threading.Thread(target=self._run, args=(build,), name="tokenmill-engine", daemon=True)
@@ -86,16 +93,21 @@ class AsyncLLMEngine:
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None, parent_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yields RequestOutputs (with delta_text) until the request finishes.
-        Raises ValueError for bad input, before the first output."""
+        Raises ValueError for bad input (or a request id already in flight), before the first output."""
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running: {self._error!r}")
         rid = request_id or f"req-{next(self._ids)}"
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        if rid in self._streams:  # a second stream under one id would take the first one's tokens
+            raise ValueError(f"request id {rid!r} is already in use")
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue())
         self._streams[rid] = stream
-        self._inbox.put(("add", rid, prompt, params, parent_id))
-        self._wakeup.set()
-        finished = False
+        finished = True  # nothing to abort until the request is queued
         try:
+            req = await loop.run_in_executor(self.prep_pool, self.engine.make_request, prompt, params, rid, parent_id)
+            self._inbox.put(("add", req))
+            self._wakeup.set()
+            finished = False
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -114,6 +126,11 @@ class AsyncLLMEngine:
         self._inbox.put(("abort", request_id))
         self._wakeup.set()
 
+    def abort_all(self, error: BaseException) -> None:
+        """Abort every request in flight; each stream ends with `error` (e.g. the drain timeout)."""
+        self._inbox.put(("abort_all", error))
+        self._wakeup.set()
+
     def call(self, fn: Callable[[LLMEngine], object]) -> "asyncio.Future":
         """Run fn(engine) on the engine thread (e.g. to read stats consistently)."""
         loop = asyncio.get_running_loop()
@@ -126,6 +143,7 @@ class AsyncLLMEngine:
         self._stopping = True
         self._wakeup.set()
         self._thread.join(timeout)
+        self.prep_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- engine thread -----------------------------------------------------------------
     def _run(self, build: Callable[[], LLMEngine]) -> None:
@@ -167,23 +185,27 @@ class AsyncLLMEngine:
                 return
             kind = msg[0]
             if kind == "add":
-                _, rid, prompt, params, parent_id = msg
-                stream = self._streams.get(rid)
+                req = msg[1]
+                stream = self._streams.get(req.request_id)
                 if stream is None:  # the caller went away before we got to it
                     continue
                 try:
                     if self.max_waiting is not None and len(self.engine.core.scheduler.waiting) >= self.max_waiting:
                         raise QueueFullError(f"too many waiting requests (max {self.max_waiting}); retry later")
-                    self.engine.add_request(rid, prompt, params, parent_id)
+                    self.engine.enqueue(req)
                 except (ValueError, QueueFullError) as e:
                     stream.put(e)
                 except Exception as e:  # noqa: BLE001 - a bad request must not kill the engine loop
-                    logger.exception("could not add request %s", rid)
+                    logger.exception("could not add request %s", req.request_id)
                     stream.put(ValueError(f"invalid request: {e}"))
             elif kind == "abort":
                 out = self.engine.abort_request(msg[1])
                 if out is not None:
                     logger.debug("aborted %s", msg[1])
+            elif kind == "abort_all":
+                for rid, stream in list(self._streams.items()):
+                    self.engine.abort_request(rid)
+                    stream.put(msg[1])
             elif kind == "call":
                 _, fn, loop, fut = msg
                 try:
@@ -195,6 +217,10 @@ class AsyncLLMEngine:
 
 class QueueFullError(RuntimeError):
     pass
+
+
+class ServerShutdownError(RuntimeError):
+    """Ends the streams still in flight when a server's drain timeout expires."""
 
 
 def _set_result(fut: asyncio.Future, res, err) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import time
 
@@ -93,7 +94,7 @@ class LLMEngine:
         num_blocks = int(gib * 2**30) // block_bytes
         need_blocks = -(-model.max_model_len // bs) + 1  # + the null block
         if num_blocks < need_blocks:
-            need_gib = need_blocks * block_bytes / 2**30
+            need_gib = math.ceil(need_blocks * block_bytes / 2**30 * 1000) / 1000  # rounded up: it must suffice
             fit = max(num_blocks - 1, 0) * bs
             raise ValueError(
                 f"--kv-cache-memory {gib:g} GiB holds {fit} tokens of KV cache, fewer than one request at "
@@ -120,7 +121,7 @@ class LLMEngine:
         cfg = self.config
         if isinstance(prompt, str):
             text = prompt
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            ids = self.encode(prompt)
         else:
             text, ids = None, list(prompt)
             vocab = cfg.model.vocab_size
@@ -154,14 +155,27 @@ class LLMEngine:
                       bad_words_token_ids=self._bad_words_ids(params.bad_words), parent_id=parent_id)
         if params.guided_decoding is not None:
             req.matcher = self.structured_output.matcher_for(params.guided_decoding)
+            if params.min_tokens and self.structured_output.allows_only_eos(req.matcher):
+                raise ValueError(f"min_tokens ({params.min_tokens}) cannot be met: the guided decoding "
+                                 f"constraint only accepts an empty output")
         return req
+
+    def encode(self, text: str, add_special_tokens: bool = True, what: str = "prompt") -> list[int]:
+        """Token ids of text; ValueError naming `what` for text the tokenizer cannot take (a lone
+        UTF-16 surrogate, which JSON can carry as \\ud800 but UTF-8 cannot)."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{what} is not valid Unicode text: a lone surrogate {text[e.start]!r} at "
+                             f"character {e.start}") from None
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word as it would appear alone and after a space (vLLM's two spellings)."""
         seqs: list[list[int]] = []
         for word in words:
             for text in (word.strip(), " " + word.strip()):
-                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                ids = self.encode(text, add_special_tokens=False, what="bad_words")
                 if ids and ids not in seqs:
                     seqs.append(ids)
         return seqs
@@ -202,15 +216,17 @@ class LLMEngine:
         return outputs
 
     # ---- chat -------------------------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kw) -> list[int]:
+    def render_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kw) -> str:
+        """The prompt text the chat template makes of messages."""
         if not kw.get("chat_template") and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template")
-        out = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kw
-        )
-        if isinstance(out, dict) or hasattr(out, "input_ids"):  # transformers >= 5 returns a BatchEncoding
-            out = out["input_ids"]
-        return list(out)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False, **kw)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kw) -> list[int]:
+        """Token ids of the rendered chat (the template writes the special tokens itself)."""
+        text = self.render_chat_template(messages, add_generation_prompt, **kw)
+        return self.encode(text, add_special_tokens=False, what="the rendered chat")
 
 
 def _eos_ids(path: str, tokenizer, hf_config) -> frozenset[int]:

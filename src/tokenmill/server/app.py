@@ -6,26 +6,36 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import logging
 import secrets
 import signal
 import threading
 import time
+from pathlib import Path
 
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse
+from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tokenmill
-from tokenmill.engine.async_engine import AsyncLLMEngine
+from tokenmill.engine.async_engine import AsyncLLMEngine, ServerShutdownError
 from tokenmill.server import misc_routes, openai_chat, openai_completions, tgi_routes
 from tokenmill.server.errors import error_response, install_error_handlers
 from tokenmill.server.metrics import ServerMetrics
-from tokenmill.server.serving import ServerContext
+from tokenmill.server.chat_template import install_template_bounds
+from tokenmill.server.serving import DEFAULT_MAX_PROMPTS, ServerContext
 
 logger = logging.getLogger("tokenmill.server")
 access_logger = logging.getLogger("tokenmill.access")
 
-UNAUTHENTICATED_PATHS = frozenset({"/health"})
+UNAUTHENTICATED_PATHS = frozenset({"/health", "/docs", "/redoc", "/openapi.json"})
+DOCS_STATIC = "/docs-static"
+DEFAULT_MAX_BODY_BYTES = 2_000_000  # TGI's --payload-limit default
+END_STREAMS_GRACE_S = 5.0  # after the drain timeout: time for aborted streams to send their last event
 
 
 class ServerMiddleware:
@@ -43,49 +53,119 @@ class ServerMiddleware:
         t0 = time.perf_counter()
         path = scope.get("path", "")
         status = [0]
+        headers = dict(scope.get("headers", ()))
+        client_id = headers.get(b"x-request-id")
 
         async def send_wrapper(message):
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+                if client_id is not None:  # echoed (vLLM does too); the engine's ids are our own
+                    message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", client_id)]}
             await send(message)
 
         try:
             key = self.ctx.api_key
-            if key and path not in UNAUTHENTICATED_PATHS and not _authorized(scope, key):
+            if key and not _public(path) and not _authorized(headers, key):
                 resp = error_response(path, "invalid or missing API key: send 'Authorization: Bearer <key>'", 401)
                 resp.headers["WWW-Authenticate"] = "Bearer"
                 return await resp(scope, receive, send_wrapper)
+            limit = self.ctx.max_request_body_bytes
+            if limit:
+                length = headers.get(b"content-length")
+                if length is not None and length.isdigit() and int(length) > limit:
+                    return await error_response(path, _too_large(limit), 413)(scope, receive, send_wrapper)
+                receive = _limited(receive, limit)
             return await self.app(scope, receive, send_wrapper)
         finally:
             if self.log_requests:
-                self._log(scope, path, status[0], time.perf_counter() - t0)
+                self._log(scope, path, status[0], time.perf_counter() - t0, client_id)
 
-    def _log(self, scope, path: str, status: int, latency: float) -> None:
+    def _log(self, scope, path: str, status: int, latency: float, client_id: bytes | None) -> None:
         client = scope.get("client")
         who = f"{client[0]}:{client[1]}" if client else "-"
         tracker = (scope.get("state") or {}).get("tracker")
         line = f'{who} "{scope.get("method")} {path}" {status or 499} latency={latency:.3f}s'
         if tracker is not None:
             line += " " + tracker.log_fields()
+        if client_id is not None:
+            line += f" x_request_id={client_id.decode('latin-1')[:200]!r}"
         access_logger.info(line)
 
 
-def _authorized(scope, key: str) -> bool:
-    for name, value in scope.get("headers", ()):
-        if name == b"authorization":
-            scheme, _, token = value.decode("latin-1").partition(" ")
-            return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), key.encode())
-    return False
+def _too_large(limit: int) -> str:
+    return f"the request body is larger than this server accepts ({limit:,} bytes; --max-request-body-bytes)"
+
+
+def _limited(receive, limit: int):
+    """receive() that refuses (413) a body growing past `limit` bytes (chunked bodies have no length)."""
+    seen = 0
+
+    async def wrapped():
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise StarletteHTTPException(413, _too_large(limit))
+        return message
+
+    return wrapped
+
+
+def _public(path: str) -> bool:
+    """Open without the API key: health checks, and the API's own documentation."""
+    return path in UNAUTHENTICATED_PATHS or path.startswith(DOCS_STATIC + "/")
+
+
+def _authorized(headers: dict[bytes, bytes], key: str) -> bool:
+    value = headers.get(b"authorization")
+    if value is None:
+        return False
+    scheme, _, token = value.decode("latin-1").partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), key.encode())
+
+
+def _add_offline_docs(app: FastAPI) -> None:
+    """/docs (Swagger UI) and /redoc from assets shipped in the fastapi-offline package: FastAPI's
+    own pages load them from a CDN, so they are blank on a machine without one."""
+    spec = importlib.util.find_spec("fastapi_offline")
+    static = Path(spec.origin).parent / "static"  # type: ignore[union-attr, arg-type]
+    app.mount(DOCS_STATIC, StaticFiles(directory=static), name="docs-static")
+
+    def root(req: Request) -> str:
+        return req.scope.get("root_path", "").rstrip("/")
+
+    @app.get("/docs", include_in_schema=False)
+    async def swagger(req: Request) -> HTMLResponse:
+        r = root(req)
+        return get_swagger_ui_html(openapi_url=r + app.openapi_url, title=f"{app.title} - Swagger UI",
+                                   swagger_js_url=f"{r}{DOCS_STATIC}/swagger-ui-bundle.js",
+                                   swagger_css_url=f"{r}{DOCS_STATIC}/swagger-ui.css",
+                                   swagger_favicon_url=f"{r}{DOCS_STATIC}/favicon.png")
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc(req: Request) -> HTMLResponse:
+        r = root(req)
+        return get_redoc_html(openapi_url=r + app.openapi_url, title=f"{app.title} - ReDoc",
+                              redoc_js_url=f"{r}{DOCS_STATIC}/redoc.standalone.js",
+                              redoc_favicon_url=f"{r}{DOCS_STATIC}/favicon.png", with_google_fonts=False)
 
 
 def build_app(aengine: AsyncLLMEngine, *, api_key: str | None = None, max_logprobs: int = 20,
-              chat_template: str | None = None, log_requests: bool = True,
-              shutdown_engine: bool = False) -> FastAPI:
+              chat_template: str | None = None, log_requests: bool = True, shutdown_engine: bool = False,
+              trust_request_chat_template: bool = False,
+              max_request_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
+              max_prompts_per_request: int = DEFAULT_MAX_PROMPTS) -> FastAPI:
     """The HTTP app over a running AsyncLLMEngine. With shutdown_engine, the app stops the
     engine when it shuts down (after uvicorn has drained in-flight requests)."""
     model_name = aengine.engine.config.model.name
+    if not install_template_bounds():
+        logger.warning("this transformers version compiles chat templates elsewhere: template operators unbounded")
     ctx = ServerContext(aengine=aengine, model_name=model_name, metrics=ServerMetrics(aengine, model_name),
-                        api_key=api_key or None, max_logprobs=max_logprobs, chat_template=chat_template)
+                        api_key=api_key or None, max_logprobs=max_logprobs, chat_template=chat_template,
+                        trust_request_chat_template=trust_request_chat_template,
+                        max_request_body_bytes=max_request_body_bytes,
+                        max_prompts_per_request=max_prompts_per_request)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -94,10 +174,11 @@ def build_app(aengine: AsyncLLMEngine, *, api_key: str | None = None, max_logpro
             await asyncio.get_running_loop().run_in_executor(None, aengine.shutdown)
 
     app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan,
-                  description="OpenAI-compatible and TGI-compatible LLM server.",
+                  description="OpenAI-compatible and TGI-compatible LLM server.", docs_url=None, redoc_url=None,
                   strict_content_type=False)  # a JSON body without a Content-Type header is read as JSON
     app.state.ctx = ctx
     install_error_handlers(app)
+    _add_offline_docs(app)
     for module in (openai_completions, openai_chat, misc_routes, tgi_routes):
         app.include_router(module.router)
     app.add_middleware(ServerMiddleware, ctx=ctx, log_requests=log_requests)
@@ -126,13 +207,42 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         if not self.should_exit:
             logger.info("%s received: not accepting new connections; draining in-flight requests (up to %ss)",
-                        signal.Signals(sig).name, self.config.timeout_graceful_shutdown)
+                        signal.Signals(sig).name, self.drain_timeout)
         super().handle_exit(sig, frame)
+
+    @property
+    def drain_timeout(self) -> float | None:
+        t = self.config.timeout_graceful_shutdown
+        return None if t is None else max(t - END_STREAMS_GRACE_S, 0.0)
+
+    async def shutdown(self, sockets=None) -> None:
+        """uvicorn's shutdown, except that when the drain timeout expires every request still in
+        flight is aborted with an error its client sees (an error event and [DONE] on a stream, a
+        503 otherwise); uvicorn cancels tasks only if they have not ended END_STREAMS_GRACE_S later."""
+        expiry = None
+        if self.drain_timeout is not None:
+            expiry = asyncio.get_running_loop().call_later(self.drain_timeout, self._end_streams)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if expiry is not None:
+                expiry.cancel()
+
+    def _end_streams(self) -> None:
+        ctx = getattr(getattr(self.config.app, "state", None), "ctx", None)
+        if ctx is None:
+            return
+        n = ctx.aengine.num_in_flight()
+        if n:
+            logger.warning("drain timeout (%gs) expired: aborting %d request(s) still in flight", self.drain_timeout, n)
+            ctx.aengine.abort_all(ServerShutdownError(
+                f"the server is shutting down and its drain timeout ({self.drain_timeout:g} s) expired"))
 
 
 def make_config(app: FastAPI, host: str, port: int, drain_timeout: float | None = 30.0, **kw) -> uvicorn.Config:
+    grace = None if drain_timeout is None else drain_timeout + END_STREAMS_GRACE_S
     return uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False,
-                          timeout_graceful_shutdown=drain_timeout, **kw)
+                          timeout_graceful_shutdown=grace, **kw)
 
 
 class BackgroundServer:
@@ -174,10 +284,14 @@ class BackgroundServer:
 def serve(aengine: AsyncLLMEngine, *, host: str = "0.0.0.0", port: int = 8000, api_key: str | None = None,
           drain_timeout: float = 30.0, max_logprobs: int = 20, chat_template: str | None = None,
           log_requests: bool = True, uvicorn_log_level: str = "info", timeout_keep_alive: int = 5,
+          trust_request_chat_template: bool = False, max_request_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
+          max_prompts_per_request: int = DEFAULT_MAX_PROMPTS,
           ssl_keyfile: str | None = None, ssl_certfile: str | None = None, root_path: str = "") -> int:
     """Serve until SIGTERM / SIGINT; returns 0 after draining. Used by `tokenmill serve`."""
     app = build_app(aengine, api_key=api_key, max_logprobs=max_logprobs, chat_template=chat_template,
-                    log_requests=log_requests, shutdown_engine=True)
+                    log_requests=log_requests, shutdown_engine=True,
+                    trust_request_chat_template=trust_request_chat_template,
+                    max_request_body_bytes=max_request_body_bytes, max_prompts_per_request=max_prompts_per_request)
     config = make_config(app, host, port, drain_timeout, log_level=uvicorn_log_level,
                          timeout_keep_alive=timeout_keep_alive, ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile,
                          root_path=root_path)

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import tokenmill
-from tokenmill.server.openai_chat import render_chat
+from tokenmill.server.chat_template import render_chat
 from tokenmill.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -47,10 +47,10 @@ async def tokenize(body: TokenizeRequest, raw: Request) -> TokenizeResponse:
     ctx = get_ctx(raw)
     check_model(ctx, body.model)
     if isinstance(body, TokenizeChatRequest):
-        ids = render_chat(ctx, body.messages, body.add_generation_prompt, body.continue_final_message,
-                          body.chat_template, body.chat_template_kwargs)
+        ids = await ctx.offload(render_chat, ctx, body.messages, body.add_generation_prompt,
+                                body.continue_final_message, body.chat_template, body.chat_template_kwargs)
     else:
-        ids = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        ids = await ctx.offload(ctx.encode, body.prompt, body.add_special_tokens)
     strs = ctx.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
     return TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids, token_strs=strs)
 
@@ -60,7 +60,7 @@ async def detokenize(body: DetokenizeRequest, raw: Request) -> DetokenizeRespons
     ctx = get_ctx(raw)
     check_model(ctx, body.model)
     check_token_ids(ctx, body.tokens, "tokens")
-    return DetokenizeResponse(prompt=ctx.tokenizer.decode(body.tokens))
+    return DetokenizeResponse(prompt=await ctx.offload(ctx.tokenizer.decode, body.tokens))
 
 
 @router.get("/health", tags=["server"], responses={200: {"description": "the engine is running"},

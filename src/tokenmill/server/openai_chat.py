@@ -19,7 +19,6 @@ from tokenmill.server.protocol import (
     ChatCompletionResponseChoice,
     ChatLogProb,
     ChatLogProbsContent,
-    ChatMessage,
     ChatResponseMessage,
     UsageInfo,
 )
@@ -47,20 +46,10 @@ from tokenmill.server.serving import (
     stream_error_chunk,
     track,
 )
-from tokenmill.server.tool_calls import (
-    ToolPlan,
-    add_tool_prompt,
-    parse_tool_calls,
-    plan_tools,
-    template_knows_tools,
-)
+from tokenmill.server.chat_template import render_chat
+from tokenmill.server.tool_calls import ToolPlan, parse_tool_calls, plan_tools
 
 router = APIRouter(tags=["OpenAI"])
-
-# Arguments of apply_chat_template that chat_template_kwargs may not override.
-_RESERVED_KWARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
-                    "chat_template", "return_dict", "return_tensors", "padding", "truncation"}
-
 
 @router.post(
     "/v1/chat/completions",
@@ -72,61 +61,6 @@ _RESERVED_KWARGS = {"conversation", "messages", "tokenize", "add_generation_prom
 )
 async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
     return await run_cancellable(raw, _create_chat_completion(get_ctx(raw), body, raw))
-
-
-def messages_to_dicts(messages: list[ChatMessage]) -> list[dict]:
-    out = []
-    for i, m in enumerate(messages):
-        content = m.content
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise APIError(f"messages[{i}]: content part of type {part.type!r} is not supported; "
-                                   f"only text parts are", param="messages")
-                texts.append(part.text)
-            content = "\n".join(texts)
-        elif content is None:
-            content = ""
-        d = {"role": m.role, "content": content}
-        if m.name is not None:
-            d["name"] = m.name
-        if m.tool_calls:
-            d["tool_calls"] = m.tool_calls
-        if m.tool_call_id is not None:
-            d["tool_call_id"] = m.tool_call_id
-        out.append(d)
-    return out
-
-
-def render_chat(ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool,
-                continue_final_message: bool, chat_template: str | None, kwargs: dict | None,
-                tools: ToolPlan | None = None) -> list[int]:
-    if add_generation_prompt and continue_final_message:
-        raise APIError("add_generation_prompt and continue_final_message cannot both be true; "
-                       "set add_generation_prompt to false to continue the last message",
-                       param="continue_final_message")
-    msgs = messages_to_dicts(messages)
-    if continue_final_message and msgs[-1]["role"] != "assistant":
-        raise APIError("continue_final_message needs the last message to be an assistant message",
-                       param="continue_final_message")
-    kw = {k: v for k, v in (kwargs or {}).items() if k not in _RESERVED_KWARGS}
-    template = chat_template or ctx.chat_template
-    if template:
-        kw["chat_template"] = template
-    if tools is not None:
-        if template_knows_tools(template or getattr(ctx.engine.tokenizer, "chat_template", None)):
-            kw["tools"] = [{"type": "function", "function": f} for f in tools.tools]
-        else:
-            msgs = add_tool_prompt(msgs, tools)
-    if continue_final_message:
-        kw["continue_final_message"] = True
-    try:
-        return ctx.engine.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **kw)
-    except ValueError as e:
-        raise APIError(f"cannot apply the chat template: {e}", param="messages") from None
-    except Exception as e:  # noqa: BLE001 - a Jinja error in the template or the messages
-        raise APIError(f"the chat template failed on these messages: {e}", param="messages") from None
 
 
 async def _create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest, raw: Request):
@@ -141,8 +75,8 @@ async def _create_chat_completion(ctx: ServerContext, body: ChatCompletionReques
         check_logprobs(ctx, body.top_logprobs, "top_logprobs")
     if body.logprobs:
         top_n = body.top_logprobs or 0
-    ids = render_chat(ctx, body.messages, body.add_generation_prompt, body.continue_final_message,
-                      body.chat_template, body.chat_template_kwargs, plan)
+    ids = await ctx.offload(render_chat, ctx, body.messages, body.add_generation_prompt,
+                            body.continue_final_message, body.chat_template, body.chat_template_kwargs, plan)
     max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = resolve_max_tokens(ctx, len(ids), requested, "messages", max_param)
@@ -154,7 +88,7 @@ async def _create_chat_completion(ctx: ServerContext, body: ChatCompletionReques
         params.guided_decoding = plan.guided
     plan = plan if plan is not None and plan.parses else None
 
-    request_id = new_request_id(raw, "chatcmpl")
+    request_id = new_request_id("chatcmpl")
     tracker = track(raw, request_id)
     tracker.prompt_tokens = len(ids)
     if body.use_beam_search:

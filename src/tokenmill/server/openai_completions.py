@@ -77,10 +77,12 @@ def _prompts(ctx: ServerContext, body: CompletionRequest) -> list[tuple[str | No
         raise APIError("prompt must not be empty", param="prompt")
     if isinstance(p[0], int):
         p = [p]
+    if len(p) > ctx.max_prompts_per_request:
+        raise APIError(f"at most {ctx.max_prompts_per_request} prompts per request, got {len(p)}", param="prompt")
     out = []
     for item in p:
         if isinstance(item, str):
-            out.append((item, ctx.tokenizer.encode(item, add_special_tokens=body.add_special_tokens)))
+            out.append((item, ctx.encode(item, body.add_special_tokens)))
         else:
             check_token_ids(ctx, item, "prompt")
             out.append((None, list(item)))
@@ -102,7 +104,7 @@ async def _create_completion(ctx: ServerContext, body: CompletionRequest, raw: R
     score_only = bool(body.echo) and body.max_tokens == 0
     if score_only and body.stream:
         raise APIError("max_tokens 0 (echo only) cannot be streamed", param="max_tokens")
-    prompts = _prompts(ctx, body)
+    prompts = await ctx.offload(_prompts, ctx, body)
     params = []
     for _, ids in prompts:
         max_tokens = resolve_max_tokens(ctx, len(ids), 1 if score_only else body.max_tokens)
@@ -111,7 +113,7 @@ async def _create_completion(ctx: ServerContext, body: CompletionRequest, raw: R
             sp.prompt_logprobs = max(body.logprobs, sp.prompt_logprobs or 0)
         params.append(sp)
 
-    request_id = new_request_id(raw, "cmpl")
+    request_id = new_request_id("cmpl")
     tracker = track(raw, request_id)
     tracker.prompt_tokens = sum(len(ids) for _, ids in prompts)
     if body.use_beam_search:
@@ -122,7 +124,7 @@ async def _create_completion(ctx: ServerContext, body: CompletionRequest, raw: R
     for i, ((_, ids), sp) in enumerate(zip(prompts, params)):
         streams += sample_streams(ctx, ids, sp, f"{request_id}-{i}" if many else request_id, tracker, i * S)
     streams = await start_streams(streams)
-    texts = [text if text is not None else ctx.tokenizer.decode(ids) for text, ids in prompts] if body.echo else None
+    texts = await ctx.offload(_echo_texts, ctx, prompts) if body.echo else None
     created = int(time.time())
     if body.stream:
         stream_texts = [texts[k // S] for k in range(len(streams))] if texts else None
@@ -130,6 +132,10 @@ async def _create_completion(ctx: ServerContext, body: CompletionRequest, raw: R
     outs = await collect_all(streams)
     merged = [merge_samples(outs[i * S : (i + 1) * S], sp) for i, sp in enumerate(params)]
     return JSONResponse(_response(ctx, body, request_id, created, merged, texts, score_only).model_dump())
+
+
+def _echo_texts(ctx: ServerContext, prompts) -> list[str]:
+    return [text if text is not None else ctx.tokenizer.decode(ids) for text, ids in prompts]
 
 
 async def _beam_search(ctx, body, request_id: str, prompts, params) -> CompletionResponse:

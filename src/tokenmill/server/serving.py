@@ -12,12 +12,12 @@ import time
 import uuid
 from contextlib import aclosing, suppress
 from dataclasses import dataclass, field
-from typing import Any, AsyncGenerator, AsyncIterator, Awaitable
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from tokenmill.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
+from tokenmill.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, ServerShutdownError
 from tokenmill.outputs import RequestOutput
 from tokenmill.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from tokenmill.sampling_params import SamplingParams
@@ -27,6 +27,8 @@ from tokenmill.server.errors import APIError, openai_error_body
 logger = logging.getLogger("tokenmill.server")
 
 RETRY_AFTER_S = 1  # seconds a client is told to wait when the waiting queue is full
+DEFAULT_MAX_PROMPTS = 256  # prompts in one /v1/completions request (--max-prompts-per-request)
+T = TypeVar("T")
 
 
 @dataclass
@@ -37,7 +39,22 @@ class ServerContext:
     api_key: str | None = None
     max_logprobs: int = 20
     chat_template: str | None = None
+    trust_request_chat_template: bool = False
+    max_request_body_bytes: int | None = None
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS
     started: float = field(default_factory=time.time)
+
+    async def offload(self, fn: Callable[..., T], *args) -> T:
+        """fn(*args) on the engine's prep pool: tokenizing and template rendering never block the
+        event loop (nor the engine thread)."""
+        return await asyncio.get_running_loop().run_in_executor(self.aengine.prep_pool, fn, *args)
+
+    def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        """Token ids of request text; a 400 naming `param` for text that cannot be tokenized."""
+        try:
+            return self.engine.encode(text, add_special_tokens, what=param)
+        except ValueError as e:
+            raise APIError(str(e), param=param) from None
 
     @property
     def engine(self):
@@ -185,9 +202,10 @@ def check_logprobs(ctx: ServerContext, n: int | None, param: str) -> None:
         raise APIError(f"{param} must be in [0, {limit}], got {n}", param=param)
 
 
-def new_request_id(raw: Request, prefix: str) -> str:
-    given = raw.headers.get("x-request-id")
-    return f"{prefix}-{given}" if given else f"{prefix}-{uuid.uuid4().hex}"
+def new_request_id(prefix: str) -> str:
+    """Always fresh: a client's X-Request-Id is only echoed and logged (see app.py), never the
+    engine's id, so two requests sending the same one cannot take each other's tokens."""
+    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def prompt_logprobs_json(out: RequestOutput) -> list[dict | None] | None:
@@ -258,7 +276,7 @@ async def engine_stream(ctx: ServerContext, prompt_ids: list[int], params: Sampl
 def _as_api_error(e: BaseException) -> BaseException:
     if isinstance(e, QueueFullError):
         return APIError(str(e), 503, headers={"Retry-After": str(RETRY_AFTER_S)}, tgi_type="overloaded")
-    if isinstance(e, EngineDeadError):
+    if isinstance(e, (EngineDeadError, ServerShutdownError)):
         return APIError(str(e), 503, tgi_type="generation")
     if isinstance(e, ValueError):
         return APIError.from_value_error(e)
@@ -303,7 +321,7 @@ async def collect(stream: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
 async def collect_all(streams: list[AsyncGenerator]) -> list[RequestOutput]:
     try:
         return await asyncio.gather(*(collect(s) for s in streams))
-    except (ValueError, QueueFullError, EngineDeadError) as e:
+    except (ValueError, QueueFullError, EngineDeadError, ServerShutdownError) as e:
         raise _as_api_error(e) from None
 
 
@@ -437,6 +455,6 @@ async def _last_output(gen: AsyncGenerator[RequestOutput, None]) -> RequestOutpu
         async with aclosing(gen):
             async for out in gen:
                 pass
-    except (ValueError, QueueFullError, EngineDeadError) as e:
+    except (ValueError, QueueFullError, EngineDeadError, ServerShutdownError) as e:
         raise _as_api_error(e) from None
     return out

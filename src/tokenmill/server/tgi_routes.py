@@ -142,7 +142,10 @@ def _validate(ctx: ServerContext, req: TGIRequest) -> tuple[list[int], SamplingP
     if not req.inputs:
         raise _bad("`inputs` cannot be empty")
     limit = ctx.max_model_len
-    ids = ctx.tokenizer.encode(req.inputs, add_special_tokens=True)
+    try:
+        ids = ctx.engine.encode(req.inputs, what="`inputs`")
+    except ValueError as e:
+        raise _bad(str(e)) from None
     if p.truncate is not None:
         if not 0 < p.truncate < limit:
             raise _bad(f"`truncate` must be strictly positive and less than {limit}. Given: {p.truncate}")
@@ -209,8 +212,8 @@ def _tokens(ctx: ServerContext, out: RequestOutput, token_ids: list[int], texts:
 
 
 async def _start(ctx: ServerContext, req: TGIRequest, raw: Request):
-    ids, params, sampling = _validate(ctx, req)
-    request_id = new_request_id(raw, "tgi")
+    ids, params, sampling = await ctx.offload(_validate, ctx, req)
+    request_id = new_request_id("tgi")
     tracker = track(raw, request_id)
     tracker.prompt_tokens = len(ids)
     streams = await start_streams([engine_stream(ctx, ids, params, request_id, tracker)])

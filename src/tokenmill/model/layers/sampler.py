@@ -174,10 +174,17 @@ class Sampler:
             logits[row, ids] += torch.tensor(values, dtype=logits.dtype)
         if b.watermark_rows:
             apply_watermark(logits, b.watermark_rows, b.watermark_prev, self.watermark)
+        # A grammar outranks min_tokens and bad words: a row whose bans leave the grammar no token
+        # (e.g. its output is complete but min_tokens bans EOS) takes the grammar's tokens alone.
+        unbanned = {row: logits[row].clone() for row, _ in b.banned if b.matchers and b.matchers[row] is not None}
         for row, ids in b.banned:
             logits[row, ids] = float("-inf")
         if b.matchers is not None:  # last: nothing may bring back a token the grammar forbids
             apply_grammar_masks(logits, b.matchers)
+            for row, before in unbanned.items():
+                if torch.isneginf(logits[row]).all():
+                    apply_grammar_masks(before.unsqueeze(0), [b.matchers[row]])
+                    logits[row] = before
         return logits
 
     def _sample(self, logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
