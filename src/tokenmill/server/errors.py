@@ -78,7 +78,7 @@ def error_response(path: str, message: str, status: int, param: str | None = Non
 # Fields typed as a Union: pydantic reports one error per arm; say what is accepted instead.
 _UNION_FIELDS = {
     "prompt": "a string, a list of strings, a list of token ids or a list of token id lists",
-    "stop": "a string or a list of strings",
+    "stop": "a string or a list of at most 64 strings",
     "content": "a string or a list of content parts ({'type': 'text', 'text': ...})",
     "tool_choice": "a string or an object",
 }

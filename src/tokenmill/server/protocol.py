@@ -9,12 +9,17 @@ there, so one place owns each rule and its message. Unknown fields are accepted 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
 # Seeds travel to torch.Generator.manual_seed: a signed 64-bit range, as vLLM accepts.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1
+# List sizes a request may carry: each entry costs work per request (bad words are tokenized) or
+# per generated token (stop strings are matched after every token).
+MAX_STOP = 64
+MAX_BAD_WORDS = 1024
+MAX_TOKEN_ID_LIST = 1024  # stop_token_ids, logit_bias entries
 
 
 class OpenAIBaseModel(BaseModel):
@@ -67,10 +72,12 @@ class _SamplingFields(OpenAIBaseModel):
     model: str | None = Field(None, description="served model name; omitted means the served model")
     frequency_penalty: float | None = Field(0.0, description="in [-2, 2]")
     presence_penalty: float | None = Field(0.0, description="in [-2, 2]")
-    logit_bias: dict[str, float] | None = Field(None, description="token id -> bias added to its logit, in [-100, 100]")
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_TOKEN_ID_LIST,
+                                                description="token id -> bias added to its logit, in [-100, 100]")
     n: int | None = Field(1, description="completions per prompt (the samples share the prompt's KV blocks)")
     seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX, description="same seed, same output")
-    stop: str | list[str] | None = Field(None, description="stop strings, never included in the output")
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = Field(
+        None, description=f"stop strings (at most {MAX_STOP}), never included in the output")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, description=">= 0; 0 is greedy (default 1)")
@@ -82,11 +89,12 @@ class _SamplingFields(OpenAIBaseModel):
     repetition_penalty: float | None = Field(None, description="vLLM extra: > 0 (1 disables)")
     min_tokens: int = Field(0, description="vLLM extra: no EOS / stop token before this many tokens")
     ignore_eos: bool = Field(False, description="vLLM extra: keep generating past EOS")
-    stop_token_ids: list[int] | None = Field(None, description="vLLM extra: token ids that end generation")
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_TOKEN_ID_LIST,
+                                             description="vLLM extra: token ids that end generation")
     include_stop_str_in_output: bool = Field(False, description="vLLM extra")
     skip_special_tokens: bool = Field(True, description="vLLM extra: drop special tokens from the text")
     spaces_between_special_tokens: bool = Field(True, description="vLLM extra")
-    bad_words: list[str] | None = Field(None, description="vLLM extra: words never generated")
+    bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS, description="vLLM extra: words never generated")
     prompt_logprobs: int | None = Field(None, description="vLLM extra: each prompt token's logprob plus the top N")
     use_beam_search: bool = Field(False, description="vLLM extra: beam search with n beams (not streamed)")
     length_penalty: float = Field(1.0, description="vLLM extra: beam scores are logprob / length ** this")
