@@ -9,7 +9,9 @@ graph on a GPU: it changes how the step is run, not what it computes.
 
 Used for steps whose rows are all decode tokens, at most SMALL_BATCH of them (where the linears
 run the engine's own kernels anyway), on bf16 models whose linears are bf16 panels or int4 /
-int8 blocks, with a bf16 KV cache. TOKENMILL_FUSED_DECODE=0 turns it off.
+int8 blocks, with a bf16 KV cache. TOKENMILL_FUSED_DECODE=0 turns it off. Its threads wait for
+each other at a barrier that spins briefly and then sleeps (TOKENMILL_SPIN_US), so that the step
+slows in proportion, rather than collapsing, when other processes take cores (cpu_threads).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import os
 import torch
 from torch import nn
 
-from tokenmill.model.layers import cpu_kernels
+from tokenmill.model.layers import cpu_kernels, cpu_threads
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata
 from tokenmill.model.layers.linear import SMALL_BATCH, PackedLinear
 from tokenmill.model.layers.quantization import QuantEmbedding, QuantLinear
@@ -81,6 +83,7 @@ class FusedDecode:
         except RuntimeError as e:  # a shape or dtype the C++ decoder does not take
             logger.info("fused decode step off: %s", e)
             return None
+        decoder.spin_ns = cpu_threads.barrier_spin_ns()  # spin, then sleep: see cpu_threads
         logger.info("fused decode step on for all-decode batches of <= %d rows", SMALL_BATCH)
         return cls(decoder)
 

@@ -6,7 +6,8 @@
 // the weight stream stalls at every op boundary: 30 layers of SmolLM2's linears as 120 kernel
 // calls stream ~25-30 GB/s where the same kernel in one region streams ~37 (2 cores).
 // Here each thread runs its share of every stage and the threads meet at a barrier where a
-// stage needs the whole of the previous one's output:
+// stage needs the whole of the previous one's output (step_barrier.h: spins briefly, then sleeps,
+// so that the step slows in proportion, not collapses, when other processes take cores):
 //
 //   per layer: [norm] qkv | rope + cache write (| when sequences are split) attention
 //              (| merge of split sequences) | o_proj | [add + norm] gate_up + silu | down |
@@ -21,9 +22,18 @@
 #include <ATen/Parallel.h>
 #include <omp.h>
 
+#include <atomic>
+#include <chrono>
+#include <climits>
 #include <cstdint>
+#include <thread>
 #include <tuple>
 #include <vector>
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "elementwise.h"
 #include "linear.h"
@@ -83,6 +93,74 @@ Linear make_linear(const LinearSpec& spec, int64_t in_features, int64_t out_feat
   }
   return lin;
 }
+
+// A barrier for the threads of one parallel region that degrades gracefully when the machine is
+// oversubscribed (other processes busy, a container's CPU quota, more threads than free cores).
+//
+// `#pragma omp barrier` under libgomp's default wait policy spins up to GOMP_SPINCOUNT = 300,000
+// pause instructions (~8 ms on an AMD EPYC) before it sleeps. When every thread has a core of
+// its own, a barrier's wait is a few microseconds and spinning is the fastest way to wait. When
+// one thread is descheduled (its core taken by another process), the others spin through their
+// time slices for it, and a spinning thread that shares a core with the late one keeps it off
+// that core: each of the fused step's ~150 barriers then costs a scheduler time slice (ms), and
+// a 6 ms decode step took 100-400 ms on 2 cores with one busy process beside it.
+//
+// This barrier spins for at most `spin_ns` (default 50 us: far above a quiet barrier's wait,
+// far below a time slice), then sleeps on a futex until the last thread arrives, so a thread
+// that waits long gives its core back to the thread (or process) that needs it.
+class StepBarrier {
+ public:
+  explicit StepBarrier(int64_t spin_ns) : spin_ns_(spin_ns) {}
+  StepBarrier(const StepBarrier&) = delete;
+  StepBarrier& operator=(const StepBarrier&) = delete;
+
+  // Every one of the region's n threads calls wait(n); all return once the last has come in.
+  void wait(int n) {
+    if (n <= 1) return;
+    const uint32_t gen = gen_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == n - 1) {  // the last one in
+      arrived_.store(0, std::memory_order_relaxed);  // nobody re-enters before gen_ moves on
+      gen_.fetch_add(1, std::memory_order_seq_cst);
+      if (sleepers_.load(std::memory_order_seq_cst) > 0) futex(FUTEX_WAKE_PRIVATE, INT_MAX);
+      return;
+    }
+    if (spin_until_changed(gen)) return;
+    sleepers_.fetch_add(1, std::memory_order_seq_cst);
+    while (gen_.load(std::memory_order_seq_cst) == gen) futex(FUTEX_WAIT_PRIVATE, gen);
+    sleepers_.fetch_sub(1, std::memory_order_relaxed);
+  }
+
+ private:
+  // Spins while gen_ == gen for up to spin_ns_; true if it moved on meanwhile.
+  bool spin_until_changed(uint32_t gen) const {
+    if (spin_ns_ <= 0) return gen_.load(std::memory_order_acquire) != gen;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::nanoseconds(spin_ns_);
+    for (;;) {
+      for (int i = 0; i < 64; ++i) {  // ~1.7 us of pauses between clock reads
+        if (gen_.load(std::memory_order_acquire) != gen) return true;
+#if defined(__x86_64__)
+        _mm_pause();
+#endif
+      }
+      if (std::chrono::steady_clock::now() >= deadline) return gen_.load(std::memory_order_acquire) != gen;
+    }
+  }
+
+  void futex(int op, uint32_t val) {
+#if defined(__linux__)
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&gen_), op, val, nullptr, nullptr, 0);
+#else
+    (void)op, (void)val;
+    std::this_thread::yield();
+#endif
+  }
+
+  static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "futex word");
+  const int64_t spin_ns_;
+  alignas(64) std::atomic<uint32_t> gen_{0};
+  alignas(64) std::atomic<int> arrived_{0};
+  alignas(64) std::atomic<int> sleepers_{0};
+};
 
 // This thread's share [begin, end) of n items split evenly over nt threads.
 inline std::pair<int64_t, int64_t> share(int64_t n, int t, int nt) { return {n * t / nt, n * (t + 1) / nt}; }
@@ -177,6 +255,7 @@ class FusedDecoder {
     BF16* down_p = down.data_ptr<BF16>();
     const BF16* cos = cos_.data_ptr<BF16>();
     const BF16* sin = sin_.data_ptr<BF16>();
+    StepBarrier barrier(spin_ns_);
 
 #pragma omp parallel num_threads(nt)
     {
@@ -195,7 +274,7 @@ class FusedDecoder {
           else add_rms_norm_row(down_p + m * hid, resid.data() + m * hid, in_norm, xn.data() + m * hid, hid, eps_);
         }
         linear(qkv_[l], xn.data(), M, qkv_p, qkv_w);
-#pragma omp barrier
+        barrier.wait(n_t);
         BF16* k_cache = kv_caches_[2 * l].data_ptr<BF16>();
         BF16* v_cache = kv_caches_[2 * l + 1].data_ptr<BF16>();
         {
@@ -204,9 +283,8 @@ class FusedDecoder {
             rope_and_cache_row(qkv_p + r * qkv_w, pos[r], cos, sin, k_cache, v_cache, slot[r], q_p + r * H * D, H,
                                Hkv, D);
         }
-        if (S > 1) {  // (unsplit, a thread attends exactly the rows it just rotated: no wait needed)
-#pragma omp barrier
-        }
+        // (unsplit, a thread attends exactly the rows it just rotated: no wait needed)
+        if (S > 1) barrier.wait(n_t);
         const DecodeArgs<BF16, BF16> a{q_p, k_cache, v_cache, nullptr, nullptr, block_tables.data_ptr<int64_t>(), lens,
                                        attn_p, M, H, Hkv, D, block_size_, block_tables.size(1), scale_, S,
                                        part_ml.data(), part_acc.data()};
@@ -214,14 +292,14 @@ class FusedDecoder {
           const auto [i0, i1] = share(M * S, t, n_t);
           decode_items(a, i0, i1);
         }
-#pragma omp barrier
+        barrier.wait(n_t);
         if (S > 1) {
           const auto [i0, i1] = share(M * H, t, n_t);
           decode_merge(a, i0, i1);
-#pragma omp barrier
+          barrier.wait(n_t);
         }
         linear(o_[l], attn_p, M, o_p, hid);
-#pragma omp barrier
+        barrier.wait(n_t);
         const BF16* post_norm = norms_[2 * l + 1].data_ptr<BF16>();
         for (int64_t m = 0; m < M; ++m)
           add_rms_norm_row(o_p + m * hid, resid.data() + m * hid, post_norm, xn.data() + m * hid, hid, eps_);
@@ -237,9 +315,9 @@ class FusedDecoder {
           for (int64_t m = 0; m < M; ++m)
             silu_mul_row(gu_p + m * 2 * I + c0, gu_p + m * 2 * I + I + c0, act_p + m * I + c0, c1 - c0);
         }
-#pragma omp barrier
+        barrier.wait(n_t);
         linear(down_[l], act_p, M, down_p, hid);
-#pragma omp barrier
+        barrier.wait(n_t);
       }
       const BF16* final_norm = norms_.back().data_ptr<BF16>();
       for (int64_t m = 0; m < M; ++m)
@@ -255,8 +333,15 @@ class FusedDecoder {
         for (int64_t r = 0; r < R; ++r)
           for (int64_t c = c0; c < c1; ++c) logits_f[r * vocab_ + c] = static_cast<float>(logits_b[r * vocab_ + c]);
       }
+      barrier.wait(n_t);  // so that the region's own closing barrier (libgomp's spin) finds everyone there
     }
     return logits_f32;
+  }
+
+  int64_t spin_ns() const { return spin_ns_; }
+  void set_spin_ns(int64_t ns) {
+    TORCH_CHECK(ns >= 0, "FusedDecoder: spin_ns must be >= 0");
+    spin_ns_ = ns;
   }
 
  private:
@@ -269,6 +354,7 @@ class FusedDecoder {
   float eps_;
   int64_t block_size_;
   float scale_;
+  int64_t spin_ns_ = 50000;  // how long a barrier spins before it sleeps (step_barrier.h)
 };
 
 void bind_fused_decoder(pybind11::module_& m) {
@@ -283,7 +369,9 @@ void bind_fused_decoder(pybind11::module_& m) {
            py::arg("scale"))
       .def("forward", &FusedDecoder::forward, py::arg("ids"), py::arg("positions"), py::arg("slots"),
            py::arg("block_tables"), py::arg("seq_lens"), py::arg("logits_rows"),
-           py::call_guard<py::gil_scoped_release>());
+           py::call_guard<py::gil_scoped_release>())
+      .def_property("spin_ns", &FusedDecoder::spin_ns, &FusedDecoder::set_spin_ns,
+                    "how long a thread spins at a barrier of the step before it sleeps (ns; 0: at once)");
 }
 
 #else  // no AVX512-BF16: no fused decode step (the model runs op by op)

@@ -1,0 +1,169 @@
+"""How many CPU threads to compute with, and how they wait: for shared hosts and containers.
+
+torch's default thread count is the number of CPUs the process may run on (its affinity mask),
+whatever its container's CPU quota: a container given 1 CPU of a 16-core host would run 16
+threads that the quota throttles in turn. `available_cpus()` is the affinity count, lowered to
+the cgroup CPU quota rounded up (cgroup v2 `cpu.max`, v1 `cpu.cfs_quota_us / cpu.cfs_period_us`,
+the tightest along the process's cgroup path), as Java and Go (1.25) size their thread pools;
+`apply_cpu_limit()` sets torch's thread count to it when that is fewer.
+
+Waiting: the fused decode step's barriers (csrc/decode_step.cpp) spin for `barrier_spin_ns()`
+(`TOKENMILL_SPIN_US`, default 50 us) and then sleep, so a step slows in proportion when other
+processes take cores instead of spinning through their time slices (benchmarks/contention.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from pathlib import Path
+
+logger = logging.getLogger("tokenmill")
+
+DEFAULT_SPIN_US = 50.0
+
+
+def _unescape(field: str) -> str:
+    """mountinfo escapes space, tab, newline and backslash as octal (\\040)."""
+    return field.encode().decode("unicode_escape") if "\\" in field else field
+
+
+def _mounts(proc: Path) -> list[tuple[str, Path, str, set[str]]]:
+    """(root inside the hierarchy, mount point, fs type, super options) of each cgroup mount."""
+    out = []
+    try:
+        lines = (proc / "mountinfo").read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        head, sep, tail = line.partition(" - ")
+        fields, rest = head.split(), tail.split()
+        if not sep or len(fields) < 5 or len(rest) < 3 or rest[0] not in ("cgroup", "cgroup2"):
+            continue
+        out.append((_unescape(fields[3]), Path(_unescape(fields[4])), rest[0], set(rest[2].split(","))))
+    return out
+
+
+def _cgroup_paths(proc: Path) -> tuple[str | None, str | None]:
+    """This process's cgroup path in the v2 hierarchy and in the v1 hierarchy holding `cpu`."""
+    v2 = v1 = None
+    try:
+        lines = (proc / "cgroup").read_text().splitlines()
+    except OSError:
+        return v2, v1
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and parts[1] == "":
+            v2 = parts[2]
+        elif "cpu" in parts[1].split(","):
+            v1 = parts[2]
+    return v2, v1
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def _limit_at(d: Path, v2: bool) -> float | None:
+    """The CPU limit (CPUs) set in one cgroup directory, or None where there is none."""
+    if v2:
+        text = _read(d / "cpu.max")
+        if not text:
+            return None
+        quota, _, period = text.partition(" ")
+        if quota == "max":
+            return None
+        try:
+            q, p = int(quota), int(period or 100000)
+        except ValueError:
+            return None
+    else:
+        quota, period = _read(d / "cpu.cfs_quota_us"), _read(d / "cpu.cfs_period_us")
+        try:
+            q, p = int(quota or -1), int(period or 100000)
+        except ValueError:
+            return None
+    return q / p if q > 0 and p > 0 else None
+
+
+def cgroup_cpu_limit(proc: str | os.PathLike = "/proc/self") -> float | None:
+    """CPUs this process's cgroup quota allows (e.g. 1.5), or None when unlimited or unknown.
+
+    Reads `proc`/mountinfo for the cgroup mounts and `proc`/cgroup for the process's place in
+    each hierarchy, then the quota of that cgroup and of each ancestor the mount shows (a
+    container sees its own cgroup as the mount's root): the tightest wins.
+    """
+    proc = Path(proc)
+    v2_path, v1_path = _cgroup_paths(proc)
+    limits = []
+    for root, mount, fstype, opts in _mounts(proc):
+        v2 = fstype == "cgroup2"
+        path = v2_path if v2 else (v1_path if "cpu" in opts else None)
+        if path is None:
+            continue
+        # The process's cgroup relative to what this mount shows; outside it (another
+        # namespace's view), only the mount's own root can be read.
+        rel = os.path.relpath(path, root) if path == root or path.startswith(root.rstrip("/") + "/") else "."
+        d = mount / rel if rel != "." else mount
+        while True:
+            lim = _limit_at(d, v2)
+            if lim is not None:
+                limits.append(lim)
+            if d == mount or mount not in d.parents:
+                break
+            d = d.parent
+    return min(limits) if limits else None
+
+
+def affinity_cpus() -> int:
+    """CPUs in this process's affinity mask (taskset, cpuset), or os.cpu_count()."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def available_cpus(proc: str | os.PathLike = "/proc/self", affinity: int | None = None) -> int:
+    """The CPUs this process can use: its affinity count, capped by its cgroup quota rounded up."""
+    n = affinity if affinity is not None else affinity_cpus()
+    limit = cgroup_cpu_limit(proc)
+    if limit is not None:
+        n = min(n, max(1, math.ceil(limit - 1e-9)))
+    return max(1, n)
+
+
+def apply_cpu_limit() -> int:
+    """Lowers torch's intra-op thread count to available_cpus() when it is higher (logged);
+    returns the thread count in force. An explicit --num-threads bypasses this."""
+    import torch
+
+    n, have = available_cpus(), torch.get_num_threads()
+    if n < have:
+        logger.info("using %d CPU threads, not %d: the process's CPU quota / affinity allows %d CPUs (%s)",
+                    n, have, n, describe())
+        torch.set_num_threads(n)
+        return n
+    return have
+
+
+def barrier_spin_ns() -> int:
+    """How long the fused step's barriers spin before sleeping: TOKENMILL_SPIN_US (default 50)."""
+    raw = os.environ.get("TOKENMILL_SPIN_US")
+    try:
+        us = float(raw) if raw not in (None, "") else DEFAULT_SPIN_US
+    except ValueError:
+        logger.warning("TOKENMILL_SPIN_US=%r is not a number; using %g", raw, DEFAULT_SPIN_US)
+        us = DEFAULT_SPIN_US
+    return max(0, int(us * 1000))
+
+
+def describe() -> str:
+    limit = cgroup_cpu_limit()
+    quota = "no CPU quota" if limit is None else f"CPU quota {limit:g}"
+    return f"{os.cpu_count()} CPUs, {affinity_cpus()} in the affinity mask, {quota}"
