@@ -1,4 +1,4 @@
-"""`tokenmill generate | chat | serve | bench`: the command line, flags named like vLLM's."""
+"""`tokenmill generate | chat | serve | bench | build-kernels`: the command line, flags named like vLLM's."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 from dataclasses import fields
 
 from tokenmill.config import EngineArgs
@@ -162,6 +163,17 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     )
 
 
+def _cmd_build_kernels(ns: argparse.Namespace) -> int:
+    from tokenmill.model.layers import cpu_kernels
+
+    t0 = time.perf_counter()
+    if cpu_kernels.load() is None:
+        print(f"tokenmill: error: the CPU kernels did not build: {cpu_kernels.build_error()}", file=sys.stderr)
+        return 1
+    print(f"CPU kernels ready in {cpu_kernels.build_directory()} ({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
 def _cmd_bench_serve(ns: argparse.Namespace) -> int:
     from tokenmill.bench.serve import run_from_args
 
@@ -206,7 +218,10 @@ def add_server_args(s: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from tokenmill import __version__
+
     p = argparse.ArgumentParser(prog="tokenmill", description="LLM inference and serving engine")
+    p.add_argument("--version", action="version", version=f"tokenmill {__version__}")
     p.add_argument("--log-level", default=None,
                    help="DEBUG, INFO, WARNING, ... (default: INFO for serve, WARNING otherwise)")
     sub = p.add_subparsers(dest="command", required=True)
@@ -234,6 +249,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(s, positional_model=True)
     add_server_args(s)
     s.set_defaults(func=_cmd_serve, default_log_level="INFO")
+
+    k = sub.add_parser("build-kernels", help="compile the C++ CPU kernels now (else the first engine start does)",
+                       description="Compile the engine's C++ CPU kernels for this environment (a few minutes on "
+                                   "2 cores, once) and print where they were built.")
+    k.set_defaults(func=_cmd_build_kernels, default_log_level="INFO")
 
     b = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     bs = b.add_parser("serve", help="load generator for any OpenAI-compatible server",

@@ -11,7 +11,8 @@ import time
 import torch
 
 from tokenmill.model.gguf_loader import QUANTIZED_FILE
-from tokenmill.model.layers.quantization import BITS, GROUP, quantize_model
+from tokenmill.model.layers import cpu_kernels
+from tokenmill.model.layers.quantization import BITS, GROUP, dequantize, quantize_model
 from tokenmill.model.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger("tokenmill")
@@ -32,13 +33,13 @@ def resolve_model_path(model: str | None) -> str:
         model = gguf_loader.default_model_path()
     if os.path.isfile(model):
         if model.endswith(".gguf"):
-            return gguf_loader.gguf_to_hf_folder(model)
+            return gguf_loader.gguf_to_hf_folder(model, dense_dtype="bfloat16")
         raise ValueError(f"model file {model!r} is not a .gguf file; give a GGUF file or a Hugging Face folder")
     if os.path.isdir(model):
         if not os.path.exists(os.path.join(model, "config.json")):
             ggufs = sorted(glob.glob(os.path.join(model, "*.gguf")))
             if ggufs:
-                return gguf_loader.gguf_to_hf_folder(ggufs[0])
+                return gguf_loader.gguf_to_hf_folder(ggufs[0], dense_dtype="bfloat16")
             raise ValueError(f"model folder {model!r} has no config.json (nor a .gguf file)")
         return model
     # Not local: a hub id, for users who have a hub. Offline machines get a clear error.
@@ -66,17 +67,27 @@ def load_hf_config(path: str):
     return AutoConfig.from_pretrained(path)
 
 
-def _iter_safetensors(path: str, skip: set[str] = frozenset()):
+def _iter_safetensors(path: str, skip: set[str] = frozenset(), blocks: str | None = None):
+    """(name, tensor) over the folder's *.safetensors, with a progress bar on a terminal. blocks: a
+    GGUF cache's gguf_blocks file; weights it holds that the folder stores in bfloat16 are rebuilt
+    from it exactly (the float32 values the GGUF's Q4_0 / Q4_1 / Q8_0 blocks stand for)."""
     from safetensors import safe_open
+    from tqdm import tqdm
 
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors weights in {path!r}")
-    for fname in files:
-        with safe_open(fname, framework="pt") as f:
-            for name in f.keys():
-                if name not in skip:
-                    yield name, f.get_tensor(name)
+    names = [(st, name) for st in (safe_open(f, framework="pt") for f in files) for name in st.keys()
+             if name not in skip]
+    q = safe_open(blocks, framework="pt") if blocks else None
+    qkeys = set(q.keys()) if q is not None else set()
+    for st, name in tqdm(names, desc="Loading weights", unit="tensor", leave=False, disable=None):  # None: TTY only
+        w = st.get_tensor(name)
+        stem = name.removesuffix(".weight")
+        if w.dtype == torch.bfloat16 and stem + ".qweight" in qkeys:
+            qweight = q.get_tensor(stem + ".qweight")
+            w = dequantize(qweight, q.get_tensor(stem + ".scales"), 4 if qweight.dtype == torch.uint8 else 8)
+        yield name, w
 
 
 def _load_gguf_quantized(model: torch.nn.Module, path: str, dtype: torch.dtype) -> set[str]:
@@ -96,6 +107,8 @@ def load_model(path: str, hf_config, dtype: torch.dtype, max_position: int, devi
                quantization: str | None = None) -> torch.nn.Module:
     """quantization: None (weights in `dtype`), "int4" / "int8" (quantized here, groups of 32) or
     "gguf" (a GGUF's Q4_0 / Q4_1 / Q8_0 tensors kept quantized)."""
+    if device == "cpu" and cpu_kernels.enabled():
+        cpu_kernels.load()  # before the clock: a first run's compile takes minutes and logs its own time
     t0 = time.perf_counter()
     cls = MODEL_REGISTRY[hf_config.architectures[0]]
     with torch.device("meta"):
@@ -105,7 +118,9 @@ def load_model(path: str, hf_config, dtype: torch.dtype, max_position: int, devi
     if model.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     skip = _load_gguf_quantized(model, path, dtype) if quantization == "gguf" else set()
-    model.load_weights(_iter_safetensors(path, skip))
+    blocks = os.path.join(path, QUANTIZED_FILE)
+    exact = dtype != torch.bfloat16 and os.path.exists(blocks)  # the bf16 copy would lose precision
+    model.load_weights(_iter_safetensors(path, skip, blocks if exact else None))
     model.eval()
     if quantization in BITS:
         n = quantize_model(model, BITS[quantization])

@@ -1,8 +1,11 @@
 """The engine's own C++ CPU kernels, compiled from the package's source on first use.
 
-Built with torch's cpp_extension (needs a C++ compiler and ninja) into a build folder keyed
-by the source and flags, so only the first process on a machine pays the ~45 s build. If the
-build fails, callers fall back to pure-torch code (TOKENMILL_NO_CPP_KERNELS=1 forces that).
+Built with torch's cpp_extension (needs a C++ compiler and ninja) into a build folder under
+torch's build root (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR) keyed by the source,
+the flags and the environment (torch, Python, sys.prefix, where the package is installed), so
+two venvs never share or wait on one build. Only the first process of an environment pays for
+the build (~130 s on 2 cores; `tokenmill build-kernels` does it ahead); it says so in the log.
+If the build fails, callers fall back to pure-torch code (TOKENMILL_NO_CPP_KERNELS=1 forces that).
 
 torch guards a build with a lock file that it waits on forever if the builder was killed
 mid-build; an flock (released by the OS when its holder dies) around the build lets the next
@@ -17,43 +20,82 @@ import logging
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 logger = logging.getLogger("tokenmill")
 _lock = threading.Lock()
 _module = None
 _failed = False
+_error: str | None = None  # why the build failed (for `tokenmill build-kernels`)
+NAME = "tokenmill_cpu_kernels"
 
 
 def load():
     """The compiled module, or None when unavailable."""
-    global _module, _failed
+    global _module, _failed, _error
     if _module is not None or _failed:
         return _module
     with _lock:
         if _module is not None or _failed:
             return _module
         try:
-            from torch.utils.cpp_extension import load as load_ext
-
-            build_dir = build_directory()
-            build_dir.mkdir(parents=True, exist_ok=True)
-            with open(build_dir / "tokenmill.flock", "w") as guard:
-                fcntl.flock(guard, fcntl.LOCK_EX)  # one builder per machine; freed if it dies
-                (build_dir / "lock").unlink(missing_ok=True)  # torch's own lock: stale if we got here
-                _module = load_ext(name="tokenmill_cpu_kernels", sources=[str(p) for p in SOURCES], extra_cflags=_flags(),
-                                   build_directory=str(build_dir), verbose=False)
+            _module = _build()
         except Exception as e:  # noqa: BLE001 - no compiler, no ninja, ...: use the torch path
+            _error = f"{type(e).__name__}: {e}"
             logger.warning("C++ CPU kernels unavailable (%s); using the pure-torch attention path", e)
             _failed = True
     return _module
 
 
+def build_error() -> str | None:
+    return _error
+
+
+def _build():
+    build_dir = build_directory()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "tokenmill.flock", "a+") as guard:  # "a+": a waiter must not erase the holder's pid
+        _acquire(guard, build_dir)  # one builder per environment; freed if it dies
+        (build_dir / "lock").unlink(missing_ok=True)  # torch's own lock: stale if we got here
+        fresh = not (build_dir / f"{NAME}.so").exists()
+        if fresh:  # minutes of silence otherwise, which the next log line would be blamed for
+            logger.warning("compiling the CPU kernels into %s (first run with this environment on this machine: "
+                           "about 2 min on 2 cores, less with more; `tokenmill build-kernels` does it ahead)",
+                           build_dir)
+        t0 = time.perf_counter()
+        module = _load_ext(build_dir)
+        if fresh:
+            logger.warning("compiled the CPU kernels in %.0f s", time.perf_counter() - t0)
+        return module
+
+
+def _acquire(guard, build_dir: Path) -> None:
+    """flock the build folder, saying so when another process holds it (its pid is in the file)."""
+    try:
+        fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        guard.seek(0)
+        holder = guard.read().strip() or "?"
+        logger.warning("waiting for another process (pid %s) building the CPU kernels in %s", holder, build_dir)
+        fcntl.flock(guard, fcntl.LOCK_EX)
+    guard.truncate(0)
+    guard.write(str(os.getpid()))
+    guard.flush()
+
+
+def _load_ext(build_dir: Path):
+    from torch.utils.cpp_extension import load as load_ext
+
+    return load_ext(name=NAME, sources=[str(p) for p in SOURCES], extra_cflags=_flags(),
+                    build_directory=str(build_dir), verbose=False)
+
+
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("paged_attention.cpp", "paged_prefill.cpp", "quant_linear.cpp", "panel_linear.cpp", "fused_ops.cpp",
                         "decode_step.cpp", "bindings.cpp")]
-# Not compiled alone, but part of the build key.
-HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_common.h", "elementwise.h", "linear.h", "paged_decode.h")]
+# Not compiled alone, but part of the build key: every header, so a new one cannot be forgotten.
+HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 
 
 def _flags() -> list[str]:
@@ -64,13 +106,15 @@ def _flags() -> list[str]:
 
 
 def build_directory() -> Path:
-    """Where the module is built: keyed by source, flags, torch's ABI and the Python version."""
+    """Where the module is built: under torch's build root ($TORCH_EXTENSIONS_DIR or
+    ~/.cache/torch_extensions), keyed by source, flags, torch, Python and the environment (its
+    sys.prefix and this package's location), so two installs on one machine build apart."""
     import torch
     from torch.utils.cpp_extension import get_default_build_root
 
-    tag = f"{' '.join(_flags())}|{torch.__version__}|{sys.version}".encode()
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + tag).hexdigest()[:16]
-    return Path(get_default_build_root()) / f"tokenmill_cpu_kernels_{key}"
+    env = [" ".join(_flags()), torch.__version__, sys.version, sys.prefix, str(Path(__file__).resolve().parent)]
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + "|".join(env).encode()).hexdigest()[:16]
+    return Path(get_default_build_root()) / f"{NAME}_{key}"
 
 
 def enabled() -> bool:
