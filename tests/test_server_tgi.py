@@ -93,8 +93,9 @@ def test_tgi_validation_errors(http, params, words):
 def test_tgi_empty_inputs_and_malformed_json(http):
     r = http.post("/generate", json={"inputs": ""})
     assert r.status_code == 422 and "`inputs` cannot be empty" in r.json()["error"]
-    r = http.post("/generate", content=b"{nope", headers={"Content-Type": "application/json"})
-    assert r.status_code == 400 and r.json()["error_type"] == "validation"
+    for path in ("/generate", "/generate_stream"):  # 422 as TGI's schema says, malformed JSON included
+        r = http.post(path, content=b"{nope", headers={"Content-Type": "application/json"})
+        assert r.status_code == 422 and r.json()["error_type"] == "validation" and "Malformed JSON" in r.json()["error"]
 
 
 def test_info(http):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from tokenmill.structured_output import GuidedDecodingParams
@@ -13,7 +14,21 @@ class SamplingParams:
 
     Defaults follow vLLM: temperature 1.0, no top-k/top-p/min-p truncation, 16 new tokens.
     temperature == 0 means greedy (exact argmax).
+
+    Every float must be finite (NaN compares false with every bound, and a NaN or infinite
+    temperature or penalty turns the logits into NaN: the sampler then picks token 0 forever).
+    Ranges beyond vLLM's: temperature <= TEMPERATURE_MAX (the sampler divides float32 logits by
+    it: a huge one overflows to inf and -inf / inf is NaN; 100 already flattens any practical
+    distribution to near-uniform) and repetition_penalty in
+    [REPETITION_PENALTY_MIN, REPETITION_PENALTY_MAX] (logits are divided or multiplied by it: 1e-300
+    is 0 in float32 and every logit becomes inf), top_k below 2**31 (a torch index) and seed in
+    the signed 64-bit range (torch.Generator.manual_seed).
     """
+
+    TEMPERATURE_MAX = 100.0
+    REPETITION_PENALTY_MIN, REPETITION_PENALTY_MAX = 0.01, 100.0
+    TOP_K_MAX = 2**31 - 1
+    SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
     n: int = 1  # completions returned per prompt
     best_of: int | None = None  # completions generated per prompt; the n most likely are returned
@@ -58,20 +73,30 @@ class SamplingParams:
         def bad(msg: str) -> None:
             raise ValueError(msg)
 
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            v = getattr(self, name)
+            try:
+                finite = math.isfinite(v)
+            except TypeError:
+                finite = False
+            if not finite:
+                bad(f"{name} must be a finite number, got {v!r}")
         if self.n < 1:
             bad(f"n must be at least 1, got {self.n}")
         if self.best_of is not None and self.best_of < self.n:
             bad(f"best_of must be greater than or equal to n, got n={self.n} and best_of={self.best_of}")
-        if self.temperature < 0.0:
-            bad(f"temperature must be non-negative, got {self.temperature}")
+        if not 0.0 <= self.temperature <= self.TEMPERATURE_MAX:
+            bad(f"temperature must be in [0, {self.TEMPERATURE_MAX:g}], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            bad(f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}")
+        if not -1 <= self.top_k <= self.TOP_K_MAX:
+            bad(f"top_k must be -1 (disable), 0 (disable) or in [1, {self.TOP_K_MAX}], got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             bad(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0.0:
-            bad(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}")
+        if not self.REPETITION_PENALTY_MIN <= self.repetition_penalty <= self.REPETITION_PENALTY_MAX:
+            bad(f"repetition_penalty must be in [{self.REPETITION_PENALTY_MIN:g}, {self.REPETITION_PENALTY_MAX:g}] "
+                f"(1 disables), got {self.repetition_penalty}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
@@ -89,7 +114,9 @@ class SamplingParams:
         if any(not s for s in self.stop):  # type: ignore[union-attr]
             bad("stop strings must be non-empty")
         if self.logit_bias and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
-            bad("logit_bias values must be in [-100, 100]")
+            bad("logit_bias values must be in [-100, 100]")  # NaN fails the comparison too
+        if self.seed is not None and not self.SEED_MIN <= self.seed <= self.SEED_MAX:
+            bad(f"seed must be in [-2**63, 2**63 - 1], got {self.seed}")
         if any(not w.strip() for w in self.bad_words):  # type: ignore[union-attr]
             bad("bad_words must be non-empty")
 

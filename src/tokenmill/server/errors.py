@@ -8,10 +8,13 @@ import json
 import logging
 import re
 from http import HTTPStatus
+from types import UnionType
+from typing import Union, get_args, get_origin
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger("tokenmill.server")
@@ -68,8 +71,8 @@ def error_response(path: str, message: str, status: int, param: str | None = Non
                    headers: dict[str, str] | None = None, tgi_type: str = "validation") -> JSONResponse:
     if path in TGI_PATHS:
         body = {"error": message, "error_type": tgi_type}
-        if status == 400 and tgi_type == "validation" and not message.startswith("Malformed JSON"):
-            status = 422  # TGI answers validation errors with 422
+        if status == 400 and tgi_type == "validation":
+            status = 422  # TGI answers validation errors (malformed JSON included) with 422
     else:
         body = openai_error_body(message, status, param)
     return JSONResponse(body, status_code=status, headers=headers)
@@ -77,14 +80,90 @@ def error_response(path: str, message: str, status: int, param: str | None = Non
 
 # Fields typed as a Union: pydantic reports one error per arm; say what is accepted instead.
 _UNION_FIELDS = {
-    "prompt": "a string, a list of strings, a list of token ids or a list of token id lists",
-    "stop": "a string or a list of at most 64 strings",
+    "prompt": "a string, a list of strings, a list of token ids (integers >= 0) or a list of token id lists",
+    "stop": "a non-empty string or a list of at most 64 non-empty strings",
     "content": "a string or a list of content parts ({'type': 'text', 'text': ...})",
     "tool_choice": "a string or an object",
 }
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+_BOUND_ERRORS = {"greater_than": "gt", "greater_than_equal": "ge", "less_than": "lt", "less_than_equal": "le"}
+_OPS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+
+
+def _num(x) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def _field_info(model, loc: list):
+    """The pydantic FieldInfo at `loc` (field names through nested models), or None."""
+    info = None
+    for part in loc:
+        if get_origin(model) in (Union, UnionType):  # X | None
+            args = [a for a in get_args(model) if a is not type(None)]
+            model = args[0] if len(args) == 1 else None
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
+            return None
+        info = model.model_fields[part]
+        model = info.annotation
+    return info
+
+
+def _bounds(info) -> dict:
+    """{'ge' | 'gt': lower, 'le' | 'lt': upper} stated by a Field."""
+    out = {}
+    for m in getattr(info, "metadata", ()):
+        for k in _OPS:
+            if getattr(m, k, None) is not None:
+                out[k] = getattr(m, k)
+    return out
+
+
+def _range_message(e: dict, loc: list, body_model, tgi: bool) -> str | None:
+    """A range error in the words of SamplingParams (OpenAI routes: 'top_p must be in (0, 1], got 2')
+    or of TGI ('`top_p` must be > 0 and <= 1. Given: 2'), with both ends of the field's range."""
+    kind, ctx, inp = e.get("type"), e.get("ctx") or {}, e.get("input")
+    name = ".".join(str(x) for x in loc)
+    tname = str(next((x for x in reversed(loc) if isinstance(x, str)), name))
+    got = json.dumps(inp, default=str)[:60]
+    if kind == "finite_number":
+        return f"`{tname}` must be a finite number. Given: {got}" if tgi else f"{name} must be a finite number, got {got}"
+    if kind in _BOUND_ERRORS:
+        bounds = {}
+        if all(isinstance(x, str) for x in loc):  # a field, not a list item or a dict value
+            bounds = _bounds(_field_info(body_model, loc))
+        bounds.setdefault(_BOUND_ERRORS[kind], ctx.get(_BOUND_ERRORS[kind]))
+        lo = next(((k, bounds[k]) for k in ("ge", "gt") if bounds.get(k) is not None), None)
+        hi = next(((k, bounds[k]) for k in ("le", "lt") if bounds.get(k) is not None), None)
+        if tgi:
+            if kind == "greater_than" and ctx.get("gt") == 0:
+                return f"`{tname}` must be strictly positive"
+            rule = " and ".join(f"{_OPS[k]} {_num(v)}" for k, v in (lo, hi) if k)
+            return f"`{tname}` must be {rule}. Given: {got}"
+        if lo and hi:
+            return (f"{name} must be in {'[' if lo[0] == 'ge' else '('}{_num(lo[1])}, {_num(hi[1])}"
+                    f"{']' if hi[0] == 'le' else ')'}, got {got}")
+        k, v = lo or hi
+        return f"{name} must be {_OPS[k]} {_num(v)}, got {got}"
+    if tgi and kind in ("too_short", "string_too_short") and ctx.get("min_length") == 1:
+        return f"`{tname}` sequences must not be empty" if tname == "stop" else f"`{tname}` cannot be empty"
+    if tgi and kind == "too_long" and tname == "stop":
+        return f"`stop` supports up to {ctx.get('max_length')} stop sequences. Given: {ctx.get('actual_length')}"
+    if kind == "string_pattern_mismatch" and len(loc) >= 2 and loc[-1] == "[key]":
+        return f"{'.'.join(str(x) for x in loc[:-2])} keys must be token ids (strings of digits), got {got}"
+    return None
+
+
+def _clean_loc(e: dict) -> list:
+    """An error's location without 'body' and without the Union arms pydantic names (e.g.
+    'list[int]', 'constrained-str', 'function-after[...]'): noise to a client."""
+    return [x for x in e.get("loc", ()) if x != "body"
+            and not re.match(r"^(list|str|int|float|dict|bool|function|tagged|constrained)\b", str(x))]
+
+
+def _validation_message(exc: RequestValidationError, body_model=None, tgi: bool = False) -> tuple[str, str | None]:
+    """The message and param of a 400 (422 on TGI routes) for what pydantic refused. `body_model`,
+    the route's request model, gives the whole range of a field for range errors."""
     errors = exc.errors()
     for e in errors:
         if e.get("type") == "json_invalid":
@@ -96,18 +175,27 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             except ValueError as je:
                 return f"Malformed JSON body: {je}", None
             return "the body must be JSON, sent with 'Content-Type: application/json'", None
-    parts, param, seen = [], None, set()
+    parts, param, seen, plain = [], None, set(), False
     for e in errors:
-        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-        # pydantic names the arm of a Union it tried (e.g. 'list[int]', 'function-after[...]'): noise
-        loc = [x for x in loc if not re.match(r"^(list|str|int|float|dict|bool|function|tagged)\b", x)]
+        raw_loc = _clean_loc(e)
+        loc = [str(x) for x in raw_loc]
         if param is None and loc:
             param = loc[0]
-        union = next((x for x in reversed(loc) if x in _UNION_FIELDS), None)
+        union = None if tgi else next((x for x in reversed(loc) if x in _UNION_FIELDS), None)
+        ranged = None if union is not None else _range_message(e, raw_loc, body_model, tgi)
         if union is not None:
-            where = ".".join(loc[: len(loc) - loc[::-1].index(union)])
-            msg = f"{where}: must be {_UNION_FIELDS[union]}"
+            where_loc = loc[: len(loc) - loc[::-1].index(union)]
+            where = ".".join(where_loc)
+            values = [x.get("input") for x in errors if [str(y) for y in _clean_loc(x)] == where_loc]
+            if values and all(v in ("", []) for v in values):  # every arm refused an empty value
+                msg = f"{where}: must not be empty"
+            else:
+                msg = f"{where}: must be {_UNION_FIELDS[union]}"
+            plain = True
+        elif ranged is not None:
+            msg = ranged
         else:
+            plain = True
             inp = e.get("input")
             got = "" if isinstance(inp, (dict, list, bytes)) else f" (got {json.dumps(inp, default=str)[:60]})"
             msg = f"{'.'.join(loc) or 'body'}: {e.get('msg')}{got}"
@@ -116,6 +204,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             parts.append(msg)
     if len(parts) > 5:
         parts = parts[:5] + [f"... {len(parts) - 5} more"]
+    if tgi and not plain:  # TGI's own words, as its router writes them
+        return "; ".join(parts), param
     return "invalid request: " + "; ".join(parts), param
 
 
@@ -126,7 +216,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
-        message, param = _validation_message(exc)
+        route = request.scope.get("route")
+        body_field = getattr(route, "body_field", None)
+        model = getattr(getattr(body_field, "field_info", None), "annotation", None)
+        message, param = _validation_message(exc, model, tgi=request.url.path in TGI_PATHS)
         return error_response(request.url.path, message, 400, param)
 
     @app.exception_handler(StarletteHTTPException)

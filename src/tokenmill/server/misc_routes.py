@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import tokenmill
@@ -11,6 +12,7 @@ from tokenmill.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
+    HealthResponse,
     ModelCard,
     ModelList,
     TokenizeChatRequest,
@@ -63,12 +65,16 @@ async def detokenize(body: DetokenizeRequest, raw: Request) -> DetokenizeRespons
     return DetokenizeResponse(prompt=await ctx.offload(ctx.tokenizer.decode, body.tokens))
 
 
-@router.get("/health", tags=["server"], responses={200: {"description": "the engine is running"},
-                                                   503: {"description": "the engine loop has died"}})
-async def health(raw: Request) -> Response:
-    """No authentication: for load balancers and orchestrators."""
-    ctx = get_ctx(raw)
-    return Response(status_code=200 if ctx.aengine.is_running else 503)
+_HEALTH = {200: {"model": HealthResponse, "description": 'the engine is running: {"status": "ok"}'},
+           503: {"model": HealthResponse, "description": 'the engine loop has died: {"status": "unhealthy"}'}}
+
+
+@router.get("/health", tags=["server"], response_model=None, responses=_HEALTH)
+@router.head("/health", tags=["server"], response_model=None, responses=_HEALTH)
+async def health(raw: Request) -> JSONResponse:
+    """No authentication: for load balancers and orchestrators (HEAD too: the same status, no body)."""
+    ok = get_ctx(raw).aengine.is_running
+    return JSONResponse({"status": "ok" if ok else "unhealthy"}, status_code=200 if ok else 503)
 
 
 @router.get("/version", response_model=VersionResponse, tags=["server"])

@@ -17,10 +17,13 @@ from tokenmill.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
+    ChatCompletionStreamResponse,
     ChatLogProb,
     ChatLogProbsContent,
     ChatResponseMessage,
+    ErrorResponse,
     UsageInfo,
+    sse_content,
 )
 from tokenmill.server.serving import (
     SSE_DONE,
@@ -56,7 +59,8 @@ router = APIRouter(tags=["OpenAI"])
     response_model=None,
     responses={200: {"model": ChatCompletionResponse,
                      "description": "a chat completion, or with stream=true an SSE stream of "
-                                    "`chat.completion.chunk` objects ending with `data: [DONE]`"},
+                                    "`chat.completion.chunk` objects ending with `data: [DONE]`",
+                     "content": sse_content(ChatCompletionStreamResponse, ErrorResponse, done=True)},
                **ERROR_RESPONSES},
 )
 async def create_chat_completion(body: ChatCompletionRequest, raw: Request):

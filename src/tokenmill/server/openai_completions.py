@@ -15,8 +15,10 @@ from tokenmill.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
+    CompletionStreamResponse,
     ErrorResponse,
     UsageInfo,
+    sse_content,
 )
 from tokenmill.llm import merge_samples
 from tokenmill.server.serving import (
@@ -61,7 +63,8 @@ ERROR_RESPONSES = {
     response_model=None,
     responses={200: {"model": CompletionResponse,
                      "description": "a completion, or with stream=true an SSE stream of chunks of the same "
-                                    "shape (`data: {...}`), ending with `data: [DONE]`"},
+                                    "shape (`data: {...}`), ending with `data: [DONE]`",
+                     "content": sse_content(CompletionStreamResponse, ErrorResponse, done=True)},
                **ERROR_RESPONSES},
 )
 async def create_completion(body: CompletionRequest, raw: Request):

@@ -1,9 +1,14 @@
 """Request and response models of the OpenAI-compatible API (pydantic), in vLLM's shapes.
 
-Request models type every field so /openapi.json documents them; ranges that SamplingParams
-already checks (temperature >= 0, top_p in (0, 1], penalties in [-2, 2], ...) are checked
-there, so one place owns each rule and its message. Unknown fields are accepted and ignored
-(logged), as vLLM does, so clients that send newer OpenAI fields keep working.
+Request models type every field so /openapi.json documents them, ranges included: what the
+server enforces statically (temperature in [0, 100], top_p in (0, 1], penalties in [-2, 2],
+n <= 128, list sizes, ...) is stated in Field(ge/gt/le/lt/min_length/max_length) and checked
+by pydantic (a 400 whose message names the field and its range, see errors.py); SamplingParams
+checks the sampling rules again for the offline API. What depends on the model or the server's
+flags (vocabulary size, context length, --max-logprobs) is checked by the routes. Numbers must
+be finite (JSON parsers accept NaN and Infinity); token ids are JSON integers (not booleans,
+floats or strings). Unknown fields are accepted and ignored (logged), as vLLM does, so clients
+that send newer OpenAI fields keep working.
 """
 
 from __future__ import annotations
@@ -11,10 +16,14 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, WithJsonSchema
+
+from tokenmill.sampling_params import SamplingParams
 
 # Seeds travel to torch.Generator.manual_seed: a signed 64-bit range, as vLLM accepts.
-_SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1
+_SEED_MIN, _SEED_MAX = SamplingParams.SEED_MIN, SamplingParams.SEED_MAX
+MAX_N = 128  # samples per prompt (n, best_of, beams): serving.MAX_N
+LENGTH_PENALTY_MAX = 10.0  # |length_penalty|: beam scores divide by length ** it (a float power)
 # List sizes a request may carry: each entry costs work per request (bad words are tokenized) or
 # per generated token (stop strings are matched after every token).
 MAX_STOP = 64
@@ -22,8 +31,48 @@ MAX_BAD_WORDS = 1024
 MAX_TOKEN_ID_LIST = 1024  # stop_token_ids, logit_bias entries
 
 
+# A token id: a JSON integer >= 0 (strict: false, 1.0 and "1" are refused); its upper bound, the
+# vocabulary size, is checked by the routes.
+TokenId = Annotated[StrictInt, Field(ge=0)]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+# Keys are token ids written as strings of digits; the schema says so with propertyNames (pydantic
+# alone would write patternProperties, which lets any other key through).
+LogitBias = Annotated[
+    dict[Annotated[str, Field(pattern=r"^[0-9]+$")], Annotated[float, Field(ge=-100.0, le=100.0)]],
+    Field(max_length=MAX_TOKEN_ID_LIST),
+    WithJsonSchema({"type": "object", "maxProperties": MAX_TOKEN_ID_LIST, "propertyNames": {"pattern": "^[0-9]+$"},
+                    "additionalProperties": {"type": "number", "minimum": -100.0, "maximum": 100.0}}),
+]
+
+
 class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+
+def _inline_schema(model: type[BaseModel]) -> dict:
+    """A model's JSON schema with its $defs substituted (no $ref), for where /openapi.json's
+    components do not reach (the JSON inside SSE events)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def sub(x):
+        if isinstance(x, dict):
+            if "$ref" in x:
+                return sub(defs[x["$ref"].rsplit("/", 1)[-1]])
+            return {k: sub(v) for k, v in x.items()}
+        return [sub(v) for v in x] if isinstance(x, list) else x
+
+    return sub(schema)
+
+
+def sse_content(*models: type[BaseModel], done: bool) -> dict:
+    """OpenAPI `content` of a Server-Sent Events response: each event's data is the JSON of one of
+    `models` (or, with `done`, the literal [DONE] that ends OpenAI streams)."""
+    data: dict = {"type": "string", "contentMediaType": "application/json",
+                  "contentSchema": {"anyOf": [_inline_schema(m) for m in models]}}
+    if done:
+        data = {"type": "string", "if": {"const": "[DONE]"}, "then": True, "else": data}
+    return {"text/event-stream": {"schema": {"type": "object", "required": ["data"], "properties": {"data": data}}}}
 
 
 # ---- errors ------------------------------------------------------------------------------
@@ -70,37 +119,45 @@ class _SamplingFields(OpenAIBaseModel):
     """Sampling fields common to /v1/completions and /v1/chat/completions."""
 
     model: str | None = Field(None, description="served model name; omitted means the served model")
-    frequency_penalty: float | None = Field(0.0, description="in [-2, 2]")
-    presence_penalty: float | None = Field(0.0, description="in [-2, 2]")
-    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_TOKEN_ID_LIST,
-                                                description="token id -> bias added to its logit, in [-100, 100]")
-    n: int | None = Field(1, description="completions per prompt (the samples share the prompt's KV blocks)")
+    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: LogitBias | None = Field(
+        None, description="token id (a string of digits, below the vocabulary size) -> bias added to its logit")
+    n: int | None = Field(1, ge=1, le=MAX_N,
+                          description="completions per prompt (the samples share the prompt's KV blocks)")
     seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX, description="same seed, same output")
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = Field(
+    stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP)] | None = Field(
         None, description=f"stop strings (at most {MAX_STOP}), never included in the output")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = Field(None, description=">= 0; 0 is greedy (default 1)")
-    top_p: float | None = Field(None, description="in (0, 1] (default 1)")
+    temperature: float | None = Field(None, ge=0.0, le=SamplingParams.TEMPERATURE_MAX,
+                                      description="0 is greedy (default 1)")
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description="default 1")
     user: str | None = Field(None, description="accepted and ignored")
     # vLLM extras
-    top_k: int | None = Field(None, description="vLLM extra: -1 or 0 disables")
-    min_p: float | None = Field(None, description="vLLM extra: in [0, 1]")
-    repetition_penalty: float | None = Field(None, description="vLLM extra: > 0 (1 disables)")
-    min_tokens: int = Field(0, description="vLLM extra: no EOS / stop token before this many tokens")
+    top_k: int | None = Field(None, ge=-1, le=SamplingParams.TOP_K_MAX, description="vLLM extra: -1 or 0 disables")
+    min_p: float | None = Field(None, ge=0.0, le=1.0, description="vLLM extra")
+    repetition_penalty: float | None = Field(
+        None, ge=SamplingParams.REPETITION_PENALTY_MIN, le=SamplingParams.REPETITION_PENALTY_MAX,
+        description="vLLM extra: 1 disables")
+    min_tokens: int = Field(0, ge=0, description="vLLM extra: no EOS / stop token before this many tokens")
     ignore_eos: bool = Field(False, description="vLLM extra: keep generating past EOS")
-    stop_token_ids: list[int] | None = Field(None, max_length=MAX_TOKEN_ID_LIST,
-                                             description="vLLM extra: token ids that end generation")
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_TOKEN_ID_LIST,
+                                                 description="vLLM extra: token ids that end generation")
     include_stop_str_in_output: bool = Field(False, description="vLLM extra")
     skip_special_tokens: bool = Field(True, description="vLLM extra: drop special tokens from the text")
     spaces_between_special_tokens: bool = Field(True, description="vLLM extra")
-    bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS, description="vLLM extra: words never generated")
-    prompt_logprobs: int | None = Field(None, description="vLLM extra: each prompt token's logprob plus the top N")
+    bad_words: list[NonEmptyStr] | None = Field(None, max_length=MAX_BAD_WORDS,
+                                                description="vLLM extra: words never generated")
+    prompt_logprobs: int | None = Field(None, ge=0, description="vLLM extra: each prompt token's logprob plus the "
+                                                               "top N (N <= the server's --max-logprobs)")
     use_beam_search: bool = Field(False, description="vLLM extra: beam search with n beams (not streamed)")
-    length_penalty: float = Field(1.0, description="vLLM extra: beam scores are logprob / length ** this")
+    length_penalty: float = Field(1.0, ge=-LENGTH_PENALTY_MAX, le=LENGTH_PENALTY_MAX,
+                                  description="vLLM extra: beam scores are logprob / length ** this")
     guided_json: dict[str, Any] | str | None = Field(None, description="vLLM extra: output follows this JSON schema")
     guided_regex: str | None = Field(None, description="vLLM extra: output matches this regex")
-    guided_choice: list[str] | None = Field(None, description="vLLM extra: output is one of these strings")
+    guided_choice: list[str] | None = Field(None, min_length=1,
+                                            description="vLLM extra: output is one of these strings")
     guided_grammar: str | None = Field(None, description="vLLM extra: output follows this grammar (Lark or GBNF)")
     watermark: bool = Field(False, description="tokenmill extra: green-list watermark (Kirchenbauer et al.; "
                             "detect with `tokenmill watermark detect`)")
@@ -108,13 +165,21 @@ class _SamplingFields(OpenAIBaseModel):
 
 # ---- /v1/completions ---------------------------------------------------------------------
 class CompletionRequest(_SamplingFields):
-    prompt: Union[list[int], list[list[int]], str, list[str]] = Field(
-        ..., description="a string, a list of strings, token ids, or a list of token id lists")
-    best_of: int | None = Field(None, description="completions generated per prompt, the n with the highest "
-                                                  "cumulative logprob returned; not with stream")
+    prompt: Union[Annotated[list[TokenId], Field(min_length=1)],
+                  Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)],
+                  Annotated[str, Field(min_length=1)],
+                  Annotated[list[NonEmptyStr], Field(min_length=1)]] = Field(
+        ..., description="a string, a list of strings, token ids, or a list of token id lists (none of them empty; "
+                         "at most the server's --max-prompts-per-request prompts)")
+    best_of: int | None = Field(None, ge=1, le=MAX_N,
+                                description="completions generated per prompt, the n with the highest "
+                                            "cumulative logprob returned; not with stream")
     echo: bool | None = Field(False, description="prepend the prompt to the completion")
-    logprobs: int | None = Field(None, description="log probabilities of the sampled token and the top N (N <= 20)")
-    max_tokens: int | None = Field(16, description="new tokens at most; null: up to the context length")
+    logprobs: int | None = Field(None, ge=0, description="log probabilities of the sampled token and the top N "
+                                                         "(N <= the server's --max-logprobs, default 20)")
+    max_tokens: int | None = Field(16, ge=0, description="new tokens at most (the prompt and them must fit the "
+                                                         "context; 0 only with echo, to score the prompt); "
+                                                         "null: up to the context length")
     suffix: str | None = Field(None, description="not supported: refused with 400")
     add_special_tokens: bool = Field(True, description="vLLM extra: add BOS etc. when tokenizing the prompt")
 
@@ -173,9 +238,11 @@ class ChatMessage(OpenAIBaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     logprobs: bool | None = Field(False, description="return log probabilities of the output tokens")
-    top_logprobs: int | None = Field(None, description="top alternatives per token (0-20), needs logprobs")
-    max_tokens: int | None = Field(None, description="deprecated by OpenAI in favour of max_completion_tokens")
-    max_completion_tokens: int | None = Field(None, description="new tokens at most (default: up to the context)")
+    top_logprobs: int | None = Field(None, ge=0, description="top alternatives per token (N <= the server's "
+                                                             "--max-logprobs, default 20), needs logprobs")
+    max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI in favour of max_completion_tokens")
+    max_completion_tokens: int | None = Field(None, ge=1,
+                                              description="new tokens at most (default: up to the context)")
     response_format: dict[str, Any] | None = Field(
         None, description="{'type': 'text'}, {'type': 'json_object'} or {'type': 'json_schema', 'json_schema': "
                           "{'name': ..., 'schema': {...}}}: the output always parses (and follows the schema)")
@@ -297,7 +364,7 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeRequest(OpenAIBaseModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId] = Field(..., description="token ids below the vocabulary size")
 
 
 class DetokenizeResponse(BaseModel):
@@ -306,3 +373,7 @@ class DetokenizeResponse(BaseModel):
 
 class VersionResponse(BaseModel):
     version: str
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok", "unhealthy"]

@@ -4,7 +4,7 @@ TGI's request and response shapes, validation messages, and error body
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -15,6 +15,7 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured_output import GuidedDecodingParams
 from tokenmill.server.errors import APIError
+from tokenmill.server.protocol import sse_content
 from tokenmill.server.serving import (
     SSEResponse,
     ServerContext,
@@ -37,33 +38,44 @@ MAX_TOP_N_TOKENS = 5
 
 
 class TGIParameters(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    best_of: int | None = Field(None, description="only 1 is supported")
-    decoder_input_details: bool = Field(False, description="not supported (needs prompt logprobs)")
+    """TGI's parameters; the ranges are checked by pydantic (422 with TGI's messages, see errors.py)."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    best_of: int | None = Field(None, ge=1, le=1, description="only 1 is supported")
+    decoder_input_details: bool = Field(False, description="not supported (needs prompt logprobs): false only")
     details: bool = Field(False, description="return generation details (tokens, logprobs, finish reason)")
     do_sample: bool = Field(False, description="sample; greedy when false and no sampling parameter is set")
-    frequency_penalty: float | None = Field(None, description="in [-2, 2]")
-    max_new_tokens: int | None = Field(100, description="> 0")
-    repetition_penalty: float | None = Field(None, description="> 0")
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    max_new_tokens: int | None = Field(100, gt=0, description="input tokens + max_new_tokens <= the context length; "
+                                                              "null: the rest of the context")
+    repetition_penalty: float | None = Field(None, ge=SamplingParams.REPETITION_PENALTY_MIN,
+                                             le=SamplingParams.REPETITION_PENALTY_MAX, description="1 disables")
     return_full_text: bool | None = Field(False, description="prepend the input to generated_text")
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stop: list[str] = Field(default_factory=list, description=f"at most {MAX_STOP_SEQUENCES} stop sequences")
-    temperature: float | None = Field(None, description="> 0 (implies sampling)")
-    top_k: int | None = Field(None, description="> 0 (implies sampling)")
-    top_n_tokens: int | None = Field(None, description=f"top alternatives per token, <= {MAX_TOP_N_TOKENS}")
-    top_p: float | None = Field(None, description="in (0, 1] (implies sampling)")
-    truncate: int | None = Field(None, description="keep only the last N input tokens")
-    typical_p: float | None = Field(None, description="not supported")
+    stop: list[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=list, max_length=MAX_STOP_SEQUENCES, description="stop sequences, kept in generated_text")
+    temperature: float | None = Field(None, gt=0.0, le=SamplingParams.TEMPERATURE_MAX,
+                                      description="implies sampling")
+    top_k: int | None = Field(None, gt=0, le=SamplingParams.TOP_K_MAX, description="implies sampling")
+    top_n_tokens: int | None = Field(None, ge=0, le=MAX_TOP_N_TOKENS, description="top alternatives per token")
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description="implies sampling")
+    truncate: int | None = Field(None, gt=0, description="keep only the last N input tokens (N < the context length)")
+    typical_p: float | None = Field(None, ge=1.0, le=1.0, description="not supported: null or 1.0 (disabled) only")
     watermark: bool = Field(False, description="green-list watermark (the server's --watermark-gamma / -delta)")
     grammar: dict[str, Any] | None = Field(None, description='{"type": "json", "value": schema} or '
                                                              '{"type": "regex", "value": "..."}')
 
 
 class TGIRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    inputs: str
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    inputs: str = Field(..., min_length=1, description="the prompt (it and max_new_tokens must fit the context)")
     parameters: TGIParameters = Field(default_factory=TGIParameters)
     stream: bool = False
+
+
+class TGIErrorResponse(BaseModel):
+    error: str
+    error_type: str = Field(..., description="validation, overloaded or generation")
 
 
 class TGIToken(BaseModel):
@@ -104,8 +116,10 @@ class TGIStreamResponse(BaseModel):
     details: TGIStreamDetails | None = None
 
 
-_TGI_ERRORS = {422: {"description": 'validation error: {"error": "...", "error_type": "validation"}'},
-               503: {"description": 'overloaded: {"error": "...", "error_type": "overloaded"}'}}
+_TGI_ERRORS = {422: {"model": TGIErrorResponse, "description": "validation error (error_type validation), "
+                                                                "malformed JSON included"},
+               503: {"model": TGIErrorResponse, "description": "overloaded (error_type overloaded) or the engine "
+                                                                "is not running (generation)"}}
 
 
 def _bad(msg: str) -> APIError:
@@ -220,7 +234,9 @@ async def _start(ctx: ServerContext, req: TGIRequest, raw: Request):
     return ids, streams, (req.parameters.seed if sampling else None)
 
 
-@router.post("/generate", response_model=TGIResponse, response_model_exclude_none=True, responses=_TGI_ERRORS)
+@router.post("/generate", response_model=TGIResponse, response_model_exclude_none=True, responses={
+    200: {"description": "the generation, or with stream=true the events of /generate_stream",
+          "content": sse_content(TGIStreamResponse, TGIErrorResponse, done=False)}, **_TGI_ERRORS})
 async def generate(body: TGIRequest, raw: Request):
     ctx = get_ctx(raw)
     if body.stream:
@@ -243,9 +259,10 @@ async def _generate(ctx: ServerContext, body: TGIRequest, raw: Request):
     return JSONResponse(resp)
 
 
-@router.post("/generate_stream", response_model=None, responses={
+@router.post("/generate_stream", response_model=None, response_class=SSEResponse, status_code=200, responses={
     200: {"description": "SSE events `data: {TGIStreamResponse}`; the last carries generated_text "
-                         "(and details when asked)", "model": TGIStreamResponse}, **_TGI_ERRORS})
+                         "(and details when asked)",
+          "content": sse_content(TGIStreamResponse, TGIErrorResponse, done=False)}, **_TGI_ERRORS})
 async def generate_stream(body: TGIRequest, raw: Request):
     return await run_cancellable(raw, _generate_stream(get_ctx(raw), body, raw))
 
