@@ -4,7 +4,8 @@ A chat template is a Jinja program. The model's own is trusted; one sent in a re
 unless the server runs with --trust-request-chat-template (as vLLM does). Every render runs on the
 engine's prep pool (never the event loop or the engine thread) and is bounded three ways:
 - Jinja's sandbox intercepts `*`, `**` and `+` so no expression builds a string, list or number
-  past MAX_VALUE_SIZE (`{{ 'ab ' * 10000000 }}` is 109 bytes of request and 30 MB of output);
+  past MAX_VALUE_SIZE (`{{ 'ab ' * 10000000 }}` is 109 bytes of request and 30 MB of output),
+  and the output stops growing at MAX_VALUE_SIZE characters;
 - a trace on the template's own frames stops a render after RENDER_TIMEOUT_S (nested loops);
 - the rendered text is capped before it is tokenized (tokenizing 30 MB took 20 s and 5 GB).
 """
@@ -62,6 +63,24 @@ def _bounded_binop(env, context, op: str, left, right):
     return env.binop_table[op](left, right)
 
 
+def _checked(args):
+    """Refuse a count or width past MAX_VALUE_SIZE ('a'.center(10**9), 'a'|indent(10**9))."""
+    for a in args:
+        if isinstance(a, int) and not isinstance(a, bool) and abs(a) > MAX_VALUE_SIZE:
+            raise TemplateLimitError(f"the chat template passes {a:,} to a function (limit {MAX_VALUE_SIZE:,})")
+    return args
+
+
+def _bounded_filter(f):
+    @functools.wraps(f)  # keeps jinja's pass_context / pass_eval_context marks
+    def checked(*args, **kwargs):
+        _checked(args)
+        _checked(kwargs.values())
+        return f(*args, **kwargs)
+
+    return checked
+
+
 def install_template_bounds() -> bool:
     """Make transformers compile chat templates with the bounded operators (process-wide, once).
     False when this transformers version does not compile templates where we expect."""
@@ -78,14 +97,32 @@ def install_template_bounds() -> bool:
 
     @functools.lru_cache(maxsize=64)
     def bounded(template: str):
-        env = compile_env(template).environment  # transformers' own sandbox, filters and globals
+        # transformers' own sandbox, filters and globals, from a fresh environment (compiling the
+        # real template there would fold constants such as 10 ** 100000000 unbounded)
+        env = compile_env("").environment
         env.intercepted_binops = frozenset({"*", "**", "+"})
         env.call_binop = types.MethodType(_bounded_binop, env)
-        return env.from_string(template)  # operators are bound at compile time: compile again
+        sandbox_call = env.call
+        env.call = lambda context, obj, *args, **kw: sandbox_call(context, obj, *_checked(args), **kw)
+        env.filters = {name: _bounded_filter(f) for name, f in env.filters.items()}
+        compiled = env.from_string(template)
+        compiled.render = functools.partial(_render_bounded, compiled)  # type: ignore[method-assign]
+        return compiled
 
     bounded.tokenmill_bounded = True  # type: ignore[attr-defined]
     ctu._compile_jinja_template = bounded
     return True
+
+
+def _render_bounded(template, *args, **kwargs) -> str:
+    """Template.render, refusing output past MAX_VALUE_SIZE characters as it is produced."""
+    pieces, n = [], 0
+    for piece in template.generate(*args, **kwargs):
+        n += len(piece)
+        if n > MAX_VALUE_SIZE:
+            raise TemplateLimitError(f"the chat template's output passed {MAX_VALUE_SIZE:,} characters")
+        pieces.append(piece)
+    return "".join(pieces)
 
 
 @contextmanager

@@ -175,6 +175,9 @@ def _validation_message(exc: RequestValidationError, body_model=None, tgi: bool 
             except ValueError as je:
                 return f"Malformed JSON body: {je}", None
             return "the body must be JSON, sent with 'Content-Type: application/json'", None
+        if e.get("type") == "string_unicode":  # JSON can carry "\ud800"; no tokenizer can take it
+            where = ".".join(str(x) for x in _clean_loc(e)) or "body"
+            return f"{where}: not valid Unicode text (it contains a lone surrogate)", (_clean_loc(e) or [None])[0]
     parts, param, seen, plain = [], None, set(), False
     for e in errors:
         raw_loc = _clean_loc(e)
