@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -124,6 +126,36 @@ def test_cache_is_content_keyed_atomic_and_rebuilt_when_incomplete(tiny_qwen2_di
     assert gguf_to_hf_folder(str(first), cache_dir=str(cache)) == out
     assert Path(out, "tokenmill_gguf.json").is_file()
     assert sorted(p.name for p in (cache / "gguf").iterdir()) == [Path(out).name]  # no temp dirs left
+
+
+def test_engine_cache_in_bfloat16_loads_exactly_in_every_dtype(tiny_llama_dir: str, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """The engine's cache holds the block-backed tensors in bfloat16 (about half the bytes); the
+    weights it loads equal those of the exact float32 folder, in float32 (rebuilt from the blocks)
+    as in bfloat16; the log says where the cache is and its size."""
+    from safetensors import safe_open
+
+    from tokenmill.model.loader import load_hf_config, load_model, resolve_model_path
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    path = str(write_gguf_from_hf(tiny_llama_dir, tmp_path / "m.Q4_1.gguf", qtype="Q4_1"))
+    with caplog.at_level(logging.INFO, logger="tokenmill"):
+        engine = resolve_model_path(path)
+    exact = gguf_to_hf_folder(path)  # float32: what transformers, vLLM, ... should read
+    assert engine == exact + "-bf16" and re.search(r"cached at \S+-bf16 \(\d+ MB\)", caplog.text)
+    with safe_open(os.path.join(engine, "gguf_blocks", "model.safetensors"), "pt") as f:
+        blocked = {k.replace(".qweight", ".weight") for k in f.keys() if k.endswith(".qweight")}
+    with safe_open(os.path.join(engine, "model.safetensors"), "pt") as f:
+        dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+    assert blocked and all(dtypes[k] == "BF16" for k in blocked)
+    assert {dtypes[k] for k in dtypes.keys() - blocked} == {"F32"}  # norms: nothing to rebuild them from
+    sizes = [os.path.getsize(os.path.join(d, "model.safetensors")) for d in (engine, exact)]
+    assert sizes[0] < 0.6 * sizes[1], sizes
+    cfg = load_hf_config(exact)
+    for dtype in (torch.float32, torch.bfloat16):
+        got, want = (load_model(d, cfg, dtype, 64).state_dict() for d in (engine, exact))
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), dtype
 
 
 def test_cache_dir_from_env(tiny_qwen2_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

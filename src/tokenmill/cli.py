@@ -143,8 +143,7 @@ def _cmd_chat(ns: argparse.Namespace) -> int:
 
 
 def _cmd_serve(ns: argparse.Namespace) -> int:
-    from tokenmill.engine.async_engine import AsyncLLMEngine
-    from tokenmill.server.app import serve
+    from tokenmill.server.listen import bind_socket
 
     chat_template = ns.chat_template
     if chat_template and os.path.isfile(chat_template):
@@ -152,9 +151,17 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
             chat_template = f.read()
     if ns.max_waiting is not None and ns.max_waiting < 0:
         raise ValueError(f"--max-waiting must be >= 0, got {ns.max_waiting}")
-    aengine = AsyncLLMEngine.from_args(max_waiting=ns.max_waiting, **vars(engine_args_from(ns)))
+    sock = bind_socket(ns.host, ns.port)  # first: a busy port fails now, not after the model has loaded
+    try:
+        from tokenmill.engine.async_engine import AsyncLLMEngine
+        from tokenmill.server.app import serve
+
+        aengine = AsyncLLMEngine.from_args(max_waiting=ns.max_waiting, **vars(engine_args_from(ns)))
+    except BaseException:
+        sock.close()
+        raise
     return serve(
-        aengine, host=ns.host, port=ns.port, api_key=ns.api_key, drain_timeout=ns.drain_timeout,
+        aengine, sock=sock, host=ns.host, port=ns.port, api_key=ns.api_key, drain_timeout=ns.drain_timeout,
         max_logprobs=ns.max_logprobs, chat_template=chat_template, log_requests=not ns.disable_log_requests,
         uvicorn_log_level=ns.uvicorn_log_level, timeout_keep_alive=ns.timeout_keep_alive,
         ssl_keyfile=ns.ssl_keyfile, ssl_certfile=ns.ssl_certfile, root_path=ns.root_path,

@@ -31,16 +31,17 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         prompt_token_ids: Sequence[list[int]] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Runs all prompts through one continuously batched engine; outputs in input order."""
+        """Runs all prompts through one continuously batched engine; outputs in input order.
+        use_tqdm: a progress bar over finished requests, shown only when stderr is a terminal."""
         batch = _as_prompt_list(prompts, prompt_token_ids)
         params = _as_params_list(sampling_params, len(batch))
         # Validate everything before queueing anything, so a bad prompt leaves no work behind.
         requests = [self.engine.make_requests(p, sp) for p, sp in zip(batch, params)]
         order = {self.engine.enqueue(req): (i, j) for i, reqs in enumerate(requests) for j, req in enumerate(reqs)}
         samples: list[list[RequestOutput | None]] = [[None] * len(reqs) for reqs in requests]
-        bar = tqdm(total=len(order), desc="generating", disable=not use_tqdm)
+        bar = tqdm(total=len(order), desc="Generating", unit="req", disable=None if use_tqdm else True)  # None: TTY only
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
@@ -71,7 +72,7 @@ class LLM:
         while not all(s.done for s in searches):
             live = [s for s in searches if not s.done]
             seqs = [b.tokens for s in live for b in s.beams]
-            outs = self.generate(prompt_token_ids=seqs, sampling_params=live[0].round_params())
+            outs = self.generate(prompt_token_ids=seqs, sampling_params=live[0].round_params(), use_tqdm=False)
             k = 0
             for s in live:
                 n = len(s.beams)  # before advance() replaces them
@@ -100,7 +101,7 @@ class LLM:
         messages: list[dict] | Sequence[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Applies the model's chat template to one conversation or a list of them."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)

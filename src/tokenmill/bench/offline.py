@@ -16,6 +16,7 @@ import statistics
 import time
 
 import torch
+from tqdm import tqdm
 
 
 def add_workload_args(p: argparse.ArgumentParser, input_len: int, output_len: int) -> None:
@@ -50,7 +51,7 @@ def _emit(result: dict, path: str | None) -> int:
 
 def run_throughput(llm, ns: argparse.Namespace) -> int:
     prompts = _random_prompts(llm, ns.num_prompts, ns.input_len, ns.bench_seed)
-    llm.generate(prompt_token_ids=prompts[:2], sampling_params=_params(4))  # warm-up
+    llm.generate(prompt_token_ids=prompts[:2], sampling_params=_params(4), use_tqdm=False)  # warm-up
     t0 = time.perf_counter()
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=_params(ns.output_len), use_tqdm=True)
     dt = time.perf_counter() - t0
@@ -83,7 +84,9 @@ def measure_latency(llm, input_len: int, output_len: int, iters: int, seed: int 
     prompts = _random_prompts(llm, iters + 1, input_len, seed)
     params = _params(output_len)
     _timed_stream(llm, prompts[0], params)  # warm-up
-    runs = [_timed_stream(llm, p, params) for p in prompts[1:]]
+    # A bar over the timed runs (on a terminal only): a run is seconds, the whole minutes.
+    runs = [_timed_stream(llm, p, params) for p in tqdm(prompts[1:], desc="Latency runs", unit="run", leave=False,
+                                                          disable=None)]
     prefill, tpot = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
     return {"input_len": input_len, "output_len": output_len, "iters": iters,
             "prefill_s": prefill, "tpot_s": tpot, "decode_tokens_per_s": 1.0 / tpot}

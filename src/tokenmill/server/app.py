@@ -10,6 +10,7 @@ import importlib.util
 import logging
 import secrets
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -286,8 +287,13 @@ def serve(aengine: AsyncLLMEngine, *, host: str = "0.0.0.0", port: int = 8000, a
           log_requests: bool = True, uvicorn_log_level: str = "info", timeout_keep_alive: int = 5,
           trust_request_chat_template: bool = False, max_request_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
           max_prompts_per_request: int = DEFAULT_MAX_PROMPTS,
-          ssl_keyfile: str | None = None, ssl_certfile: str | None = None, root_path: str = "") -> int:
-    """Serve until SIGTERM / SIGINT; returns 0 after draining. Used by `tokenmill serve`."""
+          ssl_keyfile: str | None = None, ssl_certfile: str | None = None, root_path: str = "",
+          sock: socket.socket | None = None) -> int:
+    """Serve until SIGTERM / SIGINT; returns 0 after draining. Used by `tokenmill serve`, which
+    binds `sock` (listen.bind_socket) before loading the model; without one, host:port is bound here."""
+    from tokenmill.server.listen import announce, bind_socket
+
+    sock = sock or bind_socket(host, port)
     app = build_app(aengine, api_key=api_key, max_logprobs=max_logprobs, chat_template=chat_template,
                     log_requests=log_requests, shutdown_engine=True,
                     trust_request_chat_template=trust_request_chat_template,
@@ -295,8 +301,18 @@ def serve(aengine: AsyncLLMEngine, *, host: str = "0.0.0.0", port: int = 8000, a
     config = make_config(app, host, port, drain_timeout, log_level=uvicorn_log_level,
                          timeout_keep_alive=timeout_keep_alive, ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile,
                          root_path=root_path)
-    server = DrainingServer(config)
-    server.run()
+
+    class Server(DrainingServer):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:
+                announce(app, sock, https=ssl_certfile is not None)
+
+    server = Server(config)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
     aengine.shutdown()
     if not server.started:
         return 1

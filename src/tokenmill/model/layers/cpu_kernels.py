@@ -114,7 +114,8 @@ def build_directory() -> Path:
 
     env = [" ".join(_flags()), torch.__version__, sys.version, sys.prefix, str(Path(__file__).resolve().parent)]
     key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + "|".join(env).encode()).hexdigest()[:16]
-    return Path(get_default_build_root()) / f"{NAME}_{key}"
+    # torch's own load() reads TORCH_EXTENSIONS_DIR, but only when no build_directory is given
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / f"{NAME}_{key}"
 
 
 def enabled() -> bool:

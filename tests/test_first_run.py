@@ -1,0 +1,162 @@
+"""What a first run shows: `--version`, the C++ kernel build (keyed by environment, logged before
+and after, visible when waiting on another process's build, `build-kernels`, never counted as
+weight loading) and progress bars on a terminal only."""
+
+from __future__ import annotations
+
+import fcntl
+import io
+import logging
+import os
+import sys
+import threading
+import types
+
+import pytest
+
+from tokenmill.cli import main
+from tokenmill.model import loader
+from tokenmill.model.layers import cpu_kernels
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+class _Events(logging.Handler):
+    """Sets an event when a tokenmill log message contains the awaited text."""
+
+    def __init__(self, text: str):
+        super().__init__(logging.DEBUG)
+        self.text, self.seen, self.messages = text, threading.Event(), []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+        if self.text in self.messages[-1]:
+            self.seen.set()
+
+
+@pytest.fixture
+def events():
+    log = logging.getLogger("tokenmill")
+    level = log.level
+    log.setLevel(logging.INFO)  # setLevel, not the attribute: it clears the loggers' isEnabledFor cache
+    handlers = []
+
+    def watch(text: str) -> _Events:
+        h = _Events(text)
+        log.addHandler(h)
+        handlers.append(h)
+        return h
+
+    yield watch
+    for h in handlers:
+        log.removeHandler(h)
+    log.setLevel(level)
+
+
+@pytest.fixture
+def fresh_kernels(monkeypatch, tmp_path):
+    """cpu_kernels as in a new process, building into tmp_path; the compile itself is replaced by
+    a stand-in (set `.fail` to make it raise) so no test waits minutes for a compiler."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setattr(cpu_kernels, "_module", None)
+    monkeypatch.setattr(cpu_kernels, "_failed", False)
+    monkeypatch.setattr(cpu_kernels, "_error", None)
+    fake = types.SimpleNamespace(module=object(), fail=None, built_in=[])
+
+    def load_ext(build_dir):
+        fake.built_in.append(build_dir)
+        if fake.fail:
+            raise RuntimeError(fake.fail)
+        return fake.module
+
+    monkeypatch.setattr(cpu_kernels, "_load_ext", load_ext)
+    return fake
+
+
+def test_version(capsys):
+    from tokenmill import __version__
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"tokenmill {__version__}"
+
+
+def test_build_directory_keyed_by_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    here = cpu_kernels.build_directory()
+    assert here.parent == tmp_path and here.name.startswith("tokenmill_cpu_kernels_")
+    assert cpu_kernels.build_directory() == here  # stable
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "other-venv"))
+    assert cpu_kernels.build_directory() != here  # a second venv builds apart
+
+
+def test_build_is_logged_and_waits_visibly_on_another_builder(fresh_kernels, events):
+    build_dir = cpu_kernels.build_directory()
+    build_dir.mkdir(parents=True)
+    waiting = events("waiting for another process (pid 4242) building the CPU kernels in " + str(build_dir))
+    got = []
+    with open(build_dir / "tokenmill.flock", "w") as held:  # another process's build, as it would hold it
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.write("4242")
+        held.flush()
+        t = threading.Thread(target=lambda: got.append(cpu_kernels.load()))
+        t.start()
+        assert waiting.seen.wait(60), waiting.messages
+        assert not fresh_kernels.built_in  # blocked on the lock, not building alongside
+        fcntl.flock(held, fcntl.LOCK_UN)
+    t.join(60)
+    assert got == [fresh_kernels.module] and fresh_kernels.built_in == [build_dir]
+    compiling = [m for m in waiting.messages if m.startswith("compiling the CPU kernels into " + str(build_dir))]
+    assert compiling and "tokenmill build-kernels" in compiling[0]
+    assert any(m.startswith("compiled the CPU kernels in ") for m in waiting.messages)
+    assert (build_dir / "tokenmill.flock").read_text() == str(os.getpid())  # for the next waiter
+
+
+def test_build_kernels_command(fresh_kernels, capsys):
+    assert main(["build-kernels"]) == 0
+    assert str(cpu_kernels.build_directory()) in capsys.readouterr().out
+
+
+def test_build_kernels_command_says_why_it_failed(fresh_kernels, capsys):
+    fresh_kernels.fail = "no C++ compiler found"
+    assert main(["build-kernels"]) == 1
+    assert "no C++ compiler found" in capsys.readouterr().err
+
+
+def test_weight_load_time_excludes_kernel_build(tiny_llama_dir, monkeypatch, events):
+    """A first run's compile happens before the weights' clock starts: on a fake clock that only
+    moves while the kernels 'build', loading takes no time at all."""
+    clock = [0.0]
+    real_load = cpu_kernels.load
+
+    def slow_first_load():
+        if clock[0] == 0.0:
+            clock[0] = 1000.0
+        return real_load()
+
+    monkeypatch.setattr(cpu_kernels, "load", slow_first_load)
+    monkeypatch.setattr(loader, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    loaded = events("loaded weights from")
+    import torch
+
+    loader.load_model(tiny_llama_dir, loader.load_hf_config(tiny_llama_dir), torch.float32, 64)
+    assert clock[0] == 1000.0
+    line = next(m for m in loaded.messages if "loaded weights from" in m)
+    assert line.rsplit(" in ", 1)[1].startswith("0.00s"), line
+
+
+def test_progress_bars_on_a_terminal_only(tiny_llama_dir, monkeypatch):
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.bench.offline import measure_latency
+
+    for stream, shown in ((io.StringIO(), False), (_Tty(), True)):
+        monkeypatch.setattr(sys, "stderr", stream)
+        llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.02)
+        llm.generate(["Hello", "world"], SamplingParams(max_tokens=2))
+        measure_latency(llm, input_len=4, output_len=2, iters=2)
+        out = stream.getvalue()
+        for bar in ("Loading weights", "Generating", "Latency runs"):
+            assert (bar in out) == shown, (bar, out)
