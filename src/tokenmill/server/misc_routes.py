@@ -23,7 +23,8 @@ from tokenmill.server.protocol import (
 from tokenmill.server.serving import ServerContext, check_model, check_token_ids, get_ctx
 
 router = APIRouter()
-_ERR = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"model": ErrorResponse}}
+_ERR = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
+        413: {"model": ErrorResponse}}
 
 
 def _card(ctx: ServerContext) -> ModelCard:

@@ -54,6 +54,7 @@ ERROR_RESPONSES = {
     400: {"model": ErrorResponse, "description": "bad input"},
     401: {"model": ErrorResponse, "description": "missing or wrong API key"},
     404: {"model": ErrorResponse, "description": "unknown model"},
+    413: {"model": ErrorResponse, "description": "body over --max-request-body-bytes"},
     503: {"model": ErrorResponse, "description": "too many waiting requests (see Retry-After)"},
 }
 

@@ -116,10 +116,15 @@ class TGIStreamResponse(BaseModel):
     details: TGIStreamDetails | None = None
 
 
-_TGI_ERRORS = {422: {"model": TGIErrorResponse, "description": "validation error (error_type validation), "
+_TGI_ERRORS = {401: {"model": TGIErrorResponse, "description": "missing or wrong API key (with --api-key)"},
+               413: {"model": TGIErrorResponse, "description": "body over --max-request-body-bytes"},
+               422: {"model": TGIErrorResponse, "description": "validation error (error_type validation), "
                                                                 "malformed JSON included"},
                503: {"model": TGIErrorResponse, "description": "overloaded (error_type overloaded) or the engine "
                                                                 "is not running (generation)"}}
+# The same for a route whose response class is SSE (FastAPI would document a "model" as SSE too).
+_TGI_ERRORS_JSON = {status: {"description": r["description"], "content": {"application/json": {
+    "schema": {"$ref": "#/components/schemas/TGIErrorResponse"}}}} for status, r in _TGI_ERRORS.items()}
 
 
 def _bad(msg: str) -> APIError:
@@ -262,7 +267,7 @@ async def _generate(ctx: ServerContext, body: TGIRequest, raw: Request):
 @router.post("/generate_stream", response_model=None, response_class=SSEResponse, status_code=200, responses={
     200: {"description": "SSE events `data: {TGIStreamResponse}`; the last carries generated_text "
                          "(and details when asked)",
-          "content": sse_content(TGIStreamResponse, TGIErrorResponse, done=False)}, **_TGI_ERRORS})
+          "content": sse_content(TGIStreamResponse, TGIErrorResponse, done=False)}, **_TGI_ERRORS_JSON})
 async def generate_stream(body: TGIRequest, raw: Request):
     return await run_cancellable(raw, _generate_stream(get_ctx(raw), body, raw))
 
