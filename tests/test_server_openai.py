@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import threading
 import time
 
 import httpx
@@ -330,13 +332,29 @@ def test_stream_disconnect_aborts_and_frees_blocks(url, model, aengine):
     aborts = _scrape(url)["tokenmill:request_success_total|finished_reason=abort"]
     body = {"model": model, "prompt": "Hello world", "max_tokens": 480, "temperature": 0, "stream": True,
             "ignore_eos": True}
-    with httpx.Client(base_url=url, timeout=30) as h:
-        with h.stream("POST", "/v1/completions", json=body) as r:
-            lines = r.iter_lines()
-            for _ in range(3):
-                next(lines)
-            assert kv.num_free_blocks < baseline  # the request holds blocks while it runs
-        # leaving the block closes the connection mid-stream
+    steps, release = [], threading.Event()
+
+    def hold(outputs, _dt):  # once 3 chunks of text are out, the engine waits until the client has hung up
+        steps.extend(o for o in outputs if o.outputs[0].delta_text)
+        if len(steps) >= 3:
+            release.wait(30)
+
+    aengine.step_observers.append(hold)
+    try:
+        with httpx.Client(base_url=url, timeout=30) as h:
+            with h.stream("POST", "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                for _ in range(3):
+                    next(lines)
+                assert kv.num_free_blocks < baseline  # the request holds blocks while it runs
+            # leaving the block closes the connection mid-stream
+        deadline = time.monotonic() + 30
+        while aengine.num_in_flight():  # the server saw the disconnect and dropped the request
+            assert time.monotonic() < deadline, "the disconnect was not noticed"
+            time.sleep(0.01)
+    finally:
+        release.set()
+        aengine.step_observers.remove(hold)
     assert _wait_idle(aengine), "the aborted request's KV blocks did not come back"
     assert kv.num_free_blocks == baseline
     assert _scrape(url)["tokenmill:request_success_total|finished_reason=abort"] == aborts + 1
@@ -344,11 +362,32 @@ def test_stream_disconnect_aborts_and_frees_blocks(url, model, aengine):
 
 def test_non_streaming_disconnect_aborts(url, model, aengine):
     assert _wait_idle(aengine)
-    body = {"model": model, "prompt": "Hello world", "max_tokens": 480, "temperature": 0, "ignore_eos": True}
-    with httpx.Client(base_url=url, timeout=httpx.Timeout(30, read=0.15)) as h:
-        with pytest.raises(httpx.ReadTimeout):
-            h.post("/v1/completions", json=body)
+    aborts = _scrape(url)["tokenmill:request_success_total|finished_reason=abort"]
+    running, release = threading.Event(), threading.Event()
+
+    def hold(outputs, _dt):  # the engine waits after each step until the client is gone
+        if outputs:
+            running.set()
+            release.wait(30)
+
+    aengine.step_observers.append(hold)
+    try:
+        body = json.dumps({"model": model, "prompt": "Hello world", "max_tokens": 480, "temperature": 0,
+                           "ignore_eos": True}).encode()
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            assert running.wait(30)  # generating, and held: it cannot finish before we hang up
+        deadline = time.monotonic() + 30
+        while aengine.num_in_flight():  # the server saw the disconnect and dropped the request
+            assert time.monotonic() < deadline, "the disconnect was not noticed"
+            time.sleep(0.01)
+    finally:
+        release.set()
+        aengine.step_observers.remove(hold)
     assert _wait_idle(aengine)
+    assert _scrape(url)["tokenmill:request_success_total|finished_reason=abort"] == aborts + 1
 
 
 def test_32_concurrent_streams_each_get_their_own_text(url, model, aengine, tiny_llama_llm):
