@@ -37,7 +37,10 @@ def announce(app, sock: socket.socket, https: bool = False) -> None:
     for path, methods in _routes(app.routes):
         by_path.setdefault(path, set()).update(methods or ())
     for path, methods in by_path.items():
-        logger.info("Route: %s, Methods: %s", path, ", ".join(sorted(methods)) if methods else "any (mounted app)")
+        if methods:
+            logger.info("Route: %s, Methods: %s", path, ", ".join(sorted(methods)))
+        else:
+            logger.info("Route: %s (mounted)", path)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     where = " (all interfaces)" if host in ("0.0.0.0", "::") else ""

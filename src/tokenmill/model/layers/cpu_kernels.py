@@ -4,7 +4,8 @@ Built with torch's cpp_extension (needs a C++ compiler and ninja) into a build f
 torch's build root (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR) keyed by the source,
 the flags and the environment (torch, Python, sys.prefix, where the package is installed), so
 two venvs never share or wait on one build. Only the first process of an environment pays for
-the build (~130 s on 2 cores; `tokenmill build-kernels` does it ahead); it says so in the log.
+the build (130 s on 2 idle cores, 476 s on 2 busy ones; `tokenmill build-kernels` does it
+ahead); it says so in the log.
 If the build fails, callers fall back to pure-torch code (TOKENMILL_NO_CPP_KERNELS=1 forces that).
 
 torch guards a build with a lock file that it waits on forever if the builder was killed
@@ -61,7 +62,8 @@ def _build():
         fresh = not (build_dir / f"{NAME}.so").exists()
         if fresh:  # minutes of silence otherwise, which the next log line would be blamed for
             logger.warning("compiling the CPU kernels into %s (first run with this environment on this machine: "
-                           "about 2 min on 2 cores, less with more; `tokenmill build-kernels` does it ahead)",
+                           "about 2 min on 2 idle cores, more when they are busy, less with more cores; "
+                           "`tokenmill build-kernels` does it ahead)",
                            build_dir)
         t0 = time.perf_counter()
         module = _load_ext(build_dir)
