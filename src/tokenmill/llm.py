@@ -41,7 +41,8 @@ class LLM:
         requests = [self.engine.make_requests(p, sp) for p, sp in zip(batch, params)]
         order = {self.engine.enqueue(req): (i, j) for i, reqs in enumerate(requests) for j, req in enumerate(reqs)}
         samples: list[list[RequestOutput | None]] = [[None] * len(reqs) for reqs in requests]
-        bar = tqdm(total=len(order), desc="Generating", unit="req", disable=None if use_tqdm else True)  # None: TTY only
+        # disable=None: tqdm shows the bar only when stderr is a terminal
+        bar = tqdm(total=len(order), desc="Generating", unit="req", disable=None if use_tqdm else True)
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():

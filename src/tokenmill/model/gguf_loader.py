@@ -468,7 +468,8 @@ def gguf_to_hf_folder(gguf_path: str, cache_dir: str | None = None, dense_dtype:
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
     try:
         _convert(gguf_path, tmp, dense_dtype)
-        info = {"converter_version": CONVERTER_VERSION, "source": gguf_path, "sha256": digest, "dense_dtype": dense_dtype}
+        info = {"converter_version": CONVERTER_VERSION, "source": gguf_path, "sha256": digest,
+                "dense_dtype": dense_dtype}
         (tmp / _MARKER).write_text(json.dumps(info, indent=2))  # last: only complete folders have it
         for f in tmp.rglob("*"):  # mkdtemp and safetensors create owner-only; a cache can be shared
             f.chmod(0o755 if f.is_dir() else 0o644)

@@ -44,8 +44,8 @@ def announce(app, sock: socket.socket, https: bool = False) -> None:
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     where = " (all interfaces)" if host in ("0.0.0.0", "::") else ""
-    logger.info("tokenmill is serving on %s://%s:%d%s; Ctrl-C (SIGINT) or SIGTERM to stop", "https" if https else "http",
-                shown, port, where)
+    logger.info("tokenmill is serving on %s://%s:%d%s; Ctrl-C (SIGINT) or SIGTERM to stop",
+                "https" if https else "http", shown, port, where)
 
 
 def _routes(routes):
