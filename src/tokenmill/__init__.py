@@ -1,9 +1,10 @@
 """tokenmill: a high-throughput LLM inference and serving engine."""
 
 from tokenmill.config import EngineArgs
+from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.llm import LLM
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineArgs", "__version__"]
+__all__ = ["LLM", "AsyncLLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineArgs", "__version__"]

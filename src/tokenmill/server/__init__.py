@@ -10,6 +10,8 @@ Prometheus metrics and Bearer auth over an AsyncLLMEngine.
     tgi_routes.py          POST /generate, POST /generate_stream, GET /info
     metrics.py             tokenmill:* Prometheus metrics
     errors.py              error bodies (OpenAI's; TGI's on TGI routes) and exception handlers
+    chat_template.py       chat-template rendering for the routes, bounded (size, time, trust)
+    listen.py              the listening socket bound before the model loads; the route listing
 """
 
 __all__ = ["build_app", "serve", "BackgroundServer"]
