@@ -1,6 +1,6 @@
 """Input validation (issue 14, defects 5 and 10): non-finite and out-of-range numbers refused on
 every route (400 in OpenAI's shape, 422 in TGI's) and by SamplingParams offline; token ids are
-JSON integers (not booleans); the ranges the server enforces are stated in /openapi.json;
+JSON integers (not booleans or strings); the ranges the server enforces are stated in /openapi.json;
 GET and HEAD /health answer JSON."""
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def test_nothing_left_in_the_engine(http):
 @pytest.mark.parametrize("path,body,param", [
     ("/detokenize", '{"tokens": [false]}', "tokens"),
     ("/detokenize", '{"tokens": [1, true]}', "tokens"),
-    ("/detokenize", '{"tokens": [1.0]}', "tokens"),
+    ("/detokenize", '{"tokens": [1.5]}', "tokens"),
     ("/detokenize", '{"tokens": ["1"]}', "tokens"),
     ("/detokenize", '{"tokens": [-1]}', "tokens"),
     (C, '{"prompt": [true, 5], "max_tokens": 2}', "prompt"),
@@ -126,6 +126,7 @@ def test_token_ids_are_strict_integers(http, path, body, param):
 def test_token_ids_still_accepted(http):
     r = http.post("/detokenize", json={"tokens": [5, 6]})
     assert r.status_code == 200 and isinstance(r.json()["prompt"], str)
+    assert _post_raw(http, "/detokenize", '{"tokens": [5.0, 6]}').json() == r.json()  # an integer to JSON Schema
     r = http.post(C, json={"prompt": [5, 6], "max_tokens": 2, "stop_token_ids": [7], "logit_bias": {"5": -100}})
     assert r.status_code == 200, r.text
 
@@ -215,3 +216,26 @@ def test_sampling_params_refuse(kwargs, match):
 def test_sampling_params_range_edges_accepted():
     SamplingParams(temperature=0, repetition_penalty=0.01, top_k=2**31 - 1, seed=-(2**63))
     SamplingParams(temperature=100, repetition_penalty=100, seed=2**63 - 1)
+
+
+# ---- what schemathesis turned up -----------------------------------------------------------------
+@pytest.mark.parametrize("top_p", [1e-50, 5e-324])
+def test_top_p_below_float32_range_is_greedy(tiny_llama_llm, top_p):
+    """top_p is a float32 in the sampler: 1e-50 was 0 there and dropped every token, so the row
+    was all -inf and token 0 (EOS on the tiny model) came out; the most likely token always stays."""
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    tiny = SamplingParams(temperature=1.0, top_p=top_p, max_tokens=8, ignore_eos=True, seed=1)
+    want, got = (tiny_llama_llm.generate("Hello world", p)[0].outputs[0].token_ids for p in (greedy, tiny))
+    assert got == want
+
+
+def test_prompt_logprobs_stay_out_of_the_completions_logprobs(http):
+    """prompt_logprobs without echo: the prompt's logprobs go to the choice's prompt_logprobs, not
+    in front of the generated tokens' logprobs (only echo puts them there)."""
+    body = {"prompt": "Hello world", "max_tokens": 3, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    plain = http.post(C, json=body).json()["choices"][0]
+    with_prompt = http.post(C, json={**body, "prompt_logprobs": 0}).json()["choices"][0]
+    assert len(plain["logprobs"]["tokens"]) == 3 and with_prompt["logprobs"] == plain["logprobs"]
+    assert with_prompt["prompt_logprobs"][0] is None and len(with_prompt["prompt_logprobs"]) > 1
+    echoed = http.post(C, json={**body, "echo": True}).json()["choices"][0]
+    assert len(echoed["logprobs"]["tokens"]) == len(with_prompt["prompt_logprobs"]) + 3

@@ -202,7 +202,8 @@ def _choice(ctx, body, out: RequestOutput, c, index: int, prefix: str, score_onl
     lp = None
     if body.logprobs is not None and c.logprobs is not None:
         lp = CompletionLogProbs()
-        if out.prompt_logprobs is not None:  # echo: the prompt's tokens first
+        if body.echo and out.prompt_logprobs is not None:  # echo: the prompt's tokens first (not for
+            # prompt_logprobs alone: those go to the choice's prompt_logprobs only)
             lp = completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, 0, ctx.tokenizer)
         if not score_only:
             gen = completion_logprobs(c.token_ids, c.logprobs, len(prefix))

@@ -16,7 +16,8 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, WithJsonSchema
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
+from pydantic_core import PydanticCustomError
 
 from tokenmill.sampling_params import SamplingParams
 
@@ -31,9 +32,19 @@ MAX_BAD_WORDS = 1024
 MAX_TOKEN_ID_LIST = 1024  # stop_token_ids, logit_bias entries
 
 
-# A token id: a JSON integer >= 0 (strict: false, 1.0 and "1" are refused); its upper bound, the
+
+
+def _json_integer(v: Any) -> Any:
+    """A JSON integer and nothing else: pydantic's lax int takes true (Python's bool is an int) and
+    "5"; 5.0 stays accepted, as JSON Schema's "integer" counts it."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise PydanticCustomError("int_type", "Input should be a valid integer")
+    return v
+
+
+# A token id: a JSON integer >= 0 (false, "1" and 1.5 are refused); its upper bound, the
 # vocabulary size, is checked by the routes.
-TokenId = Annotated[StrictInt, Field(ge=0)]
+TokenId = Annotated[int, Field(ge=0), BeforeValidator(_json_integer)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 # Keys are token ids written as strings of digits; the schema says so with propertyNames (pydantic
 # alone would write patternProperties, which lets any other key through).
@@ -115,8 +126,16 @@ class UsageInfo(BaseModel):
                    prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
+# Rules across fields, stated in the schema too (the routes check them): stream_options needs stream.
+_STREAM_OPTIONS_RULE = {
+    "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
+    "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}}
+
+
 class _SamplingFields(OpenAIBaseModel):
     """Sampling fields common to /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(json_schema_extra={"allOf": [_STREAM_OPTIONS_RULE]})
 
     model: str | None = Field(None, description="served model name; omitted means the served model")
     frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
@@ -156,7 +175,7 @@ class _SamplingFields(OpenAIBaseModel):
                                   description="vLLM extra: beam scores are logprob / length ** this")
     guided_json: dict[str, Any] | str | None = Field(None, description="vLLM extra: output follows this JSON schema")
     guided_regex: str | None = Field(None, description="vLLM extra: output matches this regex")
-    guided_choice: list[str] | None = Field(None, min_length=1,
+    guided_choice: list[NonEmptyStr] | None = Field(None, min_length=1,
                                             description="vLLM extra: output is one of these strings")
     guided_grammar: str | None = Field(None, description="vLLM extra: output follows this grammar (Lark or GBNF)")
     watermark: bool = Field(False, description="tokenmill extra: green-list watermark (Kirchenbauer et al.; "
@@ -223,6 +242,11 @@ class CompletionStreamResponse(BaseModel):
 
 # ---- /v1/chat/completions ----------------------------------------------------------------
 class ChatContentPart(OpenAIBaseModel):
+    # The schema states what the route accepts (a text part); the model takes any part, so that
+    # the route can name the part it refuses (e.g. image_url).
+    model_config = ConfigDict(json_schema_extra={"properties": {
+        "type": {"const": "text", "type": "string", "description": "only 'text' is supported"},
+        "text": {"type": "string"}}, "required": ["type", "text"]})
     type: str = Field(..., description="only 'text' is supported")
     text: str | None = None
 
@@ -236,6 +260,9 @@ class ChatMessage(OpenAIBaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    model_config = ConfigDict(json_schema_extra={"allOf": [_STREAM_OPTIONS_RULE, {  # top_logprobs needs logprobs
+        "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+        "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}]})
     messages: list[ChatMessage] = Field(..., min_length=1)
     logprobs: bool | None = Field(False, description="return log probabilities of the output tokens")
     top_logprobs: int | None = Field(None, ge=0, description="top alternatives per token (N <= the server's "

@@ -224,7 +224,9 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.
     if top_p is not None:
         probs = sorted_logits.softmax(dim=-1)
         cum = probs.cumsum(dim=-1)
-        # Drop tokens once the mass before them already reaches top_p (the first always stays).
+        # Drop tokens once the mass before them already reaches top_p (the first always stays,
+        # also when top_p is below float32's range and so 0 here: 1e-50 would drop every token).
         drop = (cum - probs) >= top_p.unsqueeze(1)
+        drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter_(1, idx, sorted_logits)
