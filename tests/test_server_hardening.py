@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from conftest import PROMPTS
+from conftest import PROMPTS, running_server
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.async_engine import AsyncLLMEngine
@@ -24,15 +24,8 @@ MSGS = [{"role": "user", "content": "Hi"}]
 
 @pytest.fixture(scope="module")
 def served(tiny_llama_dir):
-    aengine = AsyncLLMEngine.from_args(tiny_llama_dir, dtype="float32", kv_cache_memory=0.05)
-    app = build_app(aengine)
-    server = BackgroundServer(app)
-    try:
-        server.start()
-        yield server, aengine, app.state.ctx
-    finally:
-        server.stop()
-        aengine.shutdown()
+    with running_server(tiny_llama_dir) as (server, aengine):
+        yield server, aengine, server.server.config.app.state.ctx
 
 
 @pytest.fixture(scope="module")

@@ -66,6 +66,14 @@ def _wait_idle(aengine, timeout=10.0) -> bool:
     return False
 
 
+def _wait_dropped(aengine, timeout=30.0) -> None:
+    """Until the server has seen a client's disconnect and dropped its request."""
+    deadline = time.monotonic() + timeout
+    while aengine.num_in_flight():
+        assert time.monotonic() < deadline, "the disconnect was not noticed"
+        time.sleep(0.01)
+
+
 def _sse_events(raw: str) -> list[str]:
     """SSE as OpenAI frames it: every event is one `data: ...` line followed by a blank line."""
     assert raw.endswith("\n\n")
@@ -348,10 +356,7 @@ def test_stream_disconnect_aborts_and_frees_blocks(url, model, aengine):
                     next(lines)
                 assert kv.num_free_blocks < baseline  # the request holds blocks while it runs
             # leaving the block closes the connection mid-stream
-        deadline = time.monotonic() + 30
-        while aengine.num_in_flight():  # the server saw the disconnect and dropped the request
-            assert time.monotonic() < deadline, "the disconnect was not noticed"
-            time.sleep(0.01)
+        _wait_dropped(aengine)
     finally:
         release.set()
         aengine.step_observers.remove(hold)
@@ -379,10 +384,7 @@ def test_non_streaming_disconnect_aborts(url, model, aengine):
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
             assert running.wait(30)  # generating, and held: it cannot finish before we hang up
-        deadline = time.monotonic() + 30
-        while aengine.num_in_flight():  # the server saw the disconnect and dropped the request
-            assert time.monotonic() < deadline, "the disconnect was not noticed"
-            time.sleep(0.01)
+        _wait_dropped(aengine)
     finally:
         release.set()
         aengine.step_observers.remove(hold)
