@@ -105,13 +105,13 @@ def test_this_machine_does_not_raise():
 
 def test_barrier_spin_env(monkeypatch):
     monkeypatch.delenv("TOKENMILL_SPIN_US", raising=False)
-    assert cpu_threads.barrier_spin_ns() == 50_000
+    assert cpu_threads.barrier_spin_ns() == 100_000
     monkeypatch.setenv("TOKENMILL_SPIN_US", "0")
     assert cpu_threads.barrier_spin_ns() == 0
     monkeypatch.setenv("TOKENMILL_SPIN_US", "2.5")
     assert cpu_threads.barrier_spin_ns() == 2500
     monkeypatch.setenv("TOKENMILL_SPIN_US", "fast")
-    assert cpu_threads.barrier_spin_ns() == 50_000
+    assert cpu_threads.barrier_spin_ns() == 100_000
 
 
 def test_apply_cpu_limit(monkeypatch):

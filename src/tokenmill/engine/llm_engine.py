@@ -22,6 +22,7 @@ from tokenmill.config import (
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.model.layers import cpu_threads
 from tokenmill.model.layers.quantization import check_quantization
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -41,6 +42,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
+        else:  # no more threads than the CPU quota / affinity allows (a container's cpu.max)
+            cpu_threads.apply_cpu_limit()
         path = resolve_model_path(args.model)
         hf_config = load_hf_config(path)
         self.tokenizer = load_tokenizer(args.tokenizer or path)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 logger = logging.getLogger("tokenmill")
 
-DEFAULT_SPIN_US = 50.0
+DEFAULT_SPIN_US = 100.0
 
 
 def _unescape(field: str) -> str:
@@ -153,7 +153,7 @@ def apply_cpu_limit() -> int:
 
 
 def barrier_spin_ns() -> int:
-    """How long the fused step's barriers spin before sleeping: TOKENMILL_SPIN_US (default 50)."""
+    """The most the fused step's barriers spin before sleeping: TOKENMILL_SPIN_US (default 100)."""
     raw = os.environ.get("TOKENMILL_SPIN_US")
     try:
         us = float(raw) if raw not in (None, "") else DEFAULT_SPIN_US

@@ -6,7 +6,7 @@
 // the weight stream stalls at every op boundary: 30 layers of SmolLM2's linears as 120 kernel
 // calls stream ~25-30 GB/s where the same kernel in one region streams ~37 (2 cores).
 // Here each thread runs its share of every stage and the threads meet at a barrier where a
-// stage needs the whole of the previous one's output (step_barrier.h: spins briefly, then sleeps,
+// stage needs the whole of the previous one's output (StepBarrier: spins, then sleeps,
 // so that the step slows in proportion, not collapses, when other processes take cores):
 //
 //   per layer: [norm] qkv | rope + cache write (| when sequences are split) attention
@@ -27,6 +27,9 @@
 #include <climits>
 #include <cstdint>
 #include <thread>
+#if defined(__linux__)
+#include <sched.h>
+#endif
 #include <tuple>
 #include <vector>
 #if defined(__linux__)
@@ -98,25 +101,35 @@ Linear make_linear(const LinearSpec& spec, int64_t in_features, int64_t out_feat
 // oversubscribed (other processes busy, a container's CPU quota, more threads than free cores).
 //
 // `#pragma omp barrier` under libgomp's default wait policy spins up to GOMP_SPINCOUNT = 300,000
-// pause instructions (~8 ms on an AMD EPYC) before it sleeps. When every thread has a core of
-// its own, a barrier's wait is a few microseconds and spinning is the fastest way to wait. When
-// one thread is descheduled (its core taken by another process), the others spin through their
-// time slices for it, and a spinning thread that shares a core with the late one keeps it off
-// that core: each of the fused step's ~150 barriers then costs a scheduler time slice (ms), and
-// a 6 ms decode step took 100-400 ms on 2 cores with one busy process beside it.
+// pause instructions (~8 ms on this AMD EPYC) before it sleeps. When every thread has a core of
+// its own, a barrier's wait is microseconds and spinning is the fastest way to wait (sleeping
+// costs a futex wake and, in a VM, waking a halted vCPU). When a thread is descheduled, the
+// others spin through their time slices for it, and a spinner that shares a core with the late
+// thread keeps it off that core until the scheduler's tick: with one busy process beside it on
+// 2 cores, each of the step's ~150 barriers cost a time slice and a 6 ms step took 100-600 ms.
 //
-// This barrier spins for at most `spin_ns` (default 50 us: far above a quiet barrier's wait,
-// far below a time slice), then sleeps on a futex until the last thread arrives, so a thread
-// that waits long gives its core back to the thread (or process) that needs it.
+// Here a waiting thread
+// - sleeps at once (futex) when a thread still to come was last seen on its own CPU: that
+//   thread cannot be running, and needs this CPU;
+// - else spins up to its budget, then sleeps. The budget (per thread, kept across steps) starts
+//   at `max_spin_ns`, is cut to a quarter each time a spin runs out (the late thread was
+//   descheduled: spinning for it only delays the scheduler from moving it here) and doubles
+//   (+1 us) each time the others come in while it spins. So a quiet machine spins as libgomp
+//   would (its waits are short), and a busy one stops spinning after a few failed waits.
 class StepBarrier {
  public:
-  explicit StepBarrier(int64_t spin_ns) : spin_ns_(spin_ns) {}
+  StepBarrier(int threads, int64_t max_spin_ns, bool adaptive)
+      : max_spin_ns_(max_spin_ns), adaptive_(adaptive), cpu_(threads) {
+    for (auto& c : cpu_) c.store(-1, std::memory_order_relaxed);
+  }
   StepBarrier(const StepBarrier&) = delete;
   StepBarrier& operator=(const StepBarrier&) = delete;
 
-  // Every one of the region's n threads calls wait(n); all return once the last has come in.
-  void wait(int n) {
+  // Thread t of the region's n threads; all return once the last has come in.
+  void wait(int t, int n) {
     if (n <= 1) return;
+    const int my_cpu = current_cpu();
+    cpu_[t].store(my_cpu, std::memory_order_relaxed);
     const uint32_t gen = gen_.load(std::memory_order_acquire);
     if (arrived_.fetch_add(1, std::memory_order_acq_rel) == n - 1) {  // the last one in
       arrived_.store(0, std::memory_order_relaxed);  // nobody re-enters before gen_ moves on
@@ -124,19 +137,37 @@ class StepBarrier {
       if (sleepers_.load(std::memory_order_seq_cst) > 0) futex(FUTEX_WAKE_PRIVATE, INT_MAX);
       return;
     }
-    if (spin_until_changed(gen)) return;
+    thread_local int64_t budget = -1;  // this thread's spin budget (ns), across steps
+    if (!adaptive_ || budget < 0 || budget > max_spin_ns_) budget = max_spin_ns_;
+    bool shares_cpu = false;
+    for (int j = 0; j < n && my_cpu >= 0; ++j)
+      shares_cpu |= j != t && cpu_[j].load(std::memory_order_relaxed) == my_cpu;
+    if (!shares_cpu && budget > 0) {
+      if (spin_until_changed(gen, budget)) {
+        if (adaptive_) budget = std::min(max_spin_ns_, 2 * budget + 1000);
+        return;
+      }
+      if (adaptive_) budget /= 4;
+    }
     sleepers_.fetch_add(1, std::memory_order_seq_cst);
     while (gen_.load(std::memory_order_seq_cst) == gen) futex(FUTEX_WAIT_PRIVATE, gen);
     sleepers_.fetch_sub(1, std::memory_order_relaxed);
   }
 
  private:
-  // Spins while gen_ == gen for up to spin_ns_; true if it moved on meanwhile.
-  bool spin_until_changed(uint32_t gen) const {
-    if (spin_ns_ <= 0) return gen_.load(std::memory_order_acquire) != gen;
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::nanoseconds(spin_ns_);
+  static int current_cpu() {
+#if defined(__linux__)
+    return sched_getcpu();  // vDSO / rdpid: tens of ns
+#else
+    return -1;
+#endif
+  }
+
+  // Spins while gen_ == gen for up to `ns`; true if it moved on meanwhile.
+  bool spin_until_changed(uint32_t gen, int64_t ns) const {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::nanoseconds(ns);
     for (;;) {
-      for (int i = 0; i < 64; ++i) {  // ~1.7 us of pauses between clock reads
+      for (int i = 0; i < 32; ++i) {  // ~0.8 us of pauses between clock reads
         if (gen_.load(std::memory_order_acquire) != gen) return true;
 #if defined(__x86_64__)
         _mm_pause();
@@ -156,10 +187,12 @@ class StepBarrier {
   }
 
   static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "futex word");
-  const int64_t spin_ns_;
+  const int64_t max_spin_ns_;
+  const bool adaptive_;
   alignas(64) std::atomic<uint32_t> gen_{0};
   alignas(64) std::atomic<int> arrived_{0};
   alignas(64) std::atomic<int> sleepers_{0};
+  std::vector<std::atomic<int>> cpu_;  // each thread's CPU when it last came in
 };
 
 // This thread's share [begin, end) of n items split evenly over nt threads.
@@ -255,7 +288,7 @@ class FusedDecoder {
     BF16* down_p = down.data_ptr<BF16>();
     const BF16* cos = cos_.data_ptr<BF16>();
     const BF16* sin = sin_.data_ptr<BF16>();
-    StepBarrier barrier(spin_ns_);
+    StepBarrier barrier(nt, spin_ns_, adaptive_spin_);
 
 #pragma omp parallel num_threads(nt)
     {
@@ -274,7 +307,7 @@ class FusedDecoder {
           else add_rms_norm_row(down_p + m * hid, resid.data() + m * hid, in_norm, xn.data() + m * hid, hid, eps_);
         }
         linear(qkv_[l], xn.data(), M, qkv_p, qkv_w);
-        barrier.wait(n_t);
+        barrier.wait(t, n_t);
         BF16* k_cache = kv_caches_[2 * l].data_ptr<BF16>();
         BF16* v_cache = kv_caches_[2 * l + 1].data_ptr<BF16>();
         {
@@ -284,7 +317,7 @@ class FusedDecoder {
                                Hkv, D);
         }
         // (unsplit, a thread attends exactly the rows it just rotated: no wait needed)
-        if (S > 1) barrier.wait(n_t);
+        if (S > 1) barrier.wait(t, n_t);
         const DecodeArgs<BF16, BF16> a{q_p, k_cache, v_cache, nullptr, nullptr, block_tables.data_ptr<int64_t>(), lens,
                                        attn_p, M, H, Hkv, D, block_size_, block_tables.size(1), scale_, S,
                                        part_ml.data(), part_acc.data()};
@@ -292,14 +325,14 @@ class FusedDecoder {
           const auto [i0, i1] = share(M * S, t, n_t);
           decode_items(a, i0, i1);
         }
-        barrier.wait(n_t);
+        barrier.wait(t, n_t);
         if (S > 1) {
           const auto [i0, i1] = share(M * H, t, n_t);
           decode_merge(a, i0, i1);
-          barrier.wait(n_t);
+          barrier.wait(t, n_t);
         }
         linear(o_[l], attn_p, M, o_p, hid);
-        barrier.wait(n_t);
+        barrier.wait(t, n_t);
         const BF16* post_norm = norms_[2 * l + 1].data_ptr<BF16>();
         for (int64_t m = 0; m < M; ++m)
           add_rms_norm_row(o_p + m * hid, resid.data() + m * hid, post_norm, xn.data() + m * hid, hid, eps_);
@@ -315,9 +348,9 @@ class FusedDecoder {
           for (int64_t m = 0; m < M; ++m)
             silu_mul_row(gu_p + m * 2 * I + c0, gu_p + m * 2 * I + I + c0, act_p + m * I + c0, c1 - c0);
         }
-        barrier.wait(n_t);
+        barrier.wait(t, n_t);
         linear(down_[l], act_p, M, down_p, hid);
-        barrier.wait(n_t);
+        barrier.wait(t, n_t);
       }
       const BF16* final_norm = norms_.back().data_ptr<BF16>();
       for (int64_t m = 0; m < M; ++m)
@@ -333,11 +366,12 @@ class FusedDecoder {
         for (int64_t r = 0; r < R; ++r)
           for (int64_t c = c0; c < c1; ++c) logits_f[r * vocab_ + c] = static_cast<float>(logits_b[r * vocab_ + c]);
       }
-      barrier.wait(n_t);  // so that the region's own closing barrier (libgomp's spin) finds everyone there
+      barrier.wait(t, n_t);  // so that the region's own closing barrier (libgomp's spin) finds everyone there
     }
     return logits_f32;
   }
 
+  bool adaptive_spin_ = true;  // StepBarrier's adaptive budget (off: always spin_ns_)
   int64_t spin_ns() const { return spin_ns_; }
   void set_spin_ns(int64_t ns) {
     TORCH_CHECK(ns >= 0, "FusedDecoder: spin_ns must be >= 0");
@@ -354,7 +388,7 @@ class FusedDecoder {
   float eps_;
   int64_t block_size_;
   float scale_;
-  int64_t spin_ns_ = 50000;  // how long a barrier spins before it sleeps (step_barrier.h)
+  int64_t spin_ns_ = 100000;  // the most a barrier spins before it sleeps (StepBarrier)
 };
 
 void bind_fused_decoder(pybind11::module_& m) {
@@ -371,7 +405,9 @@ void bind_fused_decoder(pybind11::module_& m) {
            py::arg("block_tables"), py::arg("seq_lens"), py::arg("logits_rows"),
            py::call_guard<py::gil_scoped_release>())
       .def_property("spin_ns", &FusedDecoder::spin_ns, &FusedDecoder::set_spin_ns,
-                    "how long a thread spins at a barrier of the step before it sleeps (ns; 0: at once)");
+                    "the most a thread spins at a barrier of the step before it sleeps (ns; 0: at once)")
+      .def_readwrite("adaptive_spin", &FusedDecoder::adaptive_spin_,
+                     "cut a thread's spin budget when its spins run out, grow it back when they succeed");
 }
 
 #else  // no AVX512-BF16: no fused decode step (the model runs op by op)
