@@ -7,7 +7,8 @@ content type, and a body (SSE events included) that follows the documented schem
 Deterministic: hypothesis derandomized, no example database, so every run sends the same
 requests. The context is 64 tokens, so even the largest request the schema allows (128
 samples of up to 63 tokens) stays cheap on the tiny model; the run ends with a check that
-at least MIN_CASES requests were made in all.
+at least MIN_CASES requests were made in all, and prints (with -s) how many per operation were
+answered with a 2xx. About 2,300 requests, 30-70 s on 2 cores.
 """
 
 from __future__ import annotations
