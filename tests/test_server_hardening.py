@@ -225,6 +225,9 @@ def test_too_many_prompts_is_400(http, ctx):
     r = http.post(C, json={"prompt": ["a"] * 5, "max_tokens": 1})
     assert r.status_code == 400 and "at most 4 prompts" in r.json()["error"]["message"]
     assert http.post(C, json={"prompt": ["a"] * 4, "max_tokens": 1}).status_code == 200
+    ctx.max_prompts_per_request = 256
+    r = http.post(C, json={"prompt": ["a"] * 9, "n": 128, "max_tokens": 1})  # 1,152 sequences
+    assert r.status_code == 400 and "at most 1024" in r.json()["error"]["message"]
 
 
 # ---- /docs without a CDN ------------------------------------------------------------------------------

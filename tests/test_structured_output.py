@@ -70,3 +70,25 @@ def test_regex_choice_and_grammar(smollm2_client, smollm2_model, url):
 def test_bad_grammar_is_a_400(smollm2_client, smollm2_model):
     with pytest.raises(openai.BadRequestError, match="grammar"):
         smollm2_client.completions.create(model=smollm2_model, prompt="x", max_tokens=5, extra_body={"guided_regex": "(unclosed"})
+
+
+def test_grammar_masks_match_the_matchers_bitmasks(tiny_llama_llm):
+    """The eager masking (not llguidance's torch.compile'd one) keeps exactly each matcher's tokens."""
+    import numpy as np
+    import torch
+
+    from tokenmill.structured_output import GuidedDecodingParams, apply_grammar_masks
+
+    so = tiny_llama_llm.engine.structured_output
+    matchers = [so.matcher_for(GuidedDecodingParams(regex="[ab]+c")), None,
+                so.matcher_for(GuidedDecodingParams(choice=["hello", "world"]))]
+    logits = torch.randn(3, so.vocab_size)
+    masked = logits.clone()
+    apply_grammar_masks(masked, matchers)
+    assert torch.equal(masked[1], logits[1])
+    for row in (0, 2):
+        bits = np.unpackbits(np.frombuffer(matchers[row].compute_bitmask(), dtype=np.uint8), bitorder="little")
+        allowed = torch.from_numpy(bits[: so.vocab_size].astype(bool))
+        assert 0 < int(allowed.sum()) < so.vocab_size
+        assert torch.equal(masked[row][allowed], logits[row][allowed])
+        assert torch.isneginf(masked[row][~allowed]).all()

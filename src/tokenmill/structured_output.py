@@ -109,12 +109,24 @@ class StructuredOutputManager:
 
 def apply_grammar_masks(logits: torch.Tensor, matchers: list) -> None:
     """In place: mask the logits of every row whose matcher is not None to its allowed tokens,
-    in one pass over the batch."""
+    in one pass over those rows. Eager torch: llguidance's own apply_token_bitmask_inplace is
+    torch.compile'd, and its first call (on the engine thread) compiled for 8-15 s."""
     import llguidance.torch as lt
 
-    bitmask = lt.allocate_token_bitmask(logits.shape[0], logits.shape[1])
-    bitmask.fill_(-1)  # all allowed for unconstrained rows
-    for row, m in enumerate(matchers):
-        if m is not None:
-            lt.fill_next_token_bitmask(m, bitmask, row)
-    lt.apply_token_bitmask_inplace(logits, bitmask)
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    if not rows:
+        return
+    vocab = logits.shape[1]
+    bitmask = lt.allocate_token_bitmask(len(rows), vocab)
+    for k, i in enumerate(rows):
+        lt.fill_next_token_bitmask(matchers[i], bitmask, k)
+    bits = (bitmask.unsqueeze(-1) >> _BIT_SHIFTS) & 1  # [R, W, 32]: bit b of word w is token 32 w + b
+    allowed = bits.view(len(rows), -1)[:, :vocab].bool()
+    if len(rows) == logits.shape[0]:
+        logits.masked_fill_(~allowed, float("-inf"))
+    else:
+        index = torch.tensor(rows)
+        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)

@@ -23,6 +23,7 @@ from tokenmill.server.protocol import (
 from tokenmill.llm import merge_samples
 from tokenmill.server.serving import (
     MAX_N,
+    MAX_SEQUENCES,
     SSE_DONE,
     SSEResponse,
     ServerContext,
@@ -124,6 +125,9 @@ async def _create_completion(ctx: ServerContext, body: CompletionRequest, raw: R
         return JSONResponse((await _beam_search(ctx, body, request_id, prompts, params)).model_dump())
     many = len(prompts) > 1
     S = params[0].num_samples  # engine requests per prompt; choice index = prompt * n + sample
+    if len(prompts) * S > MAX_SEQUENCES:
+        raise APIError(f"{len(prompts)} prompts x {S} samples is {len(prompts) * S} sequences; one request may "
+                       f"start at most {MAX_SEQUENCES}", param="n")
     streams = []
     for i, ((_, ids), sp) in enumerate(zip(prompts, params)):
         streams += sample_streams(ctx, ids, sp, f"{request_id}-{i}" if many else request_id, tracker, i * S)

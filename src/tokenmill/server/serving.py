@@ -136,6 +136,7 @@ def resolve_max_tokens(ctx: ServerContext, n_prompt: int, max_tokens: int | None
 
 
 MAX_N = 128  # samples per prompt (n or best_of)
+MAX_SEQUENCES = 1024  # engine requests one API request may start (prompts x samples)
 
 
 def sample_streams(ctx: ServerContext, prompt_ids: list[int], params: SamplingParams, base_id: str,
