@@ -125,3 +125,49 @@ def test_apply_cpu_limit(monkeypatch):
         assert cpu_threads.apply_cpu_limit() == 1  # never raised
     finally:
         torch.set_num_threads(have)
+
+
+@pytest.mark.parametrize("threads", [2, 4])
+def test_fused_step_barrier_wait_modes_give_the_same_logits(tiny_llama_dir, threads):
+    """The fused step's barrier (sleep at once, adaptive spin, spin only) with as many threads as
+    cores and with more (4 on 2 cores: threads sleep, share CPUs, are woken): every call's logits
+    equal the op-by-op model's with the same thread count."""
+    torch = pytest.importorskip("torch")
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(tiny_llama_dir, dtype="bfloat16", kv_cache_memory=0.02, enable_prefix_caching=False)
+    runner = llm.engine.core.runner
+    fd = runner.fused_decode
+    if fd is None:
+        pytest.skip("no fused decode step here (needs the C++ kernels with AVX512-BF16)")
+    assert fd.decoder.spin_ns == cpu_threads.barrier_spin_ns() and fd.decoder.adaptive_spin
+    steps, inner = [], runner.execute
+
+    def spy(sched):
+        if not steps and len(sched.scheduled) == 3 and all(s.num_new_tokens == 1 for s in sched.scheduled):
+            steps.append((*runner.prepare(sched), runner.kv_cache.clone()))
+        return inner(sched)
+
+    runner.execute = spy
+    try:
+        prompts = [[5 + (7 * i + j) % 200 for j in range(40 + 30 * i)] for i in range(3)]
+        llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=3,
+                                                                             ignore_eos=True))
+    finally:
+        runner.execute = inner
+    ids, pos, meta, rows, kv = steps[0]
+    have = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            runner.kv_cache.copy_(kv)
+            want = runner.model.compute_logits(runner.model(ids, pos, runner.attn, meta)[rows])
+            for spin_ns, adaptive in [(0, False), (100_000, True), (10**9, False)] * 5:
+                fd.decoder.spin_ns, fd.decoder.adaptive_spin = spin_ns, adaptive
+                runner.kv_cache.copy_(kv)
+                assert torch.equal(fd(ids, pos, meta, rows), want), (spin_ns, adaptive)
+    finally:
+        torch.set_num_threads(have)
+        fd.decoder.spin_ns, fd.decoder.adaptive_spin = cpu_threads.barrier_spin_ns(), True
+    with pytest.raises(RuntimeError):
+        fd.decoder.spin_ns = -1

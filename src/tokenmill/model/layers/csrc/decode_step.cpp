@@ -103,19 +103,22 @@ Linear make_linear(const LinearSpec& spec, int64_t in_features, int64_t out_feat
 // `#pragma omp barrier` under libgomp's default wait policy spins up to GOMP_SPINCOUNT = 300,000
 // pause instructions (~8 ms on this AMD EPYC) before it sleeps. When every thread has a core of
 // its own, a barrier's wait is microseconds and spinning is the fastest way to wait (sleeping
-// costs a futex wake and, in a VM, waking a halted vCPU). When a thread is descheduled, the
-// others spin through their time slices for it, and a spinner that shares a core with the late
-// thread keeps it off that core until the scheduler's tick: with one busy process beside it on
-// 2 cores, each of the step's ~150 barriers cost a time slice and a 6 ms step took 100-600 ms.
+// costs a futex wake and, in a VM, waking a halted vCPU: a step whose barriers all sleep took
+// 13.0 ms against 9.3 spinning). When a thread is descheduled, the others spin through their
+// time slices for it, and a spinner that shares a CPU with the late thread keeps it off that CPU
+// until the scheduler's tick: with one busy process beside it on 2 cores, or other processes
+// using one core, the step's ~190 barriers cost a time slice each and TPOT went from ~9 to
+// 24-80 ms.
 //
 // Here a waiting thread
 // - sleeps at once (futex) when a thread still to come was last seen on its own CPU: that
-//   thread cannot be running, and needs this CPU;
+//   thread cannot be running, and needs this CPU (the scheduler separates them again when it
+//   wakes the sleeper, onto an idle CPU if there is one);
 // - else spins up to its budget, then sleeps. The budget (per thread, kept across steps) starts
-//   at `max_spin_ns`, is cut to a quarter each time a spin runs out (the late thread was
-//   descheduled: spinning for it only delays the scheduler from moving it here) and doubles
-//   (+1 us) each time the others come in while it spins. So a quiet machine spins as libgomp
-//   would (its waits are short), and a busy one stops spinning after a few failed waits.
+//   at `max_spin_ns`, is cut to a quarter (not below 2 us) each time a spin runs out (the late
+//   thread was descheduled: spinning for it only delays the scheduler from moving it here) and
+//   doubles (+1 us) each time the others come in while it spins. So a quiet machine spins as
+//   libgomp would (its waits are short), and a busy one stops spinning after a few failed waits.
 class StepBarrier {
  public:
   StepBarrier(int threads, int64_t max_spin_ns, bool adaptive)
@@ -125,9 +128,24 @@ class StepBarrier {
   StepBarrier(const StepBarrier&) = delete;
   StepBarrier& operator=(const StepBarrier&) = delete;
 
+  // How this barrier's waits went (summed over its threads; the last one in does not wait).
+  struct Stats {
+    std::atomic<int64_t> spun{0}, slept_after_spin{0}, slept_at_once{0}, wait_ns{0};
+  };
+
   // Thread t of the region's n threads; all return once the last has come in.
-  void wait(int t, int n) {
+  void wait(int t, int n, Stats* stats = nullptr) {
     if (n <= 1) return;
+    const auto t0 = stats ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
+    struct Count {  // on every way out of a wait
+      Stats* st; std::chrono::steady_clock::time_point t0; std::atomic<int64_t>* what = nullptr;
+      ~Count() {
+        if (!st || !what) return;
+        what->fetch_add(1, std::memory_order_relaxed);
+        st->wait_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(
+            std::chrono::steady_clock::now() - t0).count(), std::memory_order_relaxed);
+      }
+    } count{stats, t0};
     const int my_cpu = current_cpu();
     cpu_[t].store(my_cpu, std::memory_order_relaxed);
     const uint32_t gen = gen_.load(std::memory_order_acquire);
@@ -142,12 +160,15 @@ class StepBarrier {
     bool shares_cpu = false;
     for (int j = 0; j < n && my_cpu >= 0; ++j)
       shares_cpu |= j != t && cpu_[j].load(std::memory_order_relaxed) == my_cpu;
+    if (stats) count.what = &stats->slept_at_once;
     if (!shares_cpu && budget > 0) {
       if (spin_until_changed(gen, budget)) {
         if (adaptive_) budget = std::min(max_spin_ns_, 2 * budget + 1000);
+        if (stats) count.what = &stats->spun;
         return;
       }
-      if (adaptive_) budget /= 4;
+      if (adaptive_) budget = std::max<int64_t>(budget / 4, std::min<int64_t>(kMinSpinNs, max_spin_ns_));
+      if (stats) count.what = &stats->slept_after_spin;
     }
     sleepers_.fetch_add(1, std::memory_order_seq_cst);
     while (gen_.load(std::memory_order_seq_cst) == gen) futex(FUTEX_WAIT_PRIVATE, gen);
@@ -187,6 +208,7 @@ class StepBarrier {
   }
 
   static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "futex word");
+  static constexpr int64_t kMinSpinNs = 2000;  // the adaptive budget's floor: room to see a short wait
   const int64_t max_spin_ns_;
   const bool adaptive_;
   alignas(64) std::atomic<uint32_t> gen_{0};
@@ -289,6 +311,7 @@ class FusedDecoder {
     const BF16* cos = cos_.data_ptr<BF16>();
     const BF16* sin = sin_.data_ptr<BF16>();
     StepBarrier barrier(nt, spin_ns_, adaptive_spin_);
+    StepBarrier::Stats* stats = count_waits_ ? &wait_stats_ : nullptr;
 
 #pragma omp parallel num_threads(nt)
     {
@@ -307,7 +330,7 @@ class FusedDecoder {
           else add_rms_norm_row(down_p + m * hid, resid.data() + m * hid, in_norm, xn.data() + m * hid, hid, eps_);
         }
         linear(qkv_[l], xn.data(), M, qkv_p, qkv_w);
-        barrier.wait(t, n_t);
+        barrier.wait(t, n_t, stats);
         BF16* k_cache = kv_caches_[2 * l].data_ptr<BF16>();
         BF16* v_cache = kv_caches_[2 * l + 1].data_ptr<BF16>();
         {
@@ -317,7 +340,7 @@ class FusedDecoder {
                                Hkv, D);
         }
         // (unsplit, a thread attends exactly the rows it just rotated: no wait needed)
-        if (S > 1) barrier.wait(t, n_t);
+        if (S > 1) barrier.wait(t, n_t, stats);
         const DecodeArgs<BF16, BF16> a{q_p, k_cache, v_cache, nullptr, nullptr, block_tables.data_ptr<int64_t>(), lens,
                                        attn_p, M, H, Hkv, D, block_size_, block_tables.size(1), scale_, S,
                                        part_ml.data(), part_acc.data()};
@@ -325,14 +348,14 @@ class FusedDecoder {
           const auto [i0, i1] = share(M * S, t, n_t);
           decode_items(a, i0, i1);
         }
-        barrier.wait(t, n_t);
+        barrier.wait(t, n_t, stats);
         if (S > 1) {
           const auto [i0, i1] = share(M * H, t, n_t);
           decode_merge(a, i0, i1);
-          barrier.wait(t, n_t);
+          barrier.wait(t, n_t, stats);
         }
         linear(o_[l], attn_p, M, o_p, hid);
-        barrier.wait(t, n_t);
+        barrier.wait(t, n_t, stats);
         const BF16* post_norm = norms_[2 * l + 1].data_ptr<BF16>();
         for (int64_t m = 0; m < M; ++m)
           add_rms_norm_row(o_p + m * hid, resid.data() + m * hid, post_norm, xn.data() + m * hid, hid, eps_);
@@ -348,9 +371,9 @@ class FusedDecoder {
           for (int64_t m = 0; m < M; ++m)
             silu_mul_row(gu_p + m * 2 * I + c0, gu_p + m * 2 * I + I + c0, act_p + m * I + c0, c1 - c0);
         }
-        barrier.wait(t, n_t);
+        barrier.wait(t, n_t, stats);
         linear(down_[l], act_p, M, down_p, hid);
-        barrier.wait(t, n_t);
+        barrier.wait(t, n_t, stats);
       }
       const BF16* final_norm = norms_.back().data_ptr<BF16>();
       for (int64_t m = 0; m < M; ++m)
@@ -366,12 +389,19 @@ class FusedDecoder {
         for (int64_t r = 0; r < R; ++r)
           for (int64_t c = c0; c < c1; ++c) logits_f[r * vocab_ + c] = static_cast<float>(logits_b[r * vocab_ + c]);
       }
-      barrier.wait(t, n_t);  // so that the region's own closing barrier (libgomp's spin) finds everyone there
+      barrier.wait(t, n_t, stats);  // so that the region's own closing barrier (libgomp's spin) finds everyone there
     }
     return logits_f32;
   }
 
   bool adaptive_spin_ = true;  // StepBarrier's adaptive budget (off: always spin_ns_)
+  bool count_waits_ = false;   // keep wait_stats_ (benchmarks)
+  StepBarrier::Stats wait_stats_;
+  // (spun, slept after spinning, slept at once, total wait ns) over the calls since the last read
+  std::tuple<int64_t, int64_t, int64_t, int64_t> take_wait_stats() {
+    auto& w = wait_stats_;
+    return {w.spun.exchange(0), w.slept_after_spin.exchange(0), w.slept_at_once.exchange(0), w.wait_ns.exchange(0)};
+  }
   int64_t spin_ns() const { return spin_ns_; }
   void set_spin_ns(int64_t ns) {
     TORCH_CHECK(ns >= 0, "FusedDecoder: spin_ns must be >= 0");
@@ -406,6 +436,9 @@ void bind_fused_decoder(pybind11::module_& m) {
            py::call_guard<py::gil_scoped_release>())
       .def_property("spin_ns", &FusedDecoder::spin_ns, &FusedDecoder::set_spin_ns,
                     "the most a thread spins at a barrier of the step before it sleeps (ns; 0: at once)")
+      .def_readwrite("count_waits", &FusedDecoder::count_waits_, "count how the step's barrier waits go (benchmarks)")
+      .def("take_wait_stats", &FusedDecoder::take_wait_stats,
+           "(waits that spun, slept after spinning, slept at once, total wait ns) since the last call")
       .def_readwrite("adaptive_spin", &FusedDecoder::adaptive_spin_,
                      "cut a thread's spin budget when its spins run out, grow it back when they succeed");
 }
