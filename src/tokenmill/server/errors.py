@@ -9,7 +9,7 @@ import logging
 import re
 from http import HTTPStatus
 from types import UnionType
-from typing import Union, get_args, get_origin
+from typing import Annotated, Union, get_args, get_origin
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -119,6 +119,18 @@ def _bounds(info) -> dict:
     return out
 
 
+def _dict_value_bounds(info) -> dict:
+    """The bounds a dict field states for its values (dict[str, Annotated[float, Field(ge=...)]])."""
+    ann = getattr(info, "annotation", None)
+    while get_origin(ann) in (Union, UnionType, Annotated):
+        args = [a for a in get_args(ann) if a is not type(None)]
+        ann = args[0] if args else None
+    if get_origin(ann) is not dict:
+        return {}
+    value = get_args(ann)[1]
+    return {k: v for m in getattr(value, "__metadata__", ()) for k, v in _bounds(m).items()}
+
+
 def _range_message(e: dict, loc: list, body_model, tgi: bool) -> str | None:
     """A range error in the words of SamplingParams (OpenAI routes: 'top_p must be in (0, 1], got 2')
     or of TGI ('`top_p` must be > 0 and <= 1. Given: 2'), with both ends of the field's range."""
@@ -131,7 +143,12 @@ def _range_message(e: dict, loc: list, body_model, tgi: bool) -> str | None:
     if kind in _BOUND_ERRORS:
         bounds = {}
         if all(isinstance(x, str) for x in loc):  # a field, not a list item or a dict value
-            bounds = _bounds(_field_info(body_model, loc))
+            info = _field_info(body_model, loc)
+            if info is None and len(loc) >= 2:  # a dict's value (logit_bias.7268): the values' range
+                bounds = _dict_value_bounds(_field_info(body_model, loc[:-1]))
+                name = f"{'.'.join(loc[:-1])} values" if bounds else name
+            else:
+                bounds = _bounds(info)
         bounds.setdefault(_BOUND_ERRORS[kind], ctx.get(_BOUND_ERRORS[kind]))
         lo = next(((k, bounds[k]) for k in ("ge", "gt") if bounds.get(k) is not None), None)
         hi = next(((k, bounds[k]) for k in ("le", "lt") if bounds.get(k) is not None), None)
