@@ -192,7 +192,7 @@ def add_server_args(s: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all interfaces, 0.0.0.0)")
     g.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     g.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY") or None,
-                   help="require 'Authorization: Bearer <key>' on every route but /health "
+                   help="require 'Authorization: Bearer <key>' on every route but /health and the API docs "
                         "(default: $TOKENMILL_API_KEY; none: no authentication)")
     g.add_argument("--max-waiting", type=int, default=None,
                    help="refuse new requests with 503 + Retry-After while this many wait for the engine "
