@@ -171,3 +171,25 @@ def test_fused_step_barrier_wait_modes_give_the_same_logits(tiny_llama_dir, thre
         fd.decoder.spin_ns, fd.decoder.adaptive_spin = cpu_threads.barrier_spin_ns(), True
     with pytest.raises(RuntimeError):
         fd.decoder.spin_ns = -1
+
+
+def test_openmp_wait_defaults(monkeypatch):
+    monkeypatch.setattr(cpu_threads, "_libgomp_loaded", lambda: False)
+    env = {"PATH": "/bin"}
+    with cpu_threads.openmp_wait_defaults(env) as applied:
+        assert applied and env["GOMP_SPINCOUNT"] == str(cpu_threads.DEFAULT_GOMP_SPINCOUNT)
+    assert env == {"PATH": "/bin"}  # restored: child processes get the user's environment
+    for user in ({"OMP_WAIT_POLICY": "active"}, {"GOMP_SPINCOUNT": "5"}):
+        env = dict(user)
+        with cpu_threads.openmp_wait_defaults(env) as applied:
+            assert not applied and env == user  # the user's choice stands
+    monkeypatch.setattr(cpu_threads, "_libgomp_loaded", lambda: True)
+    env = {}
+    with cpu_threads.openmp_wait_defaults(env) as applied:
+        assert not applied and env == {}  # too late: libgomp has read its settings
+
+
+def test_libgomp_loaded_here():
+    pytest.importorskip("torch")
+    assert cpu_threads._libgomp_loaded() in (True, False)
+    assert "GOMP_SPINCOUNT" in cpu_threads.openmp_wait_policy() or "OpenMP" in cpu_threads.openmp_wait_policy()

@@ -14,14 +14,18 @@ processes take cores instead of spinning through their time slices (benchmarks/c
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
+import sys
 from pathlib import Path
 
 logger = logging.getLogger("tokenmill")
 
 DEFAULT_SPIN_US = 100.0
+DEFAULT_GOMP_SPINCOUNT = 3000  # ~80 us of pauses on an AMD EPYC (libgomp's own default: 300,000, ~8 ms)
+_omp_default_applied = False
 
 
 def _unescape(field: str) -> str:
@@ -145,11 +149,53 @@ def apply_cpu_limit() -> int:
 
     n, have = available_cpus(), torch.get_num_threads()
     if n < have:
-        logger.info("using %d CPU threads, not %d: the process's CPU quota / affinity allows %d CPUs (%s)",
-                    n, have, n, describe())
+        logger.info("using %d CPU threads, not %d: the CPU quota / affinity allows %d (%s); %s",
+                    n, have, n, describe(), openmp_wait_policy())
         torch.set_num_threads(n)
         return n
+    logger.info("using %d CPU threads (%s); %s", have, describe(), openmp_wait_policy())
     return have
+
+
+def _libgomp_loaded() -> bool:
+    try:
+        with open("/proc/self/maps") as f:
+            return any("libgomp" in line for line in f)
+    except OSError:
+        return "torch" in sys.modules
+
+
+@contextlib.contextmanager
+def openmp_wait_defaults(environ=None):
+    """Around the first `import torch`: libgomp's spin before a waiting thread sleeps.
+
+    libgomp reads its wait policy once, when it loads (with torch). Its default spin, 300,000
+    pauses (~8 ms here), wastes the CPU under contention: with other processes busy, every
+    parallel op's join waited out time slices (96-row decode steps 4-8x slower). Unless the user
+    set OMP_WAIT_POLICY or GOMP_SPINCOUNT, or libgomp is already loaded, GOMP_SPINCOUNT is
+    DEFAULT_GOMP_SPINCOUNT while the block runs, then the environment is restored (child
+    processes, such as benchmark peers, get the user's)."""
+    env = os.environ if environ is None else environ
+    global _omp_default_applied
+    if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env or _libgomp_loaded():
+        yield False
+        return
+    env["GOMP_SPINCOUNT"] = str(DEFAULT_GOMP_SPINCOUNT)
+    try:
+        yield True
+        _omp_default_applied = True
+    finally:
+        env.pop("GOMP_SPINCOUNT", None)
+
+
+def openmp_wait_policy() -> str:
+    """What libgomp's wait policy is in this process, in words (for the start-up log)."""
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return "OpenMP wait policy from the environment"
+    if _omp_default_applied:
+        return f"GOMP_SPINCOUNT={DEFAULT_GOMP_SPINCOUNT} (tokenmill's default)"
+    return ("libgomp's default spin (torch was loaded before tokenmill: set GOMP_SPINCOUNT="
+            f"{DEFAULT_GOMP_SPINCOUNT} before it on a shared machine)")
 
 
 def barrier_spin_ns() -> int:
