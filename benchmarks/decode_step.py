@@ -42,7 +42,8 @@ def capture_step(llm, rows: int, context: int):
         runner.execute = inner
     if not found:
         raise SystemExit(f"no all-decode step of {rows} rows happened")
-    return found[0]
+    step = found[0]
+    return step.input_ids, step.positions, step.meta, step.logits_rows
 
 
 def main(argv=None) -> None:

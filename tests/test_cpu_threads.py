@@ -145,7 +145,8 @@ def test_fused_step_barrier_wait_modes_give_the_same_logits(tiny_llama_dir, thre
 
     def spy(sched):
         if not steps and len(sched.scheduled) == 3 and all(s.num_new_tokens == 1 for s in sched.scheduled):
-            steps.append((*runner.prepare(sched), runner.kv_cache.clone()))
+            step = runner.prepare(sched)
+            steps.append((step.input_ids, step.positions, step.meta, step.logits_rows, runner.kv_cache.clone()))
         return inner(sched)
 
     runner.execute = spy

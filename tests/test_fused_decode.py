@@ -34,7 +34,8 @@ def _decode_steps(llm, prompts: list[list[int]], max_tokens: int = 3):
 
     def spy(sched):
         if all(s.num_new_tokens == 1 for s in sched.scheduled):
-            steps.append((*runner.prepare(sched), runner.kv_cache.clone()))
+            step = runner.prepare(sched)
+            steps.append((step.input_ids, step.positions, step.meta, step.logits_rows, runner.kv_cache.clone()))
         return inner(sched)
 
     runner.execute = spy

@@ -32,7 +32,9 @@ _ENGINE_HELP = {
     "watermark_delta": "logit bonus of green tokens for watermarked requests",
     "enable_prefix_caching": "reuse the KV blocks of prompt prefixes seen before (automatic prefix caching)",
     "seed": "seed of the sampler for requests without their own seed",
-    "num_threads": "intra-op CPU threads (default: all cores)",
+    "num_threads": "intra-op CPU threads, per tensor-parallel rank (default: all cores, shared out among the ranks)",
+    "tensor_parallel_size": "split the model across this many ranks, one process each (Megatron-style shards; "
+                            "the head counts must divide by it)",
     "served_model_name": "model name reported by the API and expected in requests "
                          "(default: --model, or SmolLM2-135M-Instruct)",
 }

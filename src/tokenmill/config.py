@@ -62,7 +62,8 @@ class EngineArgs:
     watermark_gamma: float = 0.5  # green fraction of the vocabulary for requests with watermark on
     watermark_delta: float = 2.0  # logit bonus of green tokens
     seed: int = 0
-    num_threads: int | None = None
+    num_threads: int | None = None  # per tensor-parallel rank
+    tensor_parallel_size: int = 1  # ranks the model is split across (one process each beyond the engine's)
     served_model_name: str | None = None
 
     @classmethod
@@ -124,10 +125,17 @@ class SchedulerConfig:
 
 
 @dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    num_threads: int | None = None  # per rank; default: the available cores shared out
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     seed: int = 0
     watermark: WatermarkConfig = field(default_factory=WatermarkConfig)
     extra: dict = field(default_factory=dict)

@@ -25,6 +25,10 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel worker processes now (else they end with this process)."""
+        self.engine.shutdown()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType] | None = None,

@@ -84,6 +84,11 @@ class AsyncLLMEngine:
         return self.engine.tokenizer
 
     @property
+    def error(self) -> BaseException | None:
+        """Why the engine loop stopped, if it died."""
+        return self._error
+
+    @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and self._error is None
 
@@ -161,6 +166,7 @@ class AsyncLLMEngine:
                 if not engine.has_unfinished_requests():
                     self._wakeup.wait(0.5)
                     self._wakeup.clear()
+                    engine.check_health()  # idle too: a dead tensor-parallel worker ends the loop
                     continue
                 t0 = time.monotonic()
                 outputs = engine.step()
@@ -176,6 +182,8 @@ class AsyncLLMEngine:
             self._error = e
             for stream in list(self._streams.values()):
                 stream.put(EngineDeadError(f"engine loop died: {e!r}"))
+        finally:
+            engine.shutdown()
 
     def _drain_inbox(self) -> None:
         while True:

@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass
 
 from tokenmill.config import EngineConfig
+from tokenmill.distributed.comm import NO_TP
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler
@@ -31,8 +32,19 @@ class EngineCore:
         cache = config.cache
         self.kv = KVCacheManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
-        self.runner = ModelRunner(config.model, config.cache.num_blocks, config.cache.block_size, config.seed,
-                                  config.watermark)
+        workers = _start_tp_workers(config) if config.parallel.tensor_parallel_size > 1 else None
+        try:
+            self.runner = ModelRunner(config.model, cache.num_blocks, cache.block_size, config.seed, config.watermark,
+                                      workers.group if workers else NO_TP, workers)
+            if workers is not None:
+                workers.wait_ready()
+        except BaseException:
+            if workers is not None:
+                workers.stop()
+            raise
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -63,3 +75,13 @@ class EngineCore:
             if tok is not None and req.status != RequestStatus.FINISHED_ABORTED:
                 results.append(CoreOutput(req, tok, logprobs[req.request_id], req.finished))
         return results
+
+
+def _start_tp_workers(config: EngineConfig):
+    from tokenmill.distributed.executor import TPWorkers
+
+    hidden = config.model.hf_config.hidden_size
+    # The all-reduce's shared buffer: one step's activations in float32 (bigger ones go in pieces).
+    shm_bytes = min(max(config.scheduler.max_num_batched_tokens * hidden * 4, 1 << 20), 32 << 20)
+    return TPWorkers(config.parallel.tensor_parallel_size, config.parallel.num_threads, config.model,
+                     config.cache.num_blocks, config.cache.block_size, shm_bytes)

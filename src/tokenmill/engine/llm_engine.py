@@ -15,10 +15,12 @@ from tokenmill.config import (
     EngineArgs,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     check_kv_cache_dtype,
     parse_dtype,
 )
+from tokenmill.distributed.sharding import check_tp_size
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.request import Request, RequestStatus
@@ -40,12 +42,16 @@ class LLMEngine:
         from tokenmill.tokenizer import load_tokenizer
 
         t0 = time.perf_counter()
-        if args.num_threads:
+        tp = args.tensor_parallel_size
+        if tp > 1:
+            pass  # each rank's threads and cores: distributed/executor.py
+        elif args.num_threads:
             torch.set_num_threads(args.num_threads)
         else:  # no more threads than the CPU quota / affinity allows (a container's cpu.max)
             cpu_threads.apply_cpu_limit()
         path = resolve_model_path(args.model)
         hf_config = load_hf_config(path)
+        check_tp_size(hf_config, tp, check_quantization(args.quantization))
         self.tokenizer = load_tokenizer(args.tokenizer or path)
         model_max = getattr(hf_config, "max_position_embeddings", 2048)
         max_model_len = args.max_model_len or model_max
@@ -67,6 +73,7 @@ class LLMEngine:
             scheduler=SchedulerConfig(args.max_num_seqs, batched, max_model_len, args.enable_chunked_prefill),
             seed=args.seed,
             watermark=WatermarkConfig(args.watermark_gamma, args.watermark_delta),
+            parallel=ParallelConfig(tp, args.num_threads),
         )
         self.core = EngineCore(self.config)
         self.output_processor = OutputProcessor(self.tokenizer.backend_tokenizer)
@@ -211,6 +218,14 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished()
+
+    def check_health(self) -> None:
+        """Raises if the engine cannot run a step (a tensor-parallel worker has died)."""
+        self.core.runner.check_health()
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel workers, if any (they also end with this process)."""
+        self.core.shutdown()
 
     def step(self) -> list[RequestOutput]:
         outputs, stopped = self.output_processor.process(self.core.step())

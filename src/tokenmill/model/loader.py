@@ -10,6 +10,8 @@ import time
 
 import torch
 
+from tokenmill.distributed.comm import NO_TP, TPGroup
+from tokenmill.distributed.sharding import Shard, shard_for
 from tokenmill.model.gguf_loader import QUANTIZED_FILE
 from tokenmill.model.layers import cpu_kernels
 from tokenmill.model.layers.quantization import BITS, GROUP, dequantize, quantize_model
@@ -67,10 +69,12 @@ def load_hf_config(path: str):
     return AutoConfig.from_pretrained(path)
 
 
-def _iter_safetensors(path: str, skip: set[str] = frozenset(), blocks: str | None = None):
+def _iter_safetensors(path: str, skip: set[str] = frozenset(), blocks: str | None = None,
+                      shard_of=lambda name: None):
     """(name, tensor) over the folder's *.safetensors, with a progress bar on a terminal. blocks: a
     GGUF cache's gguf_blocks file; weights it holds that the folder stores in bfloat16 are rebuilt
-    from it exactly (the float32 values the GGUF's Q4_0 / Q4_1 / Q8_0 blocks stand for)."""
+    from it exactly (the float32 values the GGUF's Q4_0 / Q4_1 / Q8_0 blocks stand for).
+    shard_of(name) -> Shard | None: under tensor parallelism, read only this rank's slice."""
     from safetensors import safe_open
     from tqdm import tqdm
 
@@ -82,12 +86,27 @@ def _iter_safetensors(path: str, skip: set[str] = frozenset(), blocks: str | Non
     q = safe_open(blocks, framework="pt") if blocks else None
     qkeys = set(q.keys()) if q is not None else set()
     for st, name in tqdm(names, desc="Loading weights", unit="tensor", leave=False, disable=None):  # None: TTY only
-        w = st.get_tensor(name)
+        shard: Shard | None = shard_of(name)
         stem = name.removesuffix(".weight")
-        if w.dtype == torch.bfloat16 and stem + ".qweight" in qkeys:
+        if shard is not None and shard.zero:
+            yield name, torch.zeros(st.get_slice(name).get_shape(), dtype=torch.float32)
+            continue
+        if _is_bf16(st, name) and stem + ".qweight" in qkeys:
             qweight = q.get_tensor(stem + ".qweight")
             w = dequantize(qweight, q.get_tensor(stem + ".scales"), 4 if qweight.dtype == torch.uint8 else 8)
+            if shard is not None:
+                w = w.narrow(shard.dim, shard.start, shard.size)
+        elif shard is not None:  # read just the slice from the file
+            part = st.get_slice(name)
+            index = (slice(shard.start, shard.start + shard.size),)
+            w = part[index] if shard.dim == 0 else part[(slice(None),) + index]
+        else:
+            w = st.get_tensor(name)
         yield name, w
+
+
+def _is_bf16(st, name: str) -> bool:
+    return st.get_slice(name).get_dtype() == "BF16"
 
 
 def _load_gguf_quantized(model: torch.nn.Module, path: str, dtype: torch.dtype) -> set[str]:
@@ -104,23 +123,25 @@ def _load_gguf_quantized(model: torch.nn.Module, path: str, dtype: torch.dtype) 
 
 
 def load_model(path: str, hf_config, dtype: torch.dtype, max_position: int, device: str = "cpu",
-               quantization: str | None = None) -> torch.nn.Module:
+               quantization: str | None = None, tp: TPGroup = NO_TP) -> torch.nn.Module:
     """quantization: None (weights in `dtype`), "int4" / "int8" (quantized here, groups of 32) or
-    "gguf" (a GGUF's Q4_0 / Q4_1 / Q8_0 tensors kept quantized)."""
+    "gguf" (a GGUF's Q4_0 / Q4_1 / Q8_0 tensors kept quantized). tp: this rank's group; the
+    model is built with its share of the heads and reads only its slices."""
     if device == "cpu" and cpu_kernels.enabled():
         cpu_kernels.load()  # before the clock: a first run's compile takes minutes and logs its own time
     t0 = time.perf_counter()
     cls = MODEL_REGISTRY[hf_config.architectures[0]]
     with torch.device("meta"):
-        model = cls(hf_config, dtype, max_position)
+        model = cls(hf_config, dtype, max_position, tp)
     model = model.to_empty(device=device).to(dtype)
     model.rope = model.make_rope(dtype).to(device)  # buffers were created on meta
-    if model.tie_word_embeddings:
+    if model.tie_word_embeddings and tp.size == 1:
         model.lm_head.weight = model.embed_tokens.weight
     skip = _load_gguf_quantized(model, path, dtype) if quantization == "gguf" else set()
     blocks = os.path.join(path, QUANTIZED_FILE)
     exact = dtype != torch.bfloat16 and os.path.exists(blocks)  # the bf16 copy would lose precision
-    model.load_weights(_iter_safetensors(path, skip, blocks if exact else None))
+    model.load_weights(_iter_safetensors(path, skip, blocks if exact else None,
+                                         lambda name: shard_for(name, hf_config, tp.rank, tp.size)))
     model.eval()
     if quantization in BITS:
         n = quantize_model(model, BITS[quantization])

@@ -37,6 +37,7 @@ UNAUTHENTICATED_PATHS = frozenset({"/health", "/docs", "/redoc", "/openapi.json"
 DOCS_STATIC = "/docs-static"
 DEFAULT_MAX_BODY_BYTES = 2_000_000  # TGI's --payload-limit default
 END_STREAMS_GRACE_S = 5.0  # after the drain timeout: time for aborted streams to send their last event
+ENGINE_WATCH_INTERVAL_S = 0.5  # how often `serve` looks whether the engine is still alive
 
 
 class ServerMiddleware:
@@ -303,10 +304,23 @@ def serve(aengine: AsyncLLMEngine, *, host: str = "0.0.0.0", port: int = 8000, a
                          root_path=root_path)
 
     class Server(DrainingServer):
+        engine_died = False
+
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets=sockets)
             if self.started:
                 announce(app, sock, https=ssl_certfile is not None)
+                self._watch = asyncio.create_task(self.watch_engine())
+
+        async def watch_engine(self) -> None:
+            """A dead engine (its loop raised, a tensor-parallel worker died) ends the server with
+            exit code 1, so that a supervisor restarts it; until then /health says 503."""
+            while not self.should_exit:
+                if not aengine.is_running:
+                    logger.error("the engine has died (%r): shutting the server down", aengine.error)
+                    self.engine_died = self.should_exit = True
+                    return
+                await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
 
     server = Server(config)
     try:
@@ -314,7 +328,7 @@ def serve(aengine: AsyncLLMEngine, *, host: str = "0.0.0.0", port: int = 8000, a
     finally:
         sock.close()
     aengine.shutdown()
-    if not server.started:
+    if not server.started or server.engine_died:
         return 1
     logger.info("server stopped")
     return 0

@@ -130,7 +130,8 @@ def quantize_model(model: nn.Module, bits: int) -> int:
             if quantizable(child):
                 setattr(parent, name, QuantLinear.from_linear(child, 8 if child is head else bits))
                 count += 1
-    if getattr(model, "tie_word_embeddings", False) and isinstance(model.lm_head, QuantLinear):
+    split = getattr(getattr(model, "tp", None), "size", 1) > 1  # the lm_head is a vocab slice, not the table
+    if getattr(model, "tie_word_embeddings", False) and isinstance(model.lm_head, QuantLinear) and not split:
         head = model.lm_head
         model.embed_tokens = QuantEmbedding(head.qweight, head.scales, head.bits, model.embed_tokens.weight.dtype)
     return count

@@ -2,6 +2,11 @@
 
 Plain PyTorch, read top to bottom. Q/K/V and gate/up projections are fused into one matmul
 each; `load_weights` maps Hugging Face tensor names onto the fused parameters.
+
+Tensor parallel (`tp`, distributed/): each rank builds the same model with its share of the
+heads and of the MLP's intermediate size and reads only its slices of the checkpoint
+(distributed/sharding.py); o_proj and down_proj are followed by an all-reduce, and the LM head's
+vocab slices are gathered on rank 0. With a group of one both are no-ops.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.distributed.comm import NO_TP, TPGroup
+from tokenmill.distributed.sharding import lm_head_rows
 from tokenmill.model.layers import cpu_kernels
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata
 from tokenmill.model.layers.norm import RMSNorm
@@ -20,12 +27,13 @@ from tokenmill.model.layers.rotary import RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg, layer_idx: int, qkv_bias: bool):
+    def __init__(self, cfg, layer_idx: int, qkv_bias: bool, tp: TPGroup = NO_TP):
         super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.layer_idx, self.tp = layer_idx, tp
+        heads = cfg.num_attention_heads
+        self.num_heads = heads // tp.size  # this rank's heads
+        self.num_kv_heads = (getattr(cfg, "num_key_value_heads", None) or heads) // tp.size
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
@@ -37,37 +45,38 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)
         if attn.fuses_rope(qkv):  # rotary embedding and the K/V cache write in one kernel
             q = attn.rope_and_cache(self.layer_idx, qkv, positions, rope.cos, rope.sin, meta)
-            return self.o_proj(attn.forward(self.layer_idx, q, None, None, meta))
+            return self.tp.all_reduce(self.o_proj(attn.forward(self.layer_idx, q, None, None, meta)))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         q, k = rope(positions, q, k)
-        return self.o_proj(attn.forward(self.layer_idx, q, k, v, meta))
+        return self.tp.all_reduce(self.o_proj(attn.forward(self.layer_idx, q, k, v, meta)))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, tp: TPGroup = NO_TP):
         super().__init__()
-        self.intermediate = cfg.intermediate_size
+        self.tp = tp
+        self.intermediate = cfg.intermediate_size // tp.size  # this rank's share
         bias = getattr(cfg, "mlp_bias", False)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, bias=bias)
+        self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         ops = cpu_kernels.ops_for(gate_up)
         if ops is not None:
-            return self.down_proj(ops.silu_and_mul(gate_up))
+            return self.tp.all_reduce(self.down_proj(ops.silu_and_mul(gate_up)))
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, layer_idx: int, qkv_bias: bool):
+    def __init__(self, cfg, layer_idx: int, qkv_bias: bool, tp: TPGroup = NO_TP):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx, qkv_bias)
-        self.mlp = LlamaMLP(cfg)
+        self.self_attn = LlamaAttention(cfg, layer_idx, qkv_bias, tp)
+        self.mlp = LlamaMLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -91,17 +100,18 @@ class LlamaForCausalLM(nn.Module):
         "Qwen2ForCausalLM": True,
     }
 
-    def __init__(self, cfg, dtype: torch.dtype, max_position: int):
+    def __init__(self, cfg, dtype: torch.dtype, max_position: int, tp: TPGroup = NO_TP):
         super().__init__()
+        self.tp = tp
         arch = (getattr(cfg, "architectures", None) or ["LlamaForCausalLM"])[0]
         qkv_bias = self.ARCHITECTURES.get(arch, False) or getattr(cfg, "attention_bias", False)
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, qkv_bias) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, qkv_bias, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if self.tie_word_embeddings:
+        self.lm_head = nn.Linear(cfg.hidden_size, lm_head_rows(cfg.vocab_size, tp.size), bias=False)
+        if self.tie_word_embeddings and tp.size == 1:  # split: load_weights copies this rank's rows
             self.lm_head.weight = self.embed_tokens.weight
         self.max_position = max_position
         self.rope = self.make_rope(dtype)
@@ -123,8 +133,10 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, positions, self.rope, attn, meta)
         return x + residual
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden)).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits of these rows; under tensor parallelism on rank 0 only (None elsewhere)."""
+        logits = self.tp.gather_to_first(self.lm_head(self.norm(hidden)).float())
+        return logits[:, : self.cfg.vocab_size] if logits is not None and self.tp.size > 1 else logits
 
     # ---- weights ---------------------------------------------------------------------
     def load_quantized(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> set[str]:
@@ -163,6 +175,7 @@ class LlamaForCausalLM(nn.Module):
         return used
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """(HF name, tensor) pairs; under tensor parallelism each tensor is already this rank's slice."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, w in weights:
@@ -171,6 +184,8 @@ class LlamaForCausalLM(nn.Module):
             name = name.removeprefix("model.")
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
+            if name == "lm_head.weight" and w.shape[0] < self.lm_head.weight.shape[0]:  # the last, padded slice
+                w = torch.cat([w, w.new_zeros(self.lm_head.weight.shape[0] - w.shape[0], w.shape[1])])
             target, shard = _fused_target(name, self)
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
@@ -185,6 +200,11 @@ class LlamaForCausalLM(nn.Module):
         missing = {n for n in params if not any(key.startswith(n + ":") for key in loaded)}
         if self.tie_word_embeddings:
             missing.discard("lm_head.weight")
+            if self.tp.size > 1:  # this rank's vocab rows of the (replicated) embedding
+                rows = self.lm_head.weight.shape[0]
+                part = self.embed_tokens.weight.detach()[self.tp.rank * rows : (self.tp.rank + 1) * rows]
+                with torch.no_grad():
+                    self.lm_head.weight.zero_()[: part.shape[0]].copy_(part)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]} ...")
 
@@ -201,6 +221,6 @@ def _fused_target(name: str, model: LlamaForCausalLM) -> tuple[str, tuple[int, i
     if ".mlp." in name:
         for i, proj in enumerate(("gate_proj", "up_proj")):
             if f".{proj}." in name:
-                inter = model.cfg.intermediate_size
+                inter = model.layers[int(name.split(".")[1])].mlp.intermediate  # this rank's share
                 return name.replace(proj, "gate_up_proj"), (i * inter, inter)
     return name, None

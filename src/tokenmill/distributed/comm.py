@@ -1,0 +1,161 @@
+"""Collectives between tensor-parallel ranks on one machine.
+
+A torch.distributed gloo process group (built on its own TCPStore, so it never touches the
+process-wide default group) carries the set-up rendezvous and the logits gather. The all-reduce
+after each row-parallel layer (two per decoder layer, every step) is the hot one: by default it
+goes through shared memory, because gloo's loopback TCP costs tens of microseconds per call
+(measured in benchmarks/scale_out.py --parts allreduce; vLLM's and SGLang's CPU backends do the
+same). TOKENMILL_TP_ALLREDUCE=gloo switches it to gloo.
+
+Shared-memory all-reduce: each rank owns a slot per phase in one /dev/shm file. A rank copies
+its partial sum into its slot, publishes the call's sequence number, waits until every rank has
+published it, then sums all slots (in float32) into its own output. Two phases alternate, so a
+fast rank writing call k+1 never overwrites call k's data that a slow rank is still reading:
+to get past call k+1's wait, every rank must have finished call k. Flag stores follow data
+stores and flag loads precede data loads in program order, which x86's memory model keeps
+(TSO); the engine's CPU kernels are x86-only as well.
+"""
+
+from __future__ import annotations
+
+import datetime
+import mmap
+import os
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+SPIN_BEFORE_YIELD_S = 50e-6  # then sched_yield: a rank may share its core with the rank it waits for
+CHECK_ABORT_EVERY = 256  # yields between looks at the abort flag
+
+
+class TPAborted(RuntimeError):
+    """A collective gave up: another rank died or the engine is shutting down."""
+
+
+class ShmAllReduce:
+    HEADER = 64 * 8  # int64 words: [0] abort flag, [8 + phase * world + rank] sequence numbers
+
+    def __init__(self, path: str, rank: int, world: int, capacity_bytes: int, create: bool):
+        self.rank, self.world = rank, world
+        self.capacity = capacity_bytes // 4  # float32 elements per slot
+        size = self.HEADER + 2 * world * capacity_bytes
+        if create:
+            with open(path, "wb") as f:
+                f.truncate(size)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self._mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.words = np.frombuffer(self._mm, dtype=np.int64, count=self.HEADER // 8)
+        data = torch.frombuffer(self._mm, dtype=torch.float32, offset=self.HEADER,
+                                count=2 * world * self.capacity)
+        self.slots = data.view(2, world, self.capacity)
+        self.seq = 0
+
+    def abort(self) -> None:
+        self.words[0] = 1
+
+    def _flag(self, phase: int, rank: int) -> int:
+        return 8 + phase * self.world + rank
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sums x over the ranks, in place (float32 accumulation); returns x."""
+        flat = x.view(-1)
+        for start in range(0, flat.numel(), self.capacity):
+            part = flat[start : start + self.capacity]
+            self.seq += 1
+            phase, n = self.seq & 1, part.numel()
+            slots = self.slots[phase, :, :n]
+            slots[self.rank].copy_(part)
+            self.words[self._flag(phase, self.rank)] = self.seq
+            for r in range(self.world):
+                if r != self.rank:
+                    self._wait(self._flag(phase, r))
+            part.copy_(slots.sum(0))
+        return x
+
+    def _wait(self, word: int) -> None:
+        words, seq = self.words, self.seq
+        if words[word] >= seq:
+            return
+        deadline = time.perf_counter() + SPIN_BEFORE_YIELD_S
+        while words[word] < seq:
+            if time.perf_counter() > deadline:
+                break
+        i = 0
+        while words[word] < seq:
+            os.sched_yield()
+            i += 1
+            if i % CHECK_ABORT_EVERY == 0:
+                if words[0]:
+                    raise TPAborted("tensor-parallel all-reduce aborted: a rank died or the engine stopped")
+                if i > 100_000:  # past ~0.1 s of waiting: sleep instead of burning a core
+                    time.sleep(0.0005)
+
+    def close(self) -> None:
+        self.words = self.slots = None  # type: ignore[assignment]
+        try:
+            self._mm.close()
+        except BufferError:  # a tensor still views it; the mapping goes with the process
+            pass
+
+
+class TPGroup:
+    """This process's rank in a tensor-parallel group: all_reduce (row-parallel layers) and
+    gather_to_first (column-parallel logits). A group of one does nothing."""
+
+    def __init__(self, rank: int = 0, size: int = 1, pg=None, shm: ShmAllReduce | None = None):
+        self.rank, self.size, self.pg, self.shm = rank, size, pg, shm
+
+    @classmethod
+    def connect(cls, rank: int, size: int, port: int, shm_path: str, shm_bytes: int,
+                timeout_s: float = 300.0) -> "TPGroup":
+        """Rank 0 hosts the store (and creates the shared-memory file before calling this)."""
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=timeout, wait_for_workers=False)
+        pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+        shm = None
+        if os.environ.get("TOKENMILL_TP_ALLREDUCE", "shm") != "gloo":
+            shm = ShmAllReduce(shm_path, rank, size, shm_bytes, create=False)
+        group = cls(rank, size, pg, shm)
+        group._store = store  # the store must outlive the group
+        return group
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        if self.shm is not None:
+            return self.shm.all_reduce(x)
+        acc = x.float() if x.dtype != torch.float32 else x
+        self.pg.allreduce([acc]).wait()
+        if acc is not x:
+            x.copy_(acc)
+        return x
+
+    def gather_to_first(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Concatenates every rank's x along the last dimension on rank 0; None elsewhere."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        if self.rank == 0:
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            self.pg.gather([parts], [x], dist.GatherOptions()).wait()
+            return torch.cat(parts, dim=-1)
+        self.pg.gather([], [x], dist.GatherOptions()).wait()
+        return None
+
+    def abort(self) -> None:
+        if self.shm is not None:
+            self.shm.abort()
+
+    def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+        self.pg = None
+
+
+NO_TP = TPGroup()
