@@ -177,9 +177,12 @@ def test_fused_step_barrier_wait_modes_give_the_same_logits(tiny_llama_dir, thre
 def test_openmp_wait_defaults(monkeypatch):
     monkeypatch.setattr(cpu_threads, "_libgomp_loaded", lambda: False)
     env = {"PATH": "/bin"}
-    with cpu_threads.openmp_wait_defaults(env) as applied:
+    with cpu_threads.openmp_wait_defaults(env, quota_below_cpus=lambda: False) as applied:
         assert applied and env["GOMP_SPINCOUNT"] == str(cpu_threads.DEFAULT_GOMP_SPINCOUNT)
     assert env == {"PATH": "/bin"}  # restored: child processes get the user's environment
+    with cpu_threads.openmp_wait_defaults(env, quota_below_cpus=lambda: True) as applied:
+        assert applied == "OMP_WAIT_POLICY=passive" and env["OMP_WAIT_POLICY"] == "passive"  # a container's limit
+    assert env == {"PATH": "/bin"}
     for user in ({"OMP_WAIT_POLICY": "active"}, {"GOMP_SPINCOUNT": "5"}):
         env = dict(user)
         with cpu_threads.openmp_wait_defaults(env) as applied:
@@ -193,4 +196,5 @@ def test_openmp_wait_defaults(monkeypatch):
 def test_libgomp_loaded_here():
     pytest.importorskip("torch")
     assert cpu_threads._libgomp_loaded() in (True, False)
-    assert "GOMP_SPINCOUNT" in cpu_threads.openmp_wait_policy() or "OpenMP" in cpu_threads.openmp_wait_policy()
+    policy = cpu_threads.openmp_wait_policy()
+    assert any(word in policy for word in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "OpenMP wait policy"))

@@ -8,7 +8,7 @@ the tightest along the process's cgroup path), as Java and Go (1.25) size their 
 `apply_cpu_limit()` sets torch's thread count to it when that is fewer.
 
 Waiting: the fused decode step's barriers (csrc/decode_step.cpp) spin for `barrier_spin_ns()`
-(`TOKENMILL_SPIN_US`, default 50 us) and then sleep, so a step slows in proportion when other
+(`TOKENMILL_SPIN_US`, default 100 us) and then sleep, so a step slows in proportion when other
 processes take cores instead of spinning through their time slices (benchmarks/contention.py).
 """
 
@@ -25,7 +25,7 @@ logger = logging.getLogger("tokenmill")
 
 DEFAULT_SPIN_US = 100.0
 DEFAULT_GOMP_SPINCOUNT = 3000  # ~80 us of pauses on an AMD EPYC (libgomp's own default: 300,000, ~8 ms)
-_omp_default_applied = False
+_omp_default_applied: str | None = None  # what openmp_wait_defaults set, for the start-up log
 
 
 def _unescape(field: str) -> str:
@@ -165,37 +165,51 @@ def _libgomp_loaded() -> bool:
         return "torch" in sys.modules
 
 
-@contextlib.contextmanager
-def openmp_wait_defaults(environ=None):
-    """Around the first `import torch`: libgomp's spin before a waiting thread sleeps.
+def cpu_quota_below_cpus() -> bool:
+    """Whether a cgroup CPU quota (a container's CPU limit) allows fewer CPUs than the affinity mask."""
+    limit = cgroup_cpu_limit()
+    return limit is not None and limit < affinity_cpus()
 
-    libgomp reads its wait policy once, when it loads (with torch). Its default spin, 300,000
-    pauses (~8 ms here), wastes the CPU under contention: with other processes busy, every
-    parallel op's join waited out time slices (96-row decode steps 4-8x slower). Unless the user
-    set OMP_WAIT_POLICY or GOMP_SPINCOUNT, or libgomp is already loaded, GOMP_SPINCOUNT is
-    DEFAULT_GOMP_SPINCOUNT while the block runs, then the environment is restored (child
-    processes, such as benchmark peers, get the user's)."""
+
+@contextlib.contextmanager
+def openmp_wait_defaults(environ=None, quota_below_cpus=cpu_quota_below_cpus):
+    """Around the first `import torch`: how libgomp's waiting threads wait.
+
+    libgomp reads its wait policy once, when it loads (with torch). Measured with one busy
+    process beside the engine on 2 cores (benchmarks/contention.py, docs/benchmarks.md): any
+    spinning (libgomp's 300,000 pauses, or 3,000) halves batch-1 decode and cuts 8- and 96-seq
+    throughput to ~0.3x of quiet; OMP_WAIT_POLICY=passive (sleep at once) keeps 0.6-0.9x, but
+    costs 3-12% on a quiet machine. So: passive where contention is built in, a CPU quota below
+    the CPUs (a container's limit, whose threads are throttled in turn); else GOMP_SPINCOUNT=
+    DEFAULT_GOMP_SPINCOUNT. Not when the user set OMP_WAIT_POLICY or GOMP_SPINCOUNT, or libgomp
+    is already loaded. The environment is restored after the block (child processes, such as
+    benchmark peers, get the user's)."""
     env = os.environ if environ is None else environ
     global _omp_default_applied
     if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env or _libgomp_loaded():
-        yield False
+        yield None
         return
-    env["GOMP_SPINCOUNT"] = str(DEFAULT_GOMP_SPINCOUNT)
+    key, value = ("OMP_WAIT_POLICY", "passive") if quota_below_cpus() else ("GOMP_SPINCOUNT",
+                                                                           str(DEFAULT_GOMP_SPINCOUNT))
+    env[key] = value
     try:
-        yield True
-        _omp_default_applied = True
+        yield f"{key}={value}"
+        _omp_default_applied = f"{key}={value}"
     finally:
-        env.pop("GOMP_SPINCOUNT", None)
+        env.pop(key, None)
 
 
 def openmp_wait_policy() -> str:
     """What libgomp's wait policy is in this process, in words (for the start-up log)."""
     if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
         return "OpenMP wait policy from the environment"
+    if _omp_default_applied == "OMP_WAIT_POLICY=passive":
+        return "OMP_WAIT_POLICY=passive (tokenmill's default under a CPU quota)"
     if _omp_default_applied:
-        return f"GOMP_SPINCOUNT={DEFAULT_GOMP_SPINCOUNT} (tokenmill's default)"
-    return ("libgomp's default spin (torch was loaded before tokenmill: set GOMP_SPINCOUNT="
-            f"{DEFAULT_GOMP_SPINCOUNT} before it on a shared machine)")
+        return (f"{_omp_default_applied} (tokenmill's default; on a host shared with busy processes "
+                "OMP_WAIT_POLICY=passive is up to 2x faster)")
+    return ("libgomp's default spin (torch was loaded before tokenmill: set OMP_WAIT_POLICY=passive before it "
+            "on a shared machine)")
 
 
 def barrier_spin_ns() -> int:

@@ -119,6 +119,12 @@ Linear make_linear(const LinearSpec& spec, int64_t in_features, int64_t out_feat
 //   thread was descheduled: spinning for it only delays the scheduler from moving it here) and
 //   doubles (+1 us) each time the others come in while it spins. So a quiet machine spins as
 //   libgomp would (its waits are short), and a busy one stops spinning after a few failed waits.
+//
+// Measured (benchmarks/contention.py, medians of 5 rounds, 2-core AMD EPYC, SmolLM2 bf16): batch-1
+// TPOT 8.6 ms quiet; with one busy process beside the engine, 10.3-10.8 ms when libgomp's own
+// threads (the torch ops between fused steps) also sleep at once (OMP_WAIT_POLICY=passive) and
+// 16.5-17.2 ms when they spin (GOMP_SPINCOUNT 3,000 or libgomp's 300,000): this barrier no
+// longer dominates; libgomp's wait policy does (cpu_threads.openmp_wait_defaults).
 class StepBarrier {
  public:
   StepBarrier(int threads, int64_t max_spin_ns, bool adaptive)
