@@ -153,6 +153,8 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
             chat_template = f.read()
     if ns.max_waiting is not None and ns.max_waiting < 0:
         raise ValueError(f"--max-waiting must be >= 0, got {ns.max_waiting}")
+    if _wants_ray(ns):
+        return _serve_on_ray(ns, chat_template)
     sock = bind_socket(ns.host, ns.port)  # first: a busy port fails now, not after the model has loaded
     try:
         from tokenmill.engine.async_engine import AsyncLLMEngine
@@ -170,6 +172,53 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         trust_request_chat_template=ns.trust_request_chat_template,
         max_request_body_bytes=ns.max_request_body_bytes or None, max_prompts_per_request=ns.max_prompts_per_request,
     )
+
+
+RAY_FLAGS = ("num_replicas", "min_replicas", "max_replicas", "ray_address")
+
+
+def _wants_ray(ns: argparse.Namespace) -> bool:
+    return any(getattr(ns, f, None) is not None for f in RAY_FLAGS)
+
+
+def _serve_on_ray(ns: argparse.Namespace, chat_template: str | None) -> int:
+    """`serve --num-replicas N` (or --ray-address / --min-replicas / --max-replicas): Ray Serve."""
+    try:
+        from tokenmill import ray_serve
+    except ImportError as e:
+        raise ValueError(f"{e} (needed by --num-replicas / --ray-address)") from None
+    replicas = ray_serve.ReplicaOptions(
+        num_replicas=ns.num_replicas or ns.min_replicas or 1, min_replicas=ns.min_replicas,
+        max_replicas=ns.max_replicas, target_ongoing_requests=ns.target_ongoing_requests, routing=ns.routing,
+        max_waiting=ns.max_waiting, drain_timeout=ns.drain_timeout)
+    server = ray_serve.IngressOptions(
+        api_key=ns.api_key, max_logprobs=ns.max_logprobs, chat_template=chat_template,
+        trust_request_chat_template=ns.trust_request_chat_template,
+        max_request_body_bytes=ns.max_request_body_bytes or None, max_prompts_per_request=ns.max_prompts_per_request,
+        log_requests=not ns.disable_log_requests)
+    cluster = ray_serve.ClusterOptions(
+        ray_address=ns.ray_address, host=ns.host, port=ns.port, keep_alive_timeout_s=ns.timeout_keep_alive,
+        ssl_keyfile=ns.ssl_keyfile, ssl_certfile=ns.ssl_certfile, root_path=ns.root_path)
+    return ray_serve.run_cli(engine_args_from(ns), replicas, server, cluster)
+
+
+def add_ray_args(s: argparse.ArgumentParser) -> None:
+    g = s.add_argument_group("Ray Serve replicas", "any of --num-replicas, --min-replicas, --max-replicas or "
+                             "--ray-address serves through Ray Serve (pip install 'tokenmill[ray]')")
+    g.add_argument("--num-replicas", type=int, default=None,
+                   help="engine replicas behind one endpoint, each a full engine with --num-threads threads per "
+                        "tensor-parallel rank (default without Ray: one engine in this process)")
+    g.add_argument("--min-replicas", type=int, default=None,
+                   help="autoscale on ongoing requests, down to this many replicas (>= 1)")
+    g.add_argument("--max-replicas", type=int, default=None, help="autoscale up to this many replicas")
+    g.add_argument("--target-ongoing-requests", type=float, default=16.0,
+                   help="ongoing requests per replica the autoscaler aims for (default 16)")
+    g.add_argument("--routing", default="prefix", choices=["prefix", "round_robin", "pow2"],
+                   help="prefix: to the replica most likely holding the prompt's prefix in its cache, else the "
+                        "least loaded; round_robin; pow2: Serve's power of two choices (default prefix)")
+    g.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (e.g. ray://head:10001 or auto) instead of starting a local Ray on "
+                        "127.0.0.1; the HTTP proxy listens on --host:--port on the head node")
 
 
 def _cmd_build_kernels(ns: argparse.Namespace) -> int:
@@ -257,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_engine_args(s, positional_model=True)
     add_server_args(s)
+    add_ray_args(s)
     s.set_defaults(func=_cmd_serve, default_log_level="INFO")
 
     k = sub.add_parser("build-kernels", help="compile the C++ CPU kernels now (else the first engine start does)",
