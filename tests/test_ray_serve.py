@@ -1,0 +1,304 @@
+"""tokenmill on Ray Serve: a real local Ray (127.0.0.1, 2 CPUs, no dashboard, one per module, always
+shut down), two engine replicas of a tiny model behind one endpoint.
+
+Nothing here waits on timing: a request is held *running* on its replica by a step observer
+(installed through build_app's replica_setup) that blocks that replica's engine thread on a
+Ray actor (Gate) until the test releases it or kills the replica; everything else is polled as
+a condition with a deadline.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import socket
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+from ray import cloudpickle  # noqa: E402  (Ray's own copy: the one that pickles for its workers)
+
+from tokenmill.ray_serve import IngressOptions, ReplicaOptions, app_builder, build_app  # noqa: E402
+from tokenmill.ray_serve.routing import PrefixTable, prefix_block_hashes  # noqa: E402
+
+# The replica_setup hook below runs inside the replicas, which cannot import this test module.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+GATE_NAMESPACE = "tokenmill-tests"
+# 96 tokens or so of a shared prefix: several full KV blocks (16 tokens) for prefix affinity.
+SHARED = "Paged attention keeps the KV cache in fixed-size blocks. " * 6
+HOLD_SPREAD = SHARED + "Hold this one while another request runs elsewhere."
+VICTIM_PREFIX = "Continuous batching admits new requests every step. " * 8
+HOLD_VICTIM = VICTIM_PREFIX + "This replica will be killed."
+DEADLINE_S = 120.0
+
+
+@ray.remote(num_cpus=0)
+class Gate:
+    """Named events: replicas wait on them (from an engine step observer), the test sets them."""
+
+    def __init__(self):
+        import asyncio
+
+        self.events: dict[str, asyncio.Event] = {}
+        self.waiting: dict[str, int] = {}
+
+    def _event(self, name: str):
+        import asyncio
+
+        return self.events.setdefault(name, asyncio.Event())
+
+    async def wait(self, name: str) -> None:
+        self.waiting[name] = self.waiting.get(name, 0) + 1
+        await self._event(name).wait()
+
+    def release(self, name: str) -> None:
+        self._event(name).set()
+
+    def num_waiting(self, name: str) -> int:
+        return self.waiting.get(name, 0)
+
+
+def hold_requests(aengine, prompts: dict[str, str]) -> None:
+    """replica_setup: after the first output of a request whose prompt is prompts[name], block the
+    engine thread until the Gate releases `name` (or this replica is killed)."""
+    tokenizer = aengine.engine.tokenizer
+    targets = {tuple(tokenizer.encode(text)): name for name, text in prompts.items()}
+    gate = ray.get_actor("gate", namespace=GATE_NAMESPACE)
+    held: set[str] = set()
+
+    def observer(outputs, step_seconds):
+        for out in outputs:
+            name = targets.get(tuple(out.prompt_token_ids))
+            if name is not None and out.request_id not in held and not out.finished:
+                held.add(out.request_id)
+                ray.get(gate.wait.remote(name), timeout=DEADLINE_S)
+
+    aengine.step_observers.append(observer)
+
+
+def wait_for(condition, what: str, deadline_s: float = DEADLINE_S, interval_s: float = 0.1):
+    """Poll `condition()` until it returns something truthy; fail after the deadline."""
+    end = time.monotonic() + deadline_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > end:
+            pytest.fail(f"timed out after {deadline_s:g} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama_dir, request):
+    """A local Ray, Serve's proxy on a free loopback port, and the app: 2 replicas x 1 thread."""
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", namespace=GATE_NAMESPACE,
+             log_to_driver=True)
+    request.addfinalizer(ray.shutdown)
+    request.addfinalizer(serve.shutdown)
+    gate = Gate.options(name="gate", namespace=GATE_NAMESPACE).remote()
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    engine = {"model": tiny_llama_dir, "dtype": "float32", "kv_cache_memory": 0.01, "num_threads": 1}
+    setup = functools.partial(hold_requests, prompts={"spread": HOLD_SPREAD, "victim": HOLD_VICTIM})
+    app = build_app(engine, ReplicaOptions(num_replicas=2, routing="prefix"), IngressOptions(), replica_setup=setup)
+    serve.run(app, name="tokenmill", route_prefix="/")
+    url = f"http://127.0.0.1:{port}"
+    model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    return type("Cluster", (), {"url": url, "model": model, "gate": gate})
+
+
+def health(cluster) -> dict:
+    return httpx.get(cluster.url + "/health", timeout=30).json()
+
+
+def served_per_replica(cluster) -> dict[str, float]:
+    """Requests each replica has finished (any reason), from /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counts: dict[str, float] = {}
+    for fam in text_string_to_metric_families(httpx.get(cluster.url + "/metrics", timeout=30).text):
+        if fam.name == "tokenmill:request_success":
+            for s in fam.samples:
+                counts[s.labels["replica"]] = counts.get(s.labels["replica"], 0) + s.value
+    return counts
+
+
+def replica_with(cluster, key: str, at_least: int = 1) -> dict | None:
+    return next((r for r in health(cluster)["replicas"] if r[key] >= at_least), None)
+
+
+def all_idle(cluster, n: int = 2) -> list[dict] | None:
+    """Every replica answering, nothing in flight and every KV block back in the pool."""
+    replicas = health(cluster)["replicas"]
+    idle = len(replicas) == n and all(
+        r["healthy"] and r["running"] == 0 and r["waiting"] == 0 and r["in_flight"] == 0
+        and r["free_blocks"] == r["usable_blocks"] and r["kv_cache_usage"] == 0.0 for r in replicas)
+    return replicas if idle else None
+
+
+def sse_events(response: httpx.Response) -> list:
+    """The data events of an SSE stream ("[DONE]" kept as a string)."""
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+# ---- routing, without a cluster --------------------------------------------------------------
+def test_prefix_hashes_and_table():
+    ids = list(range(100))
+    hashes = prefix_block_hashes(ids, 16, 256)
+    assert len(hashes) == 6  # full blocks only
+    assert prefix_block_hashes(ids[:40] + [7] * 60, 16, 256)[:2] == hashes[:2]  # chained: same prefix, same hashes
+    assert prefix_block_hashes(ids[:40] + [7] * 60, 16, 256)[2] != hashes[2]
+    assert len(prefix_block_hashes(ids, 16, 3)) == 3
+    table = PrefixTable(capacity=8)
+    table.remember(hashes[:4], "a")
+    assert table.match(hashes, {"a", "b"}) == ("a", 4)
+    assert table.match(hashes, {"b"}) == (None, 0)  # a dead replica is never chosen
+    table.remember(hashes, "b")  # the whole prompt went to b since: b holds all of it
+    assert table.match(hashes, {"a", "b"}) == ("b", 6)
+    table.remember(prefix_block_hashes(list(range(500, 600)), 16, 256), "a")
+    assert len(table) == 8  # least recently used entries evicted
+    table.forget("a")
+    assert table.match(prefix_block_hashes(list(range(500, 600)), 16, 256), {"a", "b"}) == (None, 0)
+
+
+def test_options_and_config_file():
+    with pytest.raises(ValueError, match="min-replicas must be >= 1"):
+        ReplicaOptions(min_replicas=0).check()
+    with pytest.raises(ValueError, match="above --max-replicas"):
+        ReplicaOptions(min_replicas=3, max_replicas=2).check()
+    with pytest.raises(ValueError, match="routing must be one of"):
+        ReplicaOptions(routing="random").check()
+    assert ReplicaOptions(num_replicas=2, max_replicas=4).bounds == (1, 4)
+    import yaml
+
+    config = yaml.safe_load((Path(__file__).parent.parent / "examples" / "ray_serve_config.yaml").read_text())
+    (application,) = config["applications"]
+    assert application["import_path"] == "tokenmill.ray_serve:app_builder"
+    app_builder(application["args"])  # every key is known and the options check out
+    with pytest.raises(ValueError, match="unknown tokenmill application argument 'num_replica'"):
+        app_builder({"num_replica": 2})
+
+
+# ---- two replicas behind one endpoint -------------------------------------------------------
+def test_two_replicas_stream_with_the_openai_client(cluster):
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=DEADLINE_S)
+    before = served_per_replica(cluster)
+    assert len(before) == 2, before
+    # A stream held running on one replica (its engine blocked after the first token) ...
+    held = client.completions.create(model=cluster.model, prompt=HOLD_SPREAD, max_tokens=8, temperature=0,
+                                     stream=True)
+    first = next(iter(held))
+    assert first.choices[0].text is not None
+    busy = wait_for(lambda: replica_with(cluster, "running"), "the held stream to run on a replica")
+    # ... so the least-loaded fallback sends a new prompt to the other replica, which streams it.
+    chunks = list(client.chat.completions.create(model=cluster.model, max_tokens=8, temperature=0, stream=True,
+                                                 messages=[{"role": "user", "content": "Hello world!"}]))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 1
+    cluster.gate.release.remote("spread")
+    rest = list(held)
+    assert rest[-1].choices[0].finish_reason == "length"
+    after = served_per_replica(cluster)
+    assert sorted(after[r] - before[r] for r in after) == [1, 1], (before, after)
+    assert after[busy["replica"]] - before[busy["replica"]] == 1
+    # /health and /metrics speak for every replica; the KV blocks all went back.
+    replicas = wait_for(lambda: all_idle(cluster), "both replicas idle with every KV block free")
+    assert {r["replica"] for r in replicas} == set(after)
+    page = httpx.get(cluster.url + "/metrics", timeout=30).text
+    assert 'tokenmill:num_replicas{model_name="%s",state="healthy"} 2.0' % cluster.model in page
+    assert page.count("tokenmill:kv_cache_usage_perc{") == 2
+
+
+def test_affinity_sends_a_repeated_prefix_to_one_replica(cluster):
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=DEADLINE_S)
+    before = served_per_replica(cluster)
+    hits_before = _prefix_hits(cluster)
+    for i in range(6):
+        out = client.completions.create(model=cluster.model, prompt=SHARED + f"Question {i}: why?", max_tokens=4,
+                                        temperature=0)
+        assert out.choices[0].finish_reason == "length"
+    after = served_per_replica(cluster)
+    assert sorted(after[r] - before[r] for r in after) == [0, 6], (before, after)
+    # ... where the shared blocks came from its prefix cache: >= 2 blocks (16 tokens) for each later request.
+    winner = max(after, key=lambda r: after[r] - before[r])
+    hits = _prefix_hits(cluster)
+    assert hits[winner] - hits_before[winner] >= 5 * 2 * 16, (hits_before, hits)
+
+
+def _prefix_hits(cluster) -> dict[str, float]:
+    return {s.labels["replica"]: s.value for s in _samples(cluster, "tokenmill:prefix_cache_hits")}
+
+
+def _samples(cluster, family: str):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for fam in text_string_to_metric_families(httpx.get(cluster.url + "/metrics", timeout=30).text):
+        if fam.name == family:
+            yield from fam.samples
+
+
+def test_bad_request_through_the_ingress(cluster):
+    r = httpx.post(cluster.url + "/v1/completions", timeout=30,
+                   json={"model": cluster.model, "prompt": "Hello", "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    r = httpx.post(cluster.url + "/v1/completions", timeout=30, json={"model": "nope", "prompt": "Hello"})
+    assert r.status_code == 404
+
+
+# ---- faults: a replica killed under load ----------------------------------------------------
+def test_killed_replica_recovers_without_losing_unstarted_requests(cluster):
+    import concurrent.futures
+
+    url = cluster.url + "/v1/completions"
+    body = {"model": cluster.model, "prompt": HOLD_VICTIM, "max_tokens": 32, "temperature": 0, "stream": True}
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=4)
+    with httpx.Client(timeout=DEADLINE_S) as http, http.stream("POST", url, json=body) as victim:
+        assert victim.status_code == 200  # the first token was generated: the stream is running
+        lines = victim.iter_lines()
+        assert next(lines).startswith("data: ")
+        wait_for(lambda: ray.get(cluster.gate.num_waiting.remote("victim")) >= 1, "the victim's engine to block")
+        doomed = wait_for(lambda: replica_with(cluster, "running"), "the victim's replica")
+        # Requests sharing the victim's prefix follow it (affinity) and queue behind its blocked engine:
+        # sent, not started.
+        queued = [pool.submit(httpx.post, url, timeout=DEADLINE_S,
+                              json={"model": cluster.model, "prompt": VICTIM_PREFIX + f"Queued request {i}.",
+                                    "max_tokens": 4, "temperature": 0}) for i in range(3)]
+        wait_for(lambda: next((r for r in health(cluster)["replicas"] if r["replica"] == doomed["replica"]
+                               and r["in_flight"] >= 4), None), "three requests queued on the victim's replica")
+        ray.kill(ray.get_actor(doomed["actor_name"], namespace="serve"), no_restart=True)
+        # The running stream ends with an error event and [DONE], never a hang.
+        events = [json.loads(line[6:]) if line != "data: [DONE]" else "[DONE]"
+                  for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["code"] == 503 and "died" in events[-2]["error"]["message"], events[-2]
+    # The queued requests went to the live replica.
+    for f in queued:
+        r = f.result(timeout=DEADLINE_S)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+    pool.shutdown()
+    # Serve replaces the killed replica; the survivor holds no KV block.
+    replicas = wait_for(lambda: all_idle(cluster), "two healthy, idle replicas again", interval_s=0.5)
+    assert doomed["replica"] not in {r["replica"] for r in replicas}
+    # And the replacement serves.
+    r = httpx.post(url, timeout=DEADLINE_S, json={"model": cluster.model, "prompt": "Hello", "max_tokens": 2})
+    assert r.status_code == 200, r.text
