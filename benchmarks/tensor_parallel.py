@@ -2,6 +2,7 @@
 """Tensor parallelism on this machine: the cost of one all-reduce, and what TP does to decode.
 
     python benchmarks/tensor_parallel.py --parts allreduce          # gloo vs shared memory, per call
+    python benchmarks/tensor_parallel.py --parts message            # one step's inputs to a worker
     python benchmarks/tensor_parallel.py --parts engine             # TP=1 vs TP=N, c=1 and c=32
     python benchmarks/tensor_parallel.py --parts allreduce,engine --repeats 3
 
@@ -81,6 +82,50 @@ def allreduce(world: int, rows_list: list[int], hidden: int, calls: int) -> dict
     return res
 
 
+def _echo(conn) -> None:
+    import pickle
+
+    while True:
+        msg = conn.recv_bytes()
+        if msg == b"stop":
+            return
+        pickle.loads(msg)
+        conn.send_bytes(b"k")
+
+
+def step_message(rows_list: list[int], calls: int) -> dict:
+    """Round trip of one step's inputs to a worker (pickled as the engine does, sent over a pipe,
+    unpickled) and a one-byte reply: an upper bound on what the broadcast adds to a step."""
+    import torch
+
+    from tokenmill.distributed.executor import dumps
+    from tokenmill.model.layers.attention import AttentionMetadata
+    from tokenmill.model.runner import StepInputs
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_echo, args=(child,))
+    proc.start()
+    res = {}
+    for rows in rows_list:  # an all-decode step of `rows` requests with 512-token contexts
+        meta = AttentionMetadata(slot_mapping=torch.arange(rows), decode_rows=torch.arange(rows),
+                                 decode_block_tables=torch.arange(rows * 32).view(rows, 32),
+                                 decode_seq_lens=torch.full((rows,), 512), all_decode=True)
+        step = StepInputs(torch.arange(rows), torch.full((rows,), 511), meta, list(range(rows)))
+        times = []
+        for i in range(calls + 20):
+            t0 = time.perf_counter()
+            parent.send_bytes(dumps(step))
+            parent.recv_bytes()
+            if i >= 20:
+                times.append(time.perf_counter() - t0)
+        res[f"rows={rows}"] = us = statistics.median(times) * 1e6
+        print(f"step message round trip, {rows} decode rows: {us:8.1f} us", flush=True)
+    parent.send_bytes(b"stop")
+    proc.join()
+    return res
+
+
 def _engine_worker(model: str | None, tp: int, dtype: str) -> dict:
     from tokenmill import LLM, SamplingParams
 
@@ -103,6 +148,32 @@ def _engine_worker(model: str | None, tp: int, dtype: str) -> dict:
     dt = time.perf_counter() - t0
     llm.shutdown()
     return {"tpot_ms": tpot, "ttft_ms": ttft, "c32_tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / dt}
+
+
+def heads8_model(out: Path = Path("/tmp/tokenmill-bench-smollm2-8heads")) -> str:
+    """SmolLM2's shapes (30 layers, hidden 576, MLP 1536, vocab 49152, ~135M parameters) with
+    8 query / 4 kv heads of 64 (SmolLM2 has 9 / 3), so that 2 ranks divide them; random bf16
+    weights (speed only) and SmolLM2's tokenizer. Built once."""
+    if (out / "config.json").exists():
+        return str(out)
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tokenmill.model.loader import resolve_model_path
+
+    smol = resolve_model_path(None)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=8192,
+                      rms_norm_eps=1e-5, tie_word_embeddings=True, rope_theta=100000.0, bos_token_id=1,
+                      eos_token_id=2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+    for name in os.listdir(smol):
+        if name.startswith("tokenizer") or name == "special_tokens_map.json":
+            shutil.copy(os.path.join(smol, name), out / name)
+    return str(out)
 
 
 def engine(model: str | None, sizes: list[int], dtype: str, repeats: int) -> dict:
@@ -128,12 +199,13 @@ def engine(model: str | None, sizes: list[int], dtype: str, repeats: int) -> dic
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--parts", default="allreduce,engine")
+    p.add_argument("--parts", default="allreduce,message,engine")
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--rows", default="1,32,512")
     p.add_argument("--hidden", type=int, default=576, help="SmolLM2's hidden size")
     p.add_argument("--calls", type=int, default=2000)
-    p.add_argument("--model", default=None, help="default: the built-in SmolLM2")
+    p.add_argument("--model", default=None,
+                   help="default: the built-in SmolLM2; smollm2-8heads: its shapes with 8 / 4 heads (TP=2 divides)")
     p.add_argument("--sizes", default="1,3", help="TP sizes (SmolLM2's heads divide by 1 and 3)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--repeats", type=int, default=3)
@@ -148,6 +220,10 @@ def main(argv=None) -> None:
     if "allreduce" in parts:
         result["allreduce_us"] = allreduce(args.world, [int(r) for r in args.rows.split(",")], args.hidden,
                                            args.calls)
+    if "message" in parts:
+        result["step_message_us"] = step_message([int(r) for r in args.rows.split(",")], args.calls // 4)
+    if args.model == "smollm2-8heads":
+        args.model = heads8_model()
     if "engine" in parts:
         result["engine"] = engine(args.model, [int(n) for n in args.sizes.split(",")], args.dtype, args.repeats)
     out = Path(args.out or Path(__file__).parent / "results" / f"tensor-parallel-{time.strftime('%Y%m%d-%H%M%S')}.json")

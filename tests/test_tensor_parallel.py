@@ -280,3 +280,40 @@ def test_sigterm_stops_the_workers(tiny_llama_dir):
         _wait(lambda: not any(_alive(w) for w in workers), 30, "the workers to exit")
     finally:
         srv.close()
+
+
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["cpp", "torch"])
+def test_shm_all_reduce_sums_in_rank_order_and_aborts(tmp_path, use_kernel):
+    """Two ranks as two threads (the kernel releases the GIL): every call, bigger than a slot
+    too, gives both the float32 sum; a raised abort flag ends a wait with TPAborted."""
+    import threading
+
+    from tokenmill.distributed.comm import ShmAllReduce, TPAborted
+
+    path = str(tmp_path / "shm")
+    ShmAllReduce(path, 0, 2, 1024, create=True).close()  # 256 float32 per slot
+    ranks = [ShmAllReduce(path, r, 2, 1024, create=False) for r in range(2)]
+    if not use_kernel:
+        for r in ranks:
+            r.kernel = None
+    elif ranks[0].kernel is None:
+        pytest.skip("no C++ kernels here")
+    g = torch.Generator().manual_seed(0)
+    inputs = [[torch.randn(n, generator=g).to(dtype) for n, dtype in ((3, torch.float32), (700, torch.bfloat16))]
+              for _ in range(2)]
+    outs: list = [None, None]
+
+    def run(r):
+        outs[r] = [ranks[r].all_reduce(x.clone()) for x in inputs[r]]
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for i, (a, b) in enumerate(zip(*inputs)):
+        want = (a.float() + b.float()).to(a.dtype)
+        assert torch.equal(outs[0][i], want) and torch.equal(outs[1][i], want)
+    ranks[1].abort()
+    with pytest.raises(TPAborted):
+        ranks[0].all_reduce(torch.ones(4))  # rank 1 never comes

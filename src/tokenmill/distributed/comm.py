@@ -9,11 +9,13 @@ same). TOKENMILL_TP_ALLREDUCE=gloo switches it to gloo.
 
 Shared-memory all-reduce: each rank owns a slot per phase in one /dev/shm file. A rank copies
 its partial sum into its slot, publishes the call's sequence number, waits until every rank has
-published it, then sums all slots (in float32) into its own output. Two phases alternate, so a
-fast rank writing call k+1 never overwrites call k's data that a slow rank is still reading:
-to get past call k+1's wait, every rank must have finished call k. Flag stores follow data
-stores and flag loads precede data loads in program order, which x86's memory model keeps
-(TSO); the engine's CPU kernels are x86-only as well.
+published it, then sums all slots (in float32, in rank order: every rank gets the same bits)
+into its own output. Two phases alternate, so a fast rank writing call k+1 never overwrites
+call k's data that a slow rank is still reading: to get past call k+1's wait, every rank must
+have finished call k. The C++ kernel (csrc/shm_allreduce.cpp: release / acquire atomics, GIL
+released while it waits) runs it; without the kernels, the same protocol in torch and numpy,
+whose flag stores follow data stores and flag loads precede data loads in program order, which
+x86's memory model keeps (TSO).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 SPIN_BEFORE_YIELD_S = 50e-6  # then sched_yield: a rank may share its core with the rank it waits for
+SPIN_NS = int(SPIN_BEFORE_YIELD_S * 1e9)
 CHECK_ABORT_EVERY = 256  # yields between looks at the abort flag
 
 
@@ -51,6 +54,11 @@ class ShmAllReduce:
         finally:
             os.close(fd)
         self.words = np.frombuffer(self._mm, dtype=np.int64, count=self.HEADER // 8)
+        self.words_t = torch.frombuffer(self._mm, dtype=torch.int64, count=self.HEADER // 8)
+        from tokenmill.model.layers import cpu_kernels
+
+        kernels = cpu_kernels.load() if cpu_kernels.enabled() else None
+        self.kernel = getattr(kernels, "shm_all_reduce", None)
         data = torch.frombuffer(self._mm, dtype=torch.float32, offset=self.HEADER,
                                 count=2 * world * self.capacity)
         self.slots = data.view(2, world, self.capacity)
@@ -68,6 +76,10 @@ class ShmAllReduce:
         for start in range(0, flat.numel(), self.capacity):
             part = flat[start : start + self.capacity]
             self.seq += 1
+            if self.kernel is not None:
+                if not self.kernel(part, self.slots, self.words_t, self.rank, self.world, self.seq, SPIN_NS):
+                    raise TPAborted("tensor-parallel all-reduce aborted: a rank died or the engine stopped")
+                continue
             phase, n = self.seq & 1, part.numel()
             slots = self.slots[phase, :, :n]
             slots[self.rank].copy_(part)
@@ -97,7 +109,7 @@ class ShmAllReduce:
                     time.sleep(0.0005)
 
     def close(self) -> None:
-        self.words = self.slots = None  # type: ignore[assignment]
+        self.words = self.words_t = self.slots = None  # type: ignore[assignment]
         try:
             self._mm.close()
         except BufferError:  # a tensor still views it; the mapping goes with the process

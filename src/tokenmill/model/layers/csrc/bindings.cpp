@@ -31,6 +31,10 @@ torch::Tensor dequantize_weight(torch::Tensor qweight, torch::Tensor scales, int
 torch::Tensor quant_embedding(torch::Tensor ids, torch::Tensor qweight, torch::Tensor scales, int64_t bits,
                               at::ScalarType dtype);
 
+// shm_allreduce.cpp
+bool shm_all_reduce(torch::Tensor x, torch::Tensor slots, torch::Tensor words, int64_t rank, int64_t world,
+                    int64_t seq, int64_t spin_ns);
+
 // decode_step.cpp (defined only where the CPU has AVX512-BF16)
 void bind_fused_decoder(pybind11::module_& m);
 
@@ -54,5 +58,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("panels"), py::arg("out_features"), py::arg("bias") = py::none());
   m.def("dequantize_weight", &dequantize_weight, "an int4/int8 weight, dequantized (for large batches)");
   m.def("quant_embedding", &quant_embedding, "rows of an int4/int8 table, dequantized");
+  m.def("shm_all_reduce", &shm_all_reduce, "tensor-parallel all-reduce through shared memory (false: aborted)",
+        py::call_guard<py::gil_scoped_release>());
   bind_fused_decoder(m);
 }

@@ -1,0 +1,93 @@
+// The tensor-parallel all-reduce through shared memory (layout and protocol: distributed/comm.py).
+//
+// Each rank converts its partial sums into its float32 slot of the call's phase, publishes the
+// call's sequence number (a release store), waits for every other rank's (acquire loads), then
+// sums the slots in rank order, so every rank gets bit-identical activations. The wait spins for
+// up to `spin_ns` (the other rank is usually microseconds behind), then yields the CPU (a rank may
+// share its core with the one it waits for), looking at the abort flag (word 0) as it goes.
+// Called with the GIL released: a rank waiting here does not stall the server's event loop.
+#include <torch/extension.h>
+
+#include <immintrin.h>
+#include <sched.h>
+#include <time.h>
+
+#include <cstdint>
+
+namespace {
+
+int64_t now_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return int64_t(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
+
+// Waits until *word >= seq; false if the abort flag was raised first.
+bool wait_for(const int64_t* word, const int64_t* abort_flag, int64_t seq, int64_t spin_ns) {
+  if (__atomic_load_n(word, __ATOMIC_ACQUIRE) >= seq) return true;
+  const int64_t deadline = now_ns() + spin_ns;
+  while (now_ns() < deadline) {
+    for (int i = 0; i < 64; ++i) {
+      if (__atomic_load_n(word, __ATOMIC_ACQUIRE) >= seq) return true;
+      _mm_pause();
+    }
+  }
+  for (int64_t n = 1;; ++n) {
+    if (__atomic_load_n(word, __ATOMIC_ACQUIRE) >= seq) return true;
+    if ((n & 255) == 0 && __atomic_load_n(abort_flag, __ATOMIC_RELAXED)) return false;
+    if (n > 100000) {  // a long wait (a rank loading, or descheduled): sleep, do not burn the core
+      timespec ts{0, 200000};
+      nanosleep(&ts, nullptr);
+    } else {
+      sched_yield();
+    }
+  }
+}
+
+template <typename T>
+void to_float(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <typename T>
+void sum_slots(const float* slots, int64_t stride, int64_t world, T* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    float acc = slots[i];
+    for (int64_t r = 1; r < world; ++r) acc += slots[r * stride + i];
+    out[i] = static_cast<T>(acc);  // c10::BFloat16(float) rounds to nearest even
+  }
+}
+
+}  // namespace
+
+// x: contiguous float32 / bfloat16, at most `capacity` elements (callers split larger ones).
+// slots: float32 [2, world, capacity]; words: int64 (abort flag, then sequence numbers).
+bool shm_all_reduce(torch::Tensor x, torch::Tensor slots, torch::Tensor words, int64_t rank, int64_t world,
+                    int64_t seq, int64_t spin_ns) {
+  TORCH_CHECK(x.is_contiguous() && slots.is_contiguous() && words.is_contiguous());
+  TORCH_CHECK(slots.scalar_type() == torch::kFloat32 && words.scalar_type() == torch::kInt64);
+  TORCH_CHECK(slots.dim() == 3 && slots.size(0) == 2 && slots.size(1) == world);
+  const int64_t n = x.numel(), cap = slots.size(2);
+  TORCH_CHECK(n <= cap, "shm_all_reduce: ", n, " elements, slot holds ", cap);
+  TORCH_CHECK(words.numel() >= 8 + 2 * world && rank >= 0 && rank < world);
+  const int64_t phase = seq & 1;
+  float* phase_slots = slots.data_ptr<float>() + phase * world * cap;
+  int64_t* w = words.data_ptr<int64_t>();
+  float* mine = phase_slots + rank * cap;
+  if (x.scalar_type() == torch::kFloat32) {
+    to_float(x.data_ptr<float>(), mine, n);
+  } else {
+    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "shm_all_reduce: float32 or bfloat16");
+    to_float(x.data_ptr<at::BFloat16>(), mine, n);
+  }
+  __atomic_store_n(&w[8 + phase * world + rank], seq, __ATOMIC_RELEASE);
+  for (int64_t r = 0; r < world; ++r) {
+    if (r != rank && !wait_for(&w[8 + phase * world + r], &w[0], seq, spin_ns)) return false;
+  }
+  if (x.scalar_type() == torch::kFloat32) {
+    sum_slots(phase_slots, cap, world, x.data_ptr<float>(), n);
+  } else {
+    sum_slots(phase_slots, cap, world, x.data_ptr<at::BFloat16>(), n);
+  }
+  return true;
+}
