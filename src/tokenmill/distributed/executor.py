@@ -19,6 +19,7 @@ import pickle
 import socket
 import tempfile
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ from tokenmill.model.layers import cpu_threads
 
 logger = logging.getLogger("tokenmill")
 
+POLL_AFTER_STEP_S = float(os.environ.get("TOKENMILL_TP_POLL_US", "2000")) / 1e6
 READY_TIMEOUT_S = 900.0  # a worker loading a large shard (or compiling the kernels) takes minutes
 # The CPUs this process may use, read before any engine pins its thread to rank 0's cores.
 _PROCESS_CPUS = sorted(os.sched_getaffinity(0))
@@ -213,6 +215,7 @@ def _worker_entry(spec: WorkerSpec, conn, parent_pid: int) -> None:
     conn.send(("ready", None))
     while True:
         try:
+            _await_message(conn)
             msg = conn.recv_bytes()
         except (EOFError, OSError):
             break  # rank 0 is gone
@@ -227,6 +230,16 @@ def _worker_entry(spec: WorkerSpec, conn, parent_pid: int) -> None:
             group.abort()
             raise SystemExit(1)
     group.close()
+
+
+def _await_message(conn) -> None:
+    """Polls for the next step for POLL_AFTER_STEP_S (steps come back to back while requests run:
+    a blocking read would add a wake-up to every step), then blocks in recv."""
+    deadline = time.perf_counter() + POLL_AFTER_STEP_S
+    while time.perf_counter() < deadline:
+        if conn.poll(0):
+            return
+        os.sched_yield()  # a rank sharing its core lets the other run
 
 
 def _die_with_parent(parent_pid: int) -> None:
