@@ -37,6 +37,7 @@ SHARED = "Paged attention keeps the KV cache in fixed-size blocks. " * 6
 HOLD_SPREAD = SHARED + "Hold this one while another request runs elsewhere."
 VICTIM_PREFIX = "Continuous batching admits new requests every step. " * 8
 HOLD_VICTIM = VICTIM_PREFIX + "This replica will be killed."
+HOLD_SCALE = "def add(a, b):\n    return a + b\n" * 4 + "# two of these make the autoscaler add a replica"
 DEADLINE_S = 120.0
 
 
@@ -113,12 +114,13 @@ def cluster(tiny_llama_dir, request):
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     engine = {"model": tiny_llama_dir, "dtype": "float32", "kv_cache_memory": 0.01, "num_threads": 1}
-    setup = functools.partial(hold_requests, prompts={"spread": HOLD_SPREAD, "victim": HOLD_VICTIM})
+    setup = functools.partial(hold_requests, prompts={"spread": HOLD_SPREAD, "victim": HOLD_VICTIM,
+                                                      "scale": HOLD_SCALE})
     app = build_app(engine, ReplicaOptions(num_replicas=2, routing="prefix"), IngressOptions(), replica_setup=setup)
     serve.run(app, name="tokenmill", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
     model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-    return type("Cluster", (), {"url": url, "model": model, "gate": gate})
+    return type("Cluster", (), {"url": url, "model": model, "gate": gate, "engine": engine, "setup": setup})
 
 
 def health(cluster) -> dict:
@@ -302,3 +304,26 @@ def test_killed_replica_recovers_without_losing_unstarted_requests(cluster):
     # And the replacement serves.
     r = httpx.post(url, timeout=DEADLINE_S, json={"model": cluster.model, "prompt": "Hello", "max_tokens": 2})
     assert r.status_code == 200, r.text
+
+
+# ---- autoscaling (last: it redeploys the app) ------------------------------------------------
+def test_autoscaling_adds_a_replica_under_load(cluster):
+    # 1 to 2 replicas, aiming at 1 ongoing request each; Serve's delays shortened so the test is quick.
+    options = ReplicaOptions(num_replicas=1, min_replicas=1, max_replicas=2, target_ongoing_requests=1,
+                             extra_autoscaling_config={"upscale_delay_s": 0, "look_back_period_s": 1})
+    serve.delete("tokenmill")  # an update in place would keep both old replicas (all the CPUs) until the new one ran
+    serve.run(build_app(cluster.engine, options, replica_setup=cluster.setup), name="tokenmill", route_prefix="/")
+    wait_for(lambda: len(health(cluster)["replicas"]) == 1, "the autoscaled app to start with one replica")
+    import concurrent.futures
+
+    body = {"model": cluster.model, "prompt": HOLD_SCALE, "max_tokens": 4, "temperature": 0}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        # Two requests held on the one replica: 2 ongoing > target 1.
+        held = [pool.submit(httpx.post, cluster.url + "/v1/completions", json=body, timeout=DEADLINE_S)
+                for _ in range(2)]
+        wait_for(lambda: replica_with(cluster, "in_flight", 2), "two requests on the replica")
+        wait_for(lambda: len(health(cluster)["replicas"]) == 2, "the autoscaler to add a replica", interval_s=0.5)
+        cluster.gate.release.remote("scale")
+        for f in held:
+            r = f.result(timeout=DEADLINE_S)
+            assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text

@@ -8,7 +8,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable
 
 import ray
@@ -41,6 +41,8 @@ class ReplicaOptions:
     max_waiting: int | None = None  # the engine's --max-waiting (503 + Retry-After beyond it)
     imbalance_threshold: int = 8  # prefix routing: most extra ongoing requests affinity may cost
     drain_timeout: float = 30.0  # seconds a stopping replica lets its requests finish (Serve's graceful shutdown)
+    # More of Serve's autoscaling_config when autoscaling (upscale_delay_s, downscale_delay_s, look_back_period_s, ...)
+    extra_autoscaling_config: dict = field(default_factory=dict)
 
     def check(self) -> None:
         if self.routing not in POLICIES:
@@ -98,7 +100,8 @@ def build_app(engine: EngineArgs | dict | None = None, replicas: ReplicaOptions 
         lo, hi = replicas.bounds
         scaling = {"autoscaling_config": {"min_replicas": lo, "max_replicas": hi,
                                           "initial_replicas": min(max(replicas.num_replicas, lo), hi),
-                                          "target_ongoing_requests": replicas.target_ongoing_requests}}
+                                          "target_ongoing_requests": replicas.target_ongoing_requests,
+                                          **replicas.extra_autoscaling_config}}
     else:
         scaling = {"num_replicas": replicas.num_replicas}
     router = RequestRouterConfig(

@@ -14,10 +14,10 @@ import asyncio
 import logging
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
 
 from tokenmill.engine.async_engine import EngineDeadError, QueueFullError
@@ -42,7 +42,6 @@ def replica_gone(e: BaseException) -> bool:
 class _InFlight:
     response: Any = None  # the DeploymentResponseGenerator of the current attempt
     error: BaseException | None = None  # set by abort_all: what the stream ends with
-    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class ReplicaEngineClient:
