@@ -182,6 +182,53 @@ def test_prefix_hashes_and_table():
     assert table.match(prefix_block_hashes(list(range(500, 600)), 16, 256), {"a", "b"}) == (None, 0)
 
 
+def _router(policy: str):
+    """A TokenmillRouter outside Serve, over two fake replicas (what choose_replicas reads of them)."""
+    import asyncio
+    import types
+
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
+
+    from tokenmill.ray_serve.routing import TokenmillRouter
+
+    dep = DeploymentID(name="TokenmillEngine", app_name="test")
+    router = TokenmillRouter(deployment_id=dep, handle_source=DeploymentHandleSource.UNKNOWN,
+                             use_replica_queue_len_cache=True)
+    router.initialize_state(policy=policy, block_size=16, imbalance_threshold=8)
+    replicas = [types.SimpleNamespace(replica_id=ReplicaID(name, dep), max_ongoing_requests=256) for name in "ab"]
+
+    def choose(ids: list[int], parent: str | None = None) -> str:
+        pending = types.SimpleNamespace(args=[ids, None, "req", parent])
+        ranks = asyncio.run(router.choose_replicas(replicas, pending))
+        assert sorted(r.replica_id.unique_id for r in ranks[-1]) == ["a", "b"]  # the fallback rank: all
+        return ranks[0][0].replica_id.unique_id
+
+    def set_load(name: str, n: int) -> None:
+        router.replica_queue_len_cache.update(next(r.replica_id for r in replicas if r.replica_id.unique_id == name), n)
+
+    return choose, set_load
+
+
+def test_router_prefix_affinity_and_fallbacks(cluster):  # the cluster: Ray's metrics need a running Ray
+    choose, set_load = _router("prefix")
+    tenant = list(range(100, 180))  # 5 blocks
+    first = choose(tenant + [1, 2, 3])
+    other = "b" if first == "a" else "a"
+    set_load(first, 5)  # busier, but within the imbalance threshold: affinity wins
+    assert choose(tenant + [4, 5]) == first
+    assert choose(list(range(300, 380)) + [1]) == other  # a new prefix: the least loaded
+    set_load(first, 9)  # 9 above the other replica's 0 > 8: the least loaded instead, which now holds it
+    assert choose(tenant + [6]) == other
+    set_load(first, 0)
+    set_load(other, 0)
+    assert choose(tenant + [7]) == other  # the prefix's latest home
+    # Samples of one request (one parent) stay together even without a full block to match.
+    homes = {choose([9, 9, 9], parent="p1") for _ in range(4)}
+    assert len(homes) == 1
+    choose_rr, _ = _router("round_robin")
+    assert [choose_rr(tenant) for _ in range(4)] in (["a", "b", "a", "b"], ["b", "a", "b", "a"])
+
+
 def test_options_and_config_file():
     with pytest.raises(ValueError, match="min-replicas must be >= 1"):
         ReplicaOptions(min_replicas=0).check()
@@ -310,7 +357,7 @@ def test_killed_replica_recovers_without_losing_unstarted_requests(cluster):
 def test_autoscaling_adds_a_replica_under_load(cluster):
     # 1 to 2 replicas, aiming at 1 ongoing request each; Serve's delays shortened so the test is quick.
     options = ReplicaOptions(num_replicas=1, min_replicas=1, max_replicas=2, target_ongoing_requests=1,
-                             extra_autoscaling_config={"upscale_delay_s": 0, "look_back_period_s": 1})
+                             extra_autoscaling_config={"upscale_delay_s": 0, "look_back_period_s": 12})
     serve.delete("tokenmill")  # an update in place would keep both old replicas (all the CPUs) until the new one ran
     serve.run(build_app(cluster.engine, options, replica_setup=cluster.setup), name="tokenmill", route_prefix="/")
     wait_for(lambda: len(health(cluster)["replicas"]) == 1, "the autoscaled app to start with one replica")

@@ -41,6 +41,7 @@ def replica_gone(e: BaseException) -> bool:
 @dataclass
 class _InFlight:
     response: Any = None  # the DeploymentResponseGenerator of the current attempt
+    finished: bool = False  # the last output came: nothing to cancel
     error: BaseException | None = None  # set by abort_all: what the stream ends with
 
 
@@ -85,8 +86,8 @@ class ReplicaEngineClient:
                 yield out
         finally:
             self._streams.pop(rid, None)
-            if state.response is not None:
-                state.response.cancel()  # a no-op once finished; else the replica aborts the request
+            if state.response is not None and not state.finished:
+                state.response.cancel()  # the replica aborts the request and frees its blocks
 
     async def _attempts(self, ids: list[int], params, rid: str, parent_id: str | None,
                         state: _InFlight) -> AsyncIterator[RequestOutput]:
@@ -100,6 +101,7 @@ class ReplicaEngineClient:
                         raise item.to_exception()
                     item.prompt_token_ids = ids  # the replica leaves them out (see EngineReplica.generate)
                     started = True
+                    state.finished = item.finished
                     yield item
                     if item.finished:
                         return
