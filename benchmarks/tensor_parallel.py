@@ -29,6 +29,27 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+from contention import _busy_s  # noqa: E402
+
+
+class Others:
+    """CPU cores that processes other than this one and its (waited-for) children used meanwhile."""
+
+    def _mine(self) -> float:
+        import resource
+
+        return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                     resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+    def __enter__(self):
+        self.t0, self.b0, self.m0 = time.perf_counter(), _busy_s(), self._mine()
+        return self
+
+    def __exit__(self, *exc):
+        dt = time.perf_counter() - self.t0
+        self.cores = max(0.0, (_busy_s() - self.b0) - (self._mine() - self.m0)) / dt
+
 
 def _allreduce_rank(rank: int, world: int, port: int, shm_path: str, backend: str, rows: int, hidden: int,
                     calls: int, out) -> None:
@@ -183,17 +204,19 @@ def engine(model: str | None, sizes: list[int], dtype: str, repeats: int) -> dic
             cmd = [sys.executable, __file__, "--engine-worker", str(n), "--dtype", dtype]
             if model:
                 cmd += ["--model", model]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            with Others() as others:  # CPU that other processes took meanwhile (contention.py)
+                proc = subprocess.run(cmd, capture_output=True, text=True)
             line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
             if line is None:
                 raise SystemExit(f"TP={n} failed:\n{proc.stderr[-3000:]}")
-            runs[n].append(json.loads(line[7:]))
+            runs[n].append({**json.loads(line[7:]), "others_cores": others.cores})
             print(f"round {r + 1} TP={n}: {runs[n][-1]}", flush=True)
     summary = {n: {k: statistics.median(x[k] for x in v) for k in v[0]} for n, v in runs.items()}
     base = summary[sizes[0]]
     for n, s in summary.items():
         print(f"TP={n}: batch-1 TPOT {s['tpot_ms']:.2f} ms (x{s['tpot_ms'] / base['tpot_ms']:.2f}), TTFT "
-              f"{s['ttft_ms']:.1f} ms, 32 concurrent {s['c32_tok_s']:.0f} tok/s (x{s['c32_tok_s'] / base['c32_tok_s']:.2f})")
+              f"{s['ttft_ms']:.1f} ms, 32 concurrent {s['c32_tok_s']:.0f} tok/s (x{s['c32_tok_s'] / base['c32_tok_s']:.2f})"
+              f"  [other processes: {s['others_cores']:.2f} cores]")
     return {"runs": runs, "summary": summary}
 
 

@@ -317,3 +317,22 @@ def test_shm_all_reduce_sums_in_rank_order_and_aborts(tmp_path, use_kernel):
     ranks[1].abort()
     with pytest.raises(TPAborted):
         ranks[0].all_reduce(torch.ones(4))  # rank 1 never comes
+
+
+def test_tp2_fused_decode_step_equals_op_by_op(tiny_llama_dir, monkeypatch):
+    """bf16: each rank runs its shard's decode steps in the C++ fused step with the all-reduces
+    inside it; the logprobs equal those of the same ranks run op by op."""
+    fused = _tp(tiny_llama_dir, 2, dtype="bfloat16")
+    try:
+        if fused.engine.core.runner.fused_decode is None:
+            pytest.skip("no fused decode step here (needs the C++ kernels with AVX512-BF16)")
+        got = _tokens_and_logprobs(fused)
+    finally:
+        fused.shutdown()
+    monkeypatch.setenv("TOKENMILL_FUSED_DECODE", "0")  # read by every rank as it builds (workers inherit it)
+    plain = _tp(tiny_llama_dir, 2, dtype="bfloat16")
+    try:
+        assert plain.engine.core.runner.fused_decode is None
+        assert got == _tokens_and_logprobs(plain)
+    finally:
+        plain.shutdown()

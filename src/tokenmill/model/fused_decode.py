@@ -9,7 +9,10 @@ graph on a GPU: it changes how the step is run, not what it computes.
 
 Used for steps whose rows are all decode tokens, at most SMALL_BATCH of them (where the linears
 run the engine's own kernels anyway), on bf16 models whose linears are bf16 panels or int4 /
-int8 blocks, with a bf16 KV cache. TOKENMILL_FUSED_DECODE=0 turns it off. Its threads wait for
+int8 blocks, with a bf16 KV cache. TOKENMILL_FUSED_DECODE=0 turns it off. Under tensor
+parallelism each rank runs its shard this way, with the all-reduces after o_proj and down_proj
+inside the step (the shared-memory all-reduce, called from C++), and the vocab slices of the
+logits gathered on rank 0 after it. Its threads wait for
 each other at a barrier that spins briefly and then sleeps (TOKENMILL_SPIN_US), so that the step
 slows in proportion, rather than collapsing, when other processes take cores (cpu_threads).
 """
@@ -22,6 +25,7 @@ import os
 import torch
 from torch import nn
 
+from tokenmill.distributed.comm import NO_TP, SPIN_NS, TPAborted, TPGroup
 from tokenmill.model.layers import cpu_kernels, cpu_threads
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata
 from tokenmill.model.layers.linear import SMALL_BATCH, PackedLinear
@@ -41,12 +45,13 @@ def _linear_spec(layer: nn.Module) -> tuple | None:
 
 
 class FusedDecode:
-    def __init__(self, decoder):
-        self.decoder = decoder
+    def __init__(self, decoder, tp: TPGroup = NO_TP, vocab_size: int = 0):
+        self.decoder, self.tp, self.vocab_size = decoder, tp, vocab_size
 
     @classmethod
-    def build(cls, model: nn.Module, attn: AttentionBackend, dtype: torch.dtype, block_size: int) -> FusedDecode | None:
-        """The fused step for this model, or None (logged) when it cannot run it."""
+    def build(cls, model: nn.Module, attn: AttentionBackend, dtype: torch.dtype, block_size: int,
+              tp: TPGroup = NO_TP) -> FusedDecode | None:
+        """The fused step for this model (this rank's shard), or None (logged) when it cannot run it."""
         if os.environ.get("TOKENMILL_FUSED_DECODE") == "0":
             return None
         kernels = cpu_kernels.load() if cpu_kernels.enabled() else None
@@ -55,6 +60,8 @@ class FusedDecode:
             reason = "needs the C++ kernels built with AVX512-BF16"
         elif dtype != torch.bfloat16 or attn.kernels is None or attn.kv_scales is not None:
             reason = "needs bfloat16 activations and a bfloat16 KV cache"
+        elif tp.size > 1 and (tp.shm is None or tp.shm.kernel is None):
+            reason = "tensor parallel without the shared-memory all-reduce kernel"
         if reason is None:
             layers = model.layers
             parts = [p for layer in layers for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
@@ -84,8 +91,10 @@ class FusedDecode:
             logger.info("fused decode step off: %s", e)
             return None
         decoder.spin_ns = cpu_threads.barrier_spin_ns()  # spin, then sleep: see cpu_threads
+        if tp.size > 1:
+            decoder.set_tensor_parallel(tp.shm.slots, tp.shm.words_t, tp.rank, tp.size, SPIN_NS)
         logger.info("fused decode step on for all-decode batches of <= %d rows", SMALL_BATCH)
-        return cls(decoder)
+        return cls(decoder, tp, model.cfg.vocab_size)
 
     @staticmethod
     def accepts(meta: AttentionMetadata, rows: int) -> bool:
@@ -95,5 +104,17 @@ class FusedDecode:
                  logits_rows: list[int]) -> torch.Tensor:
         """Runs the step (K/V written, as the model would); float32 logits of `logits_rows`."""
         rows = torch.tensor(logits_rows, dtype=torch.long)
-        return self.decoder.forward(input_ids, positions, meta.slot_mapping, meta.decode_block_tables,
-                                    meta.decode_seq_lens, rows)
+        if self.tp.size == 1:
+            return self.decoder.forward(input_ids, positions, meta.slot_mapping, meta.decode_block_tables,
+                                        meta.decode_seq_lens, rows)
+        shm = self.tp.shm
+        self.decoder.tp_seq = shm.seq  # the step's all-reduces continue the Python side's sequence
+        try:
+            logits = self.decoder.forward(input_ids, positions, meta.slot_mapping, meta.decode_block_tables,
+                                          meta.decode_seq_lens, rows)
+        except RuntimeError as e:
+            raise TPAborted(str(e)) from e
+        finally:
+            shm.seq = self.decoder.tp_seq
+        logits = self.tp.gather_to_first(logits)
+        return logits[:, : self.vocab_size] if logits is not None else None

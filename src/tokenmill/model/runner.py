@@ -65,8 +65,7 @@ class ModelRunner:
             use_cpp_kernels=cpu_kernels.enabled(), kv_scales=self.kv_scales,
         )
         self.sampler = Sampler(seed, watermark)
-        # The fused step is one C++ call per forward pass: it has no place for the all-reduces.
-        self.fused_decode = FusedDecode.build(self.model, self.attn, cfg.dtype, block_size) if tp.size == 1 else None
+        self.fused_decode = FusedDecode.build(self.model, self.attn, cfg.dtype, block_size, tp)
 
     # ---- batch preparation ------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput) -> StepInputs:

@@ -41,6 +41,7 @@
 #include "elementwise.h"
 #include "linear.h"
 #include "paged_decode.h"
+#include "shm_allreduce.h"
 
 #if defined(__AVX512BF16__)
 
@@ -298,6 +299,9 @@ class FusedDecoder {
     const int64_t H = heads_, Hkv = kv_heads_, D = head_dim_, I = inter_, hid = hidden_;
     const int64_t qkv_w = (H + 2 * Hkv) * D;
     const int nt = at::get_num_threads();
+    TORCH_CHECK(!tp_ || M * hid <= tp_args_.capacity, "FusedDecoder: the all-reduce buffer is too small");
+    std::atomic<bool> aborted{false};  // a tensor-parallel all-reduce gave up (another rank died)
+    int64_t seq = tp_seq_;             // the all-reduces' sequence numbers (thread 0's)
     const int64_t S = decode_splits(lens, M, block_size_, nt);
     auto bf = torch::TensorOptions().dtype(at::kBFloat16);
     auto qkv = torch::empty({M, qkv_w}, bf), q = torch::empty({M, H * D}, bf), attn = torch::empty({M, H * D}, bf);
@@ -362,6 +366,7 @@ class FusedDecoder {
         }
         linear(o_[l], attn_p, M, o_p, hid);
         barrier.wait(t, n_t, stats);
+        if (tp_ && !all_reduce(o_p, M * hid, t, n_t, seq, aborted, barrier, stats)) break;
         const BF16* post_norm = norms_[2 * l + 1].data_ptr<BF16>();
         for (int64_t m = 0; m < M; ++m)
           add_rms_norm_row(o_p + m * hid, resid.data() + m * hid, post_norm, xn.data() + m * hid, hid, eps_);
@@ -380,6 +385,7 @@ class FusedDecoder {
         barrier.wait(t, n_t, stats);
         linear(down_[l], act_p, M, down_p, hid);
         barrier.wait(t, n_t, stats);
+        if (tp_ && !all_reduce(down_p, M * hid, t, n_t, seq, aborted, barrier, stats)) break;
       }
       const BF16* final_norm = norms_.back().data_ptr<BF16>();
       for (int64_t m = 0; m < M; ++m)
@@ -387,7 +393,7 @@ class FusedDecoder {
       std::vector<BF16> rows(R * hid);  // the rows that need logits
       for (int64_t r = 0; r < R; ++r)
         std::copy(xn.data() + lrows[r] * hid, xn.data() + (lrows[r] + 1) * hid, rows.data() + r * hid);
-      if (R > 0) {
+      if (R > 0 && !aborted.load()) {
         linear(lm_head_, rows.data(), R, logits_b, vocab_);
         // float32 logits of this thread's columns, while they are in its cache (= `.float()`)
         const auto [u0, u1] = share(lm_head_.w.units(), t, n_t);
@@ -397,8 +403,22 @@ class FusedDecoder {
       }
       barrier.wait(t, n_t, stats);  // so that the region's own closing barrier (libgomp's spin) finds everyone there
     }
+    tp_seq_ = seq;
+    TORCH_CHECK(!aborted.load(), "FusedDecoder: tensor-parallel all-reduce aborted (a rank died or the engine stopped)");
     return logits_f32;
   }
+
+  // Tensor parallel: this rank's shard (heads, intermediate size and LM head rows are its own);
+  // the outputs of o_proj and down_proj are summed over the ranks in the step (shm_allreduce.cpp),
+  // and the logits returned are this rank's vocab columns. `tp_seq` continues the sequence
+  // numbers of the Python side's all-reduces (distributed/comm.py).
+  void set_tensor_parallel(torch::Tensor slots, torch::Tensor words, int64_t rank, int64_t world, int64_t spin_ns) {
+    tp_args_ = shm_all_reduce_args(slots, words, rank, world, spin_ns);
+    tp_slots_ = slots;
+    tp_words_ = words;
+    tp_ = world > 1;
+  }
+  int64_t tp_seq_ = 0;
 
   bool adaptive_spin_ = true;  // StepBarrier's adaptive budget (off: always spin_ns_)
   bool count_waits_ = false;   // keep wait_stats_ (benchmarks)
@@ -425,6 +445,17 @@ class FusedDecoder {
   int64_t block_size_;
   float scale_;
   int64_t spin_ns_ = 100000;  // the most a barrier spins before it sleeps (StepBarrier)
+  bool tp_ = false;
+  ShmAllReduceArgs tp_args_{};
+  torch::Tensor tp_slots_, tp_words_;  // keep the shared buffers alive
+
+  // Thread 0 sums x over the ranks while the others wait; false (for every thread) if aborted.
+  bool all_reduce(BF16* x, int64_t n, int t, int n_t, int64_t& seq, std::atomic<bool>& aborted, StepBarrier& barrier,
+                  StepBarrier::Stats* stats) {
+    if (t == 0 && !shm_all_reduce_raw(x, n, tp_args_, ++seq)) aborted.store(true);
+    barrier.wait(t, n_t, stats);
+    return !aborted.load();
+  }
 };
 
 void bind_fused_decoder(pybind11::module_& m) {
@@ -445,6 +476,9 @@ void bind_fused_decoder(pybind11::module_& m) {
       .def_readwrite("count_waits", &FusedDecoder::count_waits_, "count how the step's barrier waits go (benchmarks)")
       .def("take_wait_stats", &FusedDecoder::take_wait_stats,
            "(waits that spun, slept after spinning, slept at once, total wait ns) since the last call")
+      .def("set_tensor_parallel", &FusedDecoder::set_tensor_parallel, py::arg("slots"), py::arg("words"),
+           py::arg("rank"), py::arg("world"), py::arg("spin_ns"))
+      .def_readwrite("tp_seq", &FusedDecoder::tp_seq_, "the next all-reduce's sequence number, less one")
       .def_readwrite("adaptive_spin", &FusedDecoder::adaptive_spin_,
                      "cut a thread's spin budget when its spins run out, grow it back when they succeed");
 }

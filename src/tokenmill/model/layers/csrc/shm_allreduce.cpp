@@ -14,6 +14,8 @@
 
 #include <cstdint>
 
+#include "shm_allreduce.h"
+
 namespace {
 
 int64_t now_ns() {
@@ -60,34 +62,40 @@ void sum_slots(const float* slots, int64_t stride, int64_t world, T* out, int64_
 
 }  // namespace
 
+// The all-reduce of n elements at x (n <= the slots' capacity); false if aborted. Also called
+// from inside the fused decode step (decode_step.cpp), by one thread while the others wait.
+template <typename T>
+bool shm_all_reduce_raw(T* x, int64_t n, const ShmAllReduceArgs& g, int64_t seq) {
+  const int64_t phase = seq & 1;
+  float* phase_slots = g.slots + phase * g.world * g.capacity;
+  to_float(x, phase_slots + g.rank * g.capacity, n);
+  __atomic_store_n(&g.words[8 + phase * g.world + g.rank], seq, __ATOMIC_RELEASE);
+  for (int64_t r = 0; r < g.world; ++r) {
+    if (r != g.rank && !wait_for(&g.words[8 + phase * g.world + r], &g.words[0], seq, g.spin_ns)) return false;
+  }
+  sum_slots(phase_slots, g.capacity, g.world, x, n);
+  return true;
+}
+template bool shm_all_reduce_raw<at::BFloat16>(at::BFloat16*, int64_t, const ShmAllReduceArgs&, int64_t);
+
+ShmAllReduceArgs shm_all_reduce_args(torch::Tensor slots, torch::Tensor words, int64_t rank, int64_t world,
+                                     int64_t spin_ns) {
+  TORCH_CHECK(slots.is_contiguous() && words.is_contiguous());
+  TORCH_CHECK(slots.scalar_type() == torch::kFloat32 && words.scalar_type() == torch::kInt64);
+  TORCH_CHECK(slots.dim() == 3 && slots.size(0) == 2 && slots.size(1) == world);
+  TORCH_CHECK(words.numel() >= 8 + 2 * world && rank >= 0 && rank < world);
+  return {slots.data_ptr<float>(), words.data_ptr<int64_t>(), slots.size(2), rank, world, spin_ns};
+}
+
 // x: contiguous float32 / bfloat16, at most `capacity` elements (callers split larger ones).
 // slots: float32 [2, world, capacity]; words: int64 (abort flag, then sequence numbers).
 bool shm_all_reduce(torch::Tensor x, torch::Tensor slots, torch::Tensor words, int64_t rank, int64_t world,
                     int64_t seq, int64_t spin_ns) {
-  TORCH_CHECK(x.is_contiguous() && slots.is_contiguous() && words.is_contiguous());
-  TORCH_CHECK(slots.scalar_type() == torch::kFloat32 && words.scalar_type() == torch::kInt64);
-  TORCH_CHECK(slots.dim() == 3 && slots.size(0) == 2 && slots.size(1) == world);
-  const int64_t n = x.numel(), cap = slots.size(2);
-  TORCH_CHECK(n <= cap, "shm_all_reduce: ", n, " elements, slot holds ", cap);
-  TORCH_CHECK(words.numel() >= 8 + 2 * world && rank >= 0 && rank < world);
-  const int64_t phase = seq & 1;
-  float* phase_slots = slots.data_ptr<float>() + phase * world * cap;
-  int64_t* w = words.data_ptr<int64_t>();
-  float* mine = phase_slots + rank * cap;
-  if (x.scalar_type() == torch::kFloat32) {
-    to_float(x.data_ptr<float>(), mine, n);
-  } else {
-    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "shm_all_reduce: float32 or bfloat16");
-    to_float(x.data_ptr<at::BFloat16>(), mine, n);
-  }
-  __atomic_store_n(&w[8 + phase * world + rank], seq, __ATOMIC_RELEASE);
-  for (int64_t r = 0; r < world; ++r) {
-    if (r != rank && !wait_for(&w[8 + phase * world + r], &w[0], seq, spin_ns)) return false;
-  }
-  if (x.scalar_type() == torch::kFloat32) {
-    sum_slots(phase_slots, cap, world, x.data_ptr<float>(), n);
-  } else {
-    sum_slots(phase_slots, cap, world, x.data_ptr<at::BFloat16>(), n);
-  }
-  return true;
+  const ShmAllReduceArgs g = shm_all_reduce_args(slots, words, rank, world, spin_ns);
+  TORCH_CHECK(x.is_contiguous());
+  const int64_t n = x.numel();
+  TORCH_CHECK(n <= g.capacity, "shm_all_reduce: ", n, " elements, slot holds ", g.capacity);
+  if (x.scalar_type() == torch::kFloat32) return shm_all_reduce_raw(x.data_ptr<float>(), n, g, seq);
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "shm_all_reduce: float32 or bfloat16");
+  return shm_all_reduce_raw(x.data_ptr<at::BFloat16>(), n, g, seq);
 }
