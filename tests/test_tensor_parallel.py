@@ -336,3 +336,23 @@ def test_tp2_fused_decode_step_equals_op_by_op(tiny_llama_dir, monkeypatch):
         assert got == _tokens_and_logprobs(plain)
     finally:
         plain.shutdown()
+
+
+def test_shm_gather_to_first_in_pieces(tmp_path):
+    """Rank 1's rows reach rank 0 beside its own, in pieces when they outgrow a slot."""
+    import threading
+
+    from tokenmill.distributed.comm import ShmAllReduce
+
+    path = str(tmp_path / "shm")
+    ShmAllReduce(path, 0, 2, 4 * 40, create=True).close()  # 40 float32 per slot: 3 rows of 12 a piece
+    ranks = [ShmAllReduce(path, r, 2, 4 * 40, create=False) for r in range(2)]
+    xs = [torch.arange(7 * 12, dtype=torch.float32).view(7, 12) + 1000 * r for r in range(2)]
+    outs: list = [None, None]
+    threads = [threading.Thread(target=lambda r=r: outs.__setitem__(r, ranks[r].gather_to_first(xs[r])))
+               for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert outs[1] is None and torch.equal(outs[0], torch.cat(xs, dim=1))

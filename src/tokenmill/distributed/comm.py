@@ -1,11 +1,12 @@
 """Collectives between tensor-parallel ranks on one machine.
 
 A torch.distributed gloo process group (built on its own TCPStore, so it never touches the
-process-wide default group) carries the set-up rendezvous and the logits gather. The all-reduce
-after each row-parallel layer (two per decoder layer, every step) is the hot one: by default it
-goes through shared memory, because gloo's loopback TCP costs tens of microseconds per call
-(measured in benchmarks/scale_out.py --parts allreduce; vLLM's and SGLang's CPU backends do the
-same). TOKENMILL_TP_ALLREDUCE=gloo switches it to gloo.
+process-wide default group) carries the set-up rendezvous. The all-reduce after each
+row-parallel layer (two per decoder layer, every step) is the hot one, and the logits gather
+runs once a step: by default both go through shared memory, because gloo's loopback TCP costs
+from tens of microseconds to milliseconds per call on a busy machine (benchmarks/tensor_parallel.py
+--parts allreduce; vLLM's and SGLang's CPU backends use shared memory too).
+TOKENMILL_TP_ALLREDUCE=gloo switches both to gloo.
 
 Shared-memory all-reduce: each rank owns a slot per phase in one /dev/shm file. A rank copies
 its partial sum into its slot, publishes the call's sequence number, waits until every rank has
@@ -90,6 +91,31 @@ class ShmAllReduce:
             part.copy_(slots.sum(0))
         return x
 
+    def gather_to_first(self, x: torch.Tensor) -> torch.Tensor | None:
+        """[R, C] float32 from every rank -> [R, world * C] on rank 0 (None elsewhere), through the
+        slots in pieces of whole rows. Rank 0 publishes a piece's number only after reading it, and
+        the others wait for that, so no slot is written again before rank 0 has read it."""
+        R, C = x.shape
+        if C > self.capacity:
+            raise ValueError(f"a row of {C} values does not fit the all-reduce buffer ({self.capacity})")
+        step = self.capacity // C
+        out = torch.empty(R, self.world, C, dtype=x.dtype) if self.rank == 0 else None
+        for r0 in range(0, R, step):
+            part = x[r0 : r0 + step]
+            self.seq += 1
+            phase, n = self.seq & 1, part.numel()
+            if self.rank == 0:
+                for r in range(1, self.world):
+                    self._wait(self._flag(phase, r))
+                out[r0 : r0 + len(part), 0] = part
+                out[r0 : r0 + len(part), 1:] = self.slots[phase, 1:, :n].view(self.world - 1, len(part), C).transpose(0, 1)
+                self.words[self._flag(phase, 0)] = self.seq
+            else:
+                self.slots[phase, self.rank, :n].copy_(part.reshape(-1))
+                self.words[self._flag(phase, self.rank)] = self.seq
+                self._wait(self._flag(phase, 0))
+        return out.view(R, self.world * C) if out is not None else None
+
     def _wait(self, word: int) -> None:
         words, seq = self.words, self.seq
         if words[word] >= seq:
@@ -149,10 +175,12 @@ class TPGroup:
         return x
 
     def gather_to_first(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Concatenates every rank's x along the last dimension on rank 0; None elsewhere."""
+        """Concatenates every rank's x [R, C] (float32) along the last dimension on rank 0; None elsewhere."""
         if self.size == 1:
             return x
         x = x.contiguous()
+        if self.shm is not None:
+            return self.shm.gather_to_first(x)
         if self.rank == 0:
             parts = [torch.empty_like(x) for _ in range(self.size)]
             self.pg.gather([parts], [x], dist.GatherOptions()).wait()
