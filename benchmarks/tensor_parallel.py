@@ -92,14 +92,16 @@ def allreduce(world: int, rows_list: list[int], hidden: int, calls: int) -> dict
             port = _free_port()
             procs = [ctx.Process(target=_allreduce_rank, args=(r, world, port, path, backend, rows, hidden, calls, q))
                      for r in range(world)]
-            for p in procs:
-                p.start()
-            us = q.get(timeout=600)
-            for p in procs:
-                p.join()
+            with Others() as others:
+                for p in procs:
+                    p.start()
+                us = q.get(timeout=600)
+                for p in procs:
+                    p.join()
             os.unlink(path)
             res[f"{backend} rows={rows}"] = us
-            print(f"all-reduce {backend:>4}, {world} ranks, [{rows} x {hidden}] bf16: {us:8.1f} us per call", flush=True)
+            print(f"all-reduce {backend:>4}, {world} ranks, [{rows} x {hidden}] bf16: {us:8.1f} us per call "
+                  f"[other processes: {others.cores:.2f} cores]", flush=True)
     return res
 
 

@@ -144,24 +144,34 @@ class TPWorkers:
         try:
             for conn in self.conns:
                 conn.send_bytes(msg)
-        except OSError as e:
-            raise TPWorkerDied(self.dead or f"a tensor-parallel worker is gone: {e}") from e
+        except OSError as e:  # its pipe broke: it died (maybe before the monitor saw it)
+            raise TPWorkerDied(self._death() or f"a tensor-parallel worker is gone: {e}") from e
 
     def check(self, err: BaseException) -> BaseException:
         """The error to raise for a failed collective: the worker's death when that is the cause."""
         if isinstance(err, TPAborted) or self.dead:
-            return TPWorkerDied(self.dead or str(err))
+            return TPWorkerDied(self._death() or str(err))
         return err
 
+    def _death(self, wait_s: float = 5.0) -> str | None:
+        """Which worker died, in words (waiting up to wait_s for the dead one to be reaped)."""
+        deadline = time.monotonic() + wait_s
+        while not self.dead:
+            for rank, p in enumerate(self.procs, start=1):
+                if not p.is_alive():  # reaps it, setting exitcode
+                    return (f"tensor-parallel worker rank {rank} (pid {p.pid}) died with exit code {p.exitcode}; "
+                            f"the engine cannot continue")
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.01)
+        return self.dead
+
     def _watch(self) -> None:
-        sentinels = {p.sentinel: (rank, p) for rank, p in enumerate(self.procs, start=1)}
-        ready = mp.connection.wait(list(sentinels))
+        sentinels = [p.sentinel for p in self.procs]
+        mp.connection.wait(sentinels)
         if self._stopping:
             return
-        rank, p = sentinels[ready[0]]
-        p.join(0.1)
-        self.dead = (f"tensor-parallel worker rank {rank} (pid {p.pid}) died with exit code {p.exitcode}; "
-                     f"the engine cannot continue")
+        self.dead = self._death(wait_s=0.1) or "a tensor-parallel worker died; the engine cannot continue"
         logger.error(self.dead)
         self.group.abort()
 
