@@ -54,13 +54,17 @@ def _cpu_s(pid: int | str = "self") -> float:
 
 
 class Others:
-    """CPU cores other processes (neither this one nor its hogs) used while the block ran."""
+    """CPU cores other processes (neither this one nor its hogs, nor with `children` its children
+    waited for meanwhile) used while the block ran."""
 
-    def __init__(self, hogs: list[subprocess.Popen]):
-        self.hogs = hogs
+    def __init__(self, hogs: list[subprocess.Popen], children: bool = False):
+        self.hogs, self.children = hogs, children
 
     def _mine(self) -> float:
-        return _cpu_s() + sum(_cpu_s(h.pid) for h in self.hogs)
+        import resource
+
+        waited = resource.getrusage(resource.RUSAGE_CHILDREN) if self.children else None
+        return _cpu_s() + sum(_cpu_s(h.pid) for h in self.hogs) + (waited.ru_utime + waited.ru_stime if waited else 0)
 
     def __enter__(self):
         self.t0, self.b0, self.m0 = time.perf_counter(), _busy_s(), self._mine()

@@ -30,25 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from contention import _busy_s  # noqa: E402
-
-
-class Others:
-    """CPU cores that processes other than this one and its (waited-for) children used meanwhile."""
-
-    def _mine(self) -> float:
-        import resource
-
-        return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
-                                                     resource.getrusage(resource.RUSAGE_CHILDREN)))
-
-    def __enter__(self):
-        self.t0, self.b0, self.m0 = time.perf_counter(), _busy_s(), self._mine()
-        return self
-
-    def __exit__(self, *exc):
-        dt = time.perf_counter() - self.t0
-        self.cores = max(0.0, (_busy_s() - self.b0) - (self._mine() - self.m0)) / dt
+from contention import Others  # noqa: E402
 
 
 def _allreduce_rank(rank: int, world: int, port: int, shm_path: str, backend: str, rows: int, hidden: int,
@@ -92,7 +74,7 @@ def allreduce(world: int, rows_list: list[int], hidden: int, calls: int) -> dict
             port = _free_port()
             procs = [ctx.Process(target=_allreduce_rank, args=(r, world, port, path, backend, rows, hidden, calls, q))
                      for r in range(world)]
-            with Others() as others:
+            with Others([], children=True) as others:
                 for p in procs:
                     p.start()
                 us = q.get(timeout=600)
@@ -206,7 +188,7 @@ def engine(model: str | None, sizes: list[int], dtype: str, repeats: int) -> dic
             cmd = [sys.executable, __file__, "--engine-worker", str(n), "--dtype", dtype]
             if model:
                 cmd += ["--model", model]
-            with Others() as others:  # CPU that other processes took meanwhile (contention.py)
+            with Others([], children=True) as others:  # CPU that other processes took meanwhile (contention.py)
                 proc = subprocess.run(cmd, capture_output=True, text=True)
             line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
             if line is None:
