@@ -3,6 +3,7 @@
 
     python benchmarks/scale_out.py --parts replicas            # 1 replica x 2 threads vs 2 replicas x 1 thread
     python benchmarks/scale_out.py --parts routing             # prefix affinity vs round robin
+    python benchmarks/scale_out.py --parts tp                  # ... vs one replica of 2 tensor-parallel ranks
     python benchmarks/scale_out.py --parts replicas,routing --repeats 3
 
 Every configuration is a fresh deployment of the tokenmill app on a local Ray (127.0.0.1, all this
@@ -20,6 +21,10 @@ routing: 8 tenants x 16 requests; each tenant's requests share a 1,000-token sys
 routing matters: together the replicas can hold every tenant only if the tenants are split
 between them. Prefix-cache hit rate (tokens served from the cache / prompt tokens, over both
 replicas) and mean TTFT, prefix affinity vs round robin.
+
+tp: the replicas part's loads on SmolLM2's shapes with 8 / 4 heads (SmolLM2's own 9 / 3 split
+only 3 ways, more ranks than 2 CPUs hold), with a third configuration: one replica of 2
+tensor-parallel ranks x 1 thread.
 
 A JSON result goes to benchmarks/results/scale-out-<time>.json.
 """
@@ -94,24 +99,31 @@ def load(url: str, requests, concurrency: int) -> dict:
 
 
 # ---- replicas ---------------------------------------------------------------------------------
-REPLICA_CONFIGS = (("1 replica x 2 threads", 1, 2), ("2 replicas x 1 thread", 2, 1))
+# (name, replicas, threads per rank, tensor-parallel ranks per replica)
+REPLICA_CONFIGS = (("1 replica x 2 threads", 1, 2, 1), ("2 replicas x 1 thread", 2, 1, 1))
+TP_CONFIGS = REPLICA_CONFIGS + (("1 replica, TP=2 x 1 thread", 1, 1, 2),)
 LOADS = ((1, 8), (32, 64))  # (concurrency, requests)
 
 
 def part_replicas(ray_serve: LocalServe, ns, tok) -> dict:
+    return _compare(ray_serve, ns, tok, "replicas", ns.model, REPLICA_CONFIGS)
+
+
+def _compare(ray_serve: LocalServe, ns, tok, tag: str, model: str | None, configs) -> dict:
     from tokenmill.bench.datasets import random_requests
     from tokenmill.ray_serve import ReplicaOptions
 
-    runs: dict[str, dict[str, list[dict]]] = {name: {f"c={c}": [] for c, _ in LOADS} for name, _, _ in REPLICA_CONFIGS}
+    runs: dict[str, dict[str, list[dict]]] = {name: {f"c={c}": [] for c, _ in LOADS} for name, *_ in configs}
     for rep in range(ns.repeats):
-        for name, n_replicas, threads in REPLICA_CONFIGS:
-            engine = {"model": ns.model, "num_threads": threads, "kv_cache_memory": ns.kv_cache_memory}
+        for name, n_replicas, threads, tp in configs:
+            engine = {"model": model, "num_threads": threads, "kv_cache_memory": ns.kv_cache_memory,
+                      "tensor_parallel_size": tp}
             secs = ray_serve.deploy(engine, ReplicaOptions(num_replicas=n_replicas))
             for c, n in LOADS:
                 reqs = random_requests(tok, n, 128, 64, seed=rep * 100 + c)
                 m = load(ray_serve.url, reqs, c)
                 runs[name][f"c={c}"].append(m)
-                print(f"[replicas] repeat {rep + 1}: {name}, c={c}: {m['output_throughput']:.1f} output tok/s, "
+                print(f"[{tag}] repeat {rep + 1}: {name}, c={c}: {m['output_throughput']:.1f} output tok/s, "
                       f"TTFT {m['ttft_ms']['mean']:.0f} ms, TPOT {m['tpot_ms']['mean']:.1f} ms "
                       f"({m['failed']} failed; deployed in {secs:.0f} s)", flush=True)
     summary = {name: {load_name: _medians(ms) for load_name, ms in loads.items()} for name, loads in runs.items()}
@@ -151,10 +163,16 @@ def part_routing(ray_serve: LocalServe, ns, tok) -> dict:
 
 
 # ---- tp ---------------------------------------------------------------------------------------
-# PLACEHOLDER for the tensor-parallel part (TP=2 on a model whose heads divide, or TP=3 on SmolLM2,
-# against the two configurations above): added by the tensor-parallel work, not implemented here.
 def part_tp(ray_serve: LocalServe, ns, tok) -> dict:
-    raise NotImplementedError("the tp part is not written yet (see the tensor-parallel work)")
+    """The replicas part's loads on SmolLM2's shapes with 8 query / 4 kv heads (random weights,
+    SmolLM2's tokenizer; tensor_parallel.heads8_model): SmolLM2's own 9 / 3 heads split only 3
+    ways, more ranks than this 2-CPU Ray holds. 1 replica x 2 threads vs 2 replicas x 1 thread vs
+    one replica of 2 tensor-parallel ranks x 1 thread. The cost of the collectives themselves:
+    benchmarks/tensor_parallel.py."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tensor_parallel import heads8_model
+
+    return _compare(ray_serve, ns, tok, "tp", heads8_model(), TP_CONFIGS)
 
 
 def _medians(metrics: list[dict]) -> dict:
