@@ -90,7 +90,10 @@ def allreduce(world: int, rows_list: list[int], hidden: int, calls: int) -> dict
 def _echo(conn) -> None:
     import pickle
 
+    from tokenmill.distributed.executor import _await_message
+
     while True:
+        _await_message(conn)  # as a worker waits for its next step
         msg = conn.recv_bytes()
         if msg == b"stop":
             return
@@ -100,7 +103,8 @@ def _echo(conn) -> None:
 
 def step_message(rows_list: list[int], calls: int) -> dict:
     """Round trip of one step's inputs to a worker (pickled as the engine does, sent over a pipe,
-    unpickled) and a one-byte reply: an upper bound on what the broadcast adds to a step."""
+    the worker polling for it as it does between steps, unpickled) and a one-byte reply that
+    wakes the sender: an upper bound on what the broadcast adds to a step."""
     import torch
 
     from tokenmill.distributed.executor import dumps
