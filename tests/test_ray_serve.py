@@ -247,6 +247,15 @@ def test_options_and_config_file():
         app_builder({"num_replica": 2})
 
 
+def test_cli_refuses_bad_replica_flags_before_starting_ray():
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", "--min-replicas", "0"],
+                       capture_output=True, text=True, timeout=DEADLINE_S)
+    assert r.returncode == 2
+    assert "--min-replicas must be >= 1" in r.stderr, r.stderr
+
+
 # ---- two replicas behind one endpoint -------------------------------------------------------
 def test_two_replicas_stream_with_the_openai_client(cluster):
     client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=DEADLINE_S)
