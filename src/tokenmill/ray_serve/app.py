@@ -173,6 +173,12 @@ def run_cli(engine: EngineArgs, replicas: ReplicaOptions, server: IngressOptions
         logger.info("--num-threads not given: %d per replica rank (%d CPUs, up to %d replicas x TP %d)",
                     engine.num_threads, local_cpus(), replicas.most_replicas, engine.tensor_parallel_size)
     app = build_app(engine, replicas, server)
+    if not cluster.ray_address:
+        from tokenmill.model.loader import resolve_model_path
+
+        # Here, once: a bad path fails now with its message (not after Serve's constructor retries),
+        # and the replicas do not both convert the same GGUF file at once.
+        resolve_model_path(engine.model)
     start_ray(cluster.ray_address)
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -183,7 +189,11 @@ def run_cli(engine: EngineArgs, replicas: ReplicaOptions, server: IngressOptions
             http.update(ssl_keyfile=cluster.ssl_keyfile, ssl_certfile=cluster.ssl_certfile)
         serve.start(http_options=http)
         t0 = time.perf_counter()
-        serve.run(app, name=APP_NAME, route_prefix="/")
+        try:
+            serve.run(app, name=APP_NAME, route_prefix="/")
+        except RuntimeError as e:  # DEPLOY_FAILED: a replica's constructor kept raising
+            logger.error("%s (each replica's log: /tmp/ray/session_latest/logs/serve/)", e)
+            return 1
         scheme = "https" if cluster.ssl_certfile else "http"
         logger.info("tokenmill is serving on %s://%s:%d through Ray Serve (%s) in %.0f s; Ctrl-C (SIGINT) or "
                     "SIGTERM to stop", scheme, cluster.host, cluster.port, _replica_summary(replicas),
