@@ -1,0 +1,181 @@
+"""The Triton paged-attention kernels against a plain torch reference (gather K/V through the block
+table, softmax in float32). Without a GPU they run on CPU tensors in Triton's interpreter, which
+is chosen when the kernels are defined: hence the environment variable before any import of triton
+(and a fresh import if something imported it first). With a GPU the same tests run the compiled kernels."""
+
+import importlib
+import os
+import sys
+
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+    # Whether triton interprets is fixed when its jit functions are defined, triton's own (tl.sum, ...)
+    # included: a triton imported earlier in this process without the variable is imported afresh.
+    for name in [m for m in sys.modules if m.split(".")[0] == "triton" or m.endswith(".triton_attention")]:
+        del sys.modules[name]
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+ta = importlib.import_module("tokenmill.model.layers.triton_attention")  # afresh, not a package attribute
+from tokenmill.model.layers.attention import quantize_int8  # noqa: E402
+
+BS = 16  # block size
+
+
+class PagedCache:
+    """A paged K/V cache whose blocks are handed out in shuffled order; every slot no request
+    owns (the null block 0 included) holds NaN (NaN scales for int8), so a kernel that reads
+    one, or lets one into a sum, fails the comparison."""
+
+    def __init__(self, num_blocks: int, hkv: int, d: int, dtype: torch.dtype, int8: bool, seed: int):
+        self.g = torch.Generator().manual_seed(seed)
+        self.hkv, self.d, self.dtype, self.int8 = hkv, d, dtype, int8
+        n = num_blocks * BS
+        if int8:
+            self.k = torch.zeros(n, hkv, d, dtype=torch.int8)
+            self.v = torch.zeros(n, hkv, d, dtype=torch.int8)
+            self.k_scale = torch.full((n, hkv), float("nan"))
+            self.v_scale = torch.full((n, hkv), float("nan"))
+        else:
+            self.k = torch.full((n, hkv, d), float("nan"), dtype=dtype)
+            self.v = torch.full((n, hkv, d), float("nan"), dtype=dtype)
+            self.k_scale = self.v_scale = None
+        self.free = (torch.randperm(num_blocks - 1, generator=self.g) + 1).tolist()  # never the null block
+
+    def add(self, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A request of `length` tokens: its block table and its K/V [length, Hkv, D] as stored (dequantized, float32)."""
+        blocks = torch.tensor([self.free.pop() for _ in range(-(-length // BS))], dtype=torch.int64)
+        pos = torch.arange(length)
+        slots = blocks[pos // BS] * BS + pos % BS
+        k = torch.randn(length, self.hkv, self.d, generator=self.g)
+        v = torch.randn(length, self.hkv, self.d, generator=self.g)
+        if self.int8:
+            for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+                xq, xs = quantize_int8(x)
+                cache[slots], scales[slots] = xq, xs
+            k = self.k[slots].float() * self.k_scale[slots].unsqueeze(-1)
+            v = self.v[slots].float() * self.v_scale[slots].unsqueeze(-1)
+        else:
+            self.k[slots], self.v[slots] = k.to(self.dtype), v.to(self.dtype)
+            k, v = self.k[slots].float(), self.v[slots].float()
+        return blocks, k, v
+
+    def args(self) -> tuple:
+        dev = [t.to(DEVICE) if t is not None else None for t in (self.k, self.v, self.k_scale, self.v_scale)]
+        return dev[0], dev[1], dev[2], dev[3]
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, scale: float) -> torch.Tensor:
+    """q [n, H, D] at positions context_len.., k/v [L, Hkv, D] float32 -> [n, H, D] float32, causal."""
+    n, H, _ = q.shape
+    rep = H // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = torch.einsum("nhd,lhd->hnl", q.float(), k) * scale
+    mask = torch.ones(n, k.shape[0], dtype=torch.bool).tril_(diagonal=context_len)
+    p = s.masked_fill(~mask, float("-inf")).softmax(-1)
+    return torch.einsum("hnl,lhd->nhd", p, v)
+
+
+def tolerance(dtype: torch.dtype) -> dict:
+    return {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+
+
+def block_table_rows(tables: list[torch.Tensor], width: int) -> torch.Tensor:
+    out = torch.zeros(len(tables), width, dtype=torch.int64)  # padding -> the null block
+    for i, t in enumerate(tables):
+        out[i, : len(t)] = t
+    return out
+
+
+def run_decode(lens, heads, kv_heads, d, dtype, int8, num_splits, width=None, seed=0):
+    cache = PagedCache(64, kv_heads, d, dtype, int8, seed)
+    reqs = [cache.add(n) for n in lens]
+    q = torch.randn(len(lens), heads, d, generator=cache.g).to(dtype)
+    tables = block_table_rows([r[0] for r in reqs], width or max(len(r[0]) for r in reqs))
+    scale = d**-0.5
+    out = ta.paged_decode(q.to(DEVICE), *cache.args()[:2], tables.to(DEVICE), torch.tensor(lens).to(DEVICE), BS,
+                          scale, *cache.args()[2:], num_splits=num_splits).cpu()
+    assert out.shape == q.shape and out.dtype == dtype
+    for i, (_, k, v) in enumerate(reqs):
+        torch.testing.assert_close(out[i].float(), reference(q[i : i + 1], k, v, lens[i] - 1, scale)[0],
+                                   **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4)], ids=["gqa", "mha"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("num_splits", [1, 4], ids=["nosplit", "split4"])
+def test_decode(dtype, heads, kv_heads, d, num_splits):
+    # Lengths off the block size, a single token, and a request that leaves some of its 4 splits empty.
+    run_decode([37, 1, 16, 70], heads, kv_heads, d, dtype, False, num_splits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("num_splits", [1, 4], ids=["nosplit", "split4"])
+def test_decode_int8(dtype, num_splits):
+    run_decode([37, 5, 50], 8, 2, 64, dtype, True, num_splits)
+
+
+def test_decode_odd_group_and_head_dim():
+    # SmolLM2's 3 query heads per kv head, and a head dim that is not a power of two (padded in the kernel).
+    run_decode([21, 40], 6, 2, 80, torch.float32, False, 2)
+
+
+def test_decode_default_splits_from_table_width():
+    # A table 40 blocks wide (640 keys) gets 2 splits by default; the requests are shorter than that.
+    assert min(ta.MAX_SPLITS, -(-40 * BS // ta.DEFAULT_PARTITION)) == 2
+    run_decode([100, 9], 4, 2, 64, torch.float32, False, None, width=40)
+
+
+def test_decode_padded_row_is_zero():
+    # A batch padded with a seq_len 0 row (as a CUDA graph's fixed batch is) gives zeros there, not NaN.
+    cache = PagedCache(8, 2, 64, torch.float32, False, 1)
+    blocks, k, v = cache.add(20)
+    q = torch.randn(2, 4, 64, generator=cache.g)
+    tables = block_table_rows([blocks, torch.zeros(0, dtype=torch.int64)], 2)
+    for splits in (1, 2):
+        out = ta.paged_decode(q.to(DEVICE), *cache.args()[:2], tables.to(DEVICE), torch.tensor([20, 0]).to(DEVICE),
+                              BS, 0.125, num_splits=splits).cpu()
+        torch.testing.assert_close(out[0], reference(q[:1], k, v, 19, 0.125)[0], **tolerance(torch.float32))
+        assert torch.equal(out[1], torch.zeros(4, 64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("heads,kv_heads,d", [(8, 2, 64), (4, 4, 128)], ids=["gqa-d64", "mha-d128"])
+@pytest.mark.parametrize("context_len", [0, 21], ids=["fresh", "prefix"])
+@pytest.mark.parametrize("int8", [False, True], ids=["kv", "kv-int8"])
+def test_prefill(dtype, heads, kv_heads, d, context_len, int8):
+    q_len = 19  # not a multiple of the query tile: the last tile is ragged
+    cache = PagedCache(16, kv_heads, d, dtype, int8, 2)
+    blocks, k, v = cache.add(context_len + q_len)
+    q = torch.randn(q_len, heads, d, generator=cache.g).to(dtype)
+    scale = d**-0.5
+    kc, vc, ks, vs = cache.args()
+    out = ta.paged_prefill(q.to(DEVICE), kc, vc, blocks.to(DEVICE), context_len, BS, scale, ks, vs).cpu()
+    assert out.shape == q.shape and out.dtype == dtype
+    torch.testing.assert_close(out.float(), reference(q, k, v, context_len, scale), **tolerance(dtype))
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["kv", "kv-int8"])
+def test_prefill_varlen(int8):
+    # Three requests in one launch: a fresh prompt, a chunk over a cached prefix, a single-token chunk.
+    chunks = [(0, 13), (30, 9), (44, 1)]  # (context_len, q_len)
+    heads, kv_heads, d, dtype = 6, 2, 64, torch.bfloat16
+    cache = PagedCache(24, kv_heads, d, dtype, int8, 3)
+    reqs = [cache.add(c + n) for c, n in chunks]
+    q = torch.randn(sum(n for _, n in chunks), heads, d, generator=cache.g).to(dtype)
+    loc = torch.tensor([0, 13, 22, 23], dtype=torch.int32)
+    seq_lens = torch.tensor([c + n for c, n in chunks], dtype=torch.int32)
+    tables = block_table_rows([r[0] for r in reqs], 4)
+    kc, vc, ks, vs = cache.args()
+    out = ta.paged_prefill_varlen(q.to(DEVICE), kc, vc, loc.to(DEVICE), seq_lens.to(DEVICE), tables.to(DEVICE),
+                                  13, BS, d**-0.5, ks, vs).cpu()
+    for i, ((c, n), (_, k, v)) in enumerate(zip(chunks, reqs)):
+        rows = slice(loc[i], loc[i + 1])
+        torch.testing.assert_close(out[rows].float(), reference(q[rows], k, v, c, d**-0.5), **tolerance(dtype))
+
