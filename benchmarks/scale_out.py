@@ -4,6 +4,7 @@
     python benchmarks/scale_out.py --parts replicas            # 1 replica x 2 threads vs 2 replicas x 1 thread
     python benchmarks/scale_out.py --parts routing             # prefix affinity vs round robin
     python benchmarks/scale_out.py --parts tp                  # ... vs one replica of 2 tensor-parallel ranks
+    python benchmarks/scale_out.py --parts overhead            # plain tokenmill serve vs the Serve path
     python benchmarks/scale_out.py --parts replicas,routing --repeats 3
 
 Every configuration is a fresh deployment of the tokenmill app on a local Ray (127.0.0.1, all this
@@ -26,6 +27,9 @@ tp: the replicas part's loads on SmolLM2's shapes with 8 / 4 heads (SmolLM2's ow
 only 3 ways, more ranks than 2 CPUs hold), with a third configuration: one replica of 2
 tensor-parallel ranks x 1 thread.
 
+overhead: one engine x 2 threads, plain `tokenmill serve` against Ray Serve (proxy, ingress,
+handle), on the replicas part's loads: what the Serve path costs.
+
 A JSON result goes to benchmarks/results/scale-out-<time>.json.
 """
 
@@ -43,7 +47,7 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
-PARTS = ("replicas", "routing", "tp")
+PARTS = ("replicas", "routing", "overhead", "tp")
 
 
 def cpu_name() -> str:
@@ -130,6 +134,62 @@ def _compare(ray_serve: LocalServe, ns, tok, tag: str, model: str | None, config
     return {"summary": summary, "runs": runs}
 
 
+# ---- overhead ---------------------------------------------------------------------------------
+def part_overhead(ray_serve: LocalServe, ns, tok) -> dict:
+    """What the Ray Serve path costs: one engine with 2 threads served by plain `tokenmill serve`
+    (a subprocess; the Serve app deleted meanwhile) against one replica x 2 threads behind Serve's
+    proxy, ingress and handle, on the replicas part's loads."""
+    import subprocess
+
+    import httpx
+    from ray import serve
+
+    from tokenmill.bench.datasets import random_requests
+    from tokenmill.ray_serve import ReplicaOptions
+
+    names = ("tokenmill serve, 2 threads", "Ray Serve, 1 replica x 2 threads")
+    runs: dict[str, dict[str, list[dict]]] = {name: {f"c={c}": [] for c, _ in LOADS} for name in names}
+    port = ns.port + 1
+    for rep in range(ns.repeats):
+        for name in names:
+            proc = None
+            if name == names[0]:
+                if "tokenmill" in serve.status().applications:
+                    serve.delete("tokenmill")
+                cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+                       "--num-threads", "2", "--kv-cache-memory", str(ns.kv_cache_memory), "--disable-log-requests"]
+                if ns.model:
+                    cmd.append(ns.model)
+                proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                url = f"http://127.0.0.1:{port}"
+                deadline = time.monotonic() + 600
+                while True:
+                    try:
+                        if httpx.get(url + "/health", timeout=2).status_code == 200:
+                            break
+                    except httpx.HTTPError:
+                        pass
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError("tokenmill serve did not start")
+                    time.sleep(0.5)
+            else:
+                ray_serve.deploy({"model": ns.model, "num_threads": 2, "kv_cache_memory": ns.kv_cache_memory},
+                                 ReplicaOptions(num_replicas=1))
+                url = ray_serve.url
+            try:
+                for c, n in LOADS:
+                    m = load(url, random_requests(tok, n, 128, 64, seed=rep * 100 + c), c)
+                    runs[name][f"c={c}"].append(m)
+                    print(f"[overhead] repeat {rep + 1}: {name}, c={c}: {m['output_throughput']:.1f} output tok/s, "
+                          f"TTFT {m['ttft_ms']['mean']:.0f} ms, TPOT {m['tpot_ms']['mean']:.1f} ms", flush=True)
+            finally:
+                if proc is not None:
+                    proc.terminate()
+                    proc.wait(60)
+    summary = {name: {load_name: _medians(ms) for load_name, ms in loads.items()} for name, loads in runs.items()}
+    return {"summary": summary, "runs": runs}
+
+
 # ---- routing ----------------------------------------------------------------------------------
 def tenant_requests(tok, tenants: int, per_tenant: int, prefix_len: int, seed: int):
     from tokenmill.bench.datasets import prefix_requests
@@ -210,7 +270,7 @@ def main(argv=None) -> int:
               "model": ns.model or "SmolLM2-135M-Instruct", "repeats": ns.repeats, "started": time.strftime("%FT%T")}
     try:
         for part in parts:
-            fn = {"replicas": part_replicas, "routing": part_routing, "tp": part_tp}[part]
+            fn = {"replicas": part_replicas, "routing": part_routing, "overhead": part_overhead, "tp": part_tp}[part]
             result[part] = fn(ray_serve, ns, tok)
             print(json.dumps({part: result[part]["summary"]}, indent=2), flush=True)
     finally:
