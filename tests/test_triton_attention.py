@@ -1,10 +1,16 @@
 """The Triton paged-attention kernels against a plain torch reference (gather K/V through the block
-table, softmax in float32). Without a GPU they run on CPU tensors in Triton's interpreter, which
-is chosen when the kernels are defined: hence the environment variable before any import of triton
-(and a fresh import if something imported it first). With a GPU the same tests run the compiled kernels."""
+table, softmax in float32). Without a GPU they run on CPU tensors in Triton's interpreter.
 
-import importlib
+Whether triton interprets is fixed when its jit functions are defined, triton's own (tl.zeros,
+tl.sum, ...) included, that is when triton is first imported; so TRITON_INTERPRET=1 is set here
+before that, and stays set for the rest of the process. When something earlier in the session
+imported triton without it (transformers' Llama does), the kernels cannot run in this process
+(triton cannot be imported twice): the tests are skipped here and `test_in_a_fresh_process` runs
+this module in a child process, failing with the child's report if any test fails there.
+With a GPU the same tests run the compiled kernels."""
+
 import os
+import subprocess
 import sys
 
 import torch
@@ -12,17 +18,40 @@ import torch
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
-    # Whether triton interprets is fixed when its jit functions are defined, triton's own (tl.sum, ...)
-    # included: a triton imported earlier in this process without the variable is imported afresh.
-    for name in [m for m in sys.modules if m.split(".")[0] == "triton" or m.endswith(".triton_attention")]:
-        del sys.modules[name]
 
 import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-ta = importlib.import_module("tokenmill.model.layers.triton_attention")  # afresh, not a package attribute
+from triton.language import zeros as _tl_zeros  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+RUNS_HERE = DEVICE == "cuda" or isinstance(_tl_zeros, InterpretedFunction)
+if RUNS_HERE:
+    from tokenmill.model.layers import triton_attention as ta  # noqa: E402
 from tokenmill.model.layers.attention import quantize_int8  # noqa: E402
+
+CHILD_ENV = "TOKENMILL_TRITON_TEST_CHILD"
+
+
+@pytest.fixture(autouse=True)
+def _runs_here(request):
+    if not RUNS_HERE and request.node.name != "test_in_a_fresh_process":
+        pytest.skip("triton was imported without TRITON_INTERPRET=1 in this process: test_in_a_fresh_process runs this")
+
+
+@pytest.mark.timeout(300)
+def test_in_a_fresh_process():
+    if RUNS_HERE:
+        pytest.skip("the kernels run in this process")
+    assert not os.environ.get(CHILD_ENV), "triton was imported before this module even in a fresh process"
+    env = {**os.environ, "TRITON_INTERPRET": "1", CHILD_ENV: "1"}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                       env=env, cwd=os.path.dirname(os.path.dirname(__file__)), capture_output=True, text=True,
+                       timeout=280)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout.splitlines()[-1], r.stdout[-2000:]
+
 
 BS = 16  # block size
 

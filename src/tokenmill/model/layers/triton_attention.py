@@ -90,7 +90,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr, ou
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     # Each split takes a whole number of tiles, so only the last split of a request is ragged.
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = ((seq_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     kv_lo = split * split_len
     kv_hi = tl.minimum(kv_lo + split_len, seq_len)
 
