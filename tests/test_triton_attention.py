@@ -3,7 +3,7 @@ table, softmax in float32). Without a GPU they run on CPU tensors in Triton's in
 
 Whether triton interprets is fixed when its jit functions are defined, triton's own (tl.zeros,
 tl.sum, ...) included, that is when triton is first imported; so TRITON_INTERPRET=1 is set here
-before that, and stays set for the rest of the process. When something earlier in the session
+for that import and this module's, and again while these tests run, not for the rest of the session. When something earlier in the session
 imported triton without it (transformers' Llama does), the kernels cannot run in this process
 (triton cannot be imported twice): the tests are skipped here and `test_in_a_fresh_process` runs
 this module in a child process, failing with the child's report if any test fails there.
@@ -16,7 +16,8 @@ import sys
 import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
+_SET_INTERPRET = DEVICE == "cpu" and "triton" not in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+if _SET_INTERPRET:
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
@@ -30,8 +31,20 @@ RUNS_HERE = DEVICE == "cuda" or isinstance(_tl_zeros, InterpretedFunction)
 if RUNS_HERE:
     from tokenmill.model.layers import triton_attention as ta  # noqa: E402
 from tokenmill.model.layers.attention import quantize_int8  # noqa: E402
+if _SET_INTERPRET:  # not for what the rest of the session starts; `_interpret` sets it while these tests run
+    del os.environ["TRITON_INTERPRET"]
 
 CHILD_ENV = "TOKENMILL_TRITON_TEST_CHILD"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpret():
+    """The interpreter also reads the variable while kernels run."""
+    if _SET_INTERPRET:
+        os.environ["TRITON_INTERPRET"] = "1"
+    yield
+    if _SET_INTERPRET:
+        del os.environ["TRITON_INTERPRET"]
 
 
 @pytest.fixture(autouse=True)
