@@ -221,3 +221,45 @@ def test_prefill_varlen(int8):
         rows = slice(loc[i], loc[i + 1])
         torch.testing.assert_close(out[rows].float(), reference(q[rows], k, v, c, d**-0.5), **tolerance(dtype))
 
+
+
+COMPILE_SCRIPT = r"""
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from tokenmill.model.layers import triton_attention as ta
+
+PTRS = {"bt_ptr": "*i64", "q_start_ptr": "*i32", "seq_lens_ptr": "*i32", "ks_ptr": "*fp32", "vs_ptr": "*fp32",
+        "part_ptr": "*fp32", "stats_ptr": "*fp32"}
+
+def compile_(fn, dtype, kv_dtype, consts):
+    sig = {}
+    for name in fn.arg_names:
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = PTRS.get(name, "*" + (kv_dtype if name in ("k_ptr", "v_ptr") else dtype))
+        else:
+            sig[name] = "fp32" if name == "qk_scale" else "i32"
+    triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
+
+for dtype, kv_dtype, prec in (("bf16", "bf16", "tf32"), ("fp32", "i8", "ieee")):
+    int8 = kv_dtype == "i8"
+    for splits in (1, 4):
+        compile_(ta._decode_kernel, dtype, kv_dtype, dict(GROUP=3, BLOCK_H=16, BLOCK_N=32, HEAD_DIM=128,
+                 NUM_SPLITS=splits, INT8=int8, PRECISION=prec, DOT_F32=False))
+    compile_(ta._prefill_kernel, dtype, kv_dtype, dict(GROUP=3, BLOCK_Q=5, BLOCK_M=16, BLOCK_N=32, HEAD_DIM=64,
+             INT8=int8, PRECISION=prec, DOT_F32=False))
+compile_(ta._merge_kernel, "bf16", "bf16", dict(NUM_SPLITS=4, HEAD_DIM=128))
+print("compiled")
+"""
+
+
+@pytest.mark.timeout(300)
+def test_kernels_compile_for_a_gpu(tmp_path):
+    # The interpreter accepts what a GPU compile refuses (a loop-carried value changing type, dots
+    # under 16 x 16): compile the kernels for sm_90 (H100) down to a cubin with the wheel's ptxas, no
+    # GPU needed. In a child process: the kernels there are compiled ones, not the interpreter's.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0 and r.stdout.strip().endswith("compiled"), r.stdout[-3000:] + r.stderr[-3000:]
