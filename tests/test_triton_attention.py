@@ -198,14 +198,16 @@ def test_prefill(dtype, heads, kv_heads, d, context_len, int8):
     q = torch.randn(q_len, heads, d, generator=cache.g).to(dtype)
     scale = d**-0.5
     kc, vc, ks, vs = cache.args()
-    out = ta.paged_prefill(q.to(DEVICE), kc, vc, blocks.to(DEVICE), context_len, BS, scale, ks, vs).cpu()
+    # Query tiles of 16 rows: 4 tokens x 4 heads (GQA) or 16 tokens (MHA), so several tiles per chunk.
+    out = ta.paged_prefill(q.to(DEVICE), kc, vc, blocks.to(DEVICE), context_len, BS, scale, ks, vs, block_m=16).cpu()
     assert out.shape == q.shape and out.dtype == dtype
     torch.testing.assert_close(out.float(), reference(q, k, v, context_len, scale), **tolerance(dtype))
 
 
 @pytest.mark.parametrize("int8", [False, True], ids=["kv", "kv-int8"])
 def test_prefill_varlen(int8):
-    # Three requests in one launch: a fresh prompt, a chunk over a cached prefix, a single-token chunk.
+    # Three requests in one launch: a fresh prompt, a chunk over a cached prefix, a single-token chunk;
+    # the default 64-row query tiles hold 21 tokens x 3 heads and one padding row.
     chunks = [(0, 13), (30, 9), (44, 1)]  # (context_len, q_len)
     heads, kv_heads, d, dtype = 6, 2, 64, torch.bfloat16
     cache = PagedCache(24, kv_heads, d, dtype, int8, 3)
@@ -248,7 +250,7 @@ for dtype, kv_dtype, prec in (("bf16", "bf16", "tf32"), ("fp32", "i8", "ieee")):
     for splits in (1, 4):
         compile_(ta._decode_kernel, dtype, kv_dtype, dict(GROUP=3, BLOCK_H=16, BLOCK_N=32, HEAD_DIM=128,
                  NUM_SPLITS=splits, INT8=int8, PRECISION=prec, DOT_F32=False))
-    compile_(ta._prefill_kernel, dtype, kv_dtype, dict(GROUP=3, BLOCK_Q=5, BLOCK_M=16, BLOCK_N=32, HEAD_DIM=64,
+    compile_(ta._prefill_kernel, dtype, kv_dtype, dict(GROUP=3, BLOCK_Q=21, BLOCK_M=64, BLOCK_N=32, HEAD_DIM=64,
              INT8=int8, PRECISION=prec, DOT_F32=False))
 compile_(ta._merge_kernel, "bf16", "bf16", dict(NUM_SPLITS=4, HEAD_DIM=128))
 print("compiled")

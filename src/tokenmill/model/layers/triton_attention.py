@@ -260,7 +260,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 def paged_prefill_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                          max_query_len: int, block_size: int, scale: float, k_scale: torch.Tensor | None = None,
-                         v_scale: torch.Tensor | None = None, *, block_m: int = 16,
+                         v_scale: torch.Tensor | None = None, *, block_m: int = 64,
                          block_n: int = 32) -> torch.Tensor:
     """Several requests' chunks at once: q [T, H, D] flat, request i's rows at
     query_start_loc[i]:query_start_loc[i+1]; seq_lens [B] its keys (cached context + chunk);
