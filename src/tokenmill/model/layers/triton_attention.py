@@ -18,8 +18,8 @@ Softmax runs in base 2 (the scale premultiplied by log2(e)) with float32 statist
 accumulators. Keys past a request's length are never loaded: slots there (and the null block
 that padding points at) may hold stale, even NaN, data.
 
-Tested on CPU under TRITON_INTERPRET=1 (tests/test_triton_attention.py); the interpreter is
-chosen when the kernels are defined, so set it before importing this module.
+Tested on CPU under TRITON_INTERPRET=1 (tests/test_triton_attention.py); whether triton interprets
+is fixed when jit functions are defined, its own included, so set it before triton is first imported.
 """
 
 from __future__ import annotations
