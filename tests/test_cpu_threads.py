@@ -137,7 +137,7 @@ def test_fused_step_barrier_wait_modes_give_the_same_logits(tiny_llama_dir, thre
 
     llm = LLM(tiny_llama_dir, dtype="bfloat16", kv_cache_memory=0.02, enable_prefix_caching=False)
     runner = llm.engine.core.runner
-    fd = runner.fused_decode
+    fd = runner.fast_decode
     if fd is None:
         pytest.skip("no fused decode step here (needs the C++ kernels with AVX512-BF16)")
     assert fd.decoder.spin_ns == cpu_threads.barrier_spin_ns() and fd.decoder.adaptive_spin

@@ -21,7 +21,7 @@ def _runner(llm):
 
 
 def _fused_or_skip(llm):
-    fd = _runner(llm).fused_decode
+    fd = _runner(llm).fast_decode
     if fd is None:
         pytest.skip("no fused decode step here (needs the C++ kernels with AVX512-BF16)")
     return fd
@@ -98,7 +98,7 @@ def test_generation_is_the_same_with_and_without_it(tiny_qwen2_dir, monkeypatch)
     _fused_or_skip(on)
     monkeypatch.setenv("TOKENMILL_FUSED_DECODE", "0")
     off = LLM(tiny_qwen2_dir, **KW)
-    assert _runner(off).fused_decode is None
+    assert _runner(off).fast_decode is None
     for a, b in zip(on.generate(prompts, params), off.generate(prompts, params)):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
@@ -118,7 +118,7 @@ def test_runner_uses_it_only_for_small_all_decode_steps(tiny_llama_dir):
             calls.append(len(input_ids))
             return inner(input_ids, *args)
 
-    runner.fused_decode = Spy()
+    runner.fast_decode = Spy()
     vocab = llm.engine.config.model.vocab_size
     same_length = [[5 + (i + j) % 200 for j in range(8)] for i in range(SMALL_BATCH + 4)]  # decode in step
     llm.generate(prompt_token_ids=same_length, sampling_params=SamplingParams(temperature=0, max_tokens=4,
@@ -134,8 +134,8 @@ def test_runner_uses_it_only_for_small_all_decode_steps(tiny_llama_dir):
 
 
 def test_off_where_it_cannot_run(tiny_llama_dir):
-    assert _runner(LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.02)).fused_decode is None
-    assert _runner(LLM(tiny_llama_dir, kv_cache_dtype="int8", **KW)).fused_decode is None
+    assert _runner(LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.02)).fast_decode is None
+    assert _runner(LLM(tiny_llama_dir, kv_cache_dtype="int8", **KW)).fast_decode is None
 
 
 def test_bad_inputs_raise_instead_of_crashing(tiny_llama_dir):

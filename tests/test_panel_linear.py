@@ -98,7 +98,7 @@ def test_panels_kept_within_the_memory_limit(panel_kernels, tiny_llama_dir, monk
     monkeypatch.setattr(linear, "PANEL_WEIGHTS_MAX_BYTES", 1000)
     without = LLM(tiny_llama_dir, **kw)
     assert all(p is None for p in panels(without))
-    assert without.engine.core.runner.fused_decode is None
+    assert without.engine.core.runner.fast_decode is None
     monkeypatch.setenv("TOKENMILL_PANEL_WEIGHTS", "1")
     assert all(p is not None for p in panels(LLM(tiny_llama_dir, **kw)))
     for a, b in zip(with_panels.generate(["Hello world", "The sky is"], params),

@@ -324,7 +324,7 @@ def test_tp2_fused_decode_step_equals_op_by_op(tiny_llama_dir, monkeypatch):
     inside it; the logprobs equal those of the same ranks run op by op."""
     fused = _tp(tiny_llama_dir, 2, dtype="bfloat16")
     try:
-        if fused.engine.core.runner.fused_decode is None:
+        if fused.engine.core.runner.fast_decode is None:
             pytest.skip("no fused decode step here (needs the C++ kernels with AVX512-BF16)")
         got = _tokens_and_logprobs(fused)
     finally:
@@ -332,7 +332,7 @@ def test_tp2_fused_decode_step_equals_op_by_op(tiny_llama_dir, monkeypatch):
     monkeypatch.setenv("TOKENMILL_FUSED_DECODE", "0")  # read by every rank as it builds (workers inherit it)
     plain = _tp(tiny_llama_dir, 2, dtype="bfloat16")
     try:
-        assert plain.engine.core.runner.fused_decode is None
+        assert plain.engine.core.runner.fast_decode is None
         assert got == _tokens_and_logprobs(plain)
     finally:
         plain.shutdown()

@@ -16,15 +16,21 @@ _ENGINE_HELP = {
     "model": "HF model folder, .gguf file or hub id (default: the built-in SmolLM2-135M-Instruct)",
     "tokenizer": "tokenizer folder, if not the model's",
     "dtype": "auto | float32 | bfloat16 | float16 (auto: bfloat16)",
-    "device": "cpu (GPU support follows)",
+    "device": "auto | cpu | cuda (auto: cuda when a GPU is visible, else cpu)",
     "max_model_len": "context length (default: the model's)",
     "block_size": "tokens per KV cache block",
-    "kv_cache_memory": "GiB of memory for the paged KV cache (default 4)",
+    "kv_cache_memory": "GiB of memory for the paged KV cache (default: 4 on the CPU; on a GPU what "
+                       "--gpu-memory-utilization leaves)",
     "kv_cache_dtype": "auto (the model's dtype) | int8 (per-token, per-head scales: about half the memory "
                       "of bfloat16)",
     "quantization": "weight-only quantization: int4 | int8 (groups of 32, quantized at load time) | gguf (keep a "
                     "GGUF file's Q4_0 / Q4_1 / Q8_0 tensors as they are; default: weights in --dtype)",
     "num_gpu_blocks_override": "exact number of KV blocks (overrides --kv-cache-memory)",
+    "gpu_memory_utilization": "cuda: fraction of the GPU's memory for this engine: weights, activations (profiled "
+                              "at start-up), CUDA graphs, and the KV cache in what is left",
+    "enforce_eager": "cuda: run every step eagerly (no CUDA graphs for decode steps)",
+    "load_format": "auto (the checkpoint's weights) | dummy (random weights: benchmark a model's shape "
+                   "without its files)",
     "max_num_seqs": "most requests in one batch",
     "max_num_batched_tokens": "token budget of one engine step (default 2048)",
     "enable_chunked_prefill": "split long prompts across steps",

@@ -29,6 +29,21 @@ def check_kv_cache_dtype(kv_cache_dtype: str) -> str:
     return kv_cache_dtype
 
 
+def resolve_device(device: str) -> str:
+    """auto -> cuda when a GPU is visible, else cpu (vLLM's default)."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ValueError(f"unknown device {device!r}; choose one of auto, cpu, cuda")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA GPU is visible to torch {torch.__version__} "
+                         f"(a CPU build, or no driver); use --device cpu")
+    return device
+
+
+LOAD_FORMATS = ("auto", "dummy")
+
+
 def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     """'auto' picks bfloat16: on AMX CPUs and on GPUs it is the faster choice for batched serving
     (measured: benchmarks/throughput.py); float16 is refused on CPU (slow, no real kernels)."""
@@ -38,6 +53,8 @@ def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
         return torch.bfloat16
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, float32, bfloat16, float16")
+    if _DTYPES[dtype] == torch.float16 and device == "cpu":
+        raise ValueError("float16 runs on GPUs only (no fast CPU kernels); use bfloat16 or float32 on the CPU")
     return _DTYPES[dtype]
 
 
@@ -48,13 +65,16 @@ class EngineArgs:
     model: str | None = None  # HF folder, .gguf file, or None for the built-in default model
     tokenizer: str | None = None
     dtype: str = "auto"
-    device: str = "cpu"
+    device: str = "auto"  # auto (cuda when available, else cpu) | cpu | cuda
     max_model_len: int | None = None  # default: the model's context length (capped, see below)
     block_size: int = 16
     kv_cache_memory: float | None = None  # GiB for the KV pool; default: enough for the load
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 (per-token, per-head scales)
     quantization: str | None = None  # int4 | int8 (weight-only, groups of 32) | gguf (keep a GGUF's blocks)
     num_gpu_blocks_override: int | None = None  # exact number of KV blocks (tests)
+    gpu_memory_utilization: float = 0.9  # cuda: fraction of the GPU's memory this engine may use
+    enforce_eager: bool = False  # cuda: no CUDA graphs
+    load_format: str = "auto"  # auto (the checkpoint) | dummy (random weights: benchmarks without the files)
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # default: max(2048, max_model_len) capped
     enable_chunked_prefill: bool = True
@@ -81,6 +101,7 @@ class ModelConfig:
     device: str = "cpu"
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
+    load_format: str = "auto"
 
     @property
     def num_layers(self) -> int:
@@ -125,6 +146,14 @@ class SchedulerConfig:
 
 
 @dataclass
+class DeviceConfig:
+    """GPU-only settings (ignored on the CPU)."""
+
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+
+
+@dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
     num_threads: int | None = None  # per rank; default: the available cores shared out
@@ -136,6 +165,7 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
     seed: int = 0
     watermark: WatermarkConfig = field(default_factory=WatermarkConfig)
     extra: dict = field(default_factory=dict)

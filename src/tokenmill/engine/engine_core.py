@@ -30,18 +30,19 @@ class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
         cache = config.cache
-        self.kv = KVCacheManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
         workers = _start_tp_workers(config) if config.parallel.tensor_parallel_size > 1 else None
         try:
             self.runner = ModelRunner(config.model, cache.num_blocks, cache.block_size, config.seed, config.watermark,
-                                      workers.group if workers else NO_TP, workers)
+                                      workers.group if workers else NO_TP, workers, config.device, config.scheduler)
             if workers is not None:
                 workers.wait_ready()
         except BaseException:
             if workers is not None:
                 workers.stop()
             raise
+        cache.num_blocks = self.runner.num_blocks  # sized on the GPU when it was 0
+        self.kv = KVCacheManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
 
     def shutdown(self) -> None:
         self.runner.shutdown()

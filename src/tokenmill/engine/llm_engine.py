@@ -15,10 +15,13 @@ from tokenmill.config import (
     EngineArgs,
     EngineConfig,
     ModelConfig,
+    DeviceConfig,
+    LOAD_FORMATS,
     ParallelConfig,
     SchedulerConfig,
     check_kv_cache_dtype,
     parse_dtype,
+    resolve_device,
 )
 from tokenmill.distributed.sharding import check_tp_size
 from tokenmill.engine.engine_core import EngineCore
@@ -57,10 +60,17 @@ class LLMEngine:
         max_model_len = args.max_model_len or model_max
         if max_model_len > model_max:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length {model_max}")
-        dtype = parse_dtype(args.dtype, args.device)
+        device = resolve_device(args.device)
+        if device != "cpu" and tp > 1:
+            raise ValueError("--tensor-parallel-size > 1 runs on the CPU only so far (NCCL on GPUs is not built "
+                             "yet); use --device cpu, or one GPU")
+        if args.load_format not in LOAD_FORMATS:
+            raise ValueError(f"unknown load_format {args.load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
+        dtype = parse_dtype(args.dtype, device)
         name = args.served_model_name or (args.model or "SmolLM2-135M-Instruct")
-        model_config = ModelConfig(path, hf_config, dtype, max_model_len, name, args.device,
-                                   check_kv_cache_dtype(args.kv_cache_dtype), check_quantization(args.quantization))
+        model_config = ModelConfig(path, hf_config, dtype, max_model_len, name, device,
+                                   check_kv_cache_dtype(args.kv_cache_dtype), check_quantization(args.quantization),
+                                   args.load_format)
 
         block_size = args.block_size
         num_blocks = self._num_kv_blocks(args, model_config)
@@ -74,8 +84,10 @@ class LLMEngine:
             seed=args.seed,
             watermark=WatermarkConfig(args.watermark_gamma, args.watermark_delta),
             parallel=ParallelConfig(tp, args.num_threads),
+            device=DeviceConfig(args.gpu_memory_utilization, args.enforce_eager),
         )
         self.core = EngineCore(self.config)
+        num_blocks = self.config.cache.num_blocks
         self.output_processor = OutputProcessor(self.tokenizer.backend_tokenizer)
         self.eos_token_ids = _eos_ids(path, self.tokenizer, hf_config)
         self.structured_output = StructuredOutputManager(self.tokenizer, model_config.vocab_size, self.eos_token_ids)
@@ -99,6 +111,8 @@ class LLMEngine:
         bs = args.block_size
         if args.num_gpu_blocks_override:  # exact count, for tests and experts: no sizing checks
             return args.num_gpu_blocks_override
+        if model.device != "cpu" and args.kv_cache_memory is None:
+            return 0  # the runner sizes it from --gpu-memory-utilization once the weights are in
         gib = args.kv_cache_memory if args.kv_cache_memory is not None else DEFAULT_KV_CACHE_GIB
         block_bytes = model.kv_bytes_per_token() * bs
         num_blocks = int(gib * 2**30) // block_bytes

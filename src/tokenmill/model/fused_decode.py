@@ -101,9 +101,9 @@ class FusedDecode:
         return meta.all_decode and rows <= SMALL_BATCH
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 logits_rows: list[int]) -> torch.Tensor:
+                 logits_rows: torch.Tensor) -> torch.Tensor:
         """Runs the step (K/V written, as the model would); float32 logits of `logits_rows`."""
-        rows = torch.tensor(logits_rows, dtype=torch.long)
+        rows = torch.as_tensor(logits_rows, dtype=torch.long)
         if self.tp.size == 1:
             return self.decoder.forward(input_ids, positions, meta.slot_mapping, meta.decode_block_tables,
                                         meta.decode_seq_lens, rows)

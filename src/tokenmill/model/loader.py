@@ -123,12 +123,18 @@ def _load_gguf_quantized(model: torch.nn.Module, path: str, dtype: torch.dtype) 
 
 
 def load_model(path: str, hf_config, dtype: torch.dtype, max_position: int, device: str = "cpu",
-               quantization: str | None = None, tp: TPGroup = NO_TP) -> torch.nn.Module:
+               quantization: str | None = None, tp: TPGroup = NO_TP, load_format: str = "auto") -> torch.nn.Module:
     """quantization: None (weights in `dtype`), "int4" / "int8" (quantized here, groups of 32) or
     "gguf" (a GGUF's Q4_0 / Q4_1 / Q8_0 tensors kept quantized). tp: this rank's group; the
-    model is built with its share of the heads and reads only its slices."""
-    if device == "cpu" and cpu_kernels.enabled():
+    model is built with its share of the heads and reads only its slices. load_format "dummy":
+    random weights, nothing read (vLLM's name; for benchmarks of shapes without their files)."""
+    on_cpu = torch.device(device).type == "cpu"
+    if on_cpu and cpu_kernels.enabled():
         cpu_kernels.load()  # before the clock: a first run's compile takes minutes and logs its own time
+    if quantization and not on_cpu:  # the quantized kernels are C++ CPU kernels
+        logger.warning("--quantization %s: the GPU path has no dequantizing kernels yet; running the weights "
+                       "as %s instead", quantization, dtype)
+        quantization = None
     t0 = time.perf_counter()
     cls = MODEL_REGISTRY[hf_config.architectures[0]]
     with torch.device("meta"):
@@ -137,24 +143,38 @@ def load_model(path: str, hf_config, dtype: torch.dtype, max_position: int, devi
     model.rope = model.make_rope(dtype).to(device)  # buffers were created on meta
     if model.tie_word_embeddings and tp.size == 1:
         model.lm_head.weight = model.embed_tokens.weight
-    skip = _load_gguf_quantized(model, path, dtype) if quantization == "gguf" else set()
-    blocks = os.path.join(path, QUANTIZED_FILE)
-    exact = dtype != torch.bfloat16 and os.path.exists(blocks)  # the bf16 copy would lose precision
-    model.load_weights(_iter_safetensors(path, skip, blocks if exact else None,
-                                         lambda name: shard_for(name, hf_config, tp.rank, tp.size)))
+    if load_format == "dummy":
+        _init_dummy(model)
+    else:
+        skip = _load_gguf_quantized(model, path, dtype) if quantization == "gguf" else set()
+        blocks = os.path.join(path, QUANTIZED_FILE)
+        exact = dtype != torch.bfloat16 and os.path.exists(blocks)  # the bf16 copy would lose precision
+        model.load_weights(_iter_safetensors(path, skip, blocks if exact else None,
+                                             lambda name: shard_for(name, hf_config, tp.rank, tp.size)))
     model.eval()
     if quantization in BITS:
         n = quantize_model(model, BITS[quantization])
         logger.info("quantized %d linear layers to %s (groups of %d)", n, quantization, GROUP)
-    if device == "cpu" and os.environ.get("TOKENMILL_NO_PACKED_LINEAR") != "1":
+    if on_cpu and os.environ.get("TOKENMILL_NO_PACKED_LINEAR") != "1":
         from tokenmill.model.layers.linear import pack_linears
 
         pack_linears(model, dtype)
-    if device == "cpu":
+    if on_cpu:
         from tokenmill.model.layers.weight_arena import place_decode_weights
 
         moved = place_decode_weights(model)
         logger.debug("%.0f MB of decode weights in one huge-page arena", moved / 1e6)
-    logger.info("loaded weights from %s in %.2fs (%s)", path, time.perf_counter() - t0, dtype)
+    logger.info("loaded weights from %s in %.2fs (%s, %s)", "nowhere (random: --load-format dummy)"
+                if load_format == "dummy" else path, time.perf_counter() - t0, dtype, device)
     return model
 
+
+@torch.no_grad()
+def _init_dummy(model: torch.nn.Module, seed: int = 0) -> None:
+    """Seeded random weights: N(0, 0.02) matrices and biases (transformers' Llama init), ones for norms."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            p.copy_(torch.empty(p.shape, dtype=torch.float32, device=p.device).normal_(0.0, 0.02, generator=gen))

@@ -8,21 +8,40 @@ ranks `run` it; only rank 0 gets logits and samples.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
 
-from tokenmill.config import ModelConfig
+from tokenmill.config import DeviceConfig, ModelConfig, SchedulerConfig
 from tokenmill.distributed.comm import NO_TP, TPGroup
 from tokenmill.engine.scheduler import SchedulerOutput
+from tokenmill.model import gpu_memory
+from tokenmill.model.cuda_graphs import CudaGraphDecode
 from tokenmill.model.fused_decode import FusedDecode
 from tokenmill.model.layers import cpu_kernels
-from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata, PrefillChunk
+from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata, SeqChunk
 from tokenmill.model.layers.sampler import Sampler, SamplerOutput, SamplingBatch, score_tokens
 from tokenmill.model.loader import load_model
+from tokenmill.model.staging import PinnedStaging
 from tokenmill.watermark import WatermarkConfig
 
 logger = logging.getLogger("tokenmill")
+
+
+def attention_backend_for(device: torch.device):
+    """The C++ kernels on the CPU, Triton on a GPU; TOKENMILL_ATTENTION_BACKEND=triton runs the
+    Triton one on the CPU too (set TRITON_INTERPRET=1 before triton is imported: CI's test of it)."""
+    choice = os.environ.get("TOKENMILL_ATTENTION_BACKEND") or ("triton" if device.type == "cuda" else "cpu")
+    if choice not in ("cpu", "triton"):
+        raise ValueError(f"TOKENMILL_ATTENTION_BACKEND={choice!r}: choose cpu or triton")
+    if choice == "cpu" and device.type != "cpu":
+        raise ValueError("the C++ attention kernels run on the CPU only")
+    if choice == "cpu":
+        return AttentionBackend
+    from tokenmill.model.layers.gpu_attention import TritonAttentionBackend
+
+    return TritonAttentionBackend
 
 
 @dataclass
@@ -32,40 +51,62 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    logits_rows: list[int]  # rows whose next token is sampled
+    logits_rows: torch.Tensor  # [R] rows whose next token is sampled
     prompt_rows: list[tuple[int, int]] = field(default_factory=list)  # row ranges scored for prompt logprobs
 
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, num_blocks: int, block_size: int, seed: int = 0,
-                 watermark: WatermarkConfig | None = None, tp: TPGroup = NO_TP, workers=None):
+                 watermark: WatermarkConfig | None = None, tp: TPGroup = NO_TP, workers=None,
+                 device_config: DeviceConfig | None = None, scheduler_config: SchedulerConfig | None = None):
+        """num_blocks 0: as many as fit the GPU's memory budget (--gpu-memory-utilization)."""
         self.config = model_config
         self.block_size = block_size
-        self.device = model_config.device
+        self.device = torch.device(model_config.device)
         self.tp, self.workers = tp, workers  # workers: rank 0's TPWorkers (distributed/executor.py)
+        self.device_config = device_config or DeviceConfig()
+        self.scheduler_config = scheduler_config or SchedulerConfig()
         self.model = load_model(
             model_config.path, model_config.hf_config, model_config.dtype, model_config.max_model_len, self.device,
-            model_config.quantization, tp,
+            model_config.quantization, tp, model_config.load_format,
         )
-        cfg = model_config
-        # One tensor for the whole cache: [layers, K/V, slots, kv_heads, head_dim].
+        self.backend = attention_backend_for(self.device)
+        # Index tensors go to a GPU in one pinned copy per step; on the CPU they are used as built.
+        self.staging = PinnedStaging(self.device) if self.device.type == "cuda" else None
+        self.fast_decode = None  # a decode-only step's fast path: the fused C++ step, or CUDA graphs
+        if num_blocks == 0:
+            num_blocks = gpu_memory.num_kv_blocks(self)
+        self.num_blocks = num_blocks
+        self.allocate_kv_cache(num_blocks)
+        self.sampler = Sampler(seed, watermark)
+        if self.device.type == "cpu":
+            self.fast_decode = FusedDecode.build(self.model, self.attn, model_config.dtype, block_size, tp)
+        elif not self.device_config.enforce_eager:
+            self.fast_decode = CudaGraphDecode.capture(self)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        cfg, tp = self.config, self.tp
+        # One tensor for the whole cache: [layers, K/V, slots, kv_heads, head_dim]; one block more than
+        # the pool's, never in any table, where padded rows of a CUDA-graph batch write.
         # torch.empty: pages are touched on first use instead of a multi-second memset at start-up.
         # Nothing reads a slot before it is written, except the null block 0 that pads block
         # tables, which is zeroed here.
         quantized = cfg.kv_cache_dtype == "int8"
         kv_heads = cfg.num_kv_heads // tp.size
-        shape = (cfg.num_layers, 2, num_blocks * block_size, kv_heads)
+        self.scratch_slot = num_blocks * self.block_size
+        shape = (cfg.num_layers, 2, (num_blocks + 1) * self.block_size, kv_heads)
+        self.kv_cache = None  # the old cache goes before the new one comes (re-sizing after profiling)
         self.kv_cache = torch.empty(*shape, cfg.head_dim, dtype=torch.int8 if quantized else cfg.dtype,
                                     device=self.device)
-        self.kv_cache[:, :, :block_size].zero_()
+        self.kv_cache[:, :, : self.block_size].zero_()
         # int8: one float32 scale per (layer, K/V, slot, kv head).
         self.kv_scales = torch.zeros(*shape, dtype=torch.float32, device=self.device) if quantized else None
-        self.attn = AttentionBackend(
-            self.kv_cache, cfg.hf_config.num_attention_heads // tp.size, kv_heads, cfg.head_dim,
-            use_cpp_kernels=cpu_kernels.enabled(), kv_scales=self.kv_scales,
-        )
-        self.sampler = Sampler(seed, watermark)
-        self.fused_decode = FusedDecode.build(self.model, self.attn, cfg.dtype, block_size, tp)
+        heads = cfg.hf_config.num_attention_heads // tp.size
+        if self.backend is AttentionBackend:
+            self.attn = AttentionBackend(self.kv_cache, heads, kv_heads, cfg.head_dim,
+                                         use_cpp_kernels=cpu_kernels.enabled(), kv_scales=self.kv_scales)
+        else:
+            self.attn = self.backend(self.kv_cache, heads, kv_heads, cfg.head_dim, kv_scales=self.kv_scales)
 
     # ---- batch preparation ------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
@@ -73,10 +114,7 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        decode_rows: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[PrefillChunk] = []
+        seqs: list[SeqChunk] = []
         logits_rows: list[int] = []
         prompt_rows: list[tuple[int, int]] = []
         for s in sched.scheduled:
@@ -87,33 +125,27 @@ class ModelRunner:
             pos = range(start, start + n)
             positions.extend(pos)
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            if n == 1:
-                decode_rows.append(row0)
-                decode_tables.append(table)
-                decode_lens.append(start + 1)
-            else:
-                kv_slots = None
-                if start > 0:
-                    kv_slots = _slots_for(table, start + n, bs)
-                chunk_table = torch.tensor(table[: -(-(start + n) // bs)], dtype=torch.long)
-                prefills.append(PrefillChunk(row0, row0 + n, start, kv_slots, chunk_table))
+            seqs.append(SeqChunk(row0, n, start, table))
             if s.samples:
                 logits_rows.append(row0 + n - 1)
             if req.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
                 # the last prompt position predicts the first output, not a prompt token
                 prompt_rows.append((row0, row0 + min(n, req.num_prompt_tokens - 1 - start)))
+        return self.to_device(StepInputs(
+            torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
+            self.attn.build_metadata(seqs, slots, bs), torch.tensor(logits_rows, dtype=torch.long), prompt_rows))
 
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), block_size=bs)
-        if decode_rows:
-            max_blocks = -(-max(decode_lens) // bs)
-            padded = [t[:max_blocks] + [0] * (max_blocks - len(t)) for t in decode_tables]
-            meta.decode_block_tables = torch.tensor(padded, dtype=torch.long)
-            meta.decode_seq_lens = torch.tensor(decode_lens, dtype=torch.long)
-            meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long)
-        meta.prefills = prefills
-        meta.all_decode = not prefills
-        return StepInputs(torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
-                          meta, logits_rows, prompt_rows)
+    def to_device(self, step: StepInputs) -> StepInputs:
+        """The step's index tensors on the model's device (one host-to-device copy)."""
+        if self.staging is None:
+            return step
+        meta = step.meta
+        host = {"input_ids": step.input_ids, "positions": step.positions, "logits_rows": step.logits_rows,
+                **meta.tensors()}
+        dev = self.staging(host)
+        for name in meta.tensors():
+            setattr(meta, name, dev[name])
+        return StepInputs(dev["input_ids"], dev["positions"], meta, dev["logits_rows"], step.prompt_rows)
 
     # ---- the step ---------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> SamplerOutput | None:
@@ -125,22 +157,22 @@ class ModelRunner:
         except Exception as e:  # a collective that failed because a worker died says so
             raise (self.workers.check(e) if self.workers is not None else e) from e
         self._score_prompt_logprobs(sched, prompt_logits)
-        if not step.logits_rows:
+        if logits is None:
             return None
         sampling_reqs = [s.request for s in sched.scheduled if s.samples]
-        batch = SamplingBatch.from_requests(sampling_reqs, logits.shape[-1])
+        batch = SamplingBatch.from_requests(sampling_reqs, logits.shape[-1], device=logits.device)
         return self.sampler(logits, batch)
 
     @torch.inference_mode()
     def run(self, step: StepInputs) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
         """The forward pass (every rank): logits of the sampled rows and of each prompt-logprobs
         range, on rank 0 (None on the others)."""
-        if (self.fused_decode is not None and not step.prompt_rows
-                and self.fused_decode.accepts(step.meta, len(step.input_ids))):
-            return self.fused_decode(step.input_ids, step.positions, step.meta, step.logits_rows), []
+        if (self.fast_decode is not None and not step.prompt_rows
+                and self.fast_decode.accepts(step.meta, len(step.input_ids))):
+            return self.fast_decode(step.input_ids, step.positions, step.meta, step.logits_rows), []
         hidden = self.model(step.input_ids, step.positions, self.attn, step.meta)
         prompt_logits = [self.model.compute_logits(hidden[a:b]) for a, b in step.prompt_rows]
-        logits = self.model.compute_logits(hidden[step.logits_rows]) if step.logits_rows else None
+        logits = self.model.compute_logits(hidden[step.logits_rows]) if len(step.logits_rows) else None
         return logits, prompt_logits
 
     @staticmethod
@@ -164,7 +196,3 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.stop()
 
-
-def _slots_for(table: list[int], length: int, bs: int) -> torch.Tensor:
-    pos = torch.arange(length)
-    return torch.tensor(table, dtype=torch.long)[pos // bs] * bs + pos % bs

@@ -35,6 +35,17 @@ class PrefillChunk:
 
 
 @dataclass
+class SeqChunk:
+    """One request's part of a flat batch, as the runner lays it out (each backend builds its
+    metadata from these)."""
+
+    row0: int  # first row in the flat batch
+    n: int  # query tokens this step
+    start: int  # tokens already in the cache (the first query's position)
+    table: list[int]  # the request's block table
+
+
+@dataclass
 class AttentionMetadata:
     """Everything attention needs about one flat batch; built once per step, used by all layers."""
 
@@ -46,6 +57,17 @@ class AttentionMetadata:
     block_size: int = 16
     prefills: list[PrefillChunk] | None = None
     all_decode: bool = False  # every row is a decode row, in order: skip the scatter
+    # Varlen view (the GPU backend): request i is rows query_start_loc[i]:query_start_loc[i+1].
+    query_start_loc: torch.Tensor | None = None  # [B + 1]
+    seq_lens: torch.Tensor | None = None  # [B] keys per request, this step's included
+    block_tables: torch.Tensor | None = None  # [B, max_blocks] (padding -> null block 0)
+    max_query_len: int = 0
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The index tensors a device copy moves (decode group and varlen view)."""
+        names = ("slot_mapping", "decode_rows", "decode_block_tables", "decode_seq_lens", "query_start_loc",
+                 "seq_lens", "block_tables")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,6 +79,8 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class AttentionBackend:
+    name = "cpu"
+
     def __init__(self, kv_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                  use_cpp_kernels: bool = True, kv_scales: torch.Tensor | None = None):
         # kv_cache: [num_layers, 2, num_slots, num_kv_heads, head_dim]; kv_scales (int8 cache
@@ -76,6 +100,29 @@ class AttentionBackend:
             from tokenmill.model.layers import cpu_kernels
 
             self.kernels = cpu_kernels.load()
+
+    @staticmethod
+    def build_metadata(seqs: list[SeqChunk], slots: list[int], block_size: int) -> AttentionMetadata:
+        """Decode rows grouped (one kernel call for all), each prompt chunk on its own."""
+        bs = block_size
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), block_size=bs)
+        decodes = [c for c in seqs if c.n == 1]
+        if decodes:
+            max_blocks = -(-max(c.start + 1 for c in decodes) // bs)
+            meta.decode_block_tables = torch.tensor(
+                [c.table[:max_blocks] + [0] * (max_blocks - len(c.table[:max_blocks])) for c in decodes],
+                dtype=torch.long)
+            meta.decode_seq_lens = torch.tensor([c.start + 1 for c in decodes], dtype=torch.long)
+            meta.decode_rows = torch.tensor([c.row0 for c in decodes], dtype=torch.long)
+        meta.prefills = []
+        for c in seqs:
+            if c.n > 1:
+                end = c.start + c.n
+                kv_slots = _slots_for(c.table, end, bs) if c.start > 0 else None
+                chunk_table = torch.tensor(c.table[: -(-end // bs)], dtype=torch.long)
+                meta.prefills.append(PrefillChunk(c.row0, c.row0 + c.n, c.start, kv_slots, chunk_table))
+        meta.all_decode = not meta.prefills
+        return meta
 
     def fuses_rope(self, qkv: torch.Tensor) -> bool:
         """Whether rope_and_cache can take this projection: the C++ kernels, and a cache in
@@ -165,3 +212,8 @@ class AttentionBackend:
         vc = self._read(v_cache, slots, scales, 1, q.dtype).transpose(1, 2)
         o = F.scaled_dot_product_attention(q.unsqueeze(2), kc, vc, attn_mask=mask, scale=self.scale, enable_gqa=self.gqa)
         return o.squeeze(2)
+
+
+def _slots_for(table: list[int], length: int, bs: int) -> torch.Tensor:
+    pos = torch.arange(length)
+    return torch.tensor(table, dtype=torch.long)[pos // bs] * bs + pos % bs
