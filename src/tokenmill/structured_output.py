@@ -107,26 +107,42 @@ class StructuredOutputManager:
         return set(allowed.tolist()) <= set(self.eos_token_ids)
 
 
-def apply_grammar_masks(logits: torch.Tensor, matchers: list) -> None:
+def apply_grammar_masks(logits: torch.Tensor, matchers: list) -> torch.Tensor | None:
     """In place: mask the logits of every row whose matcher is not None to its allowed tokens,
-    in one pass over those rows. Eager torch: llguidance's own apply_token_bitmask_inplace is
+    in one pass over those rows; returns those rows' [R, V] allowed mask (None when no row has a
+    matcher). llguidance fills an int32 bitmask on the CPU; it goes to the logits' device in one
+    copy and is unpacked there. Eager torch: llguidance's own apply_token_bitmask_inplace is
     torch.compile'd, and its first call (on the engine thread) compiled for 8-15 s."""
     import llguidance.torch as lt
 
     rows = [i for i, m in enumerate(matchers) if m is not None]
     if not rows:
-        return
-    vocab = logits.shape[1]
-    bitmask = lt.allocate_token_bitmask(len(rows), vocab)
+        return None
+    vocab, dev = logits.shape[1], logits.device
+    bitmask = lt.allocate_token_bitmask(len(rows), vocab)  # pinned when CUDA is there: an async copy
     for k, i in enumerate(rows):
         lt.fill_next_token_bitmask(matchers[i], bitmask, k)
-    bits = (bitmask.unsqueeze(-1) >> _BIT_SHIFTS) & 1  # [R, W, 32]: bit b of word w is token 32 w + b
+    if dev.type != "cpu":
+        bitmask = bitmask.to(dev, non_blocking=True)
+    bits = (bitmask.unsqueeze(-1) >> _bit_shifts(dev)) & 1  # [R, W, 32]: bit b of word w is token 32 w + b
     allowed = bits.view(len(rows), -1)[:, :vocab].bool()
     if len(rows) == logits.shape[0]:
         logits.masked_fill_(~allowed, float("-inf"))
     else:
         index = torch.tensor(rows)
+        if dev.type == "cuda":  # from pinned memory: a pageable source may wait for the stream
+            index = index.pin_memory().to(dev, non_blocking=True)
+        elif dev.type != "cpu":
+            index = index.to(dev)
         logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    return allowed
 
 
-_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+_BIT_SHIFTS = {torch.device("cpu"): torch.arange(32, dtype=torch.int32)}  # per device, made once
+
+
+def _bit_shifts(dev: torch.device) -> torch.Tensor:
+    t = _BIT_SHIFTS.get(dev)
+    if t is None:
+        t = _BIT_SHIFTS[dev] = torch.arange(32, dtype=torch.int32, device=dev)
+    return t

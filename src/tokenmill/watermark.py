@@ -37,9 +37,18 @@ def greenlist(prev_token: int, vocab_size: int, gamma: float) -> torch.Tensor:
 
 def apply_watermark(logits: torch.Tensor, rows: list[int], prev_tokens: list[int], cfg: WatermarkConfig) -> None:
     """In place: add delta to the green logits of the given rows."""
+    if not rows:
+        return
     V = logits.shape[-1]
-    for row, prev in zip(rows, prev_tokens):
-        logits[row, greenlist(prev, V, cfg.gamma)] += cfg.delta
+    # Green lists come from CPU generators (the detector re-derives them there); all rows' go to
+    # the logits' device as one index and are added in one op.
+    cols = torch.cat([greenlist(prev, V, cfg.gamma) for prev in prev_tokens])
+    index = torch.stack([torch.tensor(rows).repeat_interleave(len(cols) // len(rows)), cols])
+    if logits.device.type == "cuda":  # from pinned memory: a pageable source may wait for the stream
+        index = index.pin_memory().to(logits.device, non_blocking=True)
+    elif logits.device.type != "cpu":
+        index = index.to(logits.device)
+    logits[index[0], index[1]] += cfg.delta
 
 
 @dataclass

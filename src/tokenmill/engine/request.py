@@ -56,7 +56,8 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
     num_preemptions: int = 0
     stop_reason: int | str | None = None
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None  # the seed's CPU generator (see generator_for)
+    _device_generators: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # device -> generator
     # Timing, for metrics.
     scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -67,6 +68,17 @@ class Request:
             self.prompt_logprobs = [None] * (len(self.prompt_token_ids) - 1)
         if self.sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+
+    def generator_for(self, device: torch.device) -> torch.Generator | None:
+        """The seed's generator on `device` (None when unseeded). Each device keeps its own stream,
+        made on first use from the seed, so a seeded request draws the same noise whatever batch it
+        is in; CPU's is `generator`, made at creation as before."""
+        if self.generator is None or device.type == "cpu":
+            return self.generator
+        g = self._device_generators.get(device)
+        if g is None:
+            g = self._device_generators[device] = torch.Generator(device=device).manual_seed(self.sampling_params.seed)
+        return g
 
     @property
     def cache_key(self) -> bytes:

@@ -1,15 +1,20 @@
 """Batched sampling: per-request parameters become tensors, one pass over the batch.
 
 Order (as vLLM): penalties, min_tokens, bad words, logit_bias and the watermark on the raw
-logits, then greedy rows take an exact argmax; the rest are scaled by temperature, truncated by top-k / top-p / min-p and sampled
-with the exponential-race trick (argmax of p / Exp(1) noise), which lets a seeded request
-draw its noise from its own generator: the same seed gives the same tokens whatever batch
-it is in. Logprobs are those of the model's raw distribution (before any processing).
+logits, then greedy rows take an exact argmax; the rest are scaled by temperature, truncated by
+top-k / top-p / min-p and sampled with the exponential-race trick (argmax of p / Exp(1) noise),
+which lets a seeded request draw its noise from its own generator: the same seed gives the same
+tokens whatever batch it is in (on each device; CPU and CUDA draw different noise). Logprobs are
+those of the model's raw distribution (before any processing).
+
+Everything runs on the logits' device: SamplingBatch.from_requests(..., device=logits.device)
+puts the batch there, and a step waits for the device once, to copy its results to the host.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
@@ -21,53 +26,64 @@ from tokenmill.watermark import WatermarkConfig, apply_watermark
 
 @dataclass
 class SamplingBatch:
+    """Every tensor lives on the logits' device (from_requests' `device`)."""
+
     temperature: torch.Tensor  # [B]; 0 means greedy
     all_greedy: bool
     top_k: torch.Tensor | None  # [B] long, vocab size where disabled
     top_p: torch.Tensor | None
     min_p: torch.Tensor | None
-    generators: list[torch.Generator | None]
+    generators: list[torch.Generator | None]  # seeded rows' generators, on the batch's device
     # Penalties (None when no request in the batch uses them).
     repetition_penalty: torch.Tensor | None
     presence_penalty: torch.Tensor | None
     frequency_penalty: torch.Tensor | None
     output_counts: torch.Tensor | None  # [B, V] occurrences in the output so far
     seen_mask: torch.Tensor | None  # [B, V] in prompt or output (repetition penalty)
-    banned: list[tuple[int, list[int]]]  # (row, token ids) masked out: min_tokens, bad words
+    banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) masked out: min_tokens, bad words
+    banned_rows: list[int]  # the rows with any ban
     num_logprobs: list[int | None]
-    logit_bias: list[tuple[int, list[int], list[float]]]  # (row, token ids, biases)
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, biases)
     watermark_rows: list[int]
     watermark_prev: list[int]  # the token before each watermarked row's next one
     matchers: list | None = None  # structured output: a grammar matcher per row (None: free)
 
     @classmethod
-    def from_requests(cls, reqs: list[Request], vocab_size: int) -> "SamplingBatch":
+    def from_requests(cls, reqs: list[Request], vocab_size: int,
+                      device: torch.device | str | None = None) -> "SamplingBatch":
+        """device: the logits' (None: CPU). Small tensors are built on the CPU and each moved in
+        one copy; [B, V] ones are scattered on the device from flat index lists."""
+        dev = torch.device("cpu") if device is None else torch.device(device)
         ps = [r.sampling_params for r in reqs]
-        B = len(reqs)
-        temps = torch.tensor([0.0 if p.greedy else p.temperature for p in ps], dtype=torch.float32)
         all_greedy = all(p.greedy for p in ps)
         sampling = [p for p in ps if not p.greedy]
-        top_k = top_p = min_p = None
+        use_top_p = any(p.top_p < 1.0 for p in sampling)
+        use_min_p = any(p.min_p > 0.0 for p in sampling)
+        use_pen = any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in ps)
+        # The per-row float parameters in one tensor: one host-to-device copy.
+        floats = [[0.0 if p.greedy else p.temperature for p in ps]]
+        floats += [[p.top_p for p in ps]] if use_top_p else []
+        floats += [[p.min_p for p in ps]] if use_min_p else []
+        if use_pen:
+            floats += [[p.repetition_penalty for p in ps], [p.presence_penalty for p in ps],
+                       [p.frequency_penalty for p in ps]]
+        packed = _to(torch.tensor(floats, dtype=torch.float32), dev)
+        dev = packed.device  # "cuda" made concrete ("cuda:0"): generators are keyed by it
+        rows = iter(packed.unbind(0))
+        temps = next(rows)
+        top_p = next(rows) if use_top_p else None
+        min_p = next(rows) if use_min_p else None
+        top_k = None
         if any(p.top_k > 0 for p in sampling):
-            top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in ps], dtype=torch.long)
-        if any(p.top_p < 1.0 for p in sampling):
-            top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32)
-        if any(p.min_p > 0.0 for p in sampling):
-            min_p = torch.tensor([p.min_p for p in ps], dtype=torch.float32)
+            top_k = _to(torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in ps], dtype=torch.long), dev)
 
         rep = pres = freq = counts = seen = None
-        if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in ps):
-            rep = torch.tensor([p.repetition_penalty for p in ps], dtype=torch.float32)
-            pres = torch.tensor([p.presence_penalty for p in ps], dtype=torch.float32)
-            freq = torch.tensor([p.frequency_penalty for p in ps], dtype=torch.float32)
-            counts = torch.zeros(B, vocab_size, dtype=torch.float32)
-            seen = torch.zeros(B, vocab_size, dtype=torch.bool)
-            for i, r in enumerate(reqs):
-                out = torch.tensor(r.output_token_ids, dtype=torch.long)
-                counts[i].index_add_(0, out, torch.ones(len(out)))
-                seen[i, torch.tensor(r.all_token_ids, dtype=torch.long)] = True
+        if use_pen:
+            rep, pres, freq = next(rows), next(rows), next(rows)
+            counts, seen = _penalty_counts(reqs, vocab_size, dev)
 
-        banned, bias, wm_rows, wm_prev = [], [], [], []
+        ban_rows, ban_ids, bias_rows, bias_ids, bias_vals, wm_rows, wm_prev = [], [], [], [], [], [], []
+        banned_rows = []
         for i, r in enumerate(reqs):
             p = r.sampling_params
             ids = []
@@ -75,20 +91,60 @@ class SamplingBatch:
                 ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
             ids += _bad_word_bans(r)
             if ids:
-                banned.append((i, ids))
+                banned_rows.append(i)
+                ban_rows += [i] * len(ids)
+                ban_ids += ids
             if p.logit_bias:
-                bias.append((i, list(p.logit_bias), list(p.logit_bias.values())))
+                bias_rows += [i] * len(p.logit_bias)
+                bias_ids += p.logit_bias
+                bias_vals += p.logit_bias.values()
             if p.watermark:
                 wm_rows.append(i)
                 wm_prev.append(r.all_token_ids[-1])
+        banned = bias = None
+        if ban_ids:
+            idx = _to(torch.tensor([ban_rows, ban_ids], dtype=torch.long), dev)
+            banned = (idx[0], idx[1])
+        if bias_ids:
+            idx = _to(torch.tensor([bias_rows, bias_ids], dtype=torch.long), dev)
+            bias = (idx[0], idx[1], _to(torch.tensor(bias_vals, dtype=torch.float32), dev))
         return cls(
             temperature=temps, all_greedy=all_greedy, top_k=top_k, top_p=top_p, min_p=min_p,
-            generators=[r.generator for r in reqs], repetition_penalty=rep, presence_penalty=pres,
+            generators=[r.generator_for(dev) for r in reqs], repetition_penalty=rep, presence_penalty=pres,
             frequency_penalty=freq, output_counts=counts, seen_mask=seen, banned=banned,
-            num_logprobs=[p.logprobs for p in ps], logit_bias=bias, watermark_rows=wm_rows,
-            watermark_prev=wm_prev,
+            banned_rows=banned_rows, num_logprobs=[p.logprobs for p in ps], logit_bias=bias,
+            watermark_rows=wm_rows, watermark_prev=wm_prev,
             matchers=[r.matcher for r in reqs] if any(r.matcher is not None for r in reqs) else None,
         )
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """t, built on the CPU, on device (no call at all on the CPU path). To CUDA from pinned memory:
+    a pageable source may make the copy wait for the stream."""
+    if device.type == "cpu":
+        return t
+    return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
+
+
+def _penalty_counts(reqs: list[Request], vocab_size: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, V] output-token counts and prompt-or-output mask, scattered on dev from the flat
+    token lists (one copy of B + B + n_out + n_all ints, not two [B, V] tensors)."""
+    B = len(reqs)
+    lens = [r.num_output_tokens for r in reqs] + [r.num_tokens for r in reqs]
+    n_out, n_all = sum(lens[:B]), sum(lens[B:])
+    flat = lens + list(chain.from_iterable(r.output_token_ids for r in reqs))
+    flat += chain.from_iterable(r.all_token_ids for r in reqs)
+    flat_t = _to(torch.tensor(flat, dtype=torch.long), dev)
+    lens_t, ids = flat_t[: 2 * B], flat_t[2 * B:]
+    row = torch.arange(B, device=dev)
+    # output_size: no device-to-host sync to size the result
+    out_rows = row.repeat_interleave(lens_t[:B], output_size=n_out)
+    all_rows = row.repeat_interleave(lens_t[B:], output_size=n_all)
+    counts = torch.zeros(B, vocab_size, dtype=torch.float32, device=dev)
+    counts.index_put_((out_rows, ids[:n_out]), torch.ones(n_out, dtype=torch.float32, device=dev), accumulate=True)
+    seen = torch.zeros(B, vocab_size, dtype=torch.bool, device=dev)
+    seen.index_put_((all_rows, ids[n_out:]), torch.ones((), dtype=torch.bool, device=dev))  # a host scalar would sync
+    return counts, seen
 
 
 def _bad_word_bans(r: Request) -> list[int]:
@@ -119,48 +175,77 @@ class SamplerOutput:
 def score_tokens(logits: torch.Tensor, targets: list[int], top_n: int) -> list[SampleLogprobs]:
     """Logprob and rank of targets[i] under row i of logits, plus each row's top N."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    tgt = torch.tensor(targets, dtype=torch.long).unsqueeze(1)
-    chosen = lp.gather(1, tgt)
-    ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
-    tops: list[list[tuple[int, float]]] = [[] for _ in targets]
-    if top_n > 0:
-        vals, ids = lp.topk(top_n, dim=-1)
-        tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
-    return [SampleLogprobs(c, r, t) for c, r, t in zip(chosen.squeeze(1).tolist(), ranks, tops)]
+    tgt = _to(torch.tensor(targets, dtype=torch.long), lp.device)
+    return _host_logprobs(lp, tgt, [top_n] * len(targets))
+
+
+def _host_logprobs(lp: torch.Tensor, chosen: torch.Tensor, top_ns: list[int],
+                   extra: torch.Tensor | None = None) -> list:
+    """Row i's SampleLogprobs for token chosen[i] with its top top_ns[i], computed for all rows
+    at once and brought to the host in one copy. `extra` (the sampled ids) rides in the same
+    copy and comes back first as a list of ints. float64 carries float32 values and ids exactly."""
+    R = len(top_ns)
+    tok_lp = lp.gather(1, chosen.unsqueeze(1))
+    rank = (lp > tok_lp).sum(dim=-1) + 1
+    parts = ([extra] if extra is not None else []) + [tok_lp.squeeze(1), rank]
+    n = max(top_ns, default=0)
+    if n > 0:
+        vals, ids = lp.topk(n, dim=-1)
+        parts += [vals.flatten(), ids.flatten()]
+    host = torch.cat([t.to(torch.float64) for t in parts]).tolist()
+    out = []
+    if extra is not None:
+        out.append([int(t) for t in host[: len(extra)]])
+        host = host[len(extra):]
+    vals_h, ids_h = host[2 * R: 2 * R + R * n], host[2 * R + R * n:]
+    out += [SampleLogprobs(host[i], int(host[R + i]),
+                           [(int(t), v) for t, v in zip(ids_h[i * n: i * n + k], vals_h[i * n: i * n + k])])
+            for i, k in enumerate(top_ns)]
+    return out
 
 
 class Sampler:
     def __init__(self, seed: int = 0, watermark: WatermarkConfig | None = None):
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self.generator = torch.Generator().manual_seed(seed)  # unseeded rows' noise on CPU
+        self._device_generators: dict[torch.device, torch.Generator] = {}  # and on other devices
         self.watermark = watermark or WatermarkConfig()
 
+    def _generator_for(self, device: torch.device) -> torch.Generator:
+        if device.type == "cpu":
+            return self.generator
+        g = self._device_generators.get(device)
+        if g is None:
+            g = self._device_generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return g
+
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        """logits: [B, V] float32 from the model."""
-        want_logprobs = any(n is not None for n in batch.num_logprobs)
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        """logits: [B, V] float32 from the model, on the device the batch was built for."""
+        if batch.temperature.device != logits.device:
+            raise ValueError(f"sampling batch built for {batch.temperature.device} but the logits are on "
+                             f"{logits.device}: pass device=logits.device to SamplingBatch.from_requests")
+        want = [i for i, n in enumerate(batch.num_logprobs) if n is not None]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want else None
         logits = self._process_logits(logits, batch)
         if batch.all_greedy:
             tokens = _argmax(logits)
         else:
             tokens = self._sample(logits, batch)
-        token_list = tokens.tolist()
+        if raw_logprobs is None:
+            return SamplerOutput(tokens.tolist(), [None] * len(batch.num_logprobs))  # the step's one sync
+        if len(want) < len(batch.num_logprobs):
+            rows = _to(torch.tensor(want, dtype=torch.long), logits.device)
+            raw_logprobs, chosen = raw_logprobs[rows], tokens[rows]
+        else:
+            chosen = tokens
+        token_list, *wanted = _host_logprobs(raw_logprobs, chosen, [batch.num_logprobs[i] for i in want], tokens)
         lps: list[SampleLogprobs | None] = [None] * len(token_list)
-        if raw_logprobs is not None:
-            for i, n in enumerate(batch.num_logprobs):
-                if n is None:
-                    continue
-                row = raw_logprobs[i]
-                tok_lp = row[token_list[i]]
-                rank = int((row > tok_lp).sum().item()) + 1
-                top = []
-                if n > 0:
-                    vals, ids = row.topk(n)
-                    top = list(zip(ids.tolist(), vals.tolist()))
-                lps[i] = SampleLogprobs(float(tok_lp), rank, top)
+        for i, lp in zip(want, wanted):
+            lps[i] = lp
         return SamplerOutput(token_list, lps)
 
     def _process_logits(self, logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
-        if b.repetition_penalty is None and not b.banned and not b.logit_bias and not b.watermark_rows \
+        if b.repetition_penalty is None and b.banned is None and b.logit_bias is None and not b.watermark_rows \
                 and b.matchers is None:
             return logits
         logits = logits.clone()
@@ -170,21 +255,27 @@ class Sampler:
             logits = torch.where(b.seen_mask, penalized, logits)
             logits -= b.frequency_penalty.unsqueeze(1) * b.output_counts
             logits -= b.presence_penalty.unsqueeze(1) * (b.output_counts > 0).float()
-        for row, ids, values in b.logit_bias:
-            logits[row, ids] += torch.tensor(values, dtype=logits.dtype)
+        if b.logit_bias is not None:
+            rows, ids, values = b.logit_bias
+            logits[rows, ids] += values
         if b.watermark_rows:
             apply_watermark(logits, b.watermark_rows, b.watermark_prev, self.watermark)
         # A grammar outranks min_tokens and bad words: a row whose bans leave the grammar no token
         # (e.g. its output is complete but min_tokens bans EOS) takes the grammar's tokens alone.
-        unbanned = {row: logits[row].clone() for row, _ in b.banned if b.matchers and b.matchers[row] is not None}
-        for row, ids in b.banned:
-            logits[row, ids] = float("-inf")
+        fallback = [r for r in b.banned_rows if b.matchers and b.matchers[r] is not None]
+        if fallback:
+            fb_rows = _to(torch.tensor(fallback, dtype=torch.long), logits.device)
+            unbanned = logits[fb_rows]  # advanced indexing: a copy
+        if b.banned is not None:
+            logits.index_put_(b.banned, torch.full((), float("-inf"), dtype=logits.dtype, device=logits.device))
         if b.matchers is not None:  # last: nothing may bring back a token the grammar forbids
-            apply_grammar_masks(logits, b.matchers)
-            for row, before in unbanned.items():
-                if torch.isneginf(logits[row]).all():
-                    apply_grammar_masks(before.unsqueeze(0), [b.matchers[row]])
-                    logits[row] = before
+            allowed = apply_grammar_masks(logits, b.matchers)
+            if fallback:  # no per-row check on the host: a where over those rows
+                grammar_rows = [i for i, m in enumerate(b.matchers) if m is not None]
+                k = _to(torch.tensor([grammar_rows.index(r) for r in fallback], dtype=torch.long), logits.device)
+                banned = logits[fb_rows]
+                dead = torch.isneginf(banned).all(dim=-1, keepdim=True)
+                logits[fb_rows] = torch.where(dead, unbanned.masked_fill(~allowed[k], float("-inf")), banned)
         return logits
 
     def _sample(self, logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
@@ -199,8 +290,9 @@ class Sampler:
             thresh = b.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < thresh, 0.0)
         noise = torch.empty_like(probs)
+        own = self._generator_for(probs.device)
         for i, g in enumerate(b.generators):
-            noise[i].exponential_(generator=g if g is not None else self.generator)
+            noise[i].exponential_(generator=g if g is not None else own)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(greedy_rows, greedy_tokens, sampled)
 
