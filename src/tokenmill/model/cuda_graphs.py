@@ -45,6 +45,7 @@ class CudaGraphDecode:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     @classmethod
+    @torch.inference_mode()
     def capture(cls, runner) -> CudaGraphDecode:
         self = cls(runner, runner.scheduler_config.max_num_seqs)
         t0 = time.perf_counter()

@@ -151,7 +151,7 @@ def load_model(path: str, hf_config, dtype: torch.dtype, max_position: int, devi
         exact = dtype != torch.bfloat16 and os.path.exists(blocks)  # the bf16 copy would lose precision
         model.load_weights(_iter_safetensors(path, skip, blocks if exact else None,
                                              lambda name: shard_for(name, hf_config, tp.rank, tp.size)))
-    model.eval()
+    model.eval().requires_grad_(False)
     if quantization in BITS:
         n = quantize_model(model, BITS[quantization])
         logger.info("quantized %d linear layers to %s (groups of %d)", n, quantization, GROUP)
