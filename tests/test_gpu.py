@@ -21,6 +21,7 @@ from tokenmill import LLM, SamplingParams
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+two_gpus = pytest.mark.skipif(not CUDA or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 PROMPTS = [[1, 5, 9, 33, 7] * 4, [3, 4, 5] * 30, [11] * 3, list(range(2, 60))]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -180,6 +181,32 @@ def test_cuda_greedy_equals_transformers(arch_dir, eager, request):
             expected, margins = _hf_greedy_cuda(model_dir, prompt, 16, getattr(torch, dtype))
             _agree(o.outputs[0].token_ids, expected, margins, near_tie)
         llm.shutdown()
+
+
+@two_gpus
+def test_cuda_tensor_parallel_nccl_equals_one_gpu(tiny_llama_dir):
+    """TP=2 over two GPUs (NCCL all-reduce and logits all-gather): float32 tokens and logprobs = one GPU's."""
+    kw = dict(device="cuda", dtype="float32", gpu_memory_utilization=0.3, max_num_seqs=16)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
+    got = {}
+    for tp in (1, 2):
+        llm = LLM(tiny_llama_dir, tensor_parallel_size=tp, **kw)
+        try:
+            res = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)
+            got[tp] = [(o.outputs[0].token_ids, [max(d.values(), key=lambda x: x.logprob).logprob
+                                                 for d in o.outputs[0].logprobs]) for o in res]
+        finally:
+            llm.shutdown()
+    for (t1, l1), (t2, l2) in zip(got[1], got[2]):
+        assert t1 == t2 and l1 == pytest.approx(l2, abs=1e-3)
+
+
+@gpu
+def test_tensor_parallel_on_too_few_gpus_is_refused(tiny_llama_dir):
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("two GPUs here")
+    with pytest.raises(ValueError, match="tensor-parallel-size 2 on GPUs takes GPUs 0..1"):
+        LLM(tiny_llama_dir, device="cuda", tensor_parallel_size=2)
 
 
 @gpu

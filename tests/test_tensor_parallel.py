@@ -356,3 +356,37 @@ def test_shm_gather_to_first_in_pieces(tmp_path):
     for t in threads:
         t.join(60)
     assert outs[1] is None and torch.equal(outs[0], torch.cat(xs, dim=1))
+
+
+def test_process_group_collectives_and_min(monkeypatch):
+    """The process-group path (gloo here; NCCL on GPUs runs the same calls on cuda tensors): two
+    ranks as threads sum, gather to rank 0 and agree on the smallest KV block count."""
+    import socket
+    import threading
+
+    from tokenmill.distributed.comm import TPGroup
+
+    monkeypatch.setenv("TOKENMILL_TP_ALLREDUCE", "gloo")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    xs = [torch.arange(6, dtype=torch.bfloat16).view(2, 3) * (r + 1) for r in range(2)]
+    outs: list = [None, None]
+
+    def run(r):
+        g = TPGroup.connect(r, 2, port, "", 0, timeout_s=60)
+        try:
+            outs[r] = (g.all_reduce(xs[r].clone()), g.gather_to_first(xs[r].float()), g.min(1000 - 7 * r))
+        finally:
+            g.close()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for r in range(2):
+        total, gathered, smallest = outs[r]
+        assert torch.equal(total, xs[0] + xs[1]) and smallest == 993
+        assert (gathered is None) == (r == 1)
+    assert torch.equal(outs[0][1], torch.cat([xs[0].float(), xs[1].float()], dim=1))

@@ -6,7 +6,8 @@ row-parallel layer (two per decoder layer, every step) is the hot one, and the l
 runs once a step: by default both go through shared memory, because gloo's loopback TCP costs
 from tens of microseconds to milliseconds per call on a busy machine (benchmarks/tensor_parallel.py
 --parts allreduce; vLLM's and SGLang's CPU backends use shared memory too).
-TOKENMILL_TP_ALLREDUCE=gloo switches both to gloo.
+TOKENMILL_TP_ALLREDUCE=gloo switches both to gloo. On GPUs (each rank its own, cuda:rank) both
+run on NCCL, on the tensors where they are, and the shared memory is not used.
 
 Shared-memory all-reduce: each rank owns a slot per phase in one /dev/shm file. A rank copies
 its partial sum into its slot, publishes the call's sequence number, waits until every rank has
@@ -142,24 +143,39 @@ class ShmAllReduce:
             pass
 
 
+def uses_nccl(device: str) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Each rank's device: its own GPU (cuda:rank), or the CPU."""
+    return f"cuda:{rank}" if uses_nccl(device) else device
+
+
 class TPGroup:
     """This process's rank in a tensor-parallel group: all_reduce (row-parallel layers) and
     gather_to_first (column-parallel logits). A group of one does nothing."""
 
-    def __init__(self, rank: int = 0, size: int = 1, pg=None, shm: ShmAllReduce | None = None):
-        self.rank, self.size, self.pg, self.shm = rank, size, pg, shm
+    def __init__(self, rank: int = 0, size: int = 1, pg=None, shm: ShmAllReduce | None = None, nccl: bool = False):
+        self.rank, self.size, self.pg, self.shm, self.nccl = rank, size, pg, shm, nccl
 
     @classmethod
     def connect(cls, rank: int, size: int, port: int, shm_path: str, shm_bytes: int,
-                timeout_s: float = 300.0) -> "TPGroup":
-        """Rank 0 hosts the store (and creates the shared-memory file before calling this)."""
+                timeout_s: float = 300.0, device: str = "cpu") -> "TPGroup":
+        """Rank 0 hosts the store (and, on CPUs, creates the shared-memory file before calling this)."""
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=timeout, wait_for_workers=False)
-        pg = dist.ProcessGroupGloo(store, rank, size, timeout)
-        shm = None
-        if os.environ.get("TOKENMILL_TP_ALLREDUCE", "shm") != "gloo":
-            shm = ShmAllReduce(shm_path, rank, size, shm_bytes, create=False)
-        group = cls(rank, size, pg, shm)
+        shm, nccl = None, uses_nccl(device)
+        if nccl:
+            torch.cuda.set_device(rank)
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            pg = dist.ProcessGroupNCCL(store, rank, size, opts)
+        else:
+            pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+            if os.environ.get("TOKENMILL_TP_ALLREDUCE", "shm") != "gloo":
+                shm = ShmAllReduce(shm_path, rank, size, shm_bytes, create=False)
+        group = cls(rank, size, pg, shm, nccl)
         group._store = store  # the store must outlive the group
         return group
 
@@ -168,11 +184,22 @@ class TPGroup:
             return x
         if self.shm is not None:
             return self.shm.all_reduce(x)
-        acc = x.float() if x.dtype != torch.float32 else x
+        # NCCL sums in the activations' dtype on the GPU (as vLLM); gloo in float32 on the CPU.
+        acc = x.float() if x.dtype != torch.float32 and not self.nccl else x
         self.pg.allreduce([acc]).wait()
         if acc is not x:
             x.copy_(acc)
         return x
+
+    def min(self, value: int) -> int:
+        """The smallest of every rank's value (ranks that size their KV cache apart agree on it)."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=f"cuda:{self.rank}" if self.nccl else "cpu")
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self.pg.allreduce([t], opts).wait()
+        return int(t.item())
 
     def gather_to_first(self, x: torch.Tensor) -> torch.Tensor | None:
         """Concatenates every rank's x [R, C] (float32) along the last dimension on rank 0; None elsewhere."""
@@ -181,6 +208,10 @@ class TPGroup:
         x = x.contiguous()
         if self.shm is not None:
             return self.shm.gather_to_first(x)
+        if self.nccl:  # all-gather: NCCL's gather is a loop of sends; the logits are small
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            self.pg.allgather([parts], [x]).wait()
+            return torch.cat(parts, dim=-1) if self.rank == 0 else None
         if self.rank == 0:
             parts = [torch.empty_like(x) for _ in range(self.size)]
             self.pg.gather([parts], [x], dist.GatherOptions()).wait()

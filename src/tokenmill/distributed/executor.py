@@ -10,6 +10,7 @@ exit, aborts any collective in flight, and the next (or current) step raises TPW
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import multiprocessing as mp
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.distributed.comm import TPAborted, TPGroup
+from tokenmill.distributed.comm import ShmAllReduce, TPAborted, TPGroup, rank_device, uses_nccl
 from tokenmill.model.layers import cpu_threads
 
 logger = logging.getLogger("tokenmill")
@@ -51,8 +52,10 @@ class WorkerSpec:
     shm_bytes: int
     cores: list[int]
     model_config: object  # ModelConfig
-    num_blocks: int
+    num_blocks: int  # 0: sized on the GPUs, all ranks agreeing on the smallest
     block_size: int
+    device_config: object = None  # DeviceConfig
+    scheduler_config: object = None  # SchedulerConfig
 
 
 def plan_cores(size: int, num_threads: int | None) -> tuple[int, list[list[int]]]:
@@ -91,21 +94,21 @@ class TPWorkers:
     """Rank 0's side: starts ranks 1..N-1, connects rank 0's group, broadcasts steps."""
 
     def __init__(self, size: int, num_threads: int | None, model_config, num_blocks: int, block_size: int,
-                 shm_bytes: int):
+                 shm_bytes: int, device_config=None, scheduler_config=None):
         self.size = size
         self.threads, self.cores = plan_cores(size, num_threads)
         fd, self.shm_path = tempfile.mkstemp(prefix="tokenmill-tp-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         os.close(fd)
-        from tokenmill.distributed.comm import ShmAllReduce
-
-        ShmAllReduce(self.shm_path, 0, size, shm_bytes, create=True).close()  # sized and zeroed
+        if not uses_nccl(model_config.device):
+            ShmAllReduce(self.shm_path, 0, size, shm_bytes, create=True).close()  # sized and zeroed
         port = _free_port()
         ctx = mp.get_context("spawn")  # fork would copy the engine's threads and locks
         self.procs, self.conns = [], []
         for rank in range(1, size):
             parent, child = ctx.Pipe()
-            spec = WorkerSpec(rank, size, port, self.shm_path, shm_bytes, self.cores[rank], model_config,
-                              num_blocks, block_size)
+            spec = WorkerSpec(rank, size, port, self.shm_path, shm_bytes, self.cores[rank],
+                              dataclasses.replace(model_config, device=rank_device(model_config.device, rank)),
+                              num_blocks, block_size, device_config, scheduler_config)
             p = ctx.Process(target=_worker_entry, args=(spec, child, os.getpid()), daemon=True,
                             name=f"tokenmill-tp{rank}")
             p.start()
@@ -119,7 +122,7 @@ class TPWorkers:
         os.sched_setaffinity(0, self.cores[0])  # this thread (the engine's); its OpenMP team follows
         logger.info("tensor parallel: %d ranks x %d threads; cores %s; worker pids %s", size, self.threads,
                     self.cores, [p.pid for p in self.procs])
-        self.group = TPGroup.connect(0, size, port, self.shm_path, shm_bytes)
+        self.group = TPGroup.connect(0, size, port, self.shm_path, shm_bytes, device=model_config.device)
         self._monitor = threading.Thread(target=self._watch, name="tokenmill-tp-monitor", daemon=True)
         self._monitor.start()
         self._finalizer = weakref.finalize(self, _cleanup, self.procs, self.conns, self.shm_path)
@@ -217,8 +220,10 @@ def _worker_entry(spec: WorkerSpec, conn, parent_pid: int) -> None:
     try:
         from tokenmill.model.runner import ModelRunner
 
-        group = TPGroup.connect(spec.rank, spec.size, spec.port, spec.shm_path, spec.shm_bytes)
-        runner = ModelRunner(spec.model_config, spec.num_blocks, spec.block_size, tp=group)
+        group = TPGroup.connect(spec.rank, spec.size, spec.port, spec.shm_path, spec.shm_bytes,
+                                device=spec.model_config.device)
+        runner = ModelRunner(spec.model_config, spec.num_blocks, spec.block_size, tp=group,
+                             device_config=spec.device_config, scheduler_config=spec.scheduler_config)
     except BaseException as e:  # noqa: BLE001 - reported to rank 0, which raises it
         conn.send(("error", f"{type(e).__name__}: {e}"))
         raise SystemExit(1) from e
@@ -232,7 +237,7 @@ def _worker_entry(spec: WorkerSpec, conn, parent_pid: int) -> None:
         if msg == b"stop":
             break
         try:
-            runner.run(pickle.loads(msg))
+            runner.run(runner.to_device(pickle.loads(msg)))
         except TPAborted:
             break
         except BaseException:  # noqa: BLE001 - rank 0 sees this process exit and fails loudly

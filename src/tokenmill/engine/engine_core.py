@@ -85,4 +85,4 @@ def _start_tp_workers(config: EngineConfig):
     # The all-reduce's shared buffer: one step's activations in float32 (bigger ones go in pieces).
     shm_bytes = min(max(config.scheduler.max_num_batched_tokens * hidden * 4, 1 << 20), 32 << 20)
     return TPWorkers(config.parallel.tensor_parallel_size, config.parallel.num_threads, config.model,
-                     config.cache.num_blocks, config.cache.block_size, shm_bytes)
+                     config.cache.num_blocks, config.cache.block_size, shm_bytes, config.device, config.scheduler)

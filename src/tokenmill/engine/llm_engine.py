@@ -61,9 +61,10 @@ class LLMEngine:
         if max_model_len > model_max:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length {model_max}")
         device = resolve_device(args.device)
-        if device != "cpu" and tp > 1:
-            raise ValueError("--tensor-parallel-size > 1 runs on the CPU only so far (NCCL on GPUs is not built "
-                             "yet); use --device cpu, or one GPU")
+        if device != "cpu" and tp > 1 and (device != "cuda" or torch.cuda.device_count() < tp):
+            raise ValueError(f"--tensor-parallel-size {tp} on GPUs takes GPUs 0..{tp - 1} (one rank each, NCCL): "
+                             f"{torch.cuda.device_count()} visible; use --device cuda with enough GPUs "
+                             f"(CUDA_VISIBLE_DEVICES picks them), or --device cpu")
         if args.load_format not in LOAD_FORMATS:
             raise ValueError(f"unknown load_format {args.load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
         dtype = parse_dtype(args.dtype, device)

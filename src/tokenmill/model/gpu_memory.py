@@ -44,9 +44,9 @@ def _profile_step(runner, lengths: list[int], sample_rows: int) -> int:
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     logits, _ = runner.run(step)
-    probs = torch.softmax(logits, dim=-1)  # the sampler's largest temporaries: softmax and a full sort
-    probs.sort(dim=-1, descending=True)
-    del logits, probs
+    if logits is not None:  # rank 0 samples; the sampler's largest temporaries: softmax and a full sort
+        torch.softmax(logits, dim=-1).sort(dim=-1, descending=True)
+    del logits
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     runner.kv_cache = runner.kv_scales = runner.attn = None
@@ -67,7 +67,7 @@ def num_kv_blocks(runner) -> int:
     weights = torch.cuda.memory_allocated()
     activations = _profile_step(runner, lengths, min(sched.max_num_seqs, tokens))
     graphs = 0
-    if not dev.enforce_eager:  # graphs keep their own pool: about one decode step of the largest bucket
+    if runner.cuda_graphs:  # graphs keep their own pool: about one decode step of the largest bucket
         graphs = _profile_step(runner, [1] * sched.max_num_seqs, sched.max_num_seqs)
         graphs += sched.max_num_seqs * runner.config.vocab_size * 4  # their static logits
     free, total = torch.cuda.mem_get_info()
@@ -79,10 +79,17 @@ def num_kv_blocks(runner) -> int:
                 "CUDA graphs %.2f GiB; KV cache %.2f GiB = %d blocks", total / GiB, util, in_use / GiB,
                 weights / GiB, activations / GiB, graphs / GiB, max(num_blocks, 0) * block_bytes / GiB,
                 max(num_blocks - 1, 0))
+    return num_blocks
+
+
+def check_fits(runner, num_blocks: int) -> int:
+    """num_blocks, if they hold one request of max_model_len tokens (else no request could run)."""
+    max_len = runner.config.max_model_len
     need = -(-max_len // runner.block_size) + 1
     if num_blocks < need:
         raise ValueError(
-            f"--gpu-memory-utilization {util} leaves room for {max(num_blocks - 1, 0)} KV blocks, fewer than one "
-            f"request at max_model_len {max_len} needs ({need - 1}); raise --gpu-memory-utilization, or lower "
-            f"--max-model-len, --max-num-seqs or --max-num-batched-tokens")
+            f"--gpu-memory-utilization {runner.device_config.gpu_memory_utilization} leaves room for "
+            f"{max(num_blocks - 1, 0)} KV blocks, fewer than one request at max_model_len {max_len} needs "
+            f"({need - 1}); raise --gpu-memory-utilization, or lower --max-model-len, --max-num-seqs or "
+            f"--max-num-batched-tokens")
     return num_blocks

@@ -74,14 +74,18 @@ class ModelRunner:
         # Index tensors go to a GPU in one pinned copy per step; on the CPU they are used as built.
         self.staging = PinnedStaging(self.device) if self.device.type == "cuda" else None
         self.fast_decode = None  # a decode-only step's fast path: the fused C++ step, or CUDA graphs
-        if num_blocks == 0:
-            num_blocks = gpu_memory.num_kv_blocks(self)
+        # Not under tensor parallelism: NCCL calls inside captured graphs are left for when they can be tested.
+        self.cuda_graphs = self.device.type == "cuda" and not self.device_config.enforce_eager and tp.size == 1
+        if self.device.type == "cuda" and tp.size > 1 and not self.device_config.enforce_eager and tp.rank == 0:
+            logger.info("CUDA graphs: off under tensor parallelism (decode steps run eagerly)")
+        if num_blocks == 0:  # every rank sizes its own GPU; all take the smallest count
+            num_blocks = gpu_memory.check_fits(self, tp.min(gpu_memory.num_kv_blocks(self)))
         self.num_blocks = num_blocks
         self.allocate_kv_cache(num_blocks)
         self.sampler = Sampler(seed, watermark)
         if self.device.type == "cpu":
             self.fast_decode = FusedDecode.build(self.model, self.attn, model_config.dtype, block_size, tp)
-        elif not self.device_config.enforce_eager:
+        elif self.cuda_graphs:
             self.fast_decode = CudaGraphDecode.capture(self)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -131,12 +135,13 @@ class ModelRunner:
             if req.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
                 # the last prompt position predicts the first output, not a prompt token
                 prompt_rows.append((row0, row0 + min(n, req.num_prompt_tokens - 1 - start)))
-        return self.to_device(StepInputs(
+        return StepInputs(
             torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
-            self.attn.build_metadata(seqs, slots, bs), torch.tensor(logits_rows, dtype=torch.long), prompt_rows))
+            self.attn.build_metadata(seqs, slots, bs), torch.tensor(logits_rows, dtype=torch.long), prompt_rows)
 
     def to_device(self, step: StepInputs) -> StepInputs:
-        """The step's index tensors on the model's device (one host-to-device copy)."""
+        """The step's index tensors on the model's device (one host-to-device copy); every rank
+        gets the step as host tensors and copies it to its own GPU."""
         if self.staging is None:
             return step
         meta = step.meta
@@ -153,7 +158,7 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.broadcast(step)
         try:
-            logits, prompt_logits = self.run(step)
+            logits, prompt_logits = self.run(self.to_device(step))
         except Exception as e:  # a collective that failed because a worker died says so
             raise (self.workers.check(e) if self.workers is not None else e) from e
         self._score_prompt_logprobs(sched, prompt_logits)
