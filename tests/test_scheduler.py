@@ -58,7 +58,7 @@ def test_scheduler_budget_and_chunking_without_model():
     # 7 tokens for the first, the remaining 3 of the budget to the second (a chunk).
     assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("0", 7), ("1", 3)]
     assert [s.samples for s in out.scheduled] == [True, False]
-    sched.update(out, {"0": 5})
+    sched.update(out, {"0": [5]})
     out = sched.schedule()
     # Running first: decode for 0, next chunk for 1; max_num_seqs keeps 2 waiting.
     assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("0", 1), ("1", 4)]
@@ -77,13 +77,13 @@ def test_preemption_without_model_frees_latest():
     sched.add_request(a)
     sched.add_request(b)
     out = sched.schedule()
-    sched.update(out, {"a": 9, "b": 9})
+    sched.update(out, {"a": [9], "b": [9]})
     used = kv.num_usable_blocks - kv.num_free_blocks
     assert used == 2
     out = sched.schedule()  # both need a 2nd block: 4 used, fine
-    sched.update(out, {"a": 9, "b": 9})
+    sched.update(out, {"a": [9], "b": [9]})
     for _ in range(3):
-        sched.update(sched.schedule(), {"a": 9, "b": 9})
+        sched.update(sched.schedule(), {"a": [9], "b": [9]})
     out = sched.schedule()  # a needs a 3rd block: b (latest) is preempted
     assert out.preempted == [b] and b.status == RequestStatus.PREEMPTED
     assert b.num_computed_tokens == 0 and b.output_token_ids  # output kept

@@ -28,6 +28,8 @@ _ENGINE_HELP = {
     "num_gpu_blocks_override": "exact number of KV blocks (overrides --kv-cache-memory)",
     "gpu_memory_utilization": "cuda: fraction of the GPU's memory for this engine: weights, activations (profiled "
                               "at start-up), CUDA graphs, and the KV cache in what is left",
+    "speculative_config": "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                          "\"prompt_lookup_max\": 5}' (methods ngram, suffix); off by default",
     "enforce_eager": "cuda: run every step eagerly (no CUDA graphs for decode steps)",
     "load_format": "auto (the checkpoint's weights) | dummy (random weights: benchmark a model's shape "
                    "without its files)",

@@ -85,6 +85,8 @@ class EngineArgs:
     num_threads: int | None = None  # per tensor-parallel rank
     tensor_parallel_size: int = 1  # ranks the model is split across (one process each beyond the engine's)
     served_model_name: str | None = None
+    # vLLM's JSON: {"method": "ngram" | "suffix" | "draft_model", "num_speculative_tokens": k, ...}
+    speculative_config: str | dict | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -168,4 +170,5 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     seed: int = 0
     watermark: WatermarkConfig = field(default_factory=WatermarkConfig)
+    speculative: object | None = None  # spec_decode.config.SpeculativeConfig
     extra: dict = field(default_factory=dict)

@@ -121,7 +121,11 @@ def apply_grammar_masks(logits: torch.Tensor, matchers: list) -> torch.Tensor | 
     vocab, dev = logits.shape[1], logits.device
     bitmask = lt.allocate_token_bitmask(len(rows), vocab)  # pinned when CUDA is there: an async copy
     for k, i in enumerate(rows):
-        lt.fill_next_token_bitmask(matchers[i], bitmask, k)
+        fill_at = getattr(matchers[i], "fill_bitmask", None)  # a draft position's state (spec_decode)
+        if fill_at is not None:
+            fill_at(lt.fill_next_token_bitmask, bitmask, k)
+        else:
+            lt.fill_next_token_bitmask(matchers[i], bitmask, k)
     if dev.type != "cpu":
         bitmask = bitmask.to(dev, non_blocking=True)
     bits = (bitmask.unsqueeze(-1) >> _bit_shifts(dev)) & 1  # [R, W, 32]: bit b of word w is token 32 w + b

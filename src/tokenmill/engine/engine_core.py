@@ -12,17 +12,19 @@ from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.model.layers.sampler import SampleLogprobs
 from tokenmill.model.runner import ModelRunner
+from tokenmill.spec_decode.drafter import Drafter
 
 logger = logging.getLogger("tokenmill")
 
 
 @dataclass
 class CoreOutput:
-    """What one step did to one request: a new token (or none), and whether it finished."""
+    """What one step did to one request: its new tokens (none, one, or with speculative decoding
+    a verified run), their logprobs, and whether it finished."""
 
     request: Request
-    new_token_id: int | None
-    logprobs: SampleLogprobs | None
+    new_token_ids: list[int]
+    logprobs: list[SampleLogprobs | None]
     finished: bool
 
 
@@ -43,6 +45,7 @@ class EngineCore:
         cache.num_blocks = self.runner.num_blocks  # sized on the GPU when it was 0
         self.kv = KVCacheManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.drafter = Drafter.build(config.speculative, config.scheduler) if config.speculative else None
 
     def shutdown(self) -> None:
         self.runner.shutdown()
@@ -51,7 +54,10 @@ class EngineCore:
         self.scheduler.add_request(request)
 
     def finish_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> Request | None:
-        return self.scheduler.finish_request(request_id, status)
+        req = self.scheduler.finish_request(request_id, status)
+        if req is not None and self.drafter is not None:
+            self.drafter.finish(req)
+        return req
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -61,20 +67,25 @@ class EngineCore:
         if sched.empty:
             return []
         out = self.runner.execute(sched)
-        sampled: dict[str, int] = {}
-        logprobs: dict[str, SampleLogprobs | None] = {}
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, list[SampleLogprobs | None]] = {}
         if out is not None:
             sampling = [s.request for s in sched.scheduled if s.samples]
-            for req, tok, lp in zip(sampling, out.token_ids, out.logprobs):
-                sampled[req.request_id] = tok
-                logprobs[req.request_id] = lp
+            for i, req in enumerate(sampling):
+                sampled[req.request_id], logprobs[req.request_id] = out.tokens_of(i)
+        num_outputs = {s.request.request_id: s.request.num_output_tokens for s in sched.scheduled}
         self.scheduler.update(sched, sampled)
+        if self.drafter is not None:
+            self.drafter.observe(sched, sampled)
         results = []
         for s in sched.scheduled:
             req = s.request
-            tok = sampled.get(req.request_id)
-            if tok is not None and req.status != RequestStatus.FINISHED_ABORTED:
-                results.append(CoreOutput(req, tok, logprobs[req.request_id], req.finished))
+            if req.request_id in sampled and req.status != RequestStatus.FINISHED_ABORTED:
+                n = req.num_output_tokens - num_outputs[req.request_id]  # fewer than sampled when one stopped it
+                results.append(CoreOutput(req, req.output_token_ids[-n:] if n else [],
+                                          logprobs[req.request_id][:n], req.finished))
+        if self.drafter is not None:
+            self.drafter.propose(self.scheduler.running)
         return results
 
 

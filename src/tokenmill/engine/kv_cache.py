@@ -192,6 +192,14 @@ class KVCacheManager:
             self.pool.cache_block(blocks[i], hashes[i])
         self.num_cached_blocks[rid] = num_full
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Frees the request's blocks past those num_tokens need (what rejected draft tokens used)."""
+        blocks = self.req_blocks.get(request.request_id)
+        keep = self.blocks_needed(num_tokens)
+        if blocks and len(blocks) > keep:
+            self.pool.free_blocks(list(reversed(blocks[keep:])))
+            del blocks[keep:]
+
     def free(self, request: Request) -> None:
         """Release the request's blocks (they stay cached until evicted). Its hashes are kept
         while the request lives on (a preempted request comes back with the same tokens)."""

@@ -31,6 +31,7 @@ from tokenmill.model.layers import cpu_threads
 from tokenmill.model.layers.quantization import check_quantization
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.structured_output import StructuredOutputManager
 from tokenmill.watermark import WatermarkConfig
 
@@ -86,6 +87,7 @@ class LLMEngine:
             watermark=WatermarkConfig(args.watermark_gamma, args.watermark_delta),
             parallel=ParallelConfig(tp, args.num_threads),
             device=DeviceConfig(args.gpu_memory_utilization, args.enforce_eager),
+            speculative=SpeculativeConfig.from_json(args.speculative_config) if args.speculative_config else None,
         )
         self.core = EngineCore(self.config)
         num_blocks = self.config.cache.num_blocks

@@ -20,6 +20,7 @@ class RequestState:
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     sent_tokens: int = 0
+    num_tokens: int = 0  # output tokens taken (a step's tokens after a stop string are not)
     prompt_logprobs: list | None = None  # converted once, when every prompt position is scored
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
@@ -53,11 +54,14 @@ class OutputProcessor:
                 state.metrics.first_token_time = now
                 state.metrics.first_scheduled_time = req.scheduled_time
             stop = None
-            if o.new_token_id is not None:
-                stop = state.detok.add_token(o.new_token_id)
-                if o.logprobs is not None and state.logprobs is not None:
-                    state.logprobs.append(self._logprob_dict(o.new_token_id, o.logprobs))
-                    state.cumulative_logprob += o.logprobs.token_logprob
+            for tok, lp in zip(o.new_token_ids, o.logprobs):
+                stop = state.detok.add_token(tok)
+                state.num_tokens += 1
+                if lp is not None and state.logprobs is not None:
+                    state.logprobs.append(self._logprob_dict(tok, lp))
+                    state.cumulative_logprob += lp.token_logprob
+                if stop is not None:
+                    break
             finished = o.finished
             if stop is not None:
                 req.stop_reason = stop
@@ -79,7 +83,7 @@ class OutputProcessor:
         req = state.request
         status = status or req.status
         delta_text = state.detok.take_delta(finished)
-        token_ids = list(req.output_token_ids)
+        token_ids = req.output_token_ids[: state.num_tokens]
         delta_ids = token_ids[state.sent_tokens :]
         state.sent_tokens = len(token_ids)
         if finished:

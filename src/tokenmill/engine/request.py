@@ -56,6 +56,8 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    # Speculative decoding: tokens proposed for the next step, verified there (spec_decode/).
+    spec_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None  # the seed's CPU generator (see generator_for)
     _device_generators: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # device -> generator
     # Timing, for metrics.

@@ -22,14 +22,15 @@ from tokenmill.engine.request import Request, RequestStatus
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # draft tokens included
     block_ids: list[int]
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts verified in this step (after its last token)
 
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the end of the known tokens: a new token is sampled."""
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        return r.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids) == r.num_tokens
 
 
 @dataclass
@@ -83,19 +84,25 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         scheduled_ids: set[str] = set()
 
-        # 1. Running requests, in arrival order, so preemption takes the latest first.
+        # 1. Running requests, in arrival order, so preemption takes the latest first. A decoding
+        # request with draft tokens gets slots for them too (lookahead), budget and pool permitting.
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(req, n):
+            spec = req.spec_token_ids[: budget - 1] if n == 1 else []
+            req.spec_token_ids = []
+            if spec and not self.kv.allocate_slots(req, 1 + len(spec)):
+                spec = []  # no room to speculate: decode one token, preempting only for that
+            while not spec and not self.kv.allocate_slots(req, n):
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(req, n, self.kv.block_ids(req.request_id)))
+                n += len(spec)
+                out.scheduled.append(ScheduledRequest(req, n, self.kv.block_ids(req.request_id), spec))
                 scheduled_ids.add(req.request_id)
                 budget -= n
                 i += 1
@@ -147,26 +154,35 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed tokens, append sampled tokens, finish requests that hit a stop
-        condition (EOS, stop token, max_tokens, context length). Returns those finished."""
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Append each request's new tokens (one, or a verified run of drafts and one more), finishing
+        a request at the first that hits a stop condition (EOS, stop token, max_tokens, context
+        length); advance computed tokens to the verified ones (rejected drafts' K/V are left to be
+        overwritten), hash the blocks they fill and free blocks only rejected drafts used. Returns
+        the finished requests. `sampled` maps a request id to its tokens; requests still in their
+        prompt have none."""
         finished = []
         for s in out.scheduled:
             req = s.request
             if req.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            req.num_computed_tokens += s.num_new_tokens
+            tokens = sampled.get(req.request_id, ())
+            status = None
+            for tok in tokens:
+                req.append_output_token(tok)
+                if req.matcher is not None:
+                    req.matcher.consume_token(tok)
+                status = self._check_stop(req, tok)
+                if status is not None:
+                    break
+            # K/V is now computed for every token but the newest (rejected drafts' slots get overwritten).
+            req.num_computed_tokens = req.num_tokens - 1 if tokens else req.num_computed_tokens + s.num_new_tokens
             self.kv.cache_blocks(req)
-            tok = sampled.get(req.request_id)
-            if tok is None:
-                continue
-            req.append_output_token(tok)
-            if req.matcher is not None:
-                req.matcher.consume_token(tok)
-            status = self._check_stop(req, tok)
             if status is not None:
                 self.finish_request(req.request_id, status)
                 finished.append(req)
+            elif len(tokens) <= len(s.spec_token_ids):  # some drafts were rejected
+                self.kv.trim(req, req.num_tokens)
         return finished
 
     def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:

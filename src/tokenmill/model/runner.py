@@ -24,6 +24,7 @@ from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata
 from tokenmill.model.layers.sampler import Sampler, SamplerOutput, SamplingBatch, score_tokens
 from tokenmill.model.loader import load_model
 from tokenmill.model.staging import PinnedStaging
+from tokenmill.spec_decode.verify import verify_drafts
 from tokenmill.watermark import WatermarkConfig
 
 logger = logging.getLogger("tokenmill")
@@ -122,16 +123,17 @@ class ModelRunner:
         logits_rows: list[int] = []
         prompt_rows: list[tuple[int, int]] = []
         for s in sched.scheduled:
-            req, n, table = s.request, s.num_new_tokens, s.block_ids
+            req, n, table, k = s.request, s.num_new_tokens, s.block_ids, len(s.spec_token_ids)
             start = req.num_computed_tokens
             row0 = len(input_ids)
-            input_ids.extend(req.all_token_ids[start : start + n])
+            input_ids.extend(req.all_token_ids[start : start + n - k])
+            input_ids.extend(s.spec_token_ids)
             pos = range(start, start + n)
             positions.extend(pos)
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
             seqs.append(SeqChunk(row0, n, start, table))
-            if s.samples:
-                logits_rows.append(row0 + n - 1)
+            if s.samples:  # with drafts: the last token's row and each draft's (verification)
+                logits_rows.extend(range(row0 + n - 1 - k, row0 + n))
             if req.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
                 # the last prompt position predicts the first output, not a prompt token
                 prompt_rows.append((row0, row0 + min(n, req.num_prompt_tokens - 1 - start)))
@@ -164,6 +166,8 @@ class ModelRunner:
         self._score_prompt_logprobs(sched, prompt_logits)
         if logits is None:
             return None
+        if any(s.spec_token_ids for s in sched.scheduled):
+            return verify_drafts(self.sampler, logits, [s for s in sched.scheduled if s.samples])
         sampling_reqs = [s.request for s in sched.scheduled if s.samples]
         batch = SamplingBatch.from_requests(sampling_reqs, logits.shape[-1], device=logits.device)
         return self.sampler(logits, batch)

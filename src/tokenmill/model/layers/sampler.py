@@ -168,8 +168,18 @@ class SampleLogprobs:
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]
+    token_ids: list[int]  # each row's next token
     logprobs: list[SampleLogprobs | None]
+    # Speculative steps: each row's accepted draft tokens, which come before token_ids' (spec_decode/verify.py).
+    accepted_ids: list[list[int]] | None = None
+    accepted_logprobs: list[list[SampleLogprobs | None]] | None = None
+
+    def tokens_of(self, row: int) -> tuple[list[int], list[SampleLogprobs | None]]:
+        """Row's new tokens in order, and their logprobs."""
+        if self.accepted_ids is None:
+            return [self.token_ids[row]], [self.logprobs[row]]
+        return (self.accepted_ids[row] + [self.token_ids[row]],
+                self.accepted_logprobs[row] + [self.logprobs[row]])
 
 
 def score_tokens(logits: torch.Tensor, targets: list[int], top_n: int) -> list[SampleLogprobs]:
@@ -281,20 +291,39 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
         greedy_rows = b.temperature == 0
         greedy_tokens = _argmax(logits)
-        temp = torch.where(greedy_rows, torch.ones_like(b.temperature), b.temperature)
-        logits = logits / temp.unsqueeze(1)
-        if b.top_k is not None or b.top_p is not None:
-            logits = _top_k_top_p(logits, b.top_k, b.top_p)
-        probs = torch.softmax(logits, dim=-1)
-        if b.min_p is not None:
-            thresh = b.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < thresh, 0.0)
-        noise = torch.empty_like(probs)
-        own = self._generator_for(probs.device)
-        for i, g in enumerate(b.generators):
-            noise[i].exponential_(generator=g if g is not None else own)
-        sampled = (probs / noise).argmax(dim=-1)
+        probs = sampling_probs(logits, b)
+        sampled = (probs / self.exponential_noise(probs, b.generators)).argmax(dim=-1)
         return torch.where(greedy_rows, greedy_tokens, sampled)
+
+    def exponential_noise(self, like: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """Exp(1) noise shaped like `like`, row i drawn from generators[i] (the sampler's own when None)."""
+        noise = torch.empty_like(like)
+        own = self._generator_for(like.device)
+        for i, g in enumerate(generators):
+            noise[i].exponential_(generator=g if g is not None else own)
+        return noise
+
+    def uniform(self, rows: int, device: torch.device, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """One U(0, 1) draw per row, from generators[i] (the sampler's own when None)."""
+        u = torch.empty(rows, device=device)
+        own = self._generator_for(u.device)
+        for i, g in enumerate(generators):
+            u[i : i + 1].uniform_(generator=g if g is not None else own)
+        return u
+
+
+def sampling_probs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """The distribution non-greedy rows sample from: processed logits scaled by temperature and
+    truncated by top-k / top-p / min-p (greedy rows: temperature 1, unused)."""
+    temp = torch.where(b.temperature == 0, torch.ones_like(b.temperature), b.temperature)
+    logits = logits / temp.unsqueeze(1)
+    if b.top_k is not None or b.top_p is not None:
+        logits = _top_k_top_p(logits, b.top_k, b.top_p)
+    probs = torch.softmax(logits, dim=-1)
+    if b.min_p is not None:
+        thresh = b.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < thresh, 0.0)
+    return probs
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
