@@ -34,8 +34,8 @@ class Oracle:
     def propose(self, req, k: int) -> list[int]:
         self.calls += 1
         ref = self.truth.get(tuple(req.prompt_token_ids))
-        if ref is None:
-            return []
+        if ref is None:  # a prompt without a reference: a wrong draft
+            return [(req.all_token_ids[-1] + 1) % self.vocab]
         done = req.num_output_tokens
         drafts = list(ref[done : done + k])
         bad = hash(tuple(req.prompt_token_ids)) % 5
@@ -200,3 +200,36 @@ def test_bad_speculative_config_is_refused(tiny_llama_dir):
         LLM(tiny_llama_dir, dtype="float32", speculative_config='{"method": "medusa", "num_speculative_tokens": 2}')
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLM(tiny_llama_dir, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 0})
+
+
+def test_server_streams_verified_runs_and_reports_metrics(tiny_llama_dir, reference):
+    """Streamed completions (several tokens per step) equal the offline text; /metrics carries
+    vLLM's spec-decode counters and `tokenmill bench serve` reports acceptance from them."""
+    import asyncio
+
+    import httpx
+    import openai
+    from conftest import running_server
+
+    from tokenmill.bench.datasets import load_tokenizer, random_requests
+    from tokenmill.bench.serve import benchmark, format_report
+
+    truth = {tuple(p): t for p, t in zip(PROMPTS, reference[0])}
+    with running_server(tiny_llama_dir, speculative_config=NGRAM) as (server, aengine):
+        aengine.engine.core.drafter.proposer = Oracle(truth, aengine.engine.config.model.vocab_size)
+        with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+            for prompt, want in zip(PROMPTS[:2], reference[1]):
+                stream = client.completions.create(model=aengine.engine.config.model.name, prompt=prompt,
+                                                   max_tokens=24, temperature=0.0, stream=True,
+                                                   extra_body={"ignore_eos": True})
+                assert "".join(c.choices[0].text for c in stream) == want.outputs[0].text
+        text = httpx.get(server.url + "/metrics").text
+        accepted = [line for line in text.splitlines()
+                    if line.startswith("tokenmill:spec_decode_num_accepted_tokens_total")]
+        assert accepted and float(accepted[0].split()[-1]) > 0
+        assert 'tokenmill:spec_decode_num_accepted_tokens_per_pos_total{model_name="' in text
+        reqs = random_requests(load_tokenizer(tiny_llama_dir), 4, 16, 8, seed=0)
+        result = asyncio.run(benchmark(server.url, reqs, disable_tqdm=True))
+        sd = result["metrics"]["spec_decode"]  # the Oracle's wrong drafts: all rejected
+        assert sd["draft_tokens"] > 0 and sd["accepted_tokens"] == 0 and sd["acceptance_length"] == 1.0
+        assert "Draft acceptance rate:" in format_report(result["metrics"])

@@ -203,7 +203,7 @@ async def benchmark(base_url: str, requests: list[BenchRequest], *, model: str |
                 pbar.update(1)
             return r
 
-        cache_before = await scrape_prefix_cache(client, base_url)
+        counters_before = await scrape_counters(client, base_url)
         rng = np.random.default_rng(seed)
         t0 = time.perf_counter()
         tasks = []
@@ -213,20 +213,34 @@ async def benchmark(base_url: str, requests: list[BenchRequest], *, model: str |
         duration = time.perf_counter() - t0
         if pbar is not None:
             pbar.close()
-        cache_after = await scrape_prefix_cache(client, base_url)
+        counters_after = await scrape_counters(client, base_url)
     metrics = compute_metrics(results, duration, goodput or {})
-    if cache_before is not None and cache_after is not None:
-        queries, hits = (a - b for a, b in zip(cache_after, cache_before))
-        metrics["prefix_cache"] = {"queries": queries, "hits": hits, "hit_rate": hits / queries if queries else 0.0}
+    if counters_before is not None and counters_after is not None:
+        delta = {k: v - counters_before.get(k, 0.0) for k, v in counters_after.items()}
+        if "prefix_cache_queries" in delta and "prefix_cache_hits" in delta:
+            queries, hits = delta["prefix_cache_queries"], delta["prefix_cache_hits"]
+            metrics["prefix_cache"] = {"queries": queries, "hits": hits,
+                                       "hit_rate": hits / queries if queries else 0.0}
+        if delta.get("spec_decode_num_drafts"):  # vLLM's acceptance rate and mean acceptance length
+            drafts, proposed = delta["spec_decode_num_drafts"], delta.get("spec_decode_num_draft_tokens", 0.0)
+            accepted = delta.get("spec_decode_num_accepted_tokens", 0.0)
+            metrics["spec_decode"] = {"drafts": drafts, "draft_tokens": proposed, "accepted_tokens": accepted,
+                                      "acceptance_rate": accepted / proposed if proposed else 0.0,
+                                      "acceptance_length": 1.0 + accepted / drafts}
     config = {"base_url": base_url, "endpoint": endpoint, "model": model, "num_prompts": len(requests),
               "request_rate": request_rate if request_rate != float("inf") else "inf",
               "burstiness": burstiness, "max_concurrency": max_concurrency, "seed": seed}
     return {"config": config, "metrics": metrics, "requests": [asdict(r) for r in results]}
 
 
-async def scrape_prefix_cache(client, base_url: str) -> tuple[float, float] | None:
-    """(queries, hits) in tokens from the server's Prometheus /metrics (tokenmill:* or vllm:*
-    prefix_cache_queries / prefix_cache_hits counters), or None when it does not report them."""
+_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+             "spec_decode_num_accepted_tokens")
+
+
+async def scrape_counters(client, base_url: str) -> dict[str, float] | None:
+    """The server's Prometheus counters this report uses (tokenmill:* or vllm:* prefix-cache
+    queries / hits, speculative-decoding drafts / draft tokens / accepted tokens), by the name's
+    last part; None when /metrics does not answer."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
@@ -235,12 +249,12 @@ async def scrape_prefix_cache(client, base_url: str) -> tuple[float, float] | No
             return None
         found: dict[str, float] = {}
         for fam in text_string_to_metric_families(r.text):
-            for key in ("queries", "hits"):
-                if fam.name.endswith(f"prefix_cache_{key}"):
+            for key in _COUNTERS:
+                if fam.name.endswith(":" + key):
                     found[key] = found.get(key, 0.0) + sum(x.value for x in fam.samples if x.name.endswith("_total"))
     except (httpx.HTTPError, ValueError):
         return None
-    return (found["queries"], found["hits"]) if len(found) == 2 else None
+    return found
 
 
 def format_report(metrics: dict) -> str:
@@ -263,6 +277,11 @@ def format_report(metrics: dict) -> str:
         pc = metrics["prefix_cache"]
         row("Prefix cache hit rate (tokens):", f"{100 * pc['hit_rate']:.1f}%")
         row("Prefix cache hits / queries:", f"{pc['hits']:.0f}/{pc['queries']:.0f}")
+    if "spec_decode" in metrics:
+        sd = metrics["spec_decode"]
+        row("Draft acceptance rate:", f"{100 * sd['acceptance_rate']:.1f}%")
+        row("Mean acceptance length:", f"{sd['acceptance_length']:.2f}")
+        row("Accepted / drafted tokens:", f"{sd['accepted_tokens']:.0f}/{sd['draft_tokens']:.0f}")
     for key, title in (("ttft_ms", "Time to First Token"), ("tpot_ms", "Time per Output Token (excl. 1st)"),
                        ("itl_ms", "Inter-token Latency"), ("e2el_ms", "End-to-end Latency")):
         lines.append(f"{'-' * 15}{title}{'-' * 15}")

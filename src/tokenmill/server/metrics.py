@@ -59,6 +59,26 @@ class _EngineGauges:
                               labels=["model_name"])
         g.add_metric(labels, stats.hit_rate)
         yield g
+        if core.drafter is not None:
+            yield from _spec_decode_counters(core.drafter.stats, labels)
+
+
+def _spec_decode_counters(st, labels: list[str]):
+    """vLLM's speculative-decoding counters (each exposed with the _total suffix)."""
+    for name, doc, value in (
+        ("tokenmill:spec_decode_num_drafts", "Verification steps x requests that carried draft tokens.", st.num_drafts),
+        ("tokenmill:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", st.num_draft_tokens),
+        ("tokenmill:spec_decode_num_accepted_tokens", "Draft tokens accepted.", st.num_accepted_tokens),
+    ):
+        c = CounterMetricFamily(name, doc, labels=["model_name"])
+        c.add_metric(labels, float(value))
+        yield c
+    c = CounterMetricFamily("tokenmill:spec_decode_num_accepted_tokens_per_pos",
+                            "Draft tokens accepted, by position in the draft (0 = first).",
+                            labels=["model_name", "position"])
+    for pos, n in enumerate(st.accepted_per_pos):
+        c.add_metric(labels + [str(pos)], float(n))
+    yield c
 
 
 class ServerMetrics:
