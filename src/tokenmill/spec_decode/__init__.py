@@ -1,0 +1,19 @@
+"""Speculative decoding building blocks (issue 17): configuration, draft proposers (n-gram prompt
+lookup, suffix decoding) and exact verification by rejection sampling. The scheduler, runner and
+engine wire them in; nothing here touches a model."""
+
+from tokenmill.spec_decode.config import SpeculativeConfig
+from tokenmill.spec_decode.ngram import NgramProposer, TokenBuffer
+from tokenmill.spec_decode.rejection import VerifyOutput, rejection_sample, target_distributions
+from tokenmill.spec_decode.suffix import SuffixDraft, SuffixProposer
+
+__all__ = [
+    "NgramProposer",
+    "SpeculativeConfig",
+    "SuffixDraft",
+    "SuffixProposer",
+    "TokenBuffer",
+    "VerifyOutput",
+    "rejection_sample",
+    "target_distributions",
+]
