@@ -65,10 +65,25 @@ def test_bad_shapes_are_refused(panel_kernels):
         panel_kernels.panel_linear(torch.zeros(2, 64, dtype=torch.bfloat16), panels, 40, torch.zeros(3).bfloat16())
 
 
-def test_small_batches_use_panels_and_agree_with_onednn(panel_kernels, tiny_qwen2_dir):
-    """bf16, tied embeddings (qwen2): every linear keeps panels, the lm_head a packed copy of the
-    table (which stays plain for the lookup); <= SMALL_BATCH rows run the panel kernel, more run
-    oneDNN, and the two agree within bf16 rounding."""
+def test_batch_invariant_linears_run_panels_at_every_size(panel_kernels, tiny_qwen2_dir):
+    """Batch-invariant (the default): every linear keeps only panels (no oneDNN copy), and runs
+    them at every batch size, so a row gives the same bits in a prompt step of 65+ rows as alone."""
+    llm = LLM(tiny_qwen2_dir, dtype="bfloat16", kv_cache_memory=0.02)
+    packed = [m for m in _model(llm).modules() if isinstance(m, linear.PackedLinear)]
+    assert packed and all(m.panels is not None and m.packed_weight is None for m in packed)
+    head = _model(llm).lm_head
+    x = torch.randn(3 * linear.SMALL_BATCH + 5, head.in_features).bfloat16()
+    whole = head(x)
+    assert torch.equal(whole, panel_kernels.panel_linear(x, head.panels, head.out_features))
+    for a, b in ((0, 1), (7, 8), (60, 130)):
+        assert torch.equal(head(x[a:b]), whole[a:b])
+
+
+def test_small_batches_use_panels_and_agree_with_onednn(panel_kernels, tiny_qwen2_dir, monkeypatch):
+    """Not batch-invariant: bf16, tied embeddings (qwen2): every linear keeps panels, the lm_head
+    a packed copy of the table (which stays plain for the lookup); <= SMALL_BATCH rows run the
+    panel kernel, more run oneDNN, and the two agree within bf16 rounding."""
+    monkeypatch.setenv("TOKENMILL_BATCH_INVARIANT", "0")
     llm = LLM(tiny_qwen2_dir, dtype="bfloat16", kv_cache_memory=0.02)
     model = _model(llm)
     packed = [m for m in model.modules() if isinstance(m, linear.PackedLinear)]
@@ -85,14 +100,19 @@ def test_small_batches_use_panels_and_agree_with_onednn(panel_kernels, tiny_qwen
 
 
 def test_panels_kept_within_the_memory_limit(panel_kernels, tiny_llama_dir, monkeypatch):
-    """Past PANEL_WEIGHTS_MAX_BYTES (or with TOKENMILL_PANEL_WEIGHTS=0) no layer keeps panels and
-    oneDNN runs every batch; TOKENMILL_PANEL_WEIGHTS=1 keeps them whatever the size. The same
-    greedy text either way (logprobs within bf16 rounding)."""
+    """Not batch-invariant: past PANEL_WEIGHTS_MAX_BYTES (or with TOKENMILL_PANEL_WEIGHTS=0) no
+    layer keeps panels and oneDNN runs every batch; TOKENMILL_PANEL_WEIGHTS=1 keeps them whatever
+    the size. The same greedy text either way (logprobs within bf16 rounding). Batch-invariant,
+    the panels are the only copy, kept whatever the size."""
     def panels(llm):
         return [m.panels for m in _model(llm).modules() if isinstance(m, linear.PackedLinear)]
 
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
     kw = dict(dtype="bfloat16", kv_cache_memory=0.02)
+    monkeypatch.setattr(linear, "PANEL_WEIGHTS_MAX_BYTES", 1000)
+    assert all(p is not None for p in panels(LLM(tiny_llama_dir, **kw)))  # batch-invariant
+    monkeypatch.setenv("TOKENMILL_BATCH_INVARIANT", "0")
+    monkeypatch.setattr(linear, "PANEL_WEIGHTS_MAX_BYTES", 1 << 30)
     with_panels = LLM(tiny_llama_dir, **kw)
     assert all(p is not None for p in panels(with_panels))
     monkeypatch.setattr(linear, "PANEL_WEIGHTS_MAX_BYTES", 1000)

@@ -44,9 +44,17 @@ def _linear_spec(layer: nn.Module) -> tuple | None:
     return None
 
 
+# The most query rows one request may have in a fused step (and at most SMALL_BATCH rows in all):
+# a decode token is 1, a speculative verification k + 1.
+MAX_Q = 16
+
+
 class FusedDecode:
-    def __init__(self, decoder, tp: TPGroup = NO_TP, vocab_size: int = 0):
+    def __init__(self, decoder, tp: TPGroup = NO_TP, vocab_size: int = 0, batch_invariant: bool = False):
         self.decoder, self.tp, self.vocab_size = decoder, tp, vocab_size
+        # Batch-invariant (as the attention backend is): every step's attention through the rows
+        # kernel, so multi-row chunks run here too, each row as the op-by-op model computes it.
+        self.batch_invariant = batch_invariant
 
     @classmethod
     def build(cls, model: nn.Module, attn: AttentionBackend, dtype: torch.dtype, block_size: int,
@@ -93,25 +101,39 @@ class FusedDecode:
         decoder.spin_ns = cpu_threads.barrier_spin_ns()  # spin, then sleep: see cpu_threads
         if tp.size > 1:
             decoder.set_tensor_parallel(tp.shm.slots, tp.shm.words_t, tp.rank, tp.size, SPIN_NS)
-        logger.info("fused decode step on for all-decode batches of <= %d rows", SMALL_BATCH)
-        return cls(decoder, tp, model.cfg.vocab_size)
+        invariant = bool(getattr(attn, "batch_invariant", False))
+        if invariant:
+            logger.info("fused decode step on for steps of <= %d rows, <= %d per request", SMALL_BATCH, MAX_Q)
+        else:
+            logger.info("fused decode step on for all-decode batches of <= %d rows", SMALL_BATCH)
+        return cls(decoder, tp, model.cfg.vocab_size, invariant)
 
-    @staticmethod
-    def accepts(meta: AttentionMetadata, rows: int) -> bool:
-        return meta.all_decode and rows <= SMALL_BATCH
+    def accepts(self, meta: AttentionMetadata, rows: int) -> bool:
+        """Whether this step can run here: at most SMALL_BATCH rows, and either all decode rows or
+        (batch-invariant) requests of at most MAX_Q query rows each: decode tokens, speculative
+        verification chunks, short prompt chunks, mixed."""
+        if rows > SMALL_BATCH:
+            return False
+        if meta.all_decode:
+            return True
+        return self.batch_invariant and meta.query_start_loc is not None and meta.max_query_len <= MAX_Q
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  logits_rows: torch.Tensor) -> torch.Tensor:
-        """Runs the step (K/V written, as the model would); float32 logits of `logits_rows`."""
+        """Runs the step (K/V written, as the model would); float32 logits of `logits_rows` (any
+        rows of the step: a verification wants each of its request's rows)."""
         rows = torch.as_tensor(logits_rows, dtype=torch.long)
+        if self.batch_invariant or not meta.all_decode:  # the rows kernel, over the varlen view
+            args = (input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens, rows,
+                    meta.query_start_loc)
+        else:  # decode rows, split over the threads at small batches
+            args = (input_ids, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens, rows)
         if self.tp.size == 1:
-            return self.decoder.forward(input_ids, positions, meta.slot_mapping, meta.decode_block_tables,
-                                        meta.decode_seq_lens, rows)
+            return self.decoder.forward(*args)
         shm = self.tp.shm
         self.decoder.tp_seq = shm.seq  # the step's all-reduces continue the Python side's sequence
         try:
-            logits = self.decoder.forward(input_ids, positions, meta.slot_mapping, meta.decode_block_tables,
-                                          meta.decode_seq_lens, rows)
+            logits = self.decoder.forward(*args)
         except RuntimeError as e:
             raise TPAborted(str(e)) from e
         finally:

@@ -82,7 +82,8 @@ class AttentionBackend:
     name = "cpu"
 
     def __init__(self, kv_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                 use_cpp_kernels: bool = True, kv_scales: torch.Tensor | None = None):
+                 use_cpp_kernels: bool = True, kv_scales: torch.Tensor | None = None,
+                 batch_invariant: bool | None = None):
         # kv_cache: [num_layers, 2, num_slots, num_kv_heads, head_dim]; kv_scales (int8 cache
         # only): [num_layers, 2, num_slots, num_kv_heads] float32.
         self.kv_cache = kv_cache
@@ -100,10 +101,19 @@ class AttentionBackend:
             from tokenmill.model.layers import cpu_kernels
 
             self.kernels = cpu_kernels.load()
+        if batch_invariant is None:
+            from tokenmill.model.layers import cpu_kernels
+
+            batch_invariant = cpu_kernels.batch_invariant()
+        # Every row through the rows kernel (csrc/paged_decode.h): a bf16 cache, the C++ kernels.
+        self.batch_invariant = bool(batch_invariant and self.kernels is not None and hasattr(self.kernels, "paged_rows")
+                                    and kv_cache.dtype == torch.bfloat16 and kv_scales is None)
 
     @staticmethod
     def build_metadata(seqs: list[SeqChunk], slots: list[int], block_size: int) -> AttentionMetadata:
-        """Decode rows grouped (one kernel call for all), each prompt chunk on its own."""
+        """Decode rows grouped (one kernel call for all), each prompt chunk on its own; and the
+        varlen view of every request (query_start_loc, seq_lens, block_tables, max_query_len),
+        which the batch-invariant rows kernel and the fused step read. `seqs` in row order."""
         bs = block_size
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), block_size=bs)
         decodes = [c for c in seqs if c.n == 1]
@@ -122,6 +132,16 @@ class AttentionBackend:
                 chunk_table = torch.tensor(c.table[: -(-end // bs)], dtype=torch.long)
                 meta.prefills.append(PrefillChunk(c.row0, c.row0 + c.n, c.start, kv_slots, chunk_table))
         meta.all_decode = not meta.prefills
+        meta.max_query_len = max((c.n for c in seqs), default=0)
+        if meta.all_decode and decodes:  # the decode group is the varlen view already
+            meta.query_start_loc = torch.arange(len(decodes) + 1, dtype=torch.long)
+            meta.seq_lens, meta.block_tables = meta.decode_seq_lens, meta.decode_block_tables
+        elif seqs:
+            width = max(-(-(c.start + c.n) // bs) for c in seqs)
+            meta.block_tables = torch.tensor([c.table[:width] + [0] * (width - len(c.table[:width])) for c in seqs],
+                                             dtype=torch.long)
+            meta.seq_lens = torch.tensor([c.start + c.n for c in seqs], dtype=torch.long)
+            meta.query_start_loc = torch.tensor([c.row0 for c in seqs] + [seqs[-1].row0 + seqs[-1].n], dtype=torch.long)
         return meta
 
     def fuses_rope(self, qkv: torch.Tensor) -> bool:
@@ -152,6 +172,10 @@ class AttentionBackend:
                 k_cache.index_copy_(0, meta.slot_mapping, k)
                 v_cache.index_copy_(0, meta.slot_mapping, v)
         T = q.shape[0]
+        if self.batch_invariant and q.dtype == torch.bfloat16 and meta.query_start_loc is not None:
+            # Each row decode-style, the same bits whatever the batch and however its prompt is chunked.
+            return self.kernels.paged_rows(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                           meta.block_size, self.scale).reshape(T, -1)
         if meta.all_decode:
             return self._decode(q, k_cache, v_cache, meta, scales).reshape(T, -1)
         out = torch.empty_like(q)

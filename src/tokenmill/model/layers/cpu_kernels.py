@@ -124,6 +124,27 @@ def enabled() -> bool:
     return os.environ.get("TOKENMILL_NO_CPP_KERNELS") != "1"
 
 
+_batch_invariant: bool | None = None
+
+
+def batch_invariant() -> bool:
+    """Whether bf16 models compute each row the same way whatever else is in its step (the
+    attention rows kernel for every query row, panel linears at every batch size): the engine's
+    default; TOKENMILL_BATCH_INVARIANT=0, or set_batch_invariant(False) before the model loads,
+    turns it off (oneDNN for prompt steps, the prefill attention kernel, decode attention split
+    over the threads at small batches: faster prompts on AMX machines, but bf16 results that
+    depend on the batch)."""
+    if _batch_invariant is not None:
+        return _batch_invariant
+    return os.environ.get("TOKENMILL_BATCH_INVARIANT", "1") != "0"
+
+
+def set_batch_invariant(on: bool | None) -> None:
+    """Overrides TOKENMILL_BATCH_INVARIANT for models loaded from now on (None: back to it)."""
+    global _batch_invariant
+    _batch_invariant = on
+
+
 _CPU_DTYPES = None
 
 

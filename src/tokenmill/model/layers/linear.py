@@ -1,5 +1,5 @@
 """CPU linear layers with weights pre-packed: for oneDNN (prompt steps) and in panels for the
-engine's own kernel (decode steps of up to SMALL_BATCH rows).
+engine's own kernel (decode steps of up to SMALL_BATCH rows; every step when batch-invariant).
 
 torch's bfloat16 F.linear re-lays out the weight on every call; packing it once at load time
 (the layout oneDNN's AMX kernels read) is 1.3-2x faster for decode-sized batches and no slower
@@ -30,18 +30,31 @@ class PackedLinear(nn.Module):
     """oneDNN-packed bf16 linear. `panels` (when kept, see pack_linears): the weight packed in
     panels of 32 rows for the engine's own kernel (csrc/panel_linear.cpp), which batches of up
     to SMALL_BATCH rows run: it streams weights ~10-30% faster than a row-by-row GEMV at 1 row and
-    beats oneDNN's packed GEMM at 8-128 rows (2 cores, AVX512-BF16, SmolLM2 shapes)."""
+    beats oneDNN's packed GEMM at 8-128 rows (2 cores, AVX512-BF16, SmolLM2 shapes).
 
-    def __init__(self, linear: nn.Linear, panels: torch.Tensor | None = None):
+    `onednn=False` (batch-invariant models): panels only, for every batch size. The panel kernel
+    sums each output over the inputs in one fixed order, so a row's result does not depend on how
+    many rows are in the call; oneDNN picks its blocking (and the order of its sums) by batch size.
+    Without AVX512-AMX it is no slower than oneDNN at prompt sizes either (benchmarks/panel_linear.py:
+    1.0-1.4x at 64-2048 rows on SmolLM2's shapes, 2 cores)."""
+
+    def __init__(self, linear: nn.Linear, panels: torch.Tensor | None = None, onednn: bool = True):
         super().__init__()
+        if not onednn and panels is None:
+            raise ValueError("PackedLinear: without oneDNN's copy the panels are needed")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         w = linear.weight.detach()
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(w, _BATCH_HINT), persistent=False)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, _BATCH_HINT) if onednn else None
+        self.register_buffer("packed_weight", packed, persistent=False)
         bias = linear.bias.detach() if linear.bias is not None else None
         self.register_buffer("bias", bias, persistent=False)
         self.panels = panels  # not a buffer: the weight arena owns it (weight_arena.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is None:  # panels at every batch size
+            x2 = x.reshape(-1, self.in_features)
+            y = cpu_kernels.load().panel_linear(x2, self.panels, self.out_features, self.bias)
+            return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
         if self.panels is not None and x.dim() == 2 and x.shape[0] <= SMALL_BATCH:
             return cpu_kernels.load().panel_linear(x, self.panels, self.out_features, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
@@ -52,25 +65,36 @@ class PackedLinear(nn.Module):
 PANEL_WEIGHTS_MAX_BYTES = 1 << 30
 
 
-def pack_linears(model: nn.Module, dtype: torch.dtype) -> int:
+def pack_linears(model: nn.Module, dtype: torch.dtype, batch_invariant: bool | None = None) -> int:
     """Swap the model's bf16 CPU nn.Linear layers for PackedLinear when oneDNN can run them, each
-    also keeping its weight in panels while all of them together fit PANEL_WEIGHTS_MAX_BYTES."""
+    also keeping its weight in panels while all of them together fit PANEL_WEIGHTS_MAX_BYTES.
+    Batch-invariant (the default, cpu_kernels.batch_invariant()): panels only, whatever their
+    size, run at every batch size (no oneDNN copy: less memory, too)."""
     if dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
         return 0
     if not _works():
         return 0
+    if batch_invariant is None:
+        batch_invariant = cpu_kernels.batch_invariant()
     linears = [(parent, name, child) for parent in list(model.modules()) for name, child in parent.named_children()
                if type(child) is nn.Linear and child.weight.device.type == "cpu"]
     extra = sum(c.weight.numel() * c.weight.element_size() for _, _, c in linears)
     forced = os.environ.get("TOKENMILL_PANEL_WEIGHTS")
-    keep = _panel_kernel_works() and (forced == "1" or (forced != "0" and extra <= PANEL_WEIGHTS_MAX_BYTES))
+    panel_ok = _panel_kernel_works()
+    only_panels = batch_invariant and panel_ok and forced != "0"
+    keep = panel_ok and (only_panels or forced == "1" or (forced != "0" and extra <= PANEL_WEIGHTS_MAX_BYTES))
     kernels = cpu_kernels.load() if keep else None
     for parent, name, child in linears:
         panels = kernels.pack_panels(child.weight.detach()) if keep else None
-        setattr(parent, name, PackedLinear(child, panels))
-    if keep:
+        setattr(parent, name, PackedLinear(child, panels, onednn=not only_panels))
+    if only_panels:
+        logger.info("bf16 linears: in panels for every batch size (batch-invariant)")
+    elif keep:
         logger.info("bf16 linears: oneDNN-packed, and in panels for batches of <= %d rows (+%.0f MB)",
                     SMALL_BATCH, extra / 1e6)
+    if batch_invariant and not only_panels and linears:
+        logger.info("bf16 linears are not batch-invariant here (%s)", "TOKENMILL_PANEL_WEIGHTS=0" if panel_ok
+                    else "the panel kernel needs the C++ kernels built with AVX512-BF16")
     return len(linears)
 
 

@@ -25,6 +25,7 @@
 #include <atomic>
 #include <chrono>
 #include <climits>
+#include <memory>
 #include <cstdint>
 #include <thread>
 #if defined(__linux__)
@@ -270,29 +271,48 @@ class FusedDecoder {
     embed_ = make_linear(table, hidden_, embed_rows_, "embed_tokens", /*plain_ok=*/true);
   }
 
-  // One decode step for M rows: token ids, positions, KV slots [M] (int64), block tables
-  // [M, max_blocks] and sequence lengths [M] (the new token included), and the rows that need
-  // logits. Returns their logits [len(logits_rows), vocab]: float32 values of the bf16 LM head
-  // output, as the model's compute_logits gives them.
+  // One step of M rows: token ids, positions, KV slots [M] (int64) and the rows that need logits.
+  // Without query_start_loc every row is a decode token of its own sequence: block tables
+  // [M, max_blocks] and sequence lengths [M] (the new token included), attended by the decode
+  // kernel (its keys split over the threads when there are few rows). With query_start_loc
+  // [B + 1] the rows are B sequences' chunks (sequence b: rows query_start_loc[b] ..
+  // query_start_loc[b + 1] - 1, e.g. the k + 1 rows of a speculative verification), block tables
+  // [B, max_blocks] and seq_lens [B] (keys of each sequence's last row), attended causally by the
+  // rows kernel (paged_decode.h), each row exactly as a lone decode token at its position.
+  // Returns the logits [len(logits_rows), vocab]: float32 values of the bf16 LM head output, as
+  // the model's compute_logits gives them.
   torch::Tensor forward(torch::Tensor ids, torch::Tensor positions, torch::Tensor slots, torch::Tensor block_tables,
-                        torch::Tensor seq_lens, torch::Tensor logits_rows) {
+                        torch::Tensor seq_lens, torch::Tensor logits_rows, c10::optional<torch::Tensor> query_start_loc) {
     const int64_t M = ids.numel(), R = logits_rows.numel();
+    const bool by_rows = query_start_loc.has_value();
     for (const auto* t : {&ids, &positions, &slots, &seq_lens, &logits_rows})
       TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1, "FusedDecoder: int64 vectors");
-    TORCH_CHECK(positions.numel() == M && slots.numel() == M && seq_lens.numel() == M && M > 0,
-                "FusedDecoder: one position, slot and length per row");
+    const int64_t B = by_rows ? seq_lens.numel() : M;
+    TORCH_CHECK(positions.numel() == M && slots.numel() == M && seq_lens.numel() == B && M > 0,
+                "FusedDecoder: one position and slot per row, one length per sequence");
     TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2 &&
-                    block_tables.size(0) == M, "FusedDecoder: int64 block tables [M, max_blocks]");
+                    block_tables.size(0) == B, "FusedDecoder: int64 block tables [sequences, max_blocks]");
     const int64_t* id = ids.data_ptr<int64_t>();
     const int64_t* pos = positions.data_ptr<int64_t>();
     const int64_t* slot = slots.data_ptr<int64_t>();
     const int64_t* lens = seq_lens.data_ptr<int64_t>();
     const int64_t* lrows = logits_rows.data_ptr<int64_t>();
     const int64_t slots_total = kv_caches_[0].size(0), max_pos = cos_.size(0);
+    const int64_t* qsl = nullptr;
+    if (by_rows) {
+      TORCH_CHECK(query_start_loc->scalar_type() == at::kLong && query_start_loc->is_contiguous() &&
+                      query_start_loc->numel() == B + 1, "FusedDecoder: int64 query_start_loc [sequences + 1]");
+      qsl = query_start_loc->data_ptr<int64_t>();
+      TORCH_CHECK(qsl[0] == 0 && qsl[B] == M, "FusedDecoder: query_start_loc must run from 0 to the number of rows");
+      for (int64_t b = 0; b < B; ++b)
+        TORCH_CHECK(qsl[b + 1] > qsl[b] && lens[b] >= qsl[b + 1] - qsl[b] && lens[b] <= block_tables.size(1) * block_size_,
+                    "FusedDecoder: position / slot / length");
+    }
     for (int64_t m = 0; m < M; ++m) {  // nothing inside the parallel region may throw
       TORCH_CHECK(id[m] >= 0 && id[m] < embed_rows_, "FusedDecoder: token id out of range");
-      TORCH_CHECK(pos[m] >= 0 && pos[m] < max_pos && slot[m] >= 0 && slot[m] < slots_total && lens[m] >= 1 &&
-                      lens[m] <= block_tables.size(1) * block_size_, "FusedDecoder: position / slot / length");
+      TORCH_CHECK(pos[m] >= 0 && pos[m] < max_pos && slot[m] >= 0 && slot[m] < slots_total, "FusedDecoder: position / slot / length");
+      TORCH_CHECK(by_rows || (lens[m] >= 1 && lens[m] <= block_tables.size(1) * block_size_),
+                  "FusedDecoder: position / slot / length");
     }
     for (int64_t r = 0; r < R; ++r) TORCH_CHECK(lrows[r] >= 0 && lrows[r] < M, "FusedDecoder: logits row");
 
@@ -302,7 +322,12 @@ class FusedDecoder {
     TORCH_CHECK(!tp_ || M * hid <= tp_args_.capacity, "FusedDecoder: the all-reduce buffer is too small");
     std::atomic<bool> aborted{false};  // a tensor-parallel all-reduce gave up (another rank died)
     int64_t seq = tp_seq_;             // the all-reduces' sequence numbers (thread 0's)
-    const int64_t S = decode_splits(lens, M, block_size_, nt);
+    const int64_t S = by_rows ? 1 : decode_splits(lens, M, block_size_, nt);
+    // The rows kernel's work items, each layer's handed out in turn (a counter per layer).
+    const std::vector<RowsItem> items = by_rows ? rows_items(qsl, lens, B, kv_heads_, nt) : std::vector<RowsItem>{};
+    const int64_t n_items = static_cast<int64_t>(items.size());
+    std::unique_ptr<std::atomic<int64_t>[]> next_item(new std::atomic<int64_t>[by_rows ? layers_ : 0]);
+    for (int64_t l = 0; by_rows && l < layers_; ++l) next_item[l].store(0, std::memory_order_relaxed);
     auto bf = torch::TensorOptions().dtype(at::kBFloat16);
     auto qkv = torch::empty({M, qkv_w}, bf), q = torch::empty({M, H * D}, bf), attn = torch::empty({M, H * D}, bf);
     auto o = torch::empty({M, hid}, bf), gu = torch::empty({M, 2 * I}, bf), act = torch::empty({M, I}, bf);
@@ -349,20 +374,29 @@ class FusedDecoder {
             rope_and_cache_row(qkv_p + r * qkv_w, pos[r], cos, sin, k_cache, v_cache, slot[r], q_p + r * H * D, H,
                                Hkv, D);
         }
-        // (unsplit, a thread attends exactly the rows it just rotated: no wait needed)
-        if (S > 1) barrier.wait(t, n_t, stats);
-        const DecodeArgs<BF16, BF16> a{q_p, k_cache, v_cache, nullptr, nullptr, block_tables.data_ptr<int64_t>(), lens,
-                                       attn_p, M, H, Hkv, D, block_size_, block_tables.size(1), scale_, S,
-                                       part_ml.data(), part_acc.data()};
-        {
-          const auto [i0, i1] = share(M * S, t, n_t);
-          decode_items(a, i0, i1);
-        }
-        barrier.wait(t, n_t, stats);
-        if (S > 1) {
-          const auto [i0, i1] = share(M * H, t, n_t);
-          decode_merge(a, i0, i1);
+        if (by_rows) {
+          // A row attends the K/V its sequence's earlier rows wrote (any thread's): wait for all.
           barrier.wait(t, n_t, stats);
+          const RowsArgs<BF16, BF16> ra{q_p, k_cache, v_cache, nullptr, nullptr, block_tables.data_ptr<int64_t>(), lens,
+                                        qsl, attn_p, B, H, Hkv, D, block_size_, block_tables.size(1), scale_};
+          for (int64_t i; (i = next_item[l].fetch_add(1, std::memory_order_relaxed)) < n_items;) rows_item(ra, items[i]);
+          barrier.wait(t, n_t, stats);
+        } else {
+          // (unsplit, a thread attends exactly the rows it just rotated: no wait needed)
+          if (S > 1) barrier.wait(t, n_t, stats);
+          const DecodeArgs<BF16, BF16> a{q_p, k_cache, v_cache, nullptr, nullptr, block_tables.data_ptr<int64_t>(), lens,
+                                         attn_p, M, H, Hkv, D, block_size_, block_tables.size(1), scale_, S,
+                                         part_ml.data(), part_acc.data()};
+          {
+            const auto [i0, i1] = share(M * S, t, n_t);
+            decode_items(a, i0, i1);
+          }
+          barrier.wait(t, n_t, stats);
+          if (S > 1) {
+            const auto [i0, i1] = share(M * H, t, n_t);
+            decode_merge(a, i0, i1);
+            barrier.wait(t, n_t, stats);
+          }
         }
         linear(o_[l], attn_p, M, o_p, hid);
         barrier.wait(t, n_t, stats);
@@ -469,7 +503,7 @@ void bind_fused_decoder(pybind11::module_& m) {
            py::arg("head_dim"), py::arg("intermediate"), py::arg("vocab_size"), py::arg("eps"), py::arg("block_size"),
            py::arg("scale"))
       .def("forward", &FusedDecoder::forward, py::arg("ids"), py::arg("positions"), py::arg("slots"),
-           py::arg("block_tables"), py::arg("seq_lens"), py::arg("logits_rows"),
+           py::arg("block_tables"), py::arg("seq_lens"), py::arg("logits_rows"), py::arg("query_start_loc") = py::none(),
            py::call_guard<py::gil_scoped_release>())
       .def_property("spin_ns", &FusedDecoder::spin_ns, &FusedDecoder::set_spin_ns,
                     "the most a thread spins at a barrier of the step before it sleeps (ns; 0: at once)")

@@ -7,6 +7,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -149,7 +151,7 @@ inline void attend_tile(const float* qf, const T* qb, const C* kp, const C* vp, 
     const float bm = std::max(m[g], _mm512_reduce_max_ps(s[g]));
     corr[g] = std::exp(m[g] - bm);
     const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s[g], _mm512_set1_ps(bm))));
-    l[g] = l[g] * corr[g] + _mm512_reduce_add_ps(e);
+    l[g] = std::fma(l[g], corr[g], _mm512_reduce_add_ps(e));  // explicit: the same rounding in every caller
     m[g] = bm;
     _mm512_store_ps(p[g], _mm512_mul_ps(e, vs));  // int8 V: fold the row scale into the weight
   }
@@ -308,76 +310,198 @@ void decode_items_d(const DecodeArgs<T, C>& a, int64_t begin, int64_t end) {
   }
 }
 
-#else  // portable path
-
-// Work items are sequences (never split): one pass over each block (online softmax, rescaled
-// once per block), K and V rows of a block read once, straight from the paged cache.
+// The rows kernel (paged_decode.h): for each row of the item, exactly decode_items_d's
+// computation with splits = 1 at that row's length. Key tiles are the decode kernel's (up to 16
+// keys of one block); a tile is attended by every (row, head) of the item that sees all of it in
+// groups of up to kMaxGB sharing its K and V rows, and by the rows that see part of it (the
+// causal diagonal) one at a time with only the keys they see. A (row, head)'s softmax state and
+// accumulators never mix with another's, and attend_tile computes each head of a group as it
+// computes a lone head, so the grouping leaves every result as the row alone gives it.
 template <typename T, typename C, int D>
-void decode_items_d(const DecodeArgs<T, C>& a, int64_t begin, int64_t end) {
+void rows_item_d(const RowsArgs<T, C>& a, const RowsItem& it) {
+  static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
   constexpr bool quantized = std::is_same_v<C, int8_t>;
-  const int64_t H = a.H, Hkv = a.Hkv, block_size = a.block_size;
-  const int64_t G = H / Hkv;
+  constexpr int NV = D / 16;
+  constexpr int kMaxGB = NV <= 4 ? 4 : NV <= 5 ? 3 : NV <= 8 ? 2 : 1;
+  using Layout = RowLayout<T, C, D>;
+  const int64_t H = a.H, Hkv = a.Hkv, G = H / Hkv, bs = a.block_size;
   const int64_t row = Hkv * D;  // elements per cache slot
-  std::vector<float> qf(G * D), acc(G * D), s(G * block_size), m(G), l(G);
-  alignas(64) float kv[D];
-  for (int64_t b = begin; b < end; ++b) {
-    const int64_t L = a.seq_lens[b];
-    const int64_t* table = a.tables + b * a.max_blocks;
-    for (int64_t h = 0; h < Hkv; ++h) {
-      for (int64_t g = 0; g < G; ++g)
-        for (int d = 0; d < D; ++d) qf[g * D + d] = to_f(a.q[(b * H + h * G + g) * D + d]) * a.scale;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(m.begin(), m.end(), -INFINITY);
-      std::fill(l.begin(), l.end(), 0.f);
-      for (int64_t t0 = 0; t0 < L; t0 += block_size) {
-        const int64_t n = std::min(block_size, L - t0);
-        const int64_t base = table[t0 / block_size] * block_size;
-        const C* kb = a.k_cache + base * row + h * D;
-        const C* vb = a.v_cache + base * row + h * D;
-        for (int64_t j = 0; j < n; ++j) {
-          const C* kp = kb + j * row;
-          for (int d = 0; d < D; ++d) kv[d] = to_f(kp[d]);
-          const float ks = quantized ? a.k_scale[(base + j) * Hkv + h] : 1.f;
-          for (int64_t g = 0; g < G; ++g) {
-            const float* qg = qf.data() + g * D;
-            float dot = 0.f;
-            for (int d = 0; d < D; ++d) dot += qg[d] * kv[d];
-            s[g * block_size + j] = dot * ks;
-          }
-        }
-        for (int64_t g = 0; g < G; ++g) {
-          float* sg = s.data() + g * block_size;
-          float bm = m[g];
-          for (int64_t j = 0; j < n; ++j) bm = sg[j] > bm ? sg[j] : bm;
-          const float correction = std::exp(m[g] - bm);
-          float sum = 0.f;
-          for (int64_t j = 0; j < n; ++j) {
-            sg[j] = std::exp(sg[j] - bm);
-            sum += sg[j];
-          }
-          l[g] = l[g] * correction + sum;
-          m[g] = bm;
-          float* ag = acc.data() + g * D;
-          if (correction != 1.f)
-            for (int d = 0; d < D; ++d) ag[d] *= correction;
-        }
-        for (int64_t j = 0; j < n; ++j) {
-          const C* vp = vb + j * row;
-          const float vs = quantized ? a.v_scale[(base + j) * Hkv + h] : 1.f;
-          for (int d = 0; d < D; ++d) kv[d] = to_f(vp[d]) * vs;
-          for (int64_t g = 0; g < G; ++g) {
-            const float p = s[g * block_size + j];
-            float* ag = acc.data() + g * D;
-            for (int d = 0; d < D; ++d) ag[d] += p * kv[d];
-          }
-        }
-      }
+  const int64_t q0 = a.q_start[it.b], n = a.q_start[it.b + 1] - q0;
+  const int64_t R = it.r1 - it.r0, NH = it.h1 - it.h0, RG = R * G;
+  const int64_t first = a.seq_lens[it.b] - n + it.r0;  // position of the item's first row
+  const int64_t L = first + R;                         // keys its last row sees
+  const int64_t* table = a.tables + it.b * a.max_blocks;
+  // (row, head) x = (hh * R + i) * G + g: kv head it.h0 + hh, row it.r0 + i, query head g of the group
+  thread_local std::vector<float> qf, acc, m, l, ksv, vsv;
+  thread_local std::vector<T> qb;
+  qf.resize(NH * RG * D);
+  acc.assign(NH * RG * D, 0.f);
+  m.assign(NH * RG, kNoScore);
+  l.assign(NH * RG, 0.f);
+  qb.resize(NH * RG * D);
+  if constexpr (quantized) {
+    ksv.resize(NH * kTile);
+    vsv.resize(NH * kTile);
+  }
+  for (int64_t hh = 0; hh < NH; ++hh)
+    for (int64_t i = 0; i < R; ++i)
       for (int64_t g = 0; g < G; ++g) {
-        const float inv = 1.f / l[g];
-        for (int d = 0; d < D; ++d) from_f(acc[g * D + d] * inv, a.out + (b * H + h * G + g) * D + d);
+        const int64_t x = (hh * R + i) * G + g;
+        const T* src = a.q + ((q0 + it.r0 + i) * H + (it.h0 + hh) * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) qf[x * D + Layout::slot(d)] = to_f(src[d]);
+        std::copy(src, src + D, qb.data() + x * D);
+      }
+  const int64_t nblocks = (L + bs - 1) / bs;
+  const int64_t head_bytes = NH * D * static_cast<int64_t>(sizeof(C));  // of each slot's row, this item's heads
+  for (int64_t bi = 0; bi < nblocks; ++bi) {
+    const int64_t nb = std::min(bs, L - bi * bs);
+    const int64_t base = table[bi] * bs;
+    if (bi + 1 < nblocks) {  // the next block's K / V rows of this item's heads, while this one is computed
+      const int64_t nbase = table[bi + 1] * bs, nn = std::min(bs, L - (bi + 1) * bs);
+      prefetch_rows(a.k_cache + nbase * row + it.h0 * D, row, nn, head_bytes);
+      prefetch_rows(a.v_cache + nbase * row + it.h0 * D, row, nn, head_bytes);
+    }
+    for (int64_t j0 = 0; j0 < nb; j0 += kTile) {
+      const int nt = static_cast<int>(std::min<int64_t>(kTile, nb - j0));
+      const int64_t k0 = bi * bs + j0;
+      // Row i sees keys 0 .. first + i: none of this tile below i_vis, all of it from i_full.
+      const int64_t i_vis = std::max<int64_t>(0, k0 - first);
+      const int64_t i_full = std::min<int64_t>(R, std::max<int64_t>(i_vis, k0 + nt - 1 - first));
+      if constexpr (quantized) {
+        for (int j = 0; j < nt; ++j)
+          for (int64_t hh = 0; hh < NH; ++hh) {
+            ksv[hh * kTile + j] = a.k_scale[(base + j0 + j) * Hkv + it.h0 + hh];
+            vsv[hh * kTile + j] = a.v_scale[(base + j0 + j) * Hkv + it.h0 + hh];
+          }
+      }
+      for (int64_t hh = 0; hh < NH; ++hh) {
+        const int64_t h = it.h0 + hh;
+        const C* kp = a.k_cache + (base + j0) * row + h * D;
+        const C* vp = a.v_cache + (base + j0) * row + h * D;
+        const float* ks = quantized ? ksv.data() + hh * kTile : nullptr;
+        const float* vs = quantized ? vsv.data() + hh * kTile : nullptr;
+        auto attend = [&](int64_t x, int64_t gb, int keys) {
+          float* qg = qf.data() + x * D;
+          const T* qbg = qb.data() + x * D;
+          float* mg = m.data() + x;
+          float* lg = l.data() + x;
+          float* ag = acc.data() + x * D;
+          switch (gb) {
+            case 1: attend_tile<T, C, D, 1>(qg, qbg, kp, vp, row, keys, ks, vs, a.scale, mg, lg, ag, nullptr, nullptr, 0); break;
+            case 2:
+              if constexpr (kMaxGB >= 2) attend_tile<T, C, D, 2>(qg, qbg, kp, vp, row, keys, ks, vs, a.scale, mg, lg, ag, nullptr, nullptr, 0);
+              break;
+            case 3:
+              if constexpr (kMaxGB >= 3) attend_tile<T, C, D, 3>(qg, qbg, kp, vp, row, keys, ks, vs, a.scale, mg, lg, ag, nullptr, nullptr, 0);
+              break;
+            default:
+              if constexpr (kMaxGB >= 4) attend_tile<T, C, D, 4>(qg, qbg, kp, vp, row, keys, ks, vs, a.scale, mg, lg, ag, nullptr, nullptr, 0);
+              break;
+          }
+        };
+        for (int64_t i = i_vis; i < i_full; ++i) {  // the causal diagonal: rows seeing part of the tile
+          const int keys = static_cast<int>(first + i + 1 - k0);
+          for (int64_t g0 = 0; g0 < G; g0 += kMaxGB) attend((hh * R + i) * G + g0, std::min<int64_t>(kMaxGB, G - g0), keys);
+        }
+        for (int64_t x = i_full * G; x < RG; x += kMaxGB) attend(hh * RG + x, std::min<int64_t>(kMaxGB, RG - x), nt);
       }
     }
   }
+  float tmp[D];
+  for (int64_t hh = 0; hh < NH; ++hh)
+    for (int64_t i = 0; i < R; ++i)
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t x = (hh * R + i) * G + g;
+        const float* ag = acc.data() + x * D;
+        for (int64_t d = 0; d < D; ++d) tmp[d] = ag[Layout::slot(d)];
+        T* ob = a.out + ((q0 + it.r0 + i) * H + (it.h0 + hh) * G + g) * D;
+        const float inv = 1.f / l[x];
+        for (int d = 0; d < D; ++d) from_f(tmp[d] * inv, ob + d);
+      }
+}
+
+#else  // portable path
+
+// One query row's G heads of kv head h (q_row, out_row: [H, D]) over L keys: one pass over each
+// block (online softmax, rescaled once per block), K and V rows read straight from the cache.
+template <typename T, typename C, int D>
+void portable_heads(const T* q_row, T* out_row, int64_t L, const int64_t* table, int64_t h, const C* k_cache,
+                    const C* v_cache, const float* k_scale, const float* v_scale, int64_t H, int64_t Hkv,
+                    int64_t block_size, float scale) {
+  constexpr bool quantized = std::is_same_v<C, int8_t>;
+  const int64_t G = H / Hkv;
+  const int64_t row = Hkv * D;  // elements per cache slot
+  std::vector<float> qf(G * D), acc(G * D, 0.f), s(G * block_size), m(G, -INFINITY), l(G, 0.f);
+  alignas(64) float kv[D];
+  for (int64_t g = 0; g < G; ++g)
+    for (int d = 0; d < D; ++d) qf[g * D + d] = to_f(q_row[(h * G + g) * D + d]) * scale;
+  for (int64_t t0 = 0; t0 < L; t0 += block_size) {
+    const int64_t n = std::min(block_size, L - t0);
+    const int64_t base = table[t0 / block_size] * block_size;
+    const C* kb = k_cache + base * row + h * D;
+    const C* vb = v_cache + base * row + h * D;
+    for (int64_t j = 0; j < n; ++j) {
+      const C* kp = kb + j * row;
+      for (int d = 0; d < D; ++d) kv[d] = to_f(kp[d]);
+      const float ks = quantized ? k_scale[(base + j) * Hkv + h] : 1.f;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = qf.data() + g * D;
+        float dot = 0.f;
+        for (int d = 0; d < D; ++d) dot += qg[d] * kv[d];
+        s[g * block_size + j] = dot * ks;
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float* sg = s.data() + g * block_size;
+      float bm = m[g];
+      for (int64_t j = 0; j < n; ++j) bm = sg[j] > bm ? sg[j] : bm;
+      const float correction = std::exp(m[g] - bm);
+      float sum = 0.f;
+      for (int64_t j = 0; j < n; ++j) {
+        sg[j] = std::exp(sg[j] - bm);
+        sum += sg[j];
+      }
+      l[g] = l[g] * correction + sum;
+      m[g] = bm;
+      float* ag = acc.data() + g * D;
+      if (correction != 1.f)
+        for (int d = 0; d < D; ++d) ag[d] *= correction;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const C* vp = vb + j * row;
+      const float vs = quantized ? v_scale[(base + j) * Hkv + h] : 1.f;
+      for (int d = 0; d < D; ++d) kv[d] = to_f(vp[d]) * vs;
+      for (int64_t g = 0; g < G; ++g) {
+        const float p = s[g * block_size + j];
+        float* ag = acc.data() + g * D;
+        for (int d = 0; d < D; ++d) ag[d] += p * kv[d];
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = 1.f / l[g];
+    for (int d = 0; d < D; ++d) from_f(acc[g * D + d] * inv, out_row + (h * G + g) * D + d);
+  }
+}
+
+// Work items are sequences (never split).
+template <typename T, typename C, int D>
+void decode_items_d(const DecodeArgs<T, C>& a, int64_t begin, int64_t end) {
+  for (int64_t b = begin; b < end; ++b)
+    for (int64_t h = 0; h < a.Hkv; ++h)
+      portable_heads<T, C, D>(a.q + b * a.H * D, a.out + b * a.H * D, a.seq_lens[b], a.tables + b * a.max_blocks, h,
+                              a.k_cache, a.v_cache, a.k_scale, a.v_scale, a.H, a.Hkv, a.block_size, a.scale);
+}
+
+// Each row as a lone decode row at its length.
+template <typename T, typename C, int D>
+void rows_item_d(const RowsArgs<T, C>& a, const RowsItem& it) {
+  const int64_t q0 = a.q_start[it.b], n = a.q_start[it.b + 1] - q0;
+  for (int64_t i = it.r0; i < it.r1; ++i)
+    for (int64_t h = it.h0; h < it.h1; ++h)
+      portable_heads<T, C, D>(a.q + (q0 + i) * a.H * D, a.out + (q0 + i) * a.H * D, a.seq_lens[it.b] - n + i + 1,
+                              a.tables + it.b * a.max_blocks, h, a.k_cache, a.v_cache, a.k_scale, a.v_scale, a.H,
+                              a.Hkv, a.block_size, a.scale);
 }
 
 #endif  // __AVX512F__
@@ -444,9 +568,43 @@ void decode_merge(const DecodeArgs<T, C>& a, int64_t begin, int64_t end) {
   }
 }
 
+std::vector<RowsItem> rows_items(const int64_t* q_start, const int64_t* seq_lens, int64_t B, int64_t Hkv,
+                                 int64_t threads) {
+  constexpr int64_t kRowBlock = 16;
+  std::vector<RowsItem> items;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t r0 = 0, n = q_start[b + 1] - q_start[b]; r0 < n; r0 += kRowBlock)
+      items.push_back({b, r0, std::min(n, r0 + kRowBlock), 0, Hkv});
+  if (Hkv > 1 && static_cast<int64_t>(items.size()) < 2 * threads) {
+    std::vector<RowsItem> per_head;
+    for (const auto& it : items)
+      for (int64_t h = 0; h < Hkv; ++h) per_head.push_back({it.b, it.r0, it.r1, h, h + 1});
+    items.swap(per_head);
+  }
+  // Most work first: (keys of the last row) x rows x heads.
+  auto work = [&](const RowsItem& it) {
+    const int64_t ctx = seq_lens[it.b] - (q_start[it.b + 1] - q_start[it.b]);
+    return (ctx + it.r1) * (it.r1 - it.r0) * (it.h1 - it.h0);
+  };
+  std::stable_sort(items.begin(), items.end(), [&](const RowsItem& x, const RowsItem& y) { return work(x) > work(y); });
+  return items;
+}
+
+template <typename T, typename C>
+void rows_item(const RowsArgs<T, C>& a, const RowsItem& it) {
+#define TM_CASE(DIM) \
+  case DIM: return rows_item_d<T, C, DIM>(a, it);
+  switch (a.D) {
+    TM_HEAD_DIMS(TM_CASE)
+    default: TORCH_CHECK(false, "paged_rows: unsupported head_dim ", a.D);
+  }
+#undef TM_CASE
+}
+
 #define TM_INSTANTIATE(T, C)                                                      \
   template void decode_items<T, C>(const DecodeArgs<T, C>&, int64_t, int64_t); \
-  template void decode_merge<T, C>(const DecodeArgs<T, C>&, int64_t, int64_t);
+  template void decode_merge<T, C>(const DecodeArgs<T, C>&, int64_t, int64_t); \
+  template void rows_item<T, C>(const RowsArgs<T, C>&, const RowsItem&);
 TM_INSTANTIATE(float, float)
 TM_INSTANTIATE(c10::BFloat16, c10::BFloat16)
 TM_INSTANTIATE(float, int8_t)
@@ -503,6 +661,74 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     with_q(q.data_ptr<BF>(), out.data_ptr<BF>());
   } else {
     TORCH_CHECK(false, "paged_decode: float32 or bfloat16 queries only");
+  }
+  return out;
+}
+
+// Every query row of a flat batch attended decode-style (paged_decode.h: the rows kernel).
+// q: [T, H, D]; block_tables: [B, max_blocks] int64; seq_lens: [B] int64, keys of each
+// sequence's last row; query_start_loc: [B + 1] int64, sequence b's rows are
+// query_start_loc[b] .. query_start_loc[b + 1] - 1 at positions seq_lens[b] - n_b ..
+// seq_lens[b] - 1, their K/V already in the cache. Returns [T, H, D].
+torch::Tensor paged_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                         torch::Tensor seq_lens, torch::Tensor query_start_loc, int64_t block_size, double scale,
+                         c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_rows: q [T, H, D], contiguous caches [slots, Hkv, D]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+                  query_start_loc.scalar_type() == at::kLong && block_tables.dim() == 2,
+              "paged_rows: int64 block tables, lengths and query starts");
+  const bool quantized = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(quantized || q.scalar_type() == k_cache.scalar_type(), "paged_rows: q and cache dtype differ");
+  const float* ks = nullptr;
+  const float* vs = nullptr;
+  if (quantized) {
+    TORCH_CHECK(k_scale.has_value() && v_scale.has_value(), "an int8 cache needs its scales");
+    TORCH_CHECK(k_scale->scalar_type() == at::kFloat && k_scale->is_contiguous() &&
+                v_scale->scalar_type() == at::kFloat && v_scale->is_contiguous(), "float32 contiguous scales");
+    ks = k_scale->data_ptr<float>();
+    vs = v_scale->data_ptr<float>();
+  }
+  q = q.contiguous();
+  auto bt = block_tables.contiguous();
+  auto sl = seq_lens.contiguous();
+  auto qs = query_start_loc.contiguous();
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(1), B = sl.numel();
+  TORCH_CHECK(k_cache.size(2) == D && H % Hkv == 0, "paged_rows: head shapes");
+  TORCH_CHECK(qs.numel() == B + 1 && bt.size(0) == B, "paged_rows: one block table and length per sequence");
+  const int64_t* qsp = qs.data_ptr<int64_t>();
+  const int64_t* lp = sl.data_ptr<int64_t>();
+  TORCH_CHECK(qsp[0] == 0 && qsp[B] == T, "paged_rows: query_start_loc must run from 0 to the number of rows");
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(qsp[b + 1] >= qsp[b] && lp[b] >= qsp[b + 1] - qsp[b] && lp[b] <= bt.size(1) * block_size,
+                "paged_rows: sequence lengths / query starts / block tables");
+  auto out = torch::empty_like(q);
+  const auto items = rows_items(qsp, lp, B, Hkv, at::get_num_threads());
+  auto run = [&](auto* qp, auto* kp, auto* vp, auto* op) {
+    using TT = std::remove_const_t<std::remove_pointer_t<decltype(qp)>>;
+    using CC = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
+    const RowsArgs<TT, CC> a{qp, kp, vp, ks, vs, bt.data_ptr<int64_t>(), lp, qsp, op, B, H, Hkv, D, block_size,
+                             bt.size(1), static_cast<float>(scale)};
+    std::atomic<int64_t> next{0};
+    const int64_t n = static_cast<int64_t>(items.size());
+    const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+    at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
+      for (int64_t i; (i = next.fetch_add(1)) < n;) rows_item(a, items[i]);
+    });
+  };
+  auto with_q = [&](auto* qp, auto* op) {
+    using TT = std::remove_pointer_t<decltype(qp)>;
+    if (quantized) run(qp, k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), op);
+    else run(qp, k_cache.data_ptr<TT>(), v_cache.data_ptr<TT>(), op);
+  };
+  if (T == 0) return out;
+  if (q.scalar_type() == at::kFloat) {
+    with_q(q.data_ptr<float>(), out.data_ptr<float>());
+  } else if (q.scalar_type() == at::kBFloat16) {
+    using BF = c10::BFloat16;
+    with_q(q.data_ptr<BF>(), out.data_ptr<BF>());
+  } else {
+    TORCH_CHECK(false, "paged_rows: float32 or bfloat16 queries only");
   }
   return out;
 }

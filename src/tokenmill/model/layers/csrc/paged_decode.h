@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace tm_cpu {
 
@@ -39,5 +40,46 @@ template <typename T, typename C>
 void decode_items(const DecodeArgs<T, C>& a, int64_t begin, int64_t end);
 template <typename T, typename C>
 void decode_merge(const DecodeArgs<T, C>& a, int64_t begin, int64_t end);
+
+// ---- The rows kernel: every query row of a flat batch, decode-style ----
+// Sequence b's query rows are q_start[b] .. q_start[b + 1] - 1 of q / out, at positions
+// seq_lens[b] - n_b .. seq_lens[b] - 1 (n_b rows): a decode row (n_b = 1), a speculative
+// verification chunk or a prompt chunk, each row attending causally to its sequence's keys
+// (the cached prefix and the rows before it, all already in the cache) through block_tables[b].
+//
+// Each row is computed exactly as the decode kernel computes a single decode token at its
+// position (the same tiles of keys, the same dot-product trees, the same online softmax, never
+// split over keys), whatever else is in the batch, however many rows its sequence has this
+// step and however they are grouped into work items: a row's output bits depend only on its
+// query, its position and its sequence's K/V. This is what makes the engine batch-invariant
+// (prefill chunked or not, tokens verified in a chunk or decoded one by one).
+template <typename T, typename C>
+struct RowsArgs {
+  const T* q;  // [rows, H, D]
+  const C* k_cache;
+  const C* v_cache;
+  const float* k_scale;  // int8 caches only, else null
+  const float* v_scale;
+  const int64_t* tables;    // [B, max_blocks]
+  const int64_t* seq_lens;  // [B] keys of each sequence's last query row
+  const int64_t* q_start;   // [B + 1]
+  T* out;                   // [rows, H, D]
+  int64_t B, H, Hkv, D, block_size, max_blocks;
+  float scale;
+};
+
+// A work item: query rows [r0, r1) of sequence b (counted from its first row), kv heads [h0, h1).
+struct RowsItem {
+  int64_t b, r0, r1, h0, h1;
+};
+
+// The work items of a batch for `threads` threads: each sequence's rows in blocks of up to 16,
+// all kv heads together, or one kv head per item when there are too few blocks to go round;
+// those with the most work first. (How items are cut does not change any result.)
+std::vector<RowsItem> rows_items(const int64_t* q_start, const int64_t* seq_lens, int64_t B, int64_t Hkv,
+                                 int64_t threads);
+
+template <typename T, typename C>
+void rows_item(const RowsArgs<T, C>& a, const RowsItem& it);
 
 }  // namespace tm_cpu
