@@ -76,6 +76,19 @@ def test_ngram_greedy_equals_no_speculation(tiny_llama_dir, reference):
     llm.shutdown()
 
 
+def test_suffix_drafts_from_an_earlier_output(tiny_llama_dir, reference):
+    """suffix: the same prompt again is drafted from the first answer (the global tree), every
+    draft accepted after the first tokens; tokens equal the unspeculated ones both times."""
+    llm = _spec_llm(tiny_llama_dir, kv_cache_memory=0.05,
+                    speculative_config={"method": "suffix", "num_speculative_tokens": 4})
+    st = llm.engine.core.drafter.stats
+    assert _run(llm, PROMPTS[:1])[0] == reference[0][:1]
+    before = st.num_accepted_tokens
+    assert _run(llm, PROMPTS[:1])[0] == reference[0][:1]
+    assert st.num_accepted_tokens - before >= len(reference[0][0]) // 2
+    llm.shutdown()
+
+
 def test_oracle_drafts_accepted_and_rejected_at_every_position(tiny_llama_dir, reference):
     truth = {tuple(p): t for p, t in zip(PROMPTS, reference[0])}
     llm = _spec_llm(tiny_llama_dir, truth, kv_cache_memory=0.05)

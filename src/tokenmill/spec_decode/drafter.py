@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from tokenmill.config import SchedulerConfig
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.spec_decode.config import SpeculativeConfig
+from tokenmill.spec_decode.ngram import TokenBuffer
 
 MIN_LAST_TOKEN_ACCEPT = 0.3
 DECAY = 0.8  # weight of the past in the acceptance estimate, per verified step
@@ -78,7 +79,7 @@ class Drafter:
         elif config.method == "suffix":
             from tokenmill.spec_decode.suffix import SuffixProposer
 
-            proposer = SuffixProposer.from_config(config)
+            proposer = _Suffix(SuffixProposer.from_config(config))
         else:
             raise ValueError(f"speculative method {config.method!r} is not available in this engine")
         return cls(config, proposer, scheduler.max_model_len)
@@ -156,19 +157,42 @@ class Drafter:
 
 
 class _ByTokens:
-    """A proposer that needs only the request's tokens (n-gram prompt lookup)."""
+    """A proposer that needs only the request's tokens (n-gram prompt lookup), kept per request
+    as a numpy buffer (converting the whole list each step would cost more than the lookup)."""
 
     def __init__(self, proposer):
         self.proposer = proposer
+        self._buffers: dict[str, TokenBuffer] = {}
 
     def propose(self, req: Request, k: int) -> list[int]:
-        return self.proposer.propose(req.all_token_ids, k)
+        buf = self._buffers.get(req.request_id)
+        if buf is None:
+            buf = self._buffers[req.request_id] = TokenBuffer(req.all_token_ids)
+        elif len(buf) != req.num_tokens:
+            buf.extend(req.all_token_ids[len(buf):])
+        return self.proposer.propose(buf.view(), k)
 
     def add_tokens(self, req: Request, tokens: list[int]) -> None:
         pass
 
     def finish(self, req: Request) -> None:
-        pass
+        self._buffers.pop(req.request_id, None)
+
+
+class _Suffix:
+    """Suffix decoding: the request's own tokens and earlier requests' outputs (suffix.py)."""
+
+    def __init__(self, proposer):
+        self.proposer = proposer
+
+    def propose(self, req: Request, k: int) -> list[int]:
+        return self.proposer.propose(req.request_id, req.all_token_ids, k, num_prompt_tokens=req.num_prompt_tokens)
+
+    def add_tokens(self, req: Request, tokens: list[int]) -> None:
+        pass  # propose() syncs the request's context
+
+    def finish(self, req: Request) -> None:
+        self.proposer.finish_request(req.request_id, cache=req.status != RequestStatus.FINISHED_ABORTED)
 
 
 def _grammar_prefix(matcher, drafts: list[int]) -> list[int]:

@@ -6,11 +6,11 @@ request with d_1..d_j appended, so penalties, min_tokens, bad words, the waterma
 token and the grammar's state (`MatcherAt`) are those of that position; the Sampler's logits
 processing then runs over all rows at once.
 
-Greedy rows accept d_j while it is the argmax. Sampled rows use rejection sampling with a
-one-hot draft distribution q (n-gram and suffix drafts): accept d_j with probability p_j(d_j);
-at the first rejection emit a sample of p_j with d_j removed (renormalised: max(p - q, 0));
-after k acceptances emit a sample of p_{k+1}. Each emitted token is then distributed as p
-(see tests/test_spec_decode.py). Every request gets its accepted drafts plus one token.
+Greedy rows accept d_j while it is the argmax. Sampled rows use rejection sampling
+(rejection.py) with a one-hot draft distribution q (n-gram and suffix drafts): accept d_j with
+probability p_j(d_j); at the first rejection emit a sample of norm(max(p_j - q, 0)); after k
+acceptances emit a sample of p_{k+1}. Each emitted token is then distributed as p (the chi-square
+tests in tests/test_spec_decode.py). Every request gets its accepted drafts plus one token.
 """
 
 from __future__ import annotations
@@ -20,14 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.engine.request import Request
-from tokenmill.model.layers.sampler import (
-    Sampler,
-    SamplerOutput,
-    SamplingBatch,
-    _argmax,
-    _host_logprobs,
-    sampling_probs,
-)
+from tokenmill.model.layers.sampler import Sampler, SamplerOutput, SamplingBatch, _host_logprobs
+from tokenmill.spec_decode.rejection import rejection_sample, target_distributions
 
 
 class MatcherAt:
@@ -80,35 +74,17 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, scheduled: list) -> Sa
     dev = logits.device
     batch = SamplingBatch.from_requests(positions, logits.shape[-1], device=dev)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in batch.num_logprobs) else None
-    processed = sampler._process_logits(logits, batch)
-    greedy = _argmax(processed)
-    # The draft each row verifies; -1 on a request's last row (the bonus token's).
-    drafts = torch.tensor([t for s in scheduled for t in s.spec_token_ids + [-1]], dtype=torch.long).to(dev)
-    if batch.all_greedy:
-        accept = greedy == drafts
-        emit = greedy
-    else:
-        probs = sampling_probs(processed, batch)
-        has_draft = drafts >= 0
-        d = drafts.clamp(min=0).unsqueeze(1)
-        p_draft = torch.where(has_draft, probs.gather(1, d).squeeze(1), torch.zeros_like(probs[:, 0]))
-        accept_random = sampler.uniform(len(positions), dev, batch.generators) < p_draft
-        # The token emitted where a row's draft is rejected (or the row has none): p without the draft.
-        residual = probs.scatter(1, d, torch.where(has_draft.unsqueeze(1), 0.0, probs.gather(1, d)))
-        recovered = (residual / sampler.exponential_noise(residual, batch.generators)).argmax(dim=-1)
-        greedy_rows = batch.temperature == 0
-        accept = torch.where(greedy_rows, greedy == drafts, accept_random)
-        emit = torch.where(greedy_rows, greedy, recovered)
-    flags = torch.cat([accept.long(), emit]).tolist()  # the step's one sync (logprobs below add one)
-    R = len(positions)
+    probs, argmax = target_distributions(sampler, logits, batch)
+    # inverse_cdf: one uniform per extra token instead of V exponentials per row (same distribution).
+    verified = rejection_sample([s.spec_token_ids for s in scheduled], probs, argmax,
+                                [s.request.sampling_params.greedy for s in scheduled],
+                                generators=[batch.generators[r0] for r0 in starts],
+                                generator=sampler._generator_for(dev), sample_method="inverse_cdf")
     accepted_ids, next_ids, rows = [], [], []
-    for s, r0 in zip(scheduled, starts):
-        k, m = len(s.spec_token_ids), 0
-        while m < k and flags[r0 + m]:
-            m += 1
-        accepted_ids.append(list(s.spec_token_ids[:m]))
-        next_ids.append(flags[R + r0 + m])
-        rows.append(list(range(r0, r0 + m + 1)))
+    for tokens, r0 in zip(verified.token_ids, starts):
+        accepted_ids.append(tokens[:-1])
+        next_ids.append(tokens[-1])
+        rows.append(list(range(r0, r0 + len(tokens))))
     accepted_lps: list[list] = [[None] * len(a) for a in accepted_ids]
     next_lps: list = [None] * len(scheduled)
     if raw_logprobs is not None:

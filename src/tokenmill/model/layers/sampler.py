@@ -303,14 +303,6 @@ class Sampler:
             noise[i].exponential_(generator=g if g is not None else own)
         return noise
 
-    def uniform(self, rows: int, device: torch.device, generators: list[torch.Generator | None]) -> torch.Tensor:
-        """One U(0, 1) draw per row, from generators[i] (the sampler's own when None)."""
-        u = torch.empty(rows, device=device)
-        own = self._generator_for(u.device)
-        for i, g in enumerate(generators):
-            u[i : i + 1].uniform_(generator=g if g is not None else own)
-        return u
-
 
 def sampling_probs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     """The distribution non-greedy rows sample from: processed logits scaled by temperature and
