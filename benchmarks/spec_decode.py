@@ -22,10 +22,10 @@ import json
 import statistics
 import time
 
-FUNCTIONS = ["textwrap.dedent", "shlex.split", "json.dumps", "fnmatch.translate", "posixpath.normpath",
+FUNCTIONS = ["textwrap.dedent", "shlex.split", "json.dumps", "fnmatch.translate", "textwrap.indent",
              "string.capwords", "base64.b64encode", "difflib.get_close_matches", "calendar.isleap",
-             "heapq.nlargest", "bisect.insort_right", "glob.has_magic", "html.escape", "keyword.iskeyword",
-             "operator.length_hint", "colorsys.rgb_to_hsv"]
+             "heapq.nlargest", "shutil.which", "glob.has_magic", "html.escape", "shlex.quote",
+             "urllib.parse.urlsplit", "colorsys.rgb_to_hsv"]
 MODULES = ["textwrap", "shlex", "fnmatch", "difflib", "heapq", "bisect", "colorsys", "calendar", "glob",
            "html", "string", "base64", "gzip", "zipfile", "tarfile", "csv"]
 

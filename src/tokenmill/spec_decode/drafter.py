@@ -10,8 +10,10 @@ are accepted, so it is rationed (vLLM's fixed k is the upper bound):
   likely enough to be accepted (a**k >= MIN_LAST_TOKEN_ACCEPT). A request whose drafts keep
   failing stops drafting, and is probed with one draft token every PROBE_EVERY steps;
 - per step, by batch size: at most `max_batch_rows` rows in the step (decode rows plus drafts),
-  given to the requests most likely to gain; past that the batch is compute-bound on a CPU and
-  extra rows cost about what they would save.
+  given to the requests most likely to gain. Measured on 2 CPU cores (benchmarks/spec_decode.py,
+  SmolLM2 bf16): with a cap of 64 rows, 32 concurrent requests ran at 0.93x of no speculation
+  (the step is compute-bound there and verification rows cost about what they save), so the
+  cap is 32: a batch of 32 decoding requests does not speculate.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from tokenmill.spec_decode.ngram import TokenBuffer
 MIN_LAST_TOKEN_ACCEPT = 0.3
 DECAY = 0.8  # weight of the past in the acceptance estimate, per verified step
 PROBE_EVERY = 8
-DEFAULT_MAX_BATCH_ROWS = 64  # the fused CPU step's row limit (model/fused_decode.py)
+DEFAULT_MAX_BATCH_ROWS = 32
 
 
 @dataclass
