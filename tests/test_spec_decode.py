@@ -213,6 +213,8 @@ def test_bad_speculative_config_is_refused(tiny_llama_dir):
         LLM(tiny_llama_dir, dtype="float32", speculative_config='{"method": "medusa", "num_speculative_tokens": 2}')
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLM(tiny_llama_dir, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="not built yet"):
+        LLM(tiny_llama_dir, dtype="float32", speculative_config={"model": tiny_llama_dir, "num_speculative_tokens": 2})
 
 
 def test_server_streams_verified_runs_and_reports_metrics(tiny_llama_dir, reference):

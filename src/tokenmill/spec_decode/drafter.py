@@ -83,7 +83,7 @@ class Drafter:
 
             proposer = _Suffix(SuffixProposer.from_config(config))
         else:
-            raise ValueError(f"speculative method {config.method!r} is not available in this engine")
+            raise ValueError(f"speculative method {config.method!r} is not built yet; use ngram or suffix")
         return cls(config, proposer, scheduler.max_model_len)
 
     # ---- after each step ----------------------------------------------------------------
