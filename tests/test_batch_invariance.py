@@ -1,0 +1,264 @@
+"""Batch invariance (issue 17): in bf16 a request's rows give the same bits whatever else is in
+the step, however its prompt is chunked, and whether its tokens come in one multi-row chunk (a
+speculative verification: k + 1 causal query rows) or one decode token per step.
+
+What makes it hold: every attention row goes through the rows kernel (csrc/paged_decode.h,
+`paged_rows`: each row computed as a lone decode token at its position, never split over keys),
+and bf16 linears run the panel kernel (one fixed summation order per output) at every batch size.
+The fused decode step calls the same kernels, so a step gives the same bits fused or op by op.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.model.fused_decode import MAX_Q, FusedDecode
+from tokenmill.model.layers import cpu_kernels
+from tokenmill.model.layers.attention import SeqChunk
+from tokenmill.model.layers.linear import SMALL_BATCH
+
+from tiny_models import build_tiny_model
+
+KW = dict(dtype="bfloat16", kv_cache_memory=0.05, enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
+def rows_kernels(kernels):
+    if not hasattr(kernels, "paged_rows"):
+        pytest.fail("the C++ kernels have no rows kernel")
+    return kernels
+
+
+@pytest.fixture(scope="module", params=["llama-d16", "llama-d32", "qwen2-d32"])
+def tiny_bf16(request, tmp_path_factory):
+    """Tiny bf16 engines: head_dim 16 (the float32-dot path of the attention kernel) and 32 (the
+    bf16-dot path), GQA, llama (untied) and qwen2 (q/k/v biases, tied embeddings)."""
+    arch, dims = request.param.split("-")
+    extra = {} if dims == "d16" else dict(hidden_size=128, intermediate_size=256)
+    path = build_tiny_model(tmp_path_factory.mktemp(request.param), arch, **extra)
+    llm = LLM(str(path), **KW)
+    runner = llm.engine.core.runner
+    assert runner.attn.batch_invariant, "batch invariance is the default"
+    return llm
+
+
+class Driver:
+    """Steps built by hand (as ModelRunner.prepare lays them out), run op by op or fused."""
+
+    def __init__(self, llm: LLM):
+        self.runner = llm.engine.core.runner
+        self.bs = self.runner.block_size
+        self.next_block = 1  # fresh blocks for every table (0 is the null block)
+
+    def table(self, tokens: int) -> list[int]:
+        n = -(-tokens // self.bs)
+        t = list(range(self.next_block, self.next_block + n))
+        self.next_block += n
+        assert self.next_block < self.runner.num_blocks
+        return t
+
+    def step(self, reqs: list[tuple[list[int], int, int, list[int]]], fused: bool | None = None) -> list[torch.Tensor]:
+        """reqs: (token ids, start, n, block table) per request, in row order; returns each
+        request's float32 logits, one row per query row. fused: True (must be accepted), False
+        (op by op), None (fused when the fused step accepts it)."""
+        ids, pos, slots, seqs = [], [], [], []
+        for tokens, start, n, table in reqs:
+            seqs.append(SeqChunk(len(ids), n, start, table))
+            ids += tokens[start : start + n]
+            pos += range(start, start + n)
+            slots += [table[p // self.bs] * self.bs + p % self.bs for p in range(start, start + n)]
+        meta = self.runner.attn.build_metadata(seqs, slots, self.bs)
+        ids_t, pos_t = torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long)
+        fd = self.runner.fast_decode
+        use_fused = fd is not None and fd.accepts(meta, len(ids)) if fused is None else fused
+        with torch.inference_mode():
+            if use_fused:
+                assert fd is not None and fd.accepts(meta, len(ids))
+                logits = fd(ids_t, pos_t, meta, torch.arange(len(ids)))
+            else:
+                logits = self.runner.model.compute_logits(self.runner.model(ids_t, pos_t, self.runner.attn, meta))
+        return [logits[c.row0 : c.row0 + c.n] for c in seqs]
+
+
+def _tokens(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _vocab(llm: LLM) -> int:
+    return llm.engine.config.model.vocab_size
+
+
+def test_rows_kernel_gives_each_row_the_bits_it_has_alone(rows_kernels):
+    """paged_rows against a float32 reference, and each row of a batch of decode rows,
+    verification chunks and prompt chunks equal, bit for bit, to the same row run alone as a
+    decode token (one item per kv head then, every head together in the batch)."""
+    from conftest import reference_paged_decode
+
+    g = torch.Generator().manual_seed(0)
+    for H, Hkv, D, bs, dtype in [(9, 3, 64, 16, torch.bfloat16), (4, 2, 16, 16, torch.bfloat16),
+                                 (8, 8, 128, 32, torch.bfloat16), (6, 2, 80, 16, torch.float32)]:
+        kc = torch.randn(4096, Hkv, D, generator=g).to(dtype)
+        vc = torch.randn(4096, Hkv, D, generator=g).to(dtype)
+        seqs = [(0, 1), (5, 3), (37, 8), (100, 1), (16, 16), (0, 40), (250, 5)]  # (cached, rows)
+        width = max(-(-(c + n) // bs) for c, n in seqs)
+        perm = torch.randperm(4096 // bs - 1, generator=g) + 1
+        tables = torch.stack([perm[i * width : (i + 1) * width] for i in range(len(seqs))]).long()
+        lens = torch.tensor([c + n for c, n in seqs])
+        loc = torch.tensor([0] + [n for _, n in seqs]).cumsum(0)
+        q = torch.randn(int(loc[-1]), H, D, generator=g).to(dtype)
+        out = rows_kernels.paged_rows(q, kc, vc, tables, lens, loc, bs, D**-0.5)
+        for b, (c, n) in enumerate(seqs):
+            for i in range(n):
+                r = int(loc[b]) + i
+                alone = rows_kernels.paged_rows(q[r : r + 1], kc, vc, tables[b : b + 1], torch.tensor([c + i + 1]),
+                                                torch.tensor([0, 1]), bs, D**-0.5)
+                assert torch.equal(out[r : r + 1], alone), (H, Hkv, D, b, i)
+                ref = reference_paged_decode(q[r : r + 1], kc, vc, tables[b : b + 1], torch.tensor([c + i + 1]), bs)
+                torch.testing.assert_close(alone.float(), ref, atol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+                                           rtol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+    with pytest.raises(RuntimeError, match="paged_rows"):
+        rows_kernels.paged_rows(q, kc, vc, tables, lens, loc[:-1], bs, 1.0)
+
+
+@pytest.mark.parametrize("splits", [[70], [33, 37], [16, 16, 16, 16, 6], [1, 69], [69, 1], [5] * 14, [64, 6]])
+def test_prompt_chunking_changes_no_bit(tiny_bf16, splits):
+    """The same prompt prefilled whole or in chunks (op by op, or fused where a step is small
+    enough), then decoded: the logits of every prompt row and every decode step are the same bits."""
+    llm = tiny_bf16
+    prompt = _tokens(70, _vocab(llm), seed=7)
+
+    def run(chunks):
+        d = Driver(llm)
+        table, tokens, start, rows = d.table(80), list(prompt), 0, []
+        for n in chunks:
+            rows.append(d.step([(tokens, start, n, table)])[0])
+            start += n
+        for _ in range(5):
+            tokens.append(int(rows[-1][-1].argmax()))
+            rows.append(d.step([(tokens, start, 1, table)])[0])
+            start += 1
+        return torch.cat(rows), tokens
+
+    want, want_tokens = run([70])
+    got, got_tokens = run(splits)
+    assert got_tokens == want_tokens
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("path", ["op", "fused"])
+def test_a_verification_chunk_equals_decoding_one_token_at_a_time(tiny_bf16, path):
+    """A request's k + 1 tokens as one causal chunk (a speculative verification) give the logits
+    bits of feeding them one decode step at a time (op by op or in the fused step)."""
+    llm = tiny_bf16
+    if path == "fused" and llm.engine.core.runner.fast_decode is None:
+        pytest.skip("no fused decode step here (needs the C++ kernels with AVX512-BF16)")
+    tokens = _tokens(45, _vocab(llm), seed=3)  # 40 prompt tokens, then 5 to verify
+    d = Driver(llm)
+    one_by_one_table, chunk_table = d.table(48), d.table(48)
+    d.step([(tokens, 0, 40, one_by_one_table)])
+    d.step([(tokens, 0, 40, chunk_table)])
+    one_by_one = torch.cat([d.step([(tokens, p, 1, one_by_one_table)], fused=path == "fused")[0] for p in range(40, 45)])
+    chunk = d.step([(tokens, 40, 5, chunk_table)], fused=path == "fused")[0]
+    assert chunk.shape == one_by_one.shape == (5, _vocab(llm))
+    assert torch.equal(chunk, one_by_one)
+    # and as 2 + 3, the other path
+    d2 = Driver(llm)
+    t = d2.table(48)
+    d2.step([(tokens, 0, 40, t)])
+    split = torch.cat([d2.step([(tokens, 40, 2, t)], fused=path != "fused")[0],
+                       d2.step([(tokens, 42, 3, t)], fused=path != "fused")[0]])
+    assert torch.equal(split, one_by_one)
+
+
+def test_a_request_alone_or_batched_with_others(tiny_bf16):
+    """A request's decode row, then its 4-row verification chunk, alone and in steps with other
+    requests of other lengths (decode rows, verification chunks, a long prompt chunk): fused steps
+    of <= 64 rows and op-by-op steps of more, the request's logits are the same bits."""
+    llm = tiny_bf16
+    vocab = _vocab(llm)
+    mine = _tokens(60, vocab, seed=11)  # 55 prompt tokens, 1 decode, then 4 in a chunk
+    others = [_tokens(n, vocab, seed=20 + n) for n in (9, 130, 300)]
+
+    def run(batched: bool, fused: bool | None):
+        d = Driver(llm)
+        t = d.table(64)
+        d.step([(mine, 0, 55, t)])
+        extra = []
+        if batched:  # other requests with their prefixes cached
+            for o in others:
+                ot = d.table(len(o) + 8)
+                d.step([(o, 0, len(o) - 8, ot)])
+                extra.append((o, ot))
+        out = []
+        for start, n in ((55, 1), (56, 4)):
+            reqs = [(mine, start, n, t)]
+            if batched:
+                (a, ta), (b, tb), (c, tc) = extra
+                long_chunk = [(c, len(c) - 8, 8, tc)] if fused is False else []
+                reqs = [(a, len(a) - 8, 1, ta), *reqs, (b, len(b) - 8, 5, tb), *long_chunk]
+                if fused is False:  # over SMALL_BATCH rows: op by op, linears at a prompt step's size
+                    filler = _tokens(80, vocab, seed=99)
+                    reqs.append((filler, 0, 80, d.table(80)))
+                    assert sum(r[2] for r in reqs) > SMALL_BATCH
+            res = d.step(reqs, fused=fused)
+            out.append(res[1] if batched else res[0])
+        return torch.cat(out)
+
+    alone = run(False, None)
+    assert torch.equal(run(True, False), alone)
+    if llm.engine.core.runner.fast_decode is not None:
+        assert torch.equal(run(False, True), alone)
+        assert torch.equal(run(True, True), alone)
+
+
+def test_fused_step_takes_few_rows_per_request_only(tiny_bf16):
+    llm = tiny_bf16
+    fd = llm.engine.core.runner.fast_decode
+    if fd is None:
+        pytest.skip("no fused decode step here (needs the C++ kernels with AVX512-BF16)")
+    attn, bs = llm.engine.core.runner.attn, llm.engine.core.runner.block_size
+
+    def meta(ns):
+        seqs, row = [], 0
+        for i, n in enumerate(ns):
+            seqs.append(SeqChunk(row, n, 10, list(range(1 + 4 * i, 5 + 4 * i))))
+            row += n
+        return attn.build_metadata(seqs, list(range(row)), bs), row
+
+    for ns, ok in [([1] * SMALL_BATCH, True), ([1] * (SMALL_BATCH + 1), False), ([MAX_Q, 1, 5], True),
+                   ([MAX_Q + 1, 1], False), ([MAX_Q] * (SMALL_BATCH // MAX_Q), True), ([8] * 9, False)]:
+        m, rows = meta(ns)
+        assert fd.accepts(m, rows) == ok, ns
+
+
+def test_off_it_is_the_previous_engine(tiny_llama_dir, monkeypatch):
+    """TOKENMILL_BATCH_INVARIANT=0: oneDNN for prompt steps, the prefill and split decode attention
+    kernels, and the fused step for all-decode steps only."""
+    monkeypatch.setenv("TOKENMILL_BATCH_INVARIANT", "0")
+    llm = LLM(tiny_llama_dir, **KW)
+    runner = llm.engine.core.runner
+    assert not runner.attn.batch_invariant
+    if runner.fast_decode is not None:
+        m = runner.attn.build_metadata([SeqChunk(0, 3, 10, [1]), SeqChunk(3, 1, 5, [2])], [16, 17, 18, 32],
+                                       runner.block_size)
+        assert not runner.fast_decode.accepts(m, 4)
+    assert isinstance(cpu_kernels.batch_invariant(), bool)
+
+
+def test_smollm2_64_greedy_requests_alone_and_all_at_once(smollm2_dir):
+    """The issue's check: 64 greedy bf16 requests give the same token ids one at a time and all
+    concurrently (before: 7-9 of 64 differed; random-token prompts of 5-120 tokens, where near-ties
+    are common, 27 of 64)."""
+    llm = LLM(smollm2_dir, dtype="bfloat16", kv_cache_memory=0.5)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 20000, (int(torch.randint(5, 120, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(64)]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    alone = [llm.generate(prompt_token_ids=[p], sampling_params=sp, use_tqdm=False)[0].outputs[0].token_ids
+             for p in prompts]
+    llm2 = LLM(smollm2_dir, dtype="bfloat16", kv_cache_memory=0.5, max_num_batched_tokens=512)  # chunked prompts
+    together = [o.outputs[0].token_ids for o in llm2.generate(prompt_token_ids=prompts, sampling_params=sp,
+                                                               use_tqdm=False)]
+    assert [i for i, (a, b) in enumerate(zip(alone, together)) if a != b] == []
