@@ -352,14 +352,37 @@ void rows_item_d(const RowsArgs<T, C>& a, const RowsItem& it) {
         std::copy(src, src + D, qb.data() + x * D);
       }
   const int64_t nblocks = (L + bs - 1) / bs;
-  const int64_t head_bytes = NH * D * static_cast<int64_t>(sizeof(C));  // of each slot's row, this item's heads
+  // The next block's K and V are prefetched while this one is computed: with every kv head in the
+  // item (its slots' rows whole, contiguous) a share at each (tile, head) as decode_items_d does,
+  // else (one head's slice of each row) all at once.
+  const bool all_heads = NH == Hkv;
+  const int64_t row_bytes = row * static_cast<int64_t>(sizeof(C));
+  if (all_heads) {
+    const int64_t first_bytes = std::min(bs, L) * row_bytes;
+    prefetch_rows(reinterpret_cast<const char*>(a.k_cache + table[0] * bs * row), 0, 1, first_bytes);
+    prefetch_rows(reinterpret_cast<const char*>(a.v_cache + table[0] * bs * row), 0, 1, first_bytes);
+  }
   for (int64_t bi = 0; bi < nblocks; ++bi) {
     const int64_t nb = std::min(bs, L - bi * bs);
     const int64_t base = table[bi] * bs;
-    if (bi + 1 < nblocks) {  // the next block's K / V rows of this item's heads, while this one is computed
+    const char* nk = nullptr;
+    const char* nv = nullptr;
+    int64_t next_bytes = 0, pf_done = 0;
+    if (bi + 1 < nblocks) {
       const int64_t nbase = table[bi + 1] * bs, nn = std::min(bs, L - (bi + 1) * bs);
-      prefetch_rows(a.k_cache + nbase * row + it.h0 * D, row, nn, head_bytes);
-      prefetch_rows(a.v_cache + nbase * row + it.h0 * D, row, nn, head_bytes);
+      if (all_heads) {
+        next_bytes = nn * row_bytes;
+        nk = reinterpret_cast<const char*>(a.k_cache + nbase * row);
+        nv = reinterpret_cast<const char*>(a.v_cache + nbase * row);
+      } else {
+        const int64_t head_bytes = NH * D * static_cast<int64_t>(sizeof(C));
+        prefetch_rows(a.k_cache + nbase * row + it.h0 * D, row, nn, head_bytes);
+        prefetch_rows(a.v_cache + nbase * row + it.h0 * D, row, nn, head_bytes);
+      }
+      if constexpr (quantized) {
+        prefetch_rows(a.k_scale + nbase * Hkv, 0, 1, bs * Hkv * 4);
+        prefetch_rows(a.v_scale + nbase * Hkv, 0, 1, bs * Hkv * 4);
+      }
     }
     for (int64_t j0 = 0; j0 < nb; j0 += kTile) {
       const int nt = static_cast<int>(std::min<int64_t>(kTile, nb - j0));
@@ -374,28 +397,38 @@ void rows_item_d(const RowsArgs<T, C>& a, const RowsItem& it) {
             vsv[hh * kTile + j] = a.v_scale[(base + j0 + j) * Hkv + it.h0 + hh];
           }
       }
+      const int64_t calls = ((nb - j0 + kTile - 1) / kTile) * NH;  // (tile, head) pairs left in the block
       for (int64_t hh = 0; hh < NH; ++hh) {
         const int64_t h = it.h0 + hh;
         const C* kp = a.k_cache + (base + j0) * row + h * D;
         const C* vp = a.v_cache + (base + j0) * row + h * D;
         const float* ks = quantized ? ksv.data() + hh * kTile : nullptr;
         const float* vs = quantized ? vsv.data() + hh * kTile : nullptr;
+        // This (tile, head)'s share of the next block, in 64-byte lines per key row of its first call.
+        const int first_keys = static_cast<int>(i_vis < i_full ? first + i_vis + 1 - k0 : nt);
+        const int64_t left = next_bytes - pf_done;
+        int pstep = left > 0 ? static_cast<int>((left / (calls - hh) + first_keys * 64 - 1) / (first_keys * 64) * 64) : 0;
+        const char* pfk = nk + pf_done;
+        const char* pfv = nv + pf_done;
+        pf_done += static_cast<int64_t>(pstep) * first_keys;
         auto attend = [&](int64_t x, int64_t gb, int keys) {
           float* qg = qf.data() + x * D;
           const T* qbg = qb.data() + x * D;
           float* mg = m.data() + x;
           float* lg = l.data() + x;
           float* ag = acc.data() + x * D;
+          const int ps = pstep;
+          pstep = 0;  // the first call of the (tile, head) prefetches
           switch (gb) {
-            case 1: attend_tile<T, C, D, 1>(qg, qbg, kp, vp, row, keys, ks, vs, a.scale, mg, lg, ag, nullptr, nullptr, 0); break;
+            case 1: attend_tile<T, C, D, 1>(qg, qbg, kp, vp, row, keys, ks, vs, a.scale, mg, lg, ag, pfk, pfv, ps); break;
             case 2:
-              if constexpr (kMaxGB >= 2) attend_tile<T, C, D, 2>(qg, qbg, kp, vp, row, keys, ks, vs, a.scale, mg, lg, ag, nullptr, nullptr, 0);
+              if constexpr (kMaxGB >= 2) attend_tile<T, C, D, 2>(qg, qbg, kp, vp, row, keys, ks, vs, a.scale, mg, lg, ag, pfk, pfv, ps);
               break;
             case 3:
-              if constexpr (kMaxGB >= 3) attend_tile<T, C, D, 3>(qg, qbg, kp, vp, row, keys, ks, vs, a.scale, mg, lg, ag, nullptr, nullptr, 0);
+              if constexpr (kMaxGB >= 3) attend_tile<T, C, D, 3>(qg, qbg, kp, vp, row, keys, ks, vs, a.scale, mg, lg, ag, pfk, pfv, ps);
               break;
             default:
-              if constexpr (kMaxGB >= 4) attend_tile<T, C, D, 4>(qg, qbg, kp, vp, row, keys, ks, vs, a.scale, mg, lg, ag, nullptr, nullptr, 0);
+              if constexpr (kMaxGB >= 4) attend_tile<T, C, D, 4>(qg, qbg, kp, vp, row, keys, ks, vs, a.scale, mg, lg, ag, pfk, pfv, ps);
               break;
           }
         };
