@@ -10,8 +10,9 @@ Two engines on the same model folder are loaded in this process, one batch-invar
 default: cpu_kernels.batch_invariant()) and one not (TOKENMILL_BATCH_INVARIANT=0: oneDNN for
 prompt steps, the prefill attention kernel, decode attention split over the threads at small
 batches). Each round runs the workload of benchmarks/throughput.py (N seeded random-token
-prompts of --input-len tokens, all submitted at once, each generating exactly --output-len
-tokens, greedy) on both, in alternating order, so that load from other processes hits both alike.
+prompts of --input-len tokens, fresh each round so that no run hits a prefix cache, all
+submitted at once, each generating exactly --output-len tokens, greedy) on both, in alternating
+order, so that load from other processes hits both alike.
 Prints per round and as medians: output tokens/s of each, on / off, and the CPU other processes
 used meanwhile (figures from rounds where they used more than 0.25 cores are not comparable).
 
@@ -87,7 +88,8 @@ def main(argv=None) -> None:
         print(f"{name}: attention rows kernel {attn}, fused step {type(runner.fast_decode).__name__}")
     tok = llms["invariant"].engine.tokenizer
     vocab = llms["invariant"].engine.config.model.vocab_size
-    prompts = make_prompts(args.num_prompts, args.input_len, vocab, special_token_ids(tok), seed=0)
+    excluded = special_token_ids(tok)
+    prompts = make_prompts(args.num_prompts, args.input_len, vocab, excluded, seed=0)
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     for llm in llms.values():  # warm-up
         llm.generate(prompt_token_ids=prompts[:2], sampling_params=SamplingParams(temperature=0.0, max_tokens=4,
@@ -96,6 +98,8 @@ def main(argv=None) -> None:
     rates: dict[str, list[float]] = {name: [] for name in llms}
     print(f"{args.num_prompts} prompts x {args.input_len} in x {args.output_len} out, {args.dtype}, {threads} threads")
     for r in range(args.rounds):
+        # fresh prompts each round (the same for both engines), so that no run hits a prefix cache
+        prompts = make_prompts(args.num_prompts, args.input_len, vocab, excluded, seed=1000 + r)
         order = list(llms) if r % 2 == 0 else list(reversed(llms))
         line = []
         for name in order:

@@ -262,3 +262,42 @@ def test_smollm2_64_greedy_requests_alone_and_all_at_once(smollm2_dir):
     together = [o.outputs[0].token_ids for o in llm2.generate(prompt_token_ids=prompts, sampling_params=sp,
                                                                use_tqdm=False)]
     assert [i for i, (a, b) in enumerate(zip(alone, together)) if a != b] == []
+
+
+def test_tp2_fused_multi_row_steps_equal_op_by_op_and_one_rank(tiny_llama_dir, monkeypatch):
+    """Tensor parallel, bf16, prompts chunked 12 tokens a step (steps of prompt chunks and decode
+    rows, <= MAX_Q rows per request): each rank runs them in the fused step, and the tokens and
+    logprobs equal the ranks' op-by-op run. The fused step is used for those steps."""
+    prompts = [[5 + (11 * i + 3 * j) % 200 for j in range(6 + 9 * i)] for i in range(4)]
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    kw = dict(dtype="bfloat16", kv_cache_memory=0.02, tensor_parallel_size=2, max_num_batched_tokens=12)
+
+    def run(llm):
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
+        return [(o.outputs[0].token_ids, [next(iter(d.values())).logprob for d in o.outputs[0].logprobs]) for o in outs]
+
+    fused = LLM(tiny_llama_dir, **kw)
+    try:
+        fd = fused.engine.core.runner.fast_decode
+        if fd is None:
+            pytest.skip("no fused decode step here (needs the C++ kernels with AVX512-BF16)")
+        multi, inner = [], fd.accepts
+
+        def accepts(meta, rows):
+            ok = inner(meta, rows)
+            if ok and not meta.all_decode:
+                multi.append(rows)
+            return ok
+
+        fd.accepts = accepts
+        got = run(fused)
+        assert multi, "no multi-row step ran fused"
+    finally:
+        fused.shutdown()
+    monkeypatch.setenv("TOKENMILL_FUSED_DECODE", "0")  # read by every rank as it builds (workers inherit it)
+    plain = LLM(tiny_llama_dir, **kw)
+    try:
+        assert plain.engine.core.runner.fast_decode is None
+        assert got == run(plain)
+    finally:
+        plain.shutdown()

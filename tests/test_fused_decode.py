@@ -2,7 +2,9 @@
 
 Its logits must equal the op-by-op model's bit for bit (the same kernels, the same splits), for
 every weight form it takes (plain bf16, int4, int8, GGUF-style blocks), GQA, q/k/v biases, tied
-embeddings and batches of several rows; the runner must use it only for small all-decode steps."""
+embeddings and batches of several rows; the runner must use it only for small steps (all decode
+rows, or, batch-invariant, requests of at most MAX_Q rows each). Multi-row steps: see
+test_batch_invariance.py."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.model.fused_decode import FusedDecode
+from tokenmill.model.fused_decode import MAX_Q, FusedDecode
 from tokenmill.model.layers.linear import SMALL_BATCH
 
 KW = dict(dtype="bfloat16", kv_cache_memory=0.02, enable_prefix_caching=False)
@@ -55,9 +57,12 @@ def _prompts(n: int, vocab: int) -> list[list[int]]:
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("quantization", [None, "int4", "int8"])
 @pytest.mark.parametrize("rows", [1, 3, 6])
-def test_fused_logits_equal_the_model_run_op_by_op(arch, quantization, rows, request):
+@pytest.mark.parametrize("invariant", [True, False])
+def test_fused_logits_equal_the_model_run_op_by_op(arch, quantization, rows, invariant, request, monkeypatch):
     """llama: GQA, untied lm_head; qwen2: q/k/v biases, tied embeddings (with int4 / int8 the
-    tied table is a quantized embedding shared with the lm_head)."""
+    tied table is a quantized embedding shared with the lm_head). Batch-invariant (attention by
+    the rows kernel) or not (the decode kernel)."""
+    monkeypatch.setenv("TOKENMILL_BATCH_INVARIANT", "1" if invariant else "0")
     llm = LLM(request.getfixturevalue(f"tiny_{arch}_dir"), quantization=quantization, **KW)
     fd = _fused_or_skip(llm)
     runner = _runner(llm)
@@ -76,8 +81,11 @@ def test_fused_logits_equal_the_model_run_op_by_op(arch, quantization, rows, req
     torch.testing.assert_close(fused_cache, runner.kv_cache, atol=0, rtol=0, equal_nan=True)
 
 
-def test_long_sequences_split_attention_across_threads(tiny_llama_dir):
-    """One sequence of ~300 tokens: attention splits its keys over the threads and merges."""
+@pytest.mark.parametrize("invariant", [False, True])
+def test_long_sequences_split_attention_across_threads(tiny_llama_dir, monkeypatch, invariant):
+    """One sequence of ~300 tokens: attention splits its keys over the threads and merges (not
+    batch-invariant), or its kv heads (batch-invariant: the rows kernel never splits keys)."""
+    monkeypatch.setenv("TOKENMILL_BATCH_INVARIANT", "1" if invariant else "0")
     llm = LLM(tiny_llama_dir, **KW)
     fd = _fused_or_skip(llm)
     runner = _runner(llm)
@@ -104,7 +112,9 @@ def test_generation_is_the_same_with_and_without_it(tiny_qwen2_dir, monkeypatch)
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
-def test_runner_uses_it_only_for_small_all_decode_steps(tiny_llama_dir):
+def test_runner_uses_it_only_for_small_steps_of_few_rows_per_request(tiny_llama_dir):
+    """Steps of <= SMALL_BATCH rows whose requests have <= MAX_Q rows each (batch-invariant, the
+    default: decode rows, verification chunks, short prompt chunks); others op by op."""
     llm = LLM(tiny_llama_dir, max_num_seqs=SMALL_BATCH + 8, **KW)
     fd = _fused_or_skip(llm)
     runner = _runner(llm)
@@ -126,7 +136,12 @@ def test_runner_uses_it_only_for_small_all_decode_steps(tiny_llama_dir):
     assert calls == []  # SMALL_BATCH + 4 decode rows: more than it takes, op by op
     llm.generate(prompt_token_ids=_prompts(3, vocab), sampling_params=SamplingParams(temperature=0, max_tokens=4,
                                                                                    ignore_eos=True))
-    assert calls == [3, 3, 3]  # the prompt step ran op by op, the 3 decode steps fused
+    assert calls == [3, 3, 3]  # the prompt step (a 19-token prompt: > MAX_Q) ran op by op, the 3 decode steps fused
+    calls.clear()
+    assert MAX_Q < 19
+    llm.generate(prompt_token_ids=_prompts(2, vocab), sampling_params=SamplingParams(temperature=0, max_tokens=4,
+                                                                                   ignore_eos=True))
+    assert calls == [5 + 12, 2, 2, 2]  # prompts of 5 and 12 tokens: the prompt step fused too
     calls.clear()
     llm.generate(prompt_token_ids=_prompts(2, vocab),
                  sampling_params=SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=1))
@@ -168,3 +183,42 @@ def test_decode_weights_sit_in_one_arena_in_execution_order(tiny_qwen2_dir, quan
     assert layer_part == sorted(layer_part) and min(starts) % HUGE_PAGE == 0
     if quantization is not None:
         assert model.embed_tokens.qweight.data_ptr() == model.lm_head.qweight.data_ptr()  # tied: one copy
+
+
+@pytest.mark.parametrize("quantization", [None, "int4", "int8"])
+def test_multi_row_steps_equal_the_model_run_op_by_op(tiny_qwen2_dir, quantization):
+    """Batch-invariant: a step of requests with several query rows each (a verification chunk of 5
+    after a cached prefix, a decode row, a fresh 7-token prompt) runs fused, every row's logits and
+    the K/V written equal to the op-by-op model's."""
+    from tokenmill.model.layers.attention import SeqChunk
+
+    llm = LLM(tiny_qwen2_dir, quantization=quantization, **KW)
+    fd = _fused_or_skip(llm)
+    runner = _runner(llm)
+    bs, vocab = runner.block_size, llm.engine.config.model.vocab_size
+    g = torch.Generator().manual_seed(5)
+    reqs = [(torch.randint(3, vocab, (45,), generator=g).tolist(), 40, 5, [1, 2, 3]),
+            (torch.randint(3, vocab, (21,), generator=g).tolist(), 20, 1, [4, 5]),
+            (torch.randint(3, vocab, (7,), generator=g).tolist(), 0, 7, [6])]
+    with torch.inference_mode():
+        for tokens, start, _, table in reqs[:2]:  # their cached prefixes
+            slots = [table[p // bs] * bs + p % bs for p in range(start)]
+            meta = runner.attn.build_metadata([SeqChunk(0, start, 0, table)], slots, bs)
+            runner.model(torch.tensor(tokens[:start]), torch.arange(start), runner.attn, meta)
+        ids, pos, slots, seqs = [], [], [], []
+        for tokens, start, n, table in reqs:
+            seqs.append(SeqChunk(len(ids), n, start, table))
+            ids += tokens[start : start + n]
+            pos += range(start, start + n)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+        meta = runner.attn.build_metadata(seqs, slots, bs)
+        ids, pos = torch.tensor(ids), torch.tensor(pos)
+        assert not meta.all_decode and fd.accepts(meta, len(ids))
+        kv = runner.kv_cache.clone()
+        rows = torch.arange(len(ids))
+        fused = fd(ids, pos, meta, rows)
+        fused_cache = runner.kv_cache.clone()
+        runner.kv_cache.copy_(kv)
+        want = runner.model.compute_logits(runner.model(ids, pos, runner.attn, meta))
+    assert torch.equal(fused, want)
+    torch.testing.assert_close(fused_cache, runner.kv_cache, atol=0, rtol=0, equal_nan=True)

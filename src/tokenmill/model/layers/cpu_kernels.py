@@ -124,25 +124,22 @@ def enabled() -> bool:
     return os.environ.get("TOKENMILL_NO_CPP_KERNELS") != "1"
 
 
-_batch_invariant: bool | None = None
-
-
 def batch_invariant() -> bool:
-    """Whether bf16 models compute each row the same way whatever else is in its step (the
-    attention rows kernel for every query row, panel linears at every batch size): the engine's
-    default; TOKENMILL_BATCH_INVARIANT=0, or set_batch_invariant(False) before the model loads,
-    turns it off (oneDNN for prompt steps, the prefill attention kernel, decode attention split
-    over the threads at small batches: faster prompts on AMX machines, but bf16 results that
-    depend on the batch)."""
-    if _batch_invariant is not None:
-        return _batch_invariant
+    """Whether bf16 models compute each row the same way whatever else is in its step: every
+    attention row through the rows kernel (csrc/paged_decode.h), bf16 linears in panels at every
+    batch size (linear.py). The default; TOKENMILL_BATCH_INVARIANT=0 turns it off for models loaded
+    after (oneDNN for prompt steps, the prefill attention kernel, decode attention split over the
+    threads at small batches: faster prompts where oneDNN has AMX, but bf16 results that depend on
+    the batch). Read from the environment so that tensor-parallel workers, spawned processes, agree."""
     return os.environ.get("TOKENMILL_BATCH_INVARIANT", "1") != "0"
 
 
 def set_batch_invariant(on: bool | None) -> None:
-    """Overrides TOKENMILL_BATCH_INVARIANT for models loaded from now on (None: back to it)."""
-    global _batch_invariant
-    _batch_invariant = on
+    """Sets TOKENMILL_BATCH_INVARIANT for models loaded from now on (None: unsets it: on)."""
+    if on is None:
+        os.environ.pop("TOKENMILL_BATCH_INVARIANT", None)
+    else:
+        os.environ["TOKENMILL_BATCH_INVARIANT"] = "1" if on else "0"
 
 
 _CPU_DTYPES = None
