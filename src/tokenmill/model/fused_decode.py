@@ -7,9 +7,13 @@ final norm, LM head) in one parallel region with the same row and tile kernels, 
 equal the op-by-op model's bit for bit. This is the CPU's counterpart of capturing a decode
 graph on a GPU: it changes how the step is run, not what it computes.
 
-Used for steps whose rows are all decode tokens, at most SMALL_BATCH of them (where the linears
-run the engine's own kernels anyway), on bf16 models whose linears are bf16 panels or int4 /
-int8 blocks, with a bf16 KV cache. TOKENMILL_FUSED_DECODE=0 turns it off. Under tensor
+Used for steps of at most SMALL_BATCH rows (where the linears run the engine's own kernels
+anyway) whose rows are all decode tokens, or, batch-invariant (the default), whose requests have
+at most MAX_Q query rows each: decode tokens, speculative verification chunks (k + 1 causal rows
+at positions start .. start + k, logits for each), short prompt chunks, in any mix. Such steps
+take the varlen view of the metadata (query_start_loc, seq_lens, block_tables) and attend with the
+rows kernel, each row exactly as the op-by-op model (and a lone decode step) computes it. On bf16
+models whose linears are bf16 panels or int4 / int8 blocks, with a bf16 KV cache. TOKENMILL_FUSED_DECODE=0 turns it off. Under tensor
 parallelism each rank runs its shard this way, with the all-reduces after o_proj and down_proj
 inside the step (the shared-memory all-reduce, called from C++), and the vocab slices of the
 logits gathered on rank 0 after it. Its threads wait for

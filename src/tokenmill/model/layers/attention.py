@@ -5,10 +5,17 @@ tensors; the backend writes the new K/V into the paged cache at `meta.slot_mappi
 attends each request's queries to its keys read through its block table. The model never
 sees the cache layout, so a GPU backend (flash-attn, FlashInfer) can replace this one.
 
-CPU backend: decode requests (one query token each) go through one C++ kernel call that
-reads K/V in place through their block tables (a pure-torch gather + SDPA when the kernels
-are unavailable); prompt chunks run one C++ kernel call each (csrc/paged_prefill.cpp: causal,
-keys read in place through the block table), or one SDPA call each without the kernels.
+CPU backend, batch-invariant (the default, bf16 with the C++ kernels): every query row of the
+step, decode tokens, speculative verification chunks and prompt chunks alike, goes through one
+call of the rows kernel (`paged_rows`, csrc/paged_decode.h), which computes each row exactly as
+it computes a lone decode token at that position, reading K/V in place through the block tables:
+a row's bits do not depend on the rest of the batch, on how its prompt was chunked, or on whether
+its tokens came in one chunk or one per step. Not batch-invariant (TOKENMILL_BATCH_INVARIANT=0,
+float32, an int8 cache): decode requests (one query token each) go through one C++ kernel call
+that reads K/V in place through their block tables, split over the threads at small batches (a
+pure-torch gather + SDPA when the kernels are unavailable); prompt chunks run one C++ kernel call
+each (csrc/paged_prefill.cpp: causal, keys read in place through the block table, faster for long
+prompts), or one SDPA call each without the kernels.
 
 With an int8 cache (`--kv-cache-dtype int8`) each token's K and V are stored per kv head as
 int8 with one float32 scale (absmax / 127) and dequantized where they are read.

@@ -1,5 +1,7 @@
 // The fused decode step: a whole forward pass of a Llama-family model (embedding, every layer,
-// final norm, LM head) for a small batch of decode tokens, in ONE OpenMP parallel region.
+// final norm, LM head) for a small batch of decode tokens, or of a few query rows per sequence
+// (speculative verification chunks, short prompt chunks: the rows kernel's varlen view), in ONE
+// OpenMP parallel region.
 //
 // Batch-1 decode reads every weight once per token, so it is bound by memory bandwidth. Run as
 // ~300 separate ops per step (each a fork/join of the thread pool, with Python between them),
@@ -9,8 +11,8 @@
 // stage needs the whole of the previous one's output (StepBarrier: spins, then sleeps,
 // so that the step slows in proportion, not collapses, when other processes take cores):
 //
-//   per layer: [norm] qkv | rope + cache write (| when sequences are split) attention
-//              (| merge of split sequences) | o_proj | [add + norm] gate_up + silu | down |
+//   per layer: [norm] qkv | rope + cache write (| when sequences are split or have several
+//              rows) attention (| merge of split sequences) | o_proj | [add + norm] gate_up + silu | down |
 //   then:      [add + norm] lm_head rows
 //
 // Stages in [brackets] are tiny per-row element-wise work that every thread does redundantly
