@@ -63,6 +63,14 @@ struct RowLayout {
     const int64_t c2 = d / 32, e = d % 32;
     return c2 * 32 + (e % 2) * 16 + e / 2;
   }
+  // Position of element d in the output accumulators: slot(d), except with kBf16Dot, where P.V
+  // runs on pairs of V rows interleaved by 16-bit unpacks (attend_tile): vector 2 c2 + hi, lane
+  // 4 L + i holds element 32 c2 + 8 L + 4 hi + i.
+  static int64_t acc_slot(int64_t d) {
+    if constexpr (!kBf16Dot) return slot(d);
+    const int64_t c2 = d / 32, e = d % 32, L = e / 8, hi = (e % 8) / 4, i = e % 4;
+    return (2 * c2 + hi) * 16 + 4 * L + i;
+  }
 };
 
 template <typename T, typename C, int D>
@@ -144,19 +152,61 @@ inline void attend_tile(const float* qf, const T* qb, const C* kp, const C* vp, 
                                 _mm512_mul_ps(hsum_lanes(u[g][0], u[g][1], u[g][2], u[g][3]), sc));
   }
   alignas(64) float p[GB][kTile];
-  float corr[GB];
+  alignas(64) uint32_t pw[GB][kTile / 2];  // kBf16Dot: the weights in bf16, pairs of keys per word
+  alignas(64) float corr[16], bms[16] = {}, old_m[16] = {};
   const __m512 vs = vsv != nullptr ? _mm512_maskz_loadu_ps(valid, vsv) : _mm512_set1_ps(1.f);
 #pragma GCC unroll 4
   for (int g = 0; g < GB; ++g) {
-    const float bm = std::max(m[g], _mm512_reduce_max_ps(s[g]));
-    corr[g] = std::exp(m[g] - bm);
+    old_m[g] = m[g];
+    bms[g] = std::max(m[g], _mm512_reduce_max_ps(s[g]));
+  }
+  // The rescale factors of the GB heads in one vector exp (a libm call per head costs more
+  // than the rest of the head's softmax); lanes past GB unused.
+  _mm512_store_ps(corr, exp16(_mm512_sub_ps(_mm512_load_ps(old_m), _mm512_load_ps(bms))));
+#pragma GCC unroll 4
+  for (int g = 0; g < GB; ++g) {
+    const float bm = bms[g];
     const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s[g], _mm512_set1_ps(bm))));
     l[g] = std::fma(l[g], corr[g], _mm512_reduce_add_ps(e));  // explicit: the same rounding in every caller
     m[g] = bm;
-    _mm512_store_ps(p[g], _mm512_mul_ps(e, vs));  // int8 V: fold the row scale into the weight
+    if constexpr (RowLayout<T, C, D>::kBf16Dot) {
+#if defined(__AVX512BF16__)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pw[g]), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+#endif
+    } else {
+      _mm512_store_ps(p[g], _mm512_mul_ps(e, vs));  // int8 V: fold the row scale into the weight
+    }
   }
   __m512 a[GB][NV];
   load_rescaled<GB, NV>(a, acc, D, corr);
+  if constexpr (RowLayout<T, C, D>::kBf16Dot) {
+#if defined(__AVX512BF16__)
+    // P.V with vdpbf16ps on pairs of keys (P rounded to bf16, as flash attention does): V rows j
+    // and j + 1 interleaved 16 bits at a time (a missing j + 1 is zeros), each pair's two weights
+    // one broadcast word; half the instructions of float32 FMAs per key.
+    for (int j = 0; j < n; j += 2) {
+      const C* vr = vp + j * row;
+      for (int o = 0; o < pf_step; o += 64) _mm_prefetch(pfv + j * pf_step + o, _MM_HINT_T1);
+      if (j + 1 < n)
+        for (int o = 0; o < pf_step; o += 64) _mm_prefetch(pfv + (j + 1) * pf_step + o, _MM_HINT_T1);
+      __m512i w[NV];
+#pragma GCC unroll 8
+      for (int c2 = 0; c2 < D / 32; ++c2) {
+        const __m512i x = _mm512_loadu_si512(reinterpret_cast<const void*>(vr + c2 * 32));
+        const __m512i y = j + 1 < n ? _mm512_loadu_si512(reinterpret_cast<const void*>(vr + row + c2 * 32))
+                                    : _mm512_setzero_si512();
+        w[2 * c2] = _mm512_unpacklo_epi16(x, y);
+        w[2 * c2 + 1] = _mm512_unpackhi_epi16(x, y);
+      }
+#pragma GCC unroll 4
+      for (int g = 0; g < GB; ++g) {
+        const __m512bh pj = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pw[g][j / 2])));
+#pragma GCC unroll 16
+        for (int c = 0; c < NV; ++c) a[g][c] = _mm512_dpbf16_ps(a[g][c], pj, reinterpret_cast<__m512bh>(w[c]));
+      }
+    }
+#endif
+  } else {
   for (int j = 0; j < n; ++j) {
     const C* vr = vp + j * row;
     for (int o = 0; o < pf_step; o += 64) _mm_prefetch(pfv + j * pf_step + o, _MM_HINT_T1);
@@ -168,6 +218,7 @@ inline void attend_tile(const float* qf, const T* qb, const C* kp, const C* vp, 
 #pragma GCC unroll 16
       for (int c = 0; c < NV; ++c) a[g][c] = _mm512_fmadd_ps(pj, vv[c], a[g][c]);
     }
+  }
   }
 #pragma GCC unroll 4
   for (int g = 0; g < GB; ++g)
@@ -291,7 +342,7 @@ void decode_items_d(const DecodeArgs<T, C>& a, int64_t begin, int64_t end) {
       float tmp[D];
       for (int64_t g = 0; g < H; ++g) {
         float* ag = acc.data() + g * D;
-        for (int64_t d = 0; d < D; ++d) tmp[d] = ag[Layout::slot(d)];
+        for (int64_t d = 0; d < D; ++d) tmp[d] = ag[Layout::acc_slot(d)];
         std::copy(tmp, tmp + D, ag);
       }
     }
@@ -446,7 +497,7 @@ void rows_item_d(const RowsArgs<T, C>& a, const RowsItem& it) {
       for (int64_t g = 0; g < G; ++g) {
         const int64_t x = (hh * R + i) * G + g;
         const float* ag = acc.data() + x * D;
-        for (int64_t d = 0; d < D; ++d) tmp[d] = ag[Layout::slot(d)];
+        for (int64_t d = 0; d < D; ++d) tmp[d] = ag[Layout::acc_slot(d)];
         T* ob = a.out + ((q0 + it.r0 + i) * H + (it.h0 + hh) * G + g) * D;
         const float inv = 1.f / l[x];
         for (int d = 0; d < D; ++d) from_f(tmp[d] * inv, ob + d);
