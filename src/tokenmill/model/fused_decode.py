@@ -1,4 +1,4 @@
-"""The fused decode step: small all-decode batches run as one C++ call per step.
+"""The fused decode step: small decode (and verification) batches run as one C++ call per step.
 
 A decode step of a small batch is bound by reading the weights (batch 1 reads every weight once
 per token). Run op by op it is ~300 kernel calls with Python between them, and the weight
@@ -13,12 +13,13 @@ at most MAX_Q query rows each: decode tokens, speculative verification chunks (k
 at positions start .. start + k, logits for each), short prompt chunks, in any mix. Such steps
 take the varlen view of the metadata (query_start_loc, seq_lens, block_tables) and attend with the
 rows kernel, each row exactly as the op-by-op model (and a lone decode step) computes it. On bf16
-models whose linears are bf16 panels or int4 / int8 blocks, with a bf16 KV cache. TOKENMILL_FUSED_DECODE=0 turns it off. Under tensor
-parallelism each rank runs its shard this way, with the all-reduces after o_proj and down_proj
-inside the step (the shared-memory all-reduce, called from C++), and the vocab slices of the
-logits gathered on rank 0 after it. Its threads wait for
-each other at a barrier that spins briefly and then sleeps (TOKENMILL_SPIN_US), so that the step
-slows in proportion, rather than collapsing, when other processes take cores (cpu_threads).
+models whose linears are bf16 panels or int4 / int8 blocks, with a bf16 KV cache.
+TOKENMILL_FUSED_DECODE=0 turns it off. Under tensor parallelism each rank runs its shard this
+way, with the all-reduces after o_proj and down_proj inside the step (the shared-memory
+all-reduce, called from C++), and the vocab slices of the logits gathered on rank 0 after it.
+Its threads wait for each other at a barrier that spins briefly and then sleeps
+(TOKENMILL_SPIN_US), so that the step slows in proportion, rather than collapsing, when other
+processes take cores (cpu_threads).
 """
 
 from __future__ import annotations
