@@ -45,7 +45,7 @@ class EngineCore:
         cache.num_blocks = self.runner.num_blocks  # sized on the GPU when it was 0
         self.kv = KVCacheManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
-        self.drafter = Drafter.build(config.speculative, config.scheduler) if config.speculative else None
+        self.drafter = Drafter.build(config) if config.speculative else None
 
     def shutdown(self) -> None:
         self.runner.shutdown()

@@ -58,6 +58,7 @@ class Request:
     stop_reason: int | str | None = None
     # Speculative decoding: tokens proposed for the next step, verified there (spec_decode/).
     spec_token_ids: list[int] = field(default_factory=list)
+    spec_draft_probs: torch.Tensor | None = None  # [len(spec_token_ids), V] for sampled drafts (draft model)
     generator: torch.Generator | None = None  # the seed's CPU generator (see generator_for)
     _device_generators: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # device -> generator
     # Timing, for metrics.

@@ -25,6 +25,7 @@ class ScheduledRequest:
     num_new_tokens: int  # draft tokens included
     block_ids: list[int]
     spec_token_ids: list[int] = field(default_factory=list)  # drafts verified in this step (after its last token)
+    spec_draft_probs: object | None = None  # [len(spec_token_ids), V] they were sampled from; None: one-hot
 
     @property
     def samples(self) -> bool:
@@ -91,7 +92,8 @@ class Scheduler:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             spec = req.spec_token_ids[: budget - 1] if n == 1 else []
-            req.spec_token_ids = []
+            probs = req.spec_draft_probs[: len(spec)] if spec and req.spec_draft_probs is not None else None
+            req.spec_token_ids, req.spec_draft_probs = [], None
             if spec and not self.kv.allocate_slots(req, 1 + len(spec)):
                 spec = []  # no room to speculate: decode one token, preempting only for that
             while not spec and not self.kv.allocate_slots(req, n):
@@ -102,7 +104,8 @@ class Scheduler:
                     break
             else:
                 n += len(spec)
-                out.scheduled.append(ScheduledRequest(req, n, self.kv.block_ids(req.request_id), spec))
+                out.scheduled.append(ScheduledRequest(req, n, self.kv.block_ids(req.request_id), spec,
+                                                      probs if spec else None))
                 scheduled_ids.add(req.request_id)
                 budget -= n
                 i += 1

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenmill.config import SchedulerConfig
+from tokenmill.config import EngineConfig
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.spec_decode.ngram import TokenBuffer
@@ -52,6 +52,15 @@ class SpecDecodeStats:
 
 
 @dataclass
+class Drafts:
+    """What a proposer gives one request: draft tokens, and for sampled drafts the probabilities
+    they were drawn from ([len(token_ids), V]; None for one-hot drafts: n-gram, suffix, argmax)."""
+
+    token_ids: list[int]
+    probs: object | None = None
+
+
+@dataclass
 class _Track:
     accepted: float = 2.0  # decayed counts of accepted draft tokens and of trials (optimistic start)
     trials: float = 2.0
@@ -72,7 +81,8 @@ class Drafter:
         self._tracks: dict[str, _Track] = {}
 
     @classmethod
-    def build(cls, config: SpeculativeConfig, scheduler: SchedulerConfig) -> Drafter:
+    def build(cls, engine: EngineConfig) -> Drafter:
+        config, scheduler = engine.speculative, engine.scheduler
         if config.method == "ngram":
             from tokenmill.spec_decode.ngram import NgramProposer
 
@@ -83,7 +93,10 @@ class Drafter:
 
             proposer = _Suffix(SuffixProposer.from_config(config))
         else:
-            raise ValueError(f"speculative method {config.method!r} is not built yet; use ngram or suffix")
+            from tokenmill.spec_decode.draft_model import DraftModelProposer
+
+            proposer = DraftModelProposer(config.model, config.quantization, config.dtype, engine.model,
+                                          engine.cache, scheduler, engine.device, engine.seed)
         return cls(config, proposer, scheduler.max_model_len)
 
     # ---- after each step ----------------------------------------------------------------
@@ -139,16 +152,17 @@ class Drafter:
             if k > 0:
                 wanted.append((t.rate, req, k, t))
         wanted.sort(key=lambda w: -w[0])  # the likeliest to gain first
-        for _, req, k, t in wanted:
-            if rows_left <= 0:
-                break
-            drafts = self.proposer.propose(req, min(k, rows_left))
+        items = [(req, k) for _, req, k, _ in wanted]
+        many = getattr(self.proposer, "propose_many", None)  # a draft model drafts for all at once
+        proposals = many(items, rows_left, running) if many else _one_by_one(self.proposer, items, rows_left)
+        for (_, req, _, t), drafts in zip(wanted, proposals):
+            tokens = drafts.token_ids
             if req.matcher is not None:
-                drafts = _grammar_prefix(req.matcher, drafts)
-            if drafts:
+                tokens = _grammar_prefix(req.matcher, tokens)
+            if tokens:
                 t.idle_steps = 0
-                req.spec_token_ids = drafts
-                rows_left -= len(drafts)
+                req.spec_token_ids = tokens
+                req.spec_draft_probs = None if drafts.probs is None else drafts.probs[: len(tokens)]
 
     def _k_for(self, t: _Track) -> int:
         a = t.rate
@@ -156,6 +170,16 @@ class Drafter:
         while k < self.k and a ** (k + 1) >= MIN_LAST_TOKEN_ACCEPT:
             k += 1
         return k
+
+
+def _one_by_one(proposer, items: list[tuple[Request, int]], rows_left: int) -> list[Drafts]:
+    """Drafts of a proposer that takes one request at a time, the first items first."""
+    out = []
+    for req, k in items:
+        tokens = proposer.propose(req, min(k, rows_left)) if rows_left > 0 else []
+        rows_left -= len(tokens)
+        out.append(Drafts(tokens))
+    return out
 
 
 class _ByTokens:

@@ -77,7 +77,7 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, scheduled: list) -> Sa
     probs, argmax = target_distributions(sampler, logits, batch)
     # inverse_cdf: one uniform per extra token instead of V exponentials per row (same distribution).
     verified = rejection_sample([s.spec_token_ids for s in scheduled], probs, argmax,
-                                [s.request.sampling_params.greedy for s in scheduled],
+                                [s.request.sampling_params.greedy for s in scheduled], _draft_probs(scheduled, probs),
                                 generators=[batch.generators[r0] for r0 in starts],
                                 generator=sampler._generator_for(dev), sample_method="inverse_cdf")
     accepted_ids, next_ids, rows = [], [], []
@@ -99,3 +99,18 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, scheduled: list) -> Sa
             accepted_lps[i] = [next(it) for _ in accepted_ids[i]]
             next_lps[i] = next(it)
     return SamplerOutput(next_ids, next_lps, accepted_ids, accepted_lps)
+
+
+def _draft_probs(scheduled: list, target_probs: torch.Tensor | None) -> torch.Tensor | None:
+    """[sum(k_i), V]: each draft's q, None when all drafts are one-hot (n-gram, suffix, argmax
+    drafts); one-hot rows for the one-hot drafts of a batch where a draft model sampled others."""
+    if target_probs is None or all(s.spec_draft_probs is None for s in scheduled):
+        return None
+    rows = []
+    for s in scheduled:
+        if s.spec_draft_probs is not None:
+            rows.append(s.spec_draft_probs.to(target_probs.device, torch.float32))
+        elif s.spec_token_ids:
+            ids = torch.tensor(s.spec_token_ids, device=target_probs.device)
+            rows.append(torch.nn.functional.one_hot(ids, target_probs.shape[-1]).float())
+    return torch.cat(rows)
