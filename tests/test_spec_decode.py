@@ -3,8 +3,11 @@
 The tiny random models rarely repeat themselves, so besides the real n-gram proposer most tests
 plug in an "oracle" that drafts the true greedy continuation for some requests and wrong tokens
 for others: every path (all accepted, rejected at each position, none) runs, and the output must
-equal the run without speculation token for token (float32: no rounding differences between a
-multi-token verification chunk and single decode steps).
+equal the run without speculation token for token. float32: the rounding differences between a
+multi-token verification chunk and single decode steps are too small to flip a token. bfloat16:
+the batch-invariant path (tests/test_batch_invariance.py) gives each row the same bits in a
+verification chunk as in a decode step, whatever else the step holds, so the bf16 tests compare
+with the bf16 engine without speculation (and their logprobs must be equal, not close).
 """
 
 from __future__ import annotations
@@ -55,31 +58,64 @@ def _run(llm: LLM, prompts=PROMPTS, params=None):
     return [o.outputs[0].token_ids for o in res], res
 
 
+DTYPES = ["float32", "bfloat16"]
+
+
+def _require_invariant(llm: LLM) -> None:
+    """bf16 speculation equals no speculation only where the bf16 path is batch-invariant: the
+    attention rows kernel and every linear in panels (the C++ kernels with AVX512-BF16)."""
+    from tokenmill.model.layers.linear import PackedLinear
+
+    runner = llm.engine.core.runner
+    linears = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]
+    if not (runner.attn.batch_invariant and linears and all(m.packed_weight is None for m in linears)):
+        pytest.skip("the bf16 path is not batch-invariant here (needs the C++ kernels with AVX512-BF16)")
+
+
 @pytest.fixture(scope="module")
-def reference(tiny_llama_dir):
-    llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.05)
-    tokens, res = _run(llm, params=_greedy(logprobs=2))
-    llm.shutdown()
-    return tokens, res
+def references(tiny_llama_dir):
+    """references(dtype): the engine without speculation, greedy with logprobs, per dtype (cached)."""
+    cache = {}
+
+    def get(dtype: str):
+        if dtype not in cache:
+            llm = LLM(tiny_llama_dir, dtype=dtype, kv_cache_memory=0.05)
+            if dtype == "bfloat16":
+                _require_invariant(llm)
+            cache[dtype] = _run(llm, params=_greedy(logprobs=2))
+            llm.shutdown()
+        return cache[dtype]
+
+    return get
 
 
-def _spec_llm(model_dir: str, oracle_truth=None, **kw) -> LLM:
-    llm = LLM(model_dir, dtype="float32", speculative_config=kw.pop("speculative_config", NGRAM), **kw)
+@pytest.fixture(scope="module")
+def reference(references):
+    return references("float32")
+
+
+def _spec_llm(model_dir: str, oracle_truth=None, dtype: str = "float32", **kw) -> LLM:
+    llm = LLM(model_dir, dtype=dtype, speculative_config=kw.pop("speculative_config", NGRAM), **kw)
     if oracle_truth is not None:
         llm.engine.core.drafter.proposer = Oracle(oracle_truth, llm.engine.config.model.vocab_size)
     return llm
 
 
-def test_ngram_greedy_equals_no_speculation(tiny_llama_dir, reference):
-    llm = _spec_llm(tiny_llama_dir, kv_cache_memory=0.05)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ngram_greedy_equals_no_speculation(tiny_llama_dir, references, dtype):
+    reference = references(dtype)
+    llm = _spec_llm(tiny_llama_dir, dtype=dtype, kv_cache_memory=0.05)
     assert _run(llm)[0] == reference[0]
+    assert llm.engine.core.drafter.stats.num_draft_tokens > 0
     llm.shutdown()
 
 
-def test_suffix_drafts_from_an_earlier_output(tiny_llama_dir, reference):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_suffix_drafts_from_an_earlier_output(tiny_llama_dir, references, dtype):
     """suffix: the same prompt again is drafted from the first answer (the global tree), every
     draft accepted after the first tokens; tokens equal the unspeculated ones both times."""
-    llm = _spec_llm(tiny_llama_dir, kv_cache_memory=0.05,
+    reference = references(dtype)
+    llm = _spec_llm(tiny_llama_dir, dtype=dtype, kv_cache_memory=0.05,
                     speculative_config={"method": "suffix", "num_speculative_tokens": 4})
     st = llm.engine.core.drafter.stats
     assert _run(llm, PROMPTS[:1])[0] == reference[0][:1]
@@ -89,16 +125,19 @@ def test_suffix_drafts_from_an_earlier_output(tiny_llama_dir, reference):
     llm.shutdown()
 
 
-def test_oracle_drafts_accepted_and_rejected_at_every_position(tiny_llama_dir, reference):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_oracle_drafts_accepted_and_rejected_at_every_position(tiny_llama_dir, references, dtype):
+    reference = references(dtype)
     truth = {tuple(p): t for p, t in zip(PROMPTS, reference[0])}
-    llm = _spec_llm(tiny_llama_dir, truth, kv_cache_memory=0.05)
+    llm = _spec_llm(tiny_llama_dir, truth, dtype=dtype, kv_cache_memory=0.05)
     tokens, res = _run(llm, params=_greedy(logprobs=2))
     assert tokens == reference[0]
     for got, want in zip(res, reference[1]):  # logprobs of every emitted token, accepted drafts included
         for a, b in zip(got.outputs[0].logprobs, want.outputs[0].logprobs):
             assert a.keys() == b.keys()
-            for t in a:
-                assert a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4)
+            for t in a:  # bf16: the same logits bits, so the same logprobs
+                want_lp = pytest.approx(b[t].logprob, abs=1e-4) if dtype == "float32" else b[t].logprob
+                assert a[t].logprob == want_lp
     st = llm.engine.core.drafter.stats
     assert st.num_accepted_tokens > 0 and st.num_accepted_tokens < st.num_draft_tokens
     assert all(n > 0 for n in st.accepted_per_pos)
@@ -172,6 +211,70 @@ def test_structured_output_checks_each_draft_position(tiny_llama_dir):
     llm.shutdown()
 
 
+def test_bf16_chunked_preempted_cached_structured_stop_string_n2(tiny_llama_dir, references):
+    """bf16, one mixed batch: a stop string, a regex grammar, n=2 and plain greedy requests, with
+    oracle drafts, 8-token steps (prompt chunks), a pool so small that requests preempt each other,
+    then the same requests again (prefix-cache hits). The reference is the bf16 engine without
+    speculation, whole prompts in one step and nothing preempted: the same tokens, text and
+    logprobs (bit for bit), and every block back in the pool."""
+    import re
+
+    from tokenmill.sampling_params import GuidedDecodingParams
+
+    ref_tokens, ref_res = references("bfloat16")
+    text = ref_res[0].outputs[0].text
+    stop = re.search(r"[a-z]{2}", text[len(text) // 3 :])  # a stop string that occurs mid-output
+    assert stop, text
+    stop = stop.group()
+    params = [
+        _greedy(logprobs=2, stop=[stop]),
+        SamplingParams(max_tokens=24, temperature=0.0, logprobs=2,
+                       guided_decoding=GuidedDecodingParams(regex=r"[a-z ]{4,40}")),
+        SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2, n=2),
+        _greedy(logprobs=2),
+    ]
+    shape = dict(dtype="bfloat16", block_size=8, max_model_len=128)
+
+    def outputs(res):
+        return [[(o.token_ids, o.text, o.finish_reason, [{t: lp.logprob for t, lp in d.items()} for d in o.logprobs])
+                 for o in r.outputs] for r in res]
+
+    plain = LLM(tiny_llama_dir, kv_cache_memory=0.05, **shape)
+    want_res = plain.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)
+    assert plain.engine.core.scheduler.num_preemptions == 0
+    plain.shutdown()
+    want = outputs(want_res)
+    assert want[0][0][2] == "stop" and len(want[0][0][0]) < len(ref_tokens[0])  # the stop string ended it
+    assert re.fullmatch(r"[a-z ]{4,40}", want[1][0][1]), want[1][0][1]
+    assert want[2][0] == want[2][1]
+    assert [w[0][0] for w in want[2:]] == ref_tokens[2:]
+    # the oracle drafts each request's unstopped greedy continuation (the grammar's for the regex)
+    truth = {tuple(p): t for p, t in zip(PROMPTS, ref_tokens)}
+    truth[tuple(PROMPTS[1])] = want[1][0][0]
+    llm = _spec_llm(tiny_llama_dir, truth, num_gpu_blocks_override=14, max_num_batched_tokens=8, **shape)
+    _require_invariant(llm)
+    fd, multi = llm.engine.core.runner.fast_decode, []
+    if fd is not None:  # count the steps of verification / prompt chunks the fused step runs
+        inner = fd.accepts
+
+        def accepts(meta, rows):
+            ok = inner(meta, rows)
+            if ok and not meta.all_decode:
+                multi.append(rows)
+            return ok
+
+        fd.accepts = accepts
+    for _ in range(2):
+        assert outputs(llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)) == want
+    core = llm.engine.core
+    assert fd is None or multi, "no multi-row step ran fused"
+    assert core.scheduler.num_preemptions > 0 and core.kv.stats.hits > 0
+    st = core.drafter.stats
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens
+    assert core.kv.num_free_blocks == core.kv.num_usable_blocks
+    llm.shutdown()
+
+
 def test_rejection_sampling_draws_the_target_distribution():
     """verify_drafts on fixed logits, 20,000 requests at once, each with drafts (d0, d1): the
     first emitted token is distributed as p0, and after an accepted d0 the next as p1
@@ -213,8 +316,7 @@ def test_bad_speculative_config_is_refused(tiny_llama_dir):
         LLM(tiny_llama_dir, dtype="float32", speculative_config='{"method": "medusa", "num_speculative_tokens": 2}')
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLM(tiny_llama_dir, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 0})
-    with pytest.raises(ValueError, match="not built yet"):
-        LLM(tiny_llama_dir, dtype="float32", speculative_config={"model": tiny_llama_dir, "num_speculative_tokens": 2})
+    # draft models that cannot serve as one: tests/test_spec_decode_draft.py
 
 
 def test_server_streams_verified_runs_and_reports_metrics(tiny_llama_dir, reference):
