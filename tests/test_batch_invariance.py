@@ -247,6 +247,26 @@ def test_off_it_is_the_previous_engine(tiny_llama_dir, monkeypatch):
     assert isinstance(cpu_kernels.batch_invariant(), bool)
 
 
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_quantized_weights_alone_and_batched_under_128_rows(tmp_path_factory, quantization):
+    """int4 / int8 weights: steps of fewer than 128 rows run the tile kernel, which sums every output
+    in one order whatever the rows in its tile (tests/test_quantization.py), so greedy tokens and
+    logprobs are the same alone and batched. (From 128 rows a step dequantizes the weights for
+    oneDNN, which is not batch-invariant: hence the 96-token step budget.)"""
+    path = build_tiny_model(tmp_path_factory.mktemp("tiny-q"), "llama", hidden_size=128, intermediate_size=256)
+    llm = LLM(str(path), dtype="bfloat16", kv_cache_memory=0.05, quantization=quantization, max_num_batched_tokens=96)
+    g = torch.Generator().manual_seed(0)
+    prompts = [_tokens(int(torch.randint(5, 60, (1,), generator=g)), _vocab(llm), seed=i) for i in range(12)]
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+
+    def key(o):
+        return o.token_ids, [next(iter(d.values())).logprob for d in o.logprobs]
+
+    alone = [key(llm.generate(prompt_token_ids=[p], sampling_params=sp, use_tqdm=False)[0].outputs[0])
+             for p in prompts]
+    together = [key(o.outputs[0]) for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)]
+    assert [i for i, (a, b) in enumerate(zip(alone, together)) if a != b] == []
+
 def test_smollm2_64_greedy_requests_alone_and_all_at_once(smollm2_dir):
     """The issue's check: 64 greedy bf16 requests give the same token ids one at a time and all
     concurrently (before: 7-9 of 64 differed; random-token prompts of 5-120 tokens, where near-ties

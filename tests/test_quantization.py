@@ -54,6 +54,25 @@ def test_kernel_matches_dequantized_matmul(bits: int, dtype: torch.dtype) -> Non
         torch.testing.assert_close(out.float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_kernel_gives_each_row_the_bits_it_has_alone(bits: int, dtype: torch.dtype) -> None:
+    """Batch invariance of the tile kernel: a row's outputs are the same bits whatever the number of
+    rows in the call and the row's place in its tile of 4 (every output summed through one tree,
+    full tiles and tails alike); N not a multiple of 4, so tails of outputs too."""
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        pytest.skip("C++ kernels unavailable")
+    torch.manual_seed(3)
+    N, K = 1541, 576  # bf16 outputs: rounding hides most float32 differences, so many outputs
+    qweight, scales = quantize(torch.randn(N, K) * 0.1, bits)
+    x = torch.randn(40, K).to(dtype)
+    alone = torch.cat([kernels.quant_linear(x[i : i + 1], qweight, scales, bits) for i in range(len(x))])
+    for M in (2, 3, 4, 5, 7, 8, 40):
+        for start in (0, 1, 2):
+            out = kernels.quant_linear(x[start : start + M], qweight, scales, bits)
+            assert torch.equal(out, alone[start : start + len(out)]), (M, start)
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_torch_fallback_matches_kernel(bits: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Small batches (the tile kernel), large ones (a dequantized copy through oneDNN) and the

@@ -79,6 +79,15 @@ inline __m512 hsum16(const __m512* v) {
   return hsum_lanes(hsum4(v[0], v[1], v[2], v[3]), hsum4(v[4], v[5], v[6], v[7]), hsum4(v[8], v[9], v[10], v[11]),
                     hsum4(v[12], v[13], v[14], v[15]));
 }
+// The sum of v's lanes in the order hsum16 sums each vector's: per 128-bit lane k,
+// S_k = (x[4k] + x[4k+2]) + (x[4k+1] + x[4k+3]), then (S_0 + S_1) + (S_2 + S_3); so one sum and a
+// tile's 16 give the same bits (_mm512_reduce_add_ps sums in another order).
+inline float hsum1(__m512 x) {
+  const __m512 t = _mm512_add_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(1, 0, 3, 2)));
+  const __m512 u = _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(2, 3, 0, 1)));
+  const __m512 a = _mm512_add_ps(u, _mm512_shuffle_f32x4(u, u, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtss_f32(_mm_add_ss(_mm512_castps512_ps128(a), _mm512_extractf32x4_ps(a, 2)));
+}
 #endif
 
 }  // namespace tm_cpu

@@ -78,7 +78,9 @@ void dequant_row_f32(const uint8_t* q, const at::Half* s, float* w, int64_t K) {
 }
 
 #if defined(__AVX512F__)
-// out[i * ldo + j] = sum of acc[i][j]'s lanes.
+// out[i * ldo + j] = sum of acc[i][j]'s lanes. A full tile sums through hsum16, a tail of rows or
+// outputs one vector at a time through hsum1, which adds in the same order: an output's bits do
+// not depend on how many input rows share its tile (batch-invariant).
 template <int MB, int NB>
 inline void store_sums(__m512 (&acc)[MB][NB], float* out, int64_t ldo) {
   if constexpr (MB * NB == 16 && NB == 4) {
@@ -88,7 +90,7 @@ inline void store_sums(__m512 (&acc)[MB][NB], float* out, int64_t ldo) {
     }
   }
   for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) out[i * ldo + j] = _mm512_reduce_add_ps(acc[i][j]);
+    for (int j = 0; j < NB; ++j) out[i * ldo + j] = hsum1(acc[i][j]);
 }
 #endif
 
