@@ -12,6 +12,7 @@ speculation (identical means speculation changed nothing).
 
     python benchmarks/spec_decode.py                               # c = 1, 8, 32; ngram and suffix
     python benchmarks/spec_decode.py --concurrency 1 --workloads code --repeats 3
+    python benchmarks/spec_decode.py --methods draft --draft-quantization int4   # the target's own int4 copy drafts
 """
 
 from __future__ import annotations
@@ -61,6 +62,12 @@ def workloads(n: int) -> dict[str, list[list[dict]]]:
     return {"code": code, "extract": extract, "chat": chat}
 
 
+def _default_model() -> str:
+    from tokenmill.model.gguf_loader import default_model_path
+
+    return default_model_path()
+
+
 def run(llm, convs, max_tokens: int) -> tuple[float, list[str], int]:
     from tokenmill import SamplingParams
 
@@ -78,7 +85,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--workloads", default="code,extract,chat")
-    ap.add_argument("--methods", default="ngram,suffix")
+    ap.add_argument("--methods", default="ngram,suffix", help="any of ngram, suffix, draft")
+    ap.add_argument("--draft-model", default=None, help="draft: the draft model (default: the target itself)")
+    ap.add_argument("--draft-quantization", default=None, help="draft: its weights (int8, int4)")
+    ap.add_argument("--draft-dtype", default=None)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--requests", type=int, default=0, help="per run (default: 2 x concurrency, at least 4)")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -90,7 +100,10 @@ def main() -> None:
     configs = {"none": None,
                "ngram": {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2,
                          "prompt_lookup_max": 5},
-               "suffix": {"method": "suffix", "num_speculative_tokens": args.k}}
+               "suffix": {"method": "suffix", "num_speculative_tokens": args.k},
+               "draft": {"method": "draft_model", "num_speculative_tokens": args.k,
+                         "model": args.draft_model or args.model or _default_model(),
+                         "quantization": args.draft_quantization, "dtype": args.draft_dtype}}
     methods = ["none"] + [m for m in args.methods.split(",") if m]
     conc = [int(c) for c in args.concurrency.split(",")]
     work = workloads(max(max(conc) * 2, 4) if not args.requests else args.requests)
