@@ -459,3 +459,46 @@ def test_rejection_mixed_greedy_and_errors():
         rejection_sample([[1]], p[:2], None, [True])
     with pytest.raises(ValueError, match="target_probs is required"):
         rejection_sample([[1]], None, argmax[:2], [False])
+
+
+def test_drafter_rations_drafts_by_expected_gain_and_step_cost():
+    """A lone request with good acceptance drafts deeply; at 8 decoding requests only the likeliest
+    draft (and less); at 32 none; a request whose drafts fail is probed only in small steps."""
+    from tokenmill.engine.request import Request, RequestStatus
+    from tokenmill.sampling_params import SamplingParams
+    from tokenmill.spec_decode.drafter import Drafter, _Track
+
+    class Fixed:
+        def propose(self, req, k):
+            return [7] * k
+
+        def add_tokens(self, req, tokens):
+            pass
+
+        def finish(self, req):
+            pass
+
+    def decoding(i: int) -> Request:
+        r = Request(str(i), [1, 2, 3], SamplingParams(max_tokens=100))
+        r.status = RequestStatus.RUNNING
+        r.append_output_token(5)
+        r.num_computed_tokens = r.num_tokens - 1
+        return r
+
+    def drafted(n: int, rates: list[float], idle: int = 0) -> list[int]:
+        d = Drafter(SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 8}), Fixed(), 4096)
+        reqs = [decoding(i) for i in range(n)]
+        for r, a in zip(reqs, rates):
+            d._tracks[r.request_id] = _Track(accepted=a, trials=1.0, idle_steps=idle)
+        d.propose(reqs)
+        return [len(r.spec_token_ids) for r in reqs]
+
+    assert drafted(1, [0.9]) == [7]  # 0.9**8 = 0.43 < what the 9th row costs (~0.54)
+    assert drafted(1, [0.6]) == [2]  # 0.6**3 = 0.22 < 0.3
+    assert drafted(1, [0.2]) == [0]
+    assert drafted(1, [0.2], idle=7) == [1]  # the probe
+    eight = drafted(8, [0.95] + [0.6] * 7)
+    assert eight[0] >= 1 and sum(eight[1:]) == 0
+    assert sum(drafted(8, [0.2] * 8, idle=7)) == 0  # no probes once rows cost compute
+    assert sum(drafted(24, [0.8] * 24)) == 0  # needs a >~ 0.88 there
+    assert sum(drafted(32, [0.99] * 32)) == 0

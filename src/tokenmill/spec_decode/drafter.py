@@ -5,15 +5,22 @@ After each step the Drafter proposes draft tokens for the running requests that 
 them (verify.py). Speculating costs rows in the verification step whether or not the drafts
 are accepted, so it is rationed (vLLM's fixed k is the upper bound):
 
-- per request, by its recent acceptance: a decayed estimate `a` of the chance that a draft token
-  is accepted; the request gets the largest k <= num_speculative_tokens whose last draft is still
-  likely enough to be accepted (a**k >= MIN_LAST_TOKEN_ACCEPT). A request whose drafts keep
-  failing stops drafting, and is probed with one draft token every PROBE_EVERY steps;
-- per step, by batch size: at most `max_batch_rows` rows in the step (decode rows plus drafts),
-  given to the requests most likely to gain. Measured on 2 CPU cores (benchmarks/spec_decode.py,
-  SmolLM2 bf16): with a cap of 64 rows, 32 concurrent requests ran at 0.93x of no speculation
-  (the step is compute-bound there and verification rows cost about what they save), so the
-  cap is 32: a batch of 32 decoding requests does not speculate.
+- by expected gain against cost: each request has a decayed estimate `a` of the chance that a
+  draft token is accepted, so its j-th draft is accepted with probability ~a**j. Requests are taken
+  likeliest first and get drafts one row at a time while the row's expected tokens pay for its
+  cost: a**j >= max(MIN_LAST_TOKEN_ACCEPT, tokens_so_far * row_cost / step_cost), with the step's
+  cost modelled in units of a one-row step: each row up to MEMORY_BOUND_ROWS adds
+  ROW_COST_MEMORY_BOUND (the weights' stream dominates, rows are nearly free), each row beyond adds
+  ROW_COST_COMPUTE_BOUND. Measured on 2 CPU cores (SmolLM2 bf16, fused step): ~0.5 ms a row below
+  8 rows and ~1.5 ms beyond, against ~11 ms for one row. So a lone request drafts whenever
+  a**j >= 0.3, while at 8 decoding requests a draft needs a >~ 0.7 and at 32 almost nothing pays
+  (at most `max_batch_rows` rows in all). A request that stops drafting is probed with one
+  draft every PROBE_EVERY steps, only while the step is small enough for a row to be cheap.
+
+Proposers: n-gram and suffix draft one request at a time (`propose(req, k)`); a draft model
+drafts for all chosen requests at once (`propose_many`: k batched forward passes), and may
+return the probabilities its drafts were sampled from (`Drafts.probs`), which verification uses
+as q.
 """
 
 from __future__ import annotations
@@ -29,6 +36,9 @@ MIN_LAST_TOKEN_ACCEPT = 0.3
 DECAY = 0.8  # weight of the past in the acceptance estimate, per verified step
 PROBE_EVERY = 8
 DEFAULT_MAX_BATCH_ROWS = 32
+MEMORY_BOUND_ROWS = 8  # rows up to which a step costs about the same as one row (CPU, measured)
+ROW_COST_MEMORY_BOUND = 0.05  # a row's cost up to there, in one-row steps
+ROW_COST_COMPUTE_BOUND = 0.13  # and beyond
 
 
 @dataclass
@@ -131,31 +141,41 @@ class Drafter:
     # ---- before the next --------------------------------------------------------------
     def propose(self, running: list[Request]) -> None:
         """Sets spec_token_ids of the decoding requests that should speculate next step."""
-        decoding = [r for r in running if r.status == RequestStatus.RUNNING
-                    and r.num_computed_tokens == r.num_tokens - 1 and r.num_output_tokens > 0]
-        rows_left = self.max_batch_rows - len(running)
-        if rows_left <= 0:
+        rows = len(running)
+        if rows >= self.max_batch_rows:
             return
+        candidates = []
+        for req in running:
+            if (req.status == RequestStatus.RUNNING and req.num_computed_tokens == req.num_tokens - 1
+                    and req.num_output_tokens > 0):
+                # drafts must not pass max_tokens (with the token always sampled after them) nor the context
+                room = min(req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens)
+                if room > 0:
+                    candidates.append((self._tracks.setdefault(req.request_id, _Track()), req, room))
+        candidates.sort(key=lambda c: -c[0].rate)  # the likeliest to gain first
+        expected, cost = float(rows), step_cost(rows)  # the step's expected tokens and its cost so far
         wanted = []
-        for req in decoding:
-            t = self._tracks.setdefault(req.request_id, _Track())
-            k = self._k_for(t)
+        for t, req, room in candidates:
+            k, p = 0, 1.0
+            while k < min(self.k, room) and rows < self.max_batch_rows:
+                p *= t.rate
+                extra = row_cost(rows + 1)
+                if p < max(MIN_LAST_TOKEN_ACCEPT, expected * extra / (cost + extra)):
+                    break
+                k, rows, expected, cost = k + 1, rows + 1, expected + p, cost + extra
             if k == 0:
                 t.idle_steps += 1
-                if t.idle_steps < PROBE_EVERY:
+                if t.idle_steps < PROBE_EVERY or rows >= min(MEMORY_BOUND_ROWS, self.max_batch_rows):
                     continue
-                k = 1
-            # Room left: drafts must not pass max_tokens (with the token always sampled after them)
-            # nor the context.
-            room = min(req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens)
-            k = min(k, room)
-            if k > 0:
-                wanted.append((t.rate, req, k, t))
-        wanted.sort(key=lambda w: -w[0])  # the likeliest to gain first
-        items = [(req, k) for _, req, k, _ in wanted]
+                k, rows = 1, rows + 1  # a probe: one draft, to notice when drafts start to be accepted
+            wanted.append((req, k, t))
+        if not wanted:
+            return
+        items = [(req, k) for req, k, _ in wanted]
+        rows_left = sum(k for _, k in items)
         many = getattr(self.proposer, "propose_many", None)  # a draft model drafts for all at once
         proposals = many(items, rows_left, running) if many else _one_by_one(self.proposer, items, rows_left)
-        for (_, req, _, t), drafts in zip(wanted, proposals):
+        for (req, _, t), drafts in zip(wanted, proposals):
             tokens = drafts.token_ids
             if req.matcher is not None:
                 tokens = _grammar_prefix(req.matcher, tokens)
@@ -164,12 +184,15 @@ class Drafter:
                 req.spec_token_ids = tokens
                 req.spec_draft_probs = None if drafts.probs is None else drafts.probs[: len(tokens)]
 
-    def _k_for(self, t: _Track) -> int:
-        a = t.rate
-        k = 0
-        while k < self.k and a ** (k + 1) >= MIN_LAST_TOKEN_ACCEPT:
-            k += 1
-        return k
+
+def row_cost(row: int) -> float:
+    """What the step's `row`-th row (1-based) adds to its cost, in one-row steps."""
+    return ROW_COST_MEMORY_BOUND if row <= MEMORY_BOUND_ROWS else ROW_COST_COMPUTE_BOUND
+
+
+def step_cost(rows: int) -> float:
+    """A step of `rows` rows in one-row steps."""
+    return 1.0 + sum(row_cost(r) for r in range(2, rows + 1))
 
 
 def _one_by_one(proposer, items: list[tuple[Request, int]], rows_left: int) -> list[Drafts]:
