@@ -125,3 +125,20 @@ def reference_paged_decode(q, k_cache, v_cache, tables, lens, bs: int):
         v = v_cache[slots].float().transpose(0, 1)
         out.append(F.scaled_dot_product_attention(q[b].float().unsqueeze(1), k, v, enable_gqa=True).squeeze(1))
     return torch.stack(out)
+
+
+def record_multi_row_fused_steps(llm) -> list[int]:
+    """The row counts of the steps with more than decode rows (verification or prompt chunks) that
+    llm's fused step takes from now on (its accepts() wrapped); stays empty without a fused step."""
+    fd, multi = llm.engine.core.runner.fast_decode, []
+    if fd is not None:
+        inner = fd.accepts
+
+        def accepts(meta, rows):
+            ok = inner(meta, rows)
+            if ok and not meta.all_decode:
+                multi.append(rows)
+            return ok
+
+        fd.accepts = accepts
+    return multi

@@ -19,6 +19,7 @@ from tokenmill.model.layers import cpu_kernels
 from tokenmill.model.layers.attention import SeqChunk
 from tokenmill.model.layers.linear import SMALL_BATCH
 
+from conftest import record_multi_row_fused_steps
 from tiny_models import build_tiny_model
 
 KW = dict(dtype="bfloat16", kv_cache_memory=0.05, enable_prefix_caching=False)
@@ -301,15 +302,7 @@ def test_tp2_fused_multi_row_steps_equal_op_by_op_and_one_rank(tiny_llama_dir, m
         fd = fused.engine.core.runner.fast_decode
         if fd is None:
             pytest.skip("no fused decode step here (needs the C++ kernels with AVX512-BF16)")
-        multi, inner = [], fd.accepts
-
-        def accepts(meta, rows):
-            ok = inner(meta, rows)
-            if ok and not meta.all_decode:
-                multi.append(rows)
-            return ok
-
-        fd.accepts = accepts
+        multi = record_multi_row_fused_steps(fused)
         got = run(fused)
         assert multi, "no multi-row step ran fused"
     finally:

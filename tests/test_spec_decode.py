@@ -17,6 +17,7 @@ import json
 import pytest
 import torch
 
+from conftest import record_multi_row_fused_steps
 from tokenmill import LLM, SamplingParams
 
 PROMPTS = [[1, 5, 9, 33, 7] * 6, [3, 4, 5] * 20, list(range(2, 40)) * 2, [11, 12] * 3]
@@ -253,17 +254,8 @@ def test_bf16_chunked_preempted_cached_structured_stop_string_n2(tiny_llama_dir,
     truth[tuple(PROMPTS[1])] = want[1][0][0]
     llm = _spec_llm(tiny_llama_dir, truth, num_gpu_blocks_override=14, max_num_batched_tokens=8, **shape)
     _require_invariant(llm)
-    fd, multi = llm.engine.core.runner.fast_decode, []
-    if fd is not None:  # count the steps of verification / prompt chunks the fused step runs
-        inner = fd.accepts
-
-        def accepts(meta, rows):
-            ok = inner(meta, rows)
-            if ok and not meta.all_decode:
-                multi.append(rows)
-            return ok
-
-        fd.accepts = accepts
+    fd = llm.engine.core.runner.fast_decode
+    multi = record_multi_row_fused_steps(llm)  # the steps of verification / prompt chunks it runs fused
     for _ in range(2):
         assert outputs(llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)) == want
     core = llm.engine.core
