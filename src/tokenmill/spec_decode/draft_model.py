@@ -76,9 +76,7 @@ class DraftModelProposer:
         self.pool = BlockPool(num_blocks)
         self.max_model_len = max_len
         self.max_prefill_tokens = scheduler.max_num_batched_tokens
-        self.vocab_size = target.vocab_size
-        self.device = self.runner.device
-        self.generator = torch.Generator(self.device).manual_seed(seed + 1)
+        self.generator = torch.Generator(self.runner.device).manual_seed(seed + 1)
         self._seqs: dict[str, _DraftSeq] = {}
         logger.info("speculative draft model %s: %s, %s, KV cache %d blocks (%.2f GiB)", model, config.dtype,
                     quantization or "unquantized", num_blocks,
