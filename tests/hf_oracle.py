@@ -14,11 +14,15 @@ def load_hf(model_dir: str, dtype: torch.dtype = torch.float32):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
 
 
-@torch.inference_mode()
 def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float], list[float]]:
     """Greedy tokens (EOS ignored), the log-probability of each under the model, and each
     step's margin over the runner-up (top-1 minus top-2 logprob)."""
-    model = load_hf(model_dir)
+    return greedy(load_hf(model_dir), prompt_ids, max_new_tokens)
+
+
+@torch.inference_mode()
+def greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float], list[float]]:
+    """hf_greedy on a model already loaded (e.g. a peft model with an adapter)."""
     ids = torch.tensor([prompt_ids])
     out = model(ids, use_cache=True)
     past = out.past_key_values

@@ -8,8 +8,9 @@ with openmp_wait_defaults():  # libgomp reads its wait policy once, as torch loa
 from tokenmill.config import EngineArgs
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.llm import LLM
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "AsyncLLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineArgs", "__version__"]
+__all__ = ["LLM", "LoRARequest", "AsyncLLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineArgs", "__version__"]

@@ -87,6 +87,13 @@ class EngineArgs:
     served_model_name: str | None = None
     # vLLM's JSON: {"method": "ngram" | "suffix" | "draft_model", "num_speculative_tokens": k, ...}
     speculative_config: str | dict | None = None
+    # Multi-LoRA, vLLM's flags: adapters by name (`name=path` or JSON {"name", "path", "base_model_name"})
+    enable_lora: bool = False
+    lora_modules: list | None = None
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    allow_runtime_lora_updating: bool = False  # the server's /v1/load_lora_adapter and /v1/unload_lora_adapter
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -145,6 +152,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
+    max_loras: int = 0  # distinct LoRA adapters one step may hold (0: LoRA off)
 
 
 @dataclass
@@ -171,4 +179,5 @@ class EngineConfig:
     seed: int = 0
     watermark: WatermarkConfig = field(default_factory=WatermarkConfig)
     speculative: object | None = None  # spec_decode.config.SpeculativeConfig
+    lora: object | None = None  # lora.config.LoRAConfig
     extra: dict = field(default_factory=dict)

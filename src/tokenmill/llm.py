@@ -10,6 +10,7 @@ from tqdm import tqdm
 from tokenmill.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from tokenmill.config import EngineArgs
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -36,13 +37,16 @@ class LLM:
         *,
         prompt_token_ids: Sequence[list[int]] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Runs all prompts through one continuously batched engine; outputs in input order.
-        use_tqdm: a progress bar over finished requests, shown only when stderr is a terminal."""
+        use_tqdm: a progress bar over finished requests, shown only when stderr is a terminal.
+        lora_request: one adapter for every prompt, or one per prompt (None: the base model)."""
         batch = _as_prompt_list(prompts, prompt_token_ids)
         params = _as_params_list(sampling_params, len(batch))
+        loras = _as_lora_list(lora_request, len(batch))
         # Validate everything before queueing anything, so a bad prompt leaves no work behind.
-        requests = [self.engine.make_requests(p, sp) for p, sp in zip(batch, params)]
+        requests = [self.engine.make_requests(p, sp, lora_request=lr) for p, sp, lr in zip(batch, params, loras)]
         order = {self.engine.enqueue(req): (i, j) for i, reqs in enumerate(requests) for j, req in enumerate(reqs)}
         samples: list[list[RequestOutput | None]] = [[None] * len(reqs) for reqs in requests]
         # disable=None: tqdm shows the bar only when stderr is a terminal
@@ -141,6 +145,15 @@ def _as_params_list(params, n: int) -> list[SamplingParams]:
 
 
 __all__ = ["LLM", "EngineArgs"]
+
+
+def _as_lora_list(lora, n: int) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * n
+    loras = list(lora)
+    if len(loras) != n:
+        raise ValueError(f"{len(loras)} lora_requests for {n} prompts")
+    return loras
 
 
 def merge_samples(outs: list[RequestOutput], params: SamplingParams) -> RequestOutput:

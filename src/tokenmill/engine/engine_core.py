@@ -35,7 +35,8 @@ class EngineCore:
         workers = _start_tp_workers(config) if config.parallel.tensor_parallel_size > 1 else None
         try:
             self.runner = ModelRunner(config.model, cache.num_blocks, cache.block_size, config.seed, config.watermark,
-                                      workers.group if workers else NO_TP, workers, config.device, config.scheduler)
+                                      workers.group if workers else NO_TP, workers, config.device, config.scheduler,
+                                      config.lora)
             if workers is not None:
                 workers.wait_ready()
         except BaseException:

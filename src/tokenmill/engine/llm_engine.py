@@ -88,8 +88,18 @@ class LLMEngine:
             parallel=ParallelConfig(tp, args.num_threads),
             device=DeviceConfig(args.gpu_memory_utilization, args.enforce_eager),
             speculative=SpeculativeConfig.from_json(args.speculative_config) if args.speculative_config else None,
+            lora=_lora_config(args),
         )
+        if self.config.lora is not None:
+            self.config.scheduler.max_loras = self.config.lora.max_loras
         self.core = EngineCore(self.config)
+        self.lora = None  # the adapters by name (lora/registry.py), with --enable-lora
+        if self.config.lora is not None:
+            from tokenmill.lora.adapter import linear_shapes
+            from tokenmill.lora.registry import LoRARegistry
+
+            self.lora = LoRARegistry(self.config.lora, linear_shapes(self.core.runner.model), hf_config.num_hidden_layers,
+                                     dtype, name)
         num_blocks = self.config.cache.num_blocks
         self.output_processor = OutputProcessor(self.tokenizer.backend_tokenizer)
         self.eos_token_ids = _eos_ids(path, self.tokenizer, hf_config)
@@ -139,8 +149,10 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                     request_id: str | None = None, parent_id: str | None = None) -> Request:
-        """Validate and tokenize; raises ValueError naming the problem."""
+                     request_id: str | None = None, parent_id: str | None = None, lora_request=None) -> Request:
+        """Validate and tokenize; raises ValueError naming the problem (lora.adapter.LoRAError for
+        an adapter that cannot be served: unknown, unreadable, or not for this model)."""
+        adapter = self._adapter(lora_request)
         params = (params or SamplingParams()).clone()
         if params.num_samples > 1:
             raise ValueError("n > 1 or best_of > 1 makes one request per sample: use make_requests "
@@ -179,13 +191,24 @@ class LLMEngine:
             )
         rid = request_id if request_id is not None else str(next(self._ids))
         req = Request(rid, ids, params, eos_token_ids=self.eos_token_ids, prompt=text,
-                      bad_words_token_ids=self._bad_words_ids(params.bad_words), parent_id=parent_id)
+                      bad_words_token_ids=self._bad_words_ids(params.bad_words), parent_id=parent_id, lora=adapter)
         if params.guided_decoding is not None:
             req.matcher = self.structured_output.matcher_for(params.guided_decoding)
             if params.min_tokens and self.structured_output.allows_only_eos(req.matcher):
                 raise ValueError(f"min_tokens ({params.min_tokens}) cannot be met: the guided decoding "
                                  f"constraint only accepts an empty output")
         return req
+
+    def _adapter(self, lora_request):
+        """The loaded adapter of a LoRARequest (None: the base model)."""
+        if lora_request is None:
+            return None
+        if self.lora is None:
+            from tokenmill.lora.adapter import LoRAError
+
+            raise LoRAError(f"LoRA adapter {lora_request.lora_name!r} requested, but LoRA is off: start the engine "
+                            f"with enable_lora=True (--enable-lora)")
+        return self.lora.get(lora_request)
 
     def encode(self, text: str, add_special_tokens: bool = True, what: str = "prompt") -> list[int]:
         """Token ids of text; ValueError naming `what` for text the tokenizer cannot take (a lone
@@ -208,18 +231,19 @@ class LLMEngine:
         return seqs
 
     def add_request(self, request_id: str | None, prompt: str | list[int],
-                    params: SamplingParams | None = None, parent_id: str | None = None) -> str:
-        return self.enqueue(self.make_request(prompt, params, request_id, parent_id))
+                    params: SamplingParams | None = None, parent_id: str | None = None, lora_request=None) -> str:
+        return self.enqueue(self.make_request(prompt, params, request_id, parent_id, lora_request))
 
     def make_requests(self, prompt: str | list[int], params: SamplingParams | None = None,
-                      request_id: str | None = None) -> list[Request]:
+                      request_id: str | None = None, lora_request=None) -> list[Request]:
         """One request per sample: `request_id` itself when n == 1 (and no best_of), else
         `{request_id}-{i}` children sharing it as parent."""
         params = params or SamplingParams()
         if params.num_samples == 1:
-            return [self.make_request(prompt, params, request_id)]
+            return [self.make_request(prompt, params, request_id, lora_request=lora_request)]
         parent = request_id if request_id is not None else f"p{next(self._ids)}"
-        return [self.make_request(prompt, child, f"{parent}-{i}", parent) for i, child in enumerate(params.children())]
+        return [self.make_request(prompt, child, f"{parent}-{i}", parent, lora_request)
+                for i, child in enumerate(params.children())]
 
     def enqueue(self, req: Request) -> str:
         """Queue a request already built (and validated) by make_request."""
@@ -262,6 +286,20 @@ class LLMEngine:
         """Token ids of the rendered chat (the template writes the special tokens itself)."""
         text = self.render_chat_template(messages, add_generation_prompt, **kw)
         return self.encode(text, add_special_tokens=False, what="the rendered chat")
+
+
+def _lora_config(args: EngineArgs):
+    """LoRAConfig from the engine arguments (None without enable_lora)."""
+    if not args.enable_lora:
+        if args.lora_modules:
+            raise ValueError("--lora-modules needs --enable-lora")
+        return None
+    if args.tensor_parallel_size > 1:
+        raise ValueError("--enable-lora with --tensor-parallel-size > 1 is not supported yet")
+    from tokenmill.lora.config import LoRAConfig, parse_lora_modules
+
+    return LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras, parse_lora_modules(args.lora_modules),
+                      args.allow_runtime_lora_updating)
 
 
 def _eos_ids(path: str, tokenizer, hf_config) -> frozenset[int]:

@@ -44,6 +44,7 @@ class Request:
     cache_salt: str | None = None  # requests share cached prefixes only with the same salt
     parent_id: str | None = None  # the samples of one n > 1 request share a parent
     matcher: object | None = None  # llguidance matcher when the output is constrained (structured output)
+    lora: object | None = None  # the LoRA adapter it runs with (lora.adapter.LoRAAdapter), None: the base model
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # from SamplingParams.bad_words
     # prompt_logprobs[i]: logprobs of prompt token i + 1 (filled as prompt chunks run; None until then)
     prompt_logprobs: list | None = None
@@ -85,8 +86,10 @@ class Request:
 
     @property
     def cache_key(self) -> bytes:
-        """Extra bytes in every block hash: what besides the tokens makes K/V differ."""
-        return self.cache_salt.encode() if self.cache_salt else b""
+        """Extra bytes in every block hash: what besides the tokens makes K/V differ (the salt, the
+        adapter: one prompt under two adapters has two sets of K/V)."""
+        key = self.cache_salt.encode() if self.cache_salt else b""
+        return key + b"|lora:%d" % self.lora.uid if self.lora is not None else key
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -87,9 +87,13 @@ class Scheduler:
 
         # 1. Running requests, in arrival order, so preemption takes the latest first. A decoding
         # request with draft tokens gets slots for them too (lookahead), budget and pool permitting.
+        loras: set[int] = set()  # the step's LoRA adapters (at most max_loras)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if not self._lora_fits(req, loras):
+                i += 1  # its adapter waits for a step with a free slot
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             spec = req.spec_token_ids[: budget - 1] if n == 1 else []
             probs = req.spec_draft_probs[: len(spec)] if spec and req.spec_draft_probs is not None else None
@@ -113,8 +117,12 @@ class Scheduler:
             break  # the request preempted itself: nothing after it can fit either
 
         # 2. Waiting requests, FCFS; never admit while a preemption happened this step.
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs and not out.preempted:
-            req = self.waiting[0]
+        w = 0
+        while w < len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs and not out.preempted:
+            req = self.waiting[w]
+            if not self._lora_fits(req, loras):
+                w += 1  # FCFS among the requests this step's adapters allow
+                continue
             if self._sibling_prefilling(req):
                 break  # next step it finds the shared prompt blocks in the prefix cache
             computed = self.kv.get_computed_blocks(req)
@@ -128,7 +136,7 @@ class Scheduler:
             self.kv.record_admission(req, num_cached)
             req.num_computed_tokens = num_cached
             req.num_cached_tokens = num_cached
-            self.waiting.popleft()
+            del self.waiting[w]
             req.status = RequestStatus.RUNNING
             if req.scheduled_time is None:
                 req.scheduled_time = time.monotonic()
@@ -138,6 +146,18 @@ class Scheduler:
 
         out.num_batched_tokens = cfg.max_num_batched_tokens - budget
         return out
+
+    def _lora_fits(self, req: Request, loras: set[int]) -> bool:
+        """Whether req's adapter fits this step (taking its slot if so): a step holds at most
+        max_loras distinct adapters, as many as the model runner has slots for."""
+        if req.lora is None:
+            return True
+        if req.lora.uid in loras:
+            return True
+        if len(loras) >= self.config.max_loras:
+            return False
+        loras.add(req.lora.uid)
+        return True
 
     def _sibling_prefilling(self, req: Request) -> bool:
         """Parallel samples (n > 1) share their prompt's KV blocks through the prefix cache: a

@@ -54,12 +54,14 @@ class StepInputs:
     meta: AttentionMetadata
     logits_rows: torch.Tensor  # [R] rows whose next token is sampled
     prompt_rows: list[tuple[int, int]] = field(default_factory=list)  # row ranges scored for prompt logprobs
+    lora_rows: torch.Tensor | None = None  # [T] int32 each row's LoRA slot (-1: base model); None: no adapters
 
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, num_blocks: int, block_size: int, seed: int = 0,
                  watermark: WatermarkConfig | None = None, tp: TPGroup = NO_TP, workers=None,
-                 device_config: DeviceConfig | None = None, scheduler_config: SchedulerConfig | None = None):
+                 device_config: DeviceConfig | None = None, scheduler_config: SchedulerConfig | None = None,
+                 lora_config=None):
         """num_blocks 0: as many as fit the GPU's memory budget (--gpu-memory-utilization)."""
         self.config = model_config
         self.block_size = block_size
@@ -88,6 +90,20 @@ class ModelRunner:
             self.fast_decode = FusedDecode.build(self.model, self.attn, model_config.dtype, block_size, tp)
         elif self.cuda_graphs:
             self.fast_decode = CudaGraphDecode.capture(self)
+        self.lora = None  # the adapters' slots beside the linears (lora/layers.py), with --enable-lora
+        if lora_config is not None:
+            self._add_lora_slots(lora_config)
+
+    def _add_lora_slots(self, lora_config) -> None:
+        from tokenmill.lora.layers import LoRASlots
+
+        self.lora = LoRASlots(self.model, lora_config.max_loras, lora_config.max_lora_rank, self.config.dtype,
+                              self.device)
+        if self.fast_decode is not None and not getattr(self.fast_decode, "set_lora", None):
+            self.fast_decode = None  # a fast path without adapters (CUDA graphs): steps run op by op
+            logger.info("LoRA: decode steps run op by op (this backend's fast path has no adapters)")
+        elif self.fast_decode is not None:
+            self.fast_decode.set_lora(self.lora.specs())
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         cfg, tp = self.config, self.tp
@@ -139,7 +155,8 @@ class ModelRunner:
                 prompt_rows.append((row0, row0 + min(n, req.num_prompt_tokens - 1 - start)))
         return StepInputs(
             torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
-            self.attn.build_metadata(seqs, slots, bs), torch.tensor(logits_rows, dtype=torch.long), prompt_rows)
+            self.attn.build_metadata(seqs, slots, bs), torch.tensor(logits_rows, dtype=torch.long), prompt_rows,
+            self.lora.step_rows(sched.scheduled) if self.lora is not None else None)
 
     def to_device(self, step: StepInputs) -> StepInputs:
         """The step's index tensors on the model's device (one host-to-device copy); every rank
@@ -152,7 +169,8 @@ class ModelRunner:
         dev = self.staging(host)
         for name in meta.tensors():
             setattr(meta, name, dev[name])
-        return StepInputs(dev["input_ids"], dev["positions"], meta, dev["logits_rows"], step.prompt_rows)
+        lora_rows = step.lora_rows.to(self.device) if step.lora_rows is not None else None
+        return StepInputs(dev["input_ids"], dev["positions"], meta, dev["logits_rows"], step.prompt_rows, lora_rows)
 
     # ---- the step ---------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> SamplerOutput | None:
@@ -178,7 +196,10 @@ class ModelRunner:
         range, on rank 0 (None on the others)."""
         if (self.fast_decode is not None and not step.prompt_rows
                 and self.fast_decode.accepts(step.meta, len(step.input_ids))):
-            return self.fast_decode(step.input_ids, step.positions, step.meta, step.logits_rows), []
+            extra = {"row_slots": step.lora_rows} if step.lora_rows is not None else {}
+            return self.fast_decode(step.input_ids, step.positions, step.meta, step.logits_rows, **extra), []
+        if self.lora is not None:
+            self.lora.row_slots = step.lora_rows  # the LoRA linears read it (lora/layers.py)
         hidden = self.model(step.input_ids, step.positions, self.attn, step.meta)
         prompt_logits = [self.model.compute_logits(hidden[a:b]) for a, b in step.prompt_rows]
         logits = self.model.compute_logits(hidden[step.logits_rows]) if len(step.logits_rows) else None

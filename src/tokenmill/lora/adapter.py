@@ -1,0 +1,192 @@
+"""A PEFT LoRA adapter folder (`adapter_config.json` + `adapter_model.safetensors`), read and
+laid out for the engine's fused linears.
+
+PEFT adapts a linear y = W x into y = W x + scaling * B (A x), with A [r, in], B [out, r] and
+scaling lora_alpha / r (lora_alpha / sqrt(r) with use_rslora). Our q/k/v and gate/up projections
+are fused (one linear each), so an adapter's q_proj, k_proj and v_proj become three *slices* of
+qkv_proj's adapter (gate_proj, up_proj: two of gate_up_proj's), each with its own A and B; the
+scaling is folded into B, kept transposed (Bt [r, out]) as the kernel reads it (csrc/lora.h).
+
+Refused at load, with a message naming the problem (the server answers 400): modules_to_save,
+embedding or LM-head adapters, DoRA, LoRA biases, ranks above --max-lora-rank, tensors whose
+shapes do not fit the base model (an adapter trained for another model).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+logger = logging.getLogger("tokenmill")
+
+# Our fused linears and the PEFT module names that are their slices, in slice order.
+LINEARS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+_SLICE_OF = {peft: (ours, i) for ours, parts in LINEARS.items() for i, peft in enumerate(parts)}
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+class LoRAError(ValueError):
+    """An adapter that cannot be served with this base model (the server answers 400)."""
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """One fused linear of the base model: its input size and its slices' output sizes."""
+
+    in_features: int
+    slices: tuple[int, ...]
+
+    @property
+    def out_features(self) -> int:
+        return sum(self.slices)
+
+    @property
+    def bounds(self) -> list[int]:
+        b = [0]
+        for s in self.slices:
+            b.append(b[-1] + s)
+        return b
+
+
+def linear_shapes(model) -> dict[str, LinearShape]:
+    """The shapes of each layer's four adaptable linears (every layer alike in these families)."""
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    hidden = model.cfg.hidden_size
+    return {
+        "qkv_proj": LinearShape(hidden, (attn.q_size, attn.kv_size, attn.kv_size)),
+        "o_proj": LinearShape(attn.q_size, (hidden,)),
+        "gate_up_proj": LinearShape(hidden, (mlp.intermediate, mlp.intermediate)),
+        "down_proj": LinearShape(mlp.intermediate, (hidden,)),
+    }
+
+
+@dataclass
+class LoRAAdapter:
+    """A loaded adapter: per (layer, fused linear), its slices' (slice index, A [r, in], Bt [r, out_slice])
+    in the model's dtype, scaling folded into Bt. `uid` is unique per load (it keys the prefix cache,
+    so an adapter reloaded under the same name never reuses the old one's K/V)."""
+
+    name: str
+    uid: int
+    path: str
+    rank: int
+    weights: dict[tuple[int, str], list[tuple[int, torch.Tensor, torch.Tensor]]] = field(repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for parts in self.weights.values() for _, a, b in parts)
+
+
+def read_adapter_config(path: str) -> dict:
+    cfg_path = os.path.join(path, "adapter_config.json")
+    if not os.path.isdir(path):
+        raise LoRAError(f"LoRA adapter folder {path!r} does not exist")
+    if not os.path.isfile(cfg_path):
+        raise LoRAError(f"{path!r} is not a PEFT adapter folder: no adapter_config.json")
+    try:
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise LoRAError(f"{cfg_path}: cannot be read as JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise LoRAError(f"{cfg_path}: not a JSON object")
+    return cfg
+
+
+def _check_config(cfg: dict, path: str) -> None:
+    peft_type = str(cfg.get("peft_type", "LORA")).upper()
+    if peft_type != "LORA":
+        raise LoRAError(f"{path}: peft_type {peft_type} is not LoRA")
+    if cfg.get("modules_to_save"):
+        raise LoRAError(f"{path}: modules_to_save ({cfg['modules_to_save']}) is not supported: the adapter "
+                        f"replaces whole modules, which cannot be batched with other adapters")
+    if cfg.get("use_dora"):
+        raise LoRAError(f"{path}: DoRA adapters (use_dora) are not supported")
+    if cfg.get("bias", "none") not in (None, "none"):
+        raise LoRAError(f"{path}: LoRA biases (bias={cfg['bias']!r}) are not supported")
+
+
+def _scaling(module: str, rank: int, cfg: dict) -> float:
+    """PEFT's scaling for one module: its alpha (alpha_pattern, else lora_alpha) over r (or sqrt r)."""
+    alpha = cfg.get("lora_alpha", 8)
+    for pattern, value in (cfg.get("alpha_pattern") or {}).items():
+        if re.match(rf"(.*\.)?({pattern})$", module):
+            alpha = value
+            break
+    return alpha / (math.sqrt(rank) if cfg.get("use_rslora") else rank)
+
+
+def _read_tensors(path: str) -> dict[str, torch.Tensor]:
+    st = os.path.join(path, "adapter_model.safetensors")
+    if os.path.isfile(st):
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(st)
+        except Exception as e:  # noqa: BLE001 - a truncated or foreign file
+            raise LoRAError(f"{st}: cannot be read ({e})") from None
+    pt = os.path.join(path, "adapter_model.bin")
+    if os.path.isfile(pt):
+        try:
+            return torch.load(pt, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001
+            raise LoRAError(f"{pt}: cannot be read ({e})") from None
+    raise LoRAError(f"{path!r} has no adapter_model.safetensors (or adapter_model.bin)")
+
+
+def load_adapter(name: str, uid: int, path: str, shapes: dict[str, LinearShape], num_layers: int,
+                 max_rank: int, dtype: torch.dtype, base_model_name: str | None = None) -> LoRAAdapter:
+    """Reads and checks an adapter folder for a base model of these linear shapes; LoRAError if it cannot serve."""
+    cfg = read_adapter_config(path)
+    _check_config(cfg, path)
+    declared = cfg.get("base_model_name_or_path")
+    if base_model_name and declared and os.path.basename(str(declared).rstrip("/")) != os.path.basename(
+            base_model_name.rstrip("/")):
+        logger.warning("LoRA adapter %r was trained on %r; serving it on %r (its shapes fit)", name, declared,
+                       base_model_name)
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, t in _read_tensors(path).items():
+        m = _KEY.match(key)
+        if m is None:
+            what = ("an embedding adapter" if "lora_embedding" in key or "embed_tokens" in key else
+                    "an LM-head adapter" if "lm_head" in key else "a tensor this engine cannot apply")
+            raise LoRAError(f"{path}: {key!r} is {what}: only q/k/v/o_proj and gate/up/down_proj adapters are supported")
+        layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
+        if module not in _SLICE_OF:
+            raise LoRAError(f"{path}: {key!r}: module {module!r} is not one of {sorted(_SLICE_OF)}")
+        if layer >= num_layers:
+            raise LoRAError(f"{path}: {key!r}: layer {layer}, but the base model has {num_layers} layers")
+        pairs.setdefault((layer, module), {})[ab] = t
+    if not pairs:
+        raise LoRAError(f"{path}: the adapter has no LoRA weights")
+    weights: dict[tuple[int, str], list] = {}
+    rank = 0
+    for (layer, module), ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise LoRAError(f"{path}: layer {layer} {module}: lora_A and lora_B must both be present")
+        a, b = ab["A"], ab["B"]
+        ours, i = _SLICE_OF[module]
+        shape = shapes[ours]
+        r = a.shape[0]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != shape.in_features or b.shape != (shape.slices[i], r):
+            raise LoRAError(
+                f"{path}: layer {layer} {module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the base "
+                f"model ({module} is {shape.in_features} -> {shape.slices[i]}): an adapter for another base model?")
+        if r > max_rank:
+            raise LoRAError(f"{path}: rank {r} ({module}) is above --max-lora-rank {max_rank}")
+        rank = max(rank, r)
+        scale = _scaling(f"model.layers.{layer}.{module}", r, cfg)
+        bt = (b.float() * scale).t().contiguous()
+        weights.setdefault((layer, ours), []).append((i, a.to(dtype).contiguous(), bt.to(dtype)))
+    return LoRAAdapter(name, uid, path, rank, weights)
