@@ -34,26 +34,25 @@ class SlotWeights:
     ranks: torch.Tensor
     bounds: torch.Tensor
     ranks_host: torch.Tensor  # a CPU copy (the torch path reads ranks without a device sync)
+    bounds_host: list[int]
 
-    def add_delta(self, y: torch.Tensor, x: torch.Tensor, row_slots: torch.Tensor) -> None:
+    def add_delta(self, y: torch.Tensor, x: torch.Tensor, slots: LoRASlots) -> None:
         kernels = cpu_kernels.ops_for(y)
         if kernels is not None:
-            kernels.lora_add(y, x.contiguous(), self.A, self.Bt, self.ranks, self.bounds, row_slots)
+            kernels.lora_add(y, x.contiguous(), self.A, self.Bt, self.ranks, self.bounds, slots.row_slots)
         else:
-            lora_add_torch(y, x, self, row_slots)
+            lora_add_torch(y, x, self, slots.groups())
 
     def spec(self) -> tuple:
         return self.A, self.Bt, self.ranks, self.bounds
 
 
-def lora_add_torch(y: torch.Tensor, x: torch.Tensor, w: SlotWeights, row_slots: torch.Tensor) -> None:
-    """The same delta in torch ops, one matmul pair per (adapter, slice) in the step (GPU, and the
-    tests' reference): float32 inside, added to y and rounded once, as the kernel does."""
-    bounds = w.bounds.tolist()
-    for slot in torch.unique(row_slots).tolist():
-        if slot < 0:
-            continue
-        rows = (row_slots == slot).nonzero().squeeze(1)
+def lora_add_torch(y: torch.Tensor, x: torch.Tensor, w: SlotWeights, groups: list[tuple[int, torch.Tensor]]) -> None:
+    """The same delta in torch ops, one matmul pair per (adapter, slice) in the step (GPU, CPUs
+    without the kernels): float32 inside, added to y and rounded once, as the kernel does.
+    groups: (slot, its rows) of the step, made once per step on the host (no device syncs here)."""
+    bounds = w.bounds_host
+    for slot, rows in groups:
         xs = x[rows].float()
         for i, r in enumerate(w.ranks_host[slot].tolist()):
             if r:
@@ -73,9 +72,8 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_layer(x)
-        rows = self._slots.row_slots
-        if rows is not None:
-            self._w.add_delta(y.view(-1, self.out_features), x.reshape(-1, self.in_features), rows)
+        if self._slots.row_slots is not None:
+            self._w.add_delta(y.view(-1, self.out_features), x.reshape(-1, self.in_features), self._slots)
         return y
 
 
@@ -96,16 +94,26 @@ class LoRASlots:
                     torch.zeros(max_loras, max_rank, shape.out_features, dtype=dtype, device=device),
                     torch.zeros(max_loras, n, dtype=torch.int32, device=device),
                     torch.tensor(shape.bounds, dtype=torch.int64, device=device),
-                    torch.zeros(max_loras, n, dtype=torch.int32))
+                    torch.zeros(max_loras, n, dtype=torch.int32), shape.bounds)
                 self.weights[(l, name)] = w
                 setattr(parent, name, LoRALinear(getattr(parent, name), self, w))
         self.holds: list[int | None] = [None] * max_loras  # adapter uid per slot
         self._last_used = [0] * max_loras
         self._clock = 0
-        self.row_slots: torch.Tensor | None = None  # the running step's, while it runs
+        self.row_slots: torch.Tensor | None = None  # the running step's (set by the runner)
+        self._groups: tuple[torch.Tensor, list] | None = None  # (row_slots, its groups), made on first use
         nbytes = sum(w.A.nbytes + w.Bt.nbytes for w in self.weights.values())
         logger.info("LoRA: %d slots of rank <= %d in %d linears (%.1f MB)", max_loras, max_rank, len(self.weights),
                     nbytes / 1e6)
+
+    def groups(self) -> list[tuple[int, torch.Tensor]]:
+        """The step's (slot, row indices on the device) for the torch path, made once per step."""
+        rows = self.row_slots
+        if self._groups is None or self._groups[0] is not rows:
+            host = rows.cpu()
+            found = [(s, (host == s).nonzero().squeeze(1).to(rows.device)) for s in torch.unique(host).tolist() if s >= 0]
+            self._groups = (rows, found)
+        return self._groups[1]
 
     def specs(self) -> list[tuple]:
         """Each layer's qkv, o, gate_up and down slot weights, in order (the fused step's set_lora)."""
@@ -143,7 +151,7 @@ class LoRASlots:
                 w.ranks_host[slot] = 0
             for key, parts in adapter.weights.items():
                 w = self.weights[key]
-                bounds = w.bounds.tolist()
+                bounds = w.bounds_host
                 for i, a, bt in parts:
                     r = a.shape[0]
                     w.A[slot, i, :r].copy_(a)
