@@ -45,7 +45,25 @@ _ENGINE_HELP = {
                             "the head counts must divide by it)",
     "served_model_name": "model name reported by the API and expected in requests "
                          "(default: --model, or SmolLM2-135M-Instruct)",
+    "enable_lora": "serve LoRA adapters (PEFT folders) over the base model, mixed in one batch; a request "
+                   "picks one by name (OpenAI: \"model\", TGI: parameters.adapter_id)",
+    "lora_modules": "adapters served from start-up (with --enable-lora): name=path, or JSON '{\"name\": ..., "
+                    "\"path\": ..., \"base_model_name\": ...}'; several may follow the flag",
+    "max_loras": "most distinct LoRA adapters in one batch (slots beside the base weights)",
+    "max_lora_rank": "largest LoRA rank accepted (adapters above it are refused)",
+    "max_cpu_loras": "LoRA adapters kept loaded in memory, least recently used dropped (and read again when "
+                     "asked for; default: max(--max-loras, the number of --lora-modules))",
+    "allow_runtime_lora_updating": "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with "
+                                   "--enable-lora; default: off, or on when VLLM_ALLOW_RUNTIME_LORA_UPDATING is "
+                                   "True or 1)",
 }
+
+# vLLM's switch for the runtime LoRA routes, honoured as the default of --allow-runtime-lora-updating.
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true")
 
 
 def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) -> None:
@@ -57,8 +75,13 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
         help_text = _ENGINE_HELP.get(f.name, "")
         if f.default is not None and "default" not in help_text:
             help_text += f" (default: {f.default})"
+        if f.name == "lora_modules":  # vLLM's: --lora-modules a=/x b=/y (repeatable here)
+            g.add_argument(flag, dest=f.name, nargs="+", action="extend", default=None,
+                           metavar="NAME=PATH|JSON", help=help_text)
+            continue
         if f.type in ("bool", bool):
-            g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+            default = f.default or (f.name == "allow_runtime_lora_updating" and _env_flag(RUNTIME_LORA_ENV))
+            g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
                            help=help_text)
             continue
         typ = {"int | None": int, "int": int, "float | None": float, "float": float}.get(str(f.type), str)
@@ -161,7 +184,12 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
             chat_template = f.read()
     if ns.max_waiting is not None and ns.max_waiting < 0:
         raise ValueError(f"--max-waiting must be >= 0, got {ns.max_waiting}")
+    if ns.allow_runtime_lora_updating and not ns.enable_lora:
+        logging.getLogger("tokenmill").warning("--allow-runtime-lora-updating (or %s) without --enable-lora: "
+                                               "the LoRA routes stay off", RUNTIME_LORA_ENV)
     if _wants_ray(ns):
+        if ns.enable_lora:
+            raise ValueError("--enable-lora with Ray Serve replicas is not supported yet")
         return _serve_on_ray(ns, chat_template)
     sock = bind_socket(ns.host, ns.port)  # first: a busy port fails now, not after the model has loaded
     try:

@@ -96,9 +96,12 @@ class AsyncLLMEngine:
         return len(self._streams)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None, parent_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yields RequestOutputs (with delta_text) until the request finishes.
-        Raises ValueError for bad input (or a request id already in flight), before the first output."""
+                       request_id: str | None = None, parent_id: str | None = None,
+                       lora_request=None) -> AsyncIterator[RequestOutput]:
+        """Yields RequestOutputs (with delta_text) until the request finishes. `lora_request`: a
+        LoRARequest (with --enable-lora; None: the base model), loaded on the prep pool.
+        Raises ValueError for bad input (or a request id already in flight), before the first output
+        (lora.adapter.LoRAError, a ValueError, for an adapter that cannot serve)."""
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running: {self._error!r}")
         rid = request_id or f"req-{next(self._ids)}"
@@ -109,7 +112,8 @@ class AsyncLLMEngine:
         self._streams[rid] = stream
         finished = True  # nothing to abort until the request is queued
         try:
-            req = await loop.run_in_executor(self.prep_pool, self.engine.make_request, prompt, params, rid, parent_id)
+            req = await loop.run_in_executor(self.prep_pool, self.engine.make_request, prompt, params, rid, parent_id,
+                                             lora_request)
             self._inbox.put(("add", req))
             self._wakeup.set()
             finished = False

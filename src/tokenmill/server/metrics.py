@@ -3,6 +3,10 @@
 Per-token and per-request numbers are taken on the engine thread after each step (a step
 observer), from the engine's own timestamps; queue and cache gauges are read when scraped.
 Each server has its own registry, so several servers can live in one process (tests).
+
+With --enable-lora, the request counters (prompt and generation tokens, finished requests) carry
+a `lora_name` label ("" for the base model), and `tokenmill:lora_requests_info` says which
+adapters the running and waiting requests use, as vLLM's `vllm:lora_requests_info`.
 """
 
 from __future__ import annotations
@@ -61,6 +65,22 @@ class _EngineGauges:
         yield g
         if core.drafter is not None:
             yield from _spec_decode_counters(core.drafter.stats, labels)
+        lora = getattr(self.aengine.engine.config, "lora", None)
+        if lora is not None:
+            yield _lora_info(core.scheduler, lora.max_loras)
+
+
+def _lora_info(scheduler, max_loras: int) -> GaugeMetricFamily:
+    """vLLM's lora_requests_info: the adapters of the running and of the waiting requests (names,
+    comma-joined) as labels; the value is the time of the scrape."""
+    def names(requests) -> str:
+        return ",".join(sorted({r.lora.name for r in requests if r.lora is not None}))
+
+    running, waiting = list(scheduler.running), list(scheduler.waiting)  # copies: the engine thread owns them
+    g = GaugeMetricFamily("tokenmill:lora_requests_info", "Running stats on LoRA requests (the value: the time "
+                          "of the scrape).", labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+    g.add_metric([str(max_loras), names(running), names(waiting)], time.time())
+    return g
 
 
 def _spec_decode_counters(st, labels: list[str]):
@@ -86,14 +106,19 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         reg, lab = self.registry, ["model_name"]
-        self.prompt_tokens = Counter("tokenmill:prompt_tokens", "Prompt tokens processed (once per request).",
-                                     lab, registry=reg).labels(model_name)
-        self.generation_tokens = Counter("tokenmill:generation_tokens", "Tokens generated.", lab,
-                                         registry=reg).labels(model_name)
+        # --enable-lora: the request counters by adapter too (lora_name; "" for the base model)
+        self.lora = getattr(aengine.engine.config, "lora", None) is not None
+        req_lab = lab + ["lora_name"] if self.lora else lab
+        self._lora_of: dict[str, str] = {}  # request id -> adapter name, for requests with an adapter
+        self._prompt_tokens = Counter("tokenmill:prompt_tokens", "Prompt tokens processed (once per request).",
+                                      req_lab, registry=reg)
+        self._generation_tokens = Counter("tokenmill:generation_tokens", "Tokens generated.", req_lab, registry=reg)
+        self.prompt_tokens = self._prompt_tokens.labels(*self._labels(""))
+        self.generation_tokens = self._generation_tokens.labels(*self._labels(""))
         self.preemptions = Counter("tokenmill:num_preemptions", "Requests preempted (KV blocks freed, recomputed).",
                                    lab, registry=reg).labels(model_name)
         self.request_success = Counter("tokenmill:request_success", "Requests finished, by finish reason.",
-                                       lab + ["finished_reason"], registry=reg)
+                                       req_lab + ["finished_reason"], registry=reg)
         self.ttft = Histogram("tokenmill:time_to_first_token_seconds", "Time from arrival to the first token.",
                               lab, buckets=TTFT_BUCKETS, registry=reg).labels(model_name)
         self.itl = Histogram("tokenmill:inter_token_latency_seconds", "Time between consecutive output tokens.",
@@ -104,26 +129,46 @@ class ServerMetrics:
                                     "Time from arrival to first being scheduled.", lab,
                                     buckets=REQUEST_LATENCY_BUCKETS, registry=reg).labels(model_name)
         for reason in ("stop", "length", "abort"):  # present from the start, as vLLM does
-            self.request_success.labels(model_name, reason)
+            self.request_success.labels(*self._labels(""), reason)
         reg.register(_EngineGauges(aengine, model_name))
         self._engine = aengine.engine
         self._last_token_time: dict[str, float] = {}  # engine thread only
         self._preemptions_seen = self._engine.core.scheduler.num_preemptions
         aengine.step_observers.append(self.on_step)
 
+    def _labels(self, lora_name: str) -> tuple[str, ...]:
+        return (self.model_name, lora_name) if self.lora else (self.model_name,)
+
+    # event loop
+    def set_lora(self, request_id: str, lora_name: str) -> None:
+        """The adapter of a request about to be added (its counters get lora_name); forgotten when it
+        finishes, is aborted (on_abort) or is refused (forget)."""
+        self._lora_of[request_id] = lora_name
+
+    def forget(self, request_id: str) -> None:
+        self._lora_of.pop(request_id, None)
+
     # engine thread
     def on_step(self, outputs: list[RequestOutput], step_seconds: float) -> None:
         now = time.monotonic()
         last_times = self._last_token_time
+        lora_of = self._lora_of
         for out in outputs:
             rid = out.request_id
+            lora_name = lora_of.get(rid) if lora_of else None
             n_new = len(out.outputs[0].delta_token_ids)
             if n_new:
-                self.generation_tokens.inc(n_new)
+                if lora_name is None:
+                    self.generation_tokens.inc(n_new)
+                else:
+                    self._generation_tokens.labels(self.model_name, lora_name).inc(n_new)
             m = out.metrics
             last = last_times.get(rid)
             if last is None:  # the request's first output
-                self.prompt_tokens.inc(len(out.prompt_token_ids))
+                if lora_name is None:
+                    self.prompt_tokens.inc(len(out.prompt_token_ids))
+                else:
+                    self._prompt_tokens.labels(self.model_name, lora_name).inc(len(out.prompt_token_ids))
                 if m is not None and m.first_token_time is not None:
                     self.ttft.observe(m.first_token_time - m.arrival_time)
                 if m is not None and m.first_scheduled_time is not None:
@@ -136,7 +181,10 @@ class ServerMetrics:
                 last_times.pop(rid, None)
                 if m is not None and m.finished_time is not None:
                     self.e2e.observe(m.finished_time - m.arrival_time)
-                self.request_success.labels(self.model_name, out.outputs[0].finish_reason or "abort").inc()
+                if lora_name is not None:
+                    lora_of.pop(rid, None)
+                reason = out.outputs[0].finish_reason or "abort"
+                self.request_success.labels(*self._labels(lora_name or ""), reason).inc()
             else:
                 last_times[rid] = now
         sched = self._engine.core.scheduler
@@ -148,9 +196,11 @@ class ServerMetrics:
                 del last_times[rid]
 
     # event loop
-    def on_abort(self) -> None:
-        """A request closed by its client (disconnect) before it finished."""
-        self.request_success.labels(self.model_name, "abort").inc()
+    def on_abort(self, request_id: str | None = None) -> None:
+        """A request closed by its client (disconnect) before it finished (`request_id`: one with an
+        adapter, counted under its lora_name)."""
+        lora_name = self._lora_of.pop(request_id, "") if request_id is not None else ""
+        self.request_success.labels(*self._labels(lora_name), "abort").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

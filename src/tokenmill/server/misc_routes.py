@@ -7,6 +7,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import tokenmill
+from tokenmill.lora.request import LoRARequest
 from tokenmill.server.chat_template import render_chat
 from tokenmill.server.protocol import (
     DetokenizeRequest,
@@ -27,21 +28,37 @@ _ERR = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"mod
         413: {"model": ErrorResponse}}
 
 
-def _card(ctx: ServerContext) -> ModelCard:
-    return ModelCard(id=ctx.model_name, created=int(ctx.started), root=ctx.engine.config.model.path,
-                     max_model_len=ctx.max_model_len)
+def _card(ctx: ServerContext, lora: LoRARequest | None = None) -> ModelCard:
+    """The base model's card, or a LoRA adapter's as vLLM writes it: root = its folder, parent = the
+    base model it was registered for (--lora-modules' base_model_name), else the served model."""
+    if lora is None:
+        return ModelCard(id=ctx.model_name, created=int(ctx.started), root=ctx.engine.config.model.path,
+                         max_model_len=ctx.max_model_len)
+    return ModelCard(id=lora.lora_name, created=int(ctx.started), root=lora.lora_path,
+                     parent=lora.base_model_name or ctx.model_name, max_model_len=ctx.max_model_len)
+
+
+def _adapters(ctx: ServerContext) -> list[LoRARequest]:
+    registry = ctx.lora
+    if registry is None:
+        return []
+    return [lr for lr in map(registry.lookup, registry.names()) if lr is not None]
 
 
 @router.get("/v1/models", response_model=ModelList, responses=_ERR, tags=["OpenAI"])
 async def list_models(raw: Request) -> ModelList:
-    return ModelList(data=[_card(get_ctx(raw))])
+    """The base model, then every LoRA adapter (with --enable-lora), each usable as `model`."""
+    ctx = get_ctx(raw)
+    return ModelList(data=[_card(ctx)] + [_card(ctx, lr) for lr in _adapters(ctx)])
 
 
 @router.get("/v1/models/{model:path}", response_model=ModelCard, responses=_ERR, tags=["OpenAI"])
 async def retrieve_model(model: str, raw: Request) -> ModelCard:
     ctx = get_ctx(raw)
-    check_model(ctx, model)
-    return _card(ctx)
+    lora = check_model(ctx, model)
+    if lora is None:
+        return _card(ctx)
+    return _card(ctx, ctx.lora.lookup(model) or lora)  # with its path (check_model's is by name only)
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, responses=_ERR, tags=["tokens"])

@@ -44,6 +44,7 @@ from tokenmill.server.serving import (
     resolve_max_tokens,
     run_cancellable,
     sampling_params,
+    served_name,
     sse,
     start_streams,
     stream_error_chunk,
@@ -69,7 +70,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
 
 async def _create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest, raw: Request):
     log_ignored_fields(body)
-    check_model(ctx, body.model)
+    lora = check_model(ctx, body.model)
+    model = served_name(ctx, lora)
     check_sampling_fields(ctx, body)
     plan = plan_tools(body.tools, body.tool_choice)
     top_n = None
@@ -96,19 +98,19 @@ async def _create_chat_completion(ctx: ServerContext, body: ChatCompletionReques
     tracker = track(raw, request_id)
     tracker.prompt_tokens = len(ids)
     if body.use_beam_search:
-        result = await run_beam_search(ctx, ids, body, max_tokens, request_id)
+        result = await run_beam_search(ctx, ids, body, max_tokens, request_id, lora)
         n_out = sum(len(s.output_tokens) for s in result.sequences)
         return JSONResponse(ChatCompletionResponse(
-            id=request_id, created=int(time.time()), model=ctx.model_name,
+            id=request_id, created=int(time.time()), model=model,
             choices=[ChatCompletionResponseChoice(index=j, message=ChatResponseMessage(content=s.text),
                                                   finish_reason="stop" if s.finished else "length")
                      for j, s in enumerate(result.sequences)],
             usage=UsageInfo(prompt_tokens=len(ids), completion_tokens=n_out, total_tokens=len(ids) + n_out),
         ).model_dump())
-    streams = await start_streams(sample_streams(ctx, ids, params, request_id, tracker, 0))
+    streams = await start_streams(sample_streams(ctx, ids, params, request_id, tracker, 0, lora))
     created = int(time.time())
     if body.stream:
-        return SSEResponse(_stream(ctx, body, request_id, created, streams, top_n, len(ids), plan))
+        return SSEResponse(_stream(ctx, body, request_id, created, streams, top_n, len(ids), plan, model))
     out = merge_samples(await collect_all(streams), params)
     choices = []
     for c in out.outputs:
@@ -120,7 +122,7 @@ async def _create_chat_completion(ctx: ServerContext, body: ChatCompletionReques
             index=c.index, message=ChatResponseMessage(content=content, tool_calls=calls or None), logprobs=lp,
             finish_reason=_finish(plan, calls, c.finish_reason), stop_reason=c.stop_reason))
     resp = ChatCompletionResponse(
-        id=request_id, created=created, model=ctx.model_name, choices=choices,
+        id=request_id, created=created, model=model, choices=choices,
         usage=UsageInfo.from_outputs([out]), prompt_logprobs=prompt_logprobs_json(out),
     )
     return JSONResponse(resp.model_dump())
@@ -148,13 +150,14 @@ def _finish(plan: ToolPlan | None, calls: list, reason: str | None) -> str | Non
 
 
 async def _stream(ctx: ServerContext, body: ChatCompletionRequest, request_id: str, created: int, streams,
-                  top_n: int | None, prompt_tokens: int, plan: ToolPlan | None = None):
+                  top_n: int | None, prompt_tokens: int, plan: ToolPlan | None = None, model: str | None = None):
     """Stream i carries choice i (n > 1: one per sample). With tools to parse, a choice's text is
     held back until it is complete, then sent as content or as tool_calls."""
     opts = body.stream_options
     include_usage = bool(opts and opts.include_usage)
     continuous = bool(include_usage and opts.continuous_usage_stats)
-    base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name}
+    base = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+            "model": model or ctx.model_name}
     latest: dict[int, RequestOutput] = {}
 
     def usage() -> dict:

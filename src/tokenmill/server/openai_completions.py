@@ -42,6 +42,7 @@ from tokenmill.server.serving import (
     run_beam_search,
     run_cancellable,
     sampling_params,
+    served_name,
     sse,
     start_streams,
     stream_error_chunk,
@@ -96,7 +97,7 @@ def _prompts(ctx: ServerContext, body: CompletionRequest) -> list[tuple[str | No
 
 async def _create_completion(ctx: ServerContext, body: CompletionRequest, raw: Request):
     log_ignored_fields(body)
-    check_model(ctx, body.model)
+    lora = check_model(ctx, body.model)
     if body.suffix is not None:
         raise APIError("suffix is not supported (no fill-in-the-middle)", param="suffix")
     if body.best_of is not None and not 1 <= body.best_of <= MAX_N:
@@ -122,7 +123,7 @@ async def _create_completion(ctx: ServerContext, body: CompletionRequest, raw: R
     tracker = track(raw, request_id)
     tracker.prompt_tokens = sum(len(ids) for _, ids in prompts)
     if body.use_beam_search:
-        return JSONResponse((await _beam_search(ctx, body, request_id, prompts, params)).model_dump())
+        return JSONResponse((await _beam_search(ctx, body, request_id, prompts, params, lora)).model_dump())
     many = len(prompts) > 1
     S = params[0].num_samples  # engine requests per prompt; choice index = prompt * n + sample
     if len(prompts) * S > MAX_SEQUENCES:
@@ -130,33 +131,35 @@ async def _create_completion(ctx: ServerContext, body: CompletionRequest, raw: R
                        f"start at most {MAX_SEQUENCES}", param="n")
     streams = []
     for i, ((_, ids), sp) in enumerate(zip(prompts, params)):
-        streams += sample_streams(ctx, ids, sp, f"{request_id}-{i}" if many else request_id, tracker, i * S)
+        streams += sample_streams(ctx, ids, sp, f"{request_id}-{i}" if many else request_id, tracker, i * S, lora)
     streams = await start_streams(streams)
     texts = await ctx.offload(_echo_texts, ctx, prompts) if body.echo else None
     created = int(time.time())
     if body.stream:
         stream_texts = [texts[k // S] for k in range(len(streams))] if texts else None
-        return SSEResponse(_stream(ctx, body, request_id, created, streams, stream_texts, tracker.prompt_tokens))
+        return SSEResponse(_stream(ctx, body, request_id, created, streams, stream_texts, tracker.prompt_tokens,
+                                   served_name(ctx, lora)))
     outs = await collect_all(streams)
     merged = [merge_samples(outs[i * S : (i + 1) * S], sp) for i, sp in enumerate(params)]
-    return JSONResponse(_response(ctx, body, request_id, created, merged, texts, score_only).model_dump())
+    return JSONResponse(_response(ctx, body, request_id, created, merged, texts, score_only,
+                                  served_name(ctx, lora)).model_dump())
 
 
 def _echo_texts(ctx: ServerContext, prompts) -> list[str]:
     return [text if text is not None else ctx.tokenizer.decode(ids) for text, ids in prompts]
 
 
-async def _beam_search(ctx, body, request_id: str, prompts, params) -> CompletionResponse:
+async def _beam_search(ctx, body, request_id: str, prompts, params, lora) -> CompletionResponse:
     choices, completion_tokens = [], 0
     for i, ((text, ids), sp) in enumerate(zip(prompts, params)):
-        result = await run_beam_search(ctx, ids, body, sp.max_tokens, f"{request_id}-{i}")
+        result = await run_beam_search(ctx, ids, body, sp.max_tokens, f"{request_id}-{i}", lora)
         prefix = (text if text is not None else ctx.tokenizer.decode(ids)) if body.echo else ""
         for j, seq in enumerate(result.sequences):
             completion_tokens += len(seq.output_tokens)
             choices.append(CompletionResponseChoice(index=i * len(result.sequences) + j, text=prefix + seq.text,
                                                     finish_reason="stop" if seq.finished else "length"))
     p = sum(len(ids) for _, ids in prompts)
-    return CompletionResponse(id=request_id, created=int(time.time()), model=ctx.model_name, choices=choices,
+    return CompletionResponse(id=request_id, created=int(time.time()), model=served_name(ctx, lora), choices=choices,
                               usage=UsageInfo(prompt_tokens=p, completion_tokens=completion_tokens,
                                               total_tokens=p + completion_tokens))
 
@@ -189,7 +192,7 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob] 
 
 
 def _response(ctx, body, request_id, created, outs: list[RequestOutput], texts,
-              score_only: bool = False) -> CompletionResponse:
+              score_only: bool = False, model: str | None = None) -> CompletionResponse:
     choices = []
     for i, out in enumerate(outs):
         for c in out.outputs:
@@ -198,7 +201,7 @@ def _response(ctx, body, request_id, created, outs: list[RequestOutput], texts,
     usage = UsageInfo.from_outputs(outs)
     if score_only:
         usage.completion_tokens, usage.total_tokens = 0, usage.prompt_tokens
-    return CompletionResponse(id=request_id, created=created, model=ctx.model_name, choices=choices,
+    return CompletionResponse(id=request_id, created=created, model=model or ctx.model_name, choices=choices,
                               usage=usage)
 
 
@@ -222,7 +225,7 @@ def _choice(ctx, body, out: RequestOutput, c, index: int, prefix: str, score_onl
 
 
 async def _stream(ctx: ServerContext, body: CompletionRequest, request_id: str, created: int, streams, texts,
-                  prompt_tokens: int):
+                  prompt_tokens: int, model: str):
     opts = body.stream_options
     include_usage = bool(opts and opts.include_usage)
     continuous = bool(include_usage and opts.continuous_usage_stats)
@@ -259,7 +262,7 @@ async def _stream(ctx: ServerContext, body: CompletionRequest, request_id: str, 
             if not text and lp is None and not out.finished:
                 continue
             chunk = {
-                "id": request_id, "object": "text_completion", "created": created, "model": ctx.model_name,
+                "id": request_id, "object": "text_completion", "created": created, "model": model,
                 "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
                              "stop_reason": c.stop_reason}],
             }
@@ -267,7 +270,7 @@ async def _stream(ctx: ServerContext, body: CompletionRequest, request_id: str, 
                 chunk["usage"] = usage() if continuous else None
             yield sse(chunk)
         if include_usage:
-            yield sse({"id": request_id, "object": "text_completion", "created": created, "model": ctx.model_name,
+            yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
                        "choices": [], "usage": usage()})
     except (ValueError, RuntimeError, APIError) as e:
         yield stream_error_chunk(e)

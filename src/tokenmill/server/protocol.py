@@ -404,3 +404,14 @@ class VersionResponse(BaseModel):
 
 class HealthResponse(BaseModel):
     status: Literal["ok", "unhealthy"]
+
+
+# ---- LoRA adapters at run time (--allow-runtime-lora-updating) -----------------------------
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    lora_name: str = Field(..., min_length=1, description="the name requests give as `model` (or TGI's adapter_id)")
+    lora_path: str = Field(..., min_length=1, description="a PEFT adapter folder on the server")
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    lora_name: str = Field(..., min_length=1)
+    lora_int_id: int | None = Field(None, description="vLLM's; ignored (adapters are unloaded by name)")

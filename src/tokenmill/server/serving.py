@@ -5,6 +5,7 @@ disconnect handling, SSE framing and the per-request record behind the access lo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -18,6 +19,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from tokenmill.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, ServerShutdownError
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from tokenmill.sampling_params import SamplingParams
@@ -72,15 +74,41 @@ class ServerContext:
     def vocab_size(self) -> int:
         return self.aengine.engine.config.model.vocab_size
 
+    @property
+    def lora(self):
+        """The engine's LoRARegistry (lora/registry.py), or None without --enable-lora."""
+        return getattr(self.aengine.engine, "lora", None)
+
 
 def get_ctx(request: Request) -> ServerContext:
     return request.app.state.ctx
 
 
 # ---- input checks -------------------------------------------------------------------------
-def check_model(ctx: ServerContext, name: str | None) -> None:
-    if name and name != ctx.model_name:
-        raise APIError(f"The model `{name}` does not exist. This server serves `{ctx.model_name}`.", 404, "model")
+def check_model(ctx: ServerContext, name: str | None) -> LoRARequest | None:
+    """The LoRA adapter a request's `model` names: None for the base model (its served name, or no
+    name), the adapter's LoRARequest for a registered adapter (--enable-lora); else a 404."""
+    if not name or name == ctx.model_name:
+        return None
+    lora = lora_request(ctx, name)
+    if lora is None:
+        adapters = " and the LoRA adapters listed by GET /v1/models" if ctx.lora is not None else ""
+        raise APIError(f"The model `{name}` does not exist. This server serves `{ctx.model_name}`{adapters}.", 404,
+                       "model")
+    return lora
+
+
+def lora_request(ctx: ServerContext, name: str) -> LoRARequest | None:
+    """The registered adapter of this name, as a request by name only: the prep thread takes the
+    registry's loaded copy (an adapter unloaded meanwhile is a 400 there, never loaded again)."""
+    registry = ctx.lora
+    known = registry.lookup(name) if registry is not None else None
+    return dataclasses.replace(known, lora_path="") if known is not None else None
+
+
+def served_name(ctx: ServerContext, lora: LoRARequest | None) -> str:
+    """The `model` of a response: the adapter's name, else the served model name (as vLLM)."""
+    return lora.lora_name if lora is not None else ctx.model_name
 
 
 def log_ignored_fields(body) -> None:
@@ -140,11 +168,13 @@ MAX_SEQUENCES = 1024  # engine requests one API request may start (prompts x sam
 
 
 def sample_streams(ctx: ServerContext, prompt_ids: list[int], params: SamplingParams, base_id: str,
-                   tracker: RequestTracker, first_index: int) -> list[AsyncGenerator[RequestOutput, None]]:
+                   tracker: RequestTracker, first_index: int,
+                   lora: LoRARequest | None = None) -> list[AsyncGenerator[RequestOutput, None]]:
     """One engine stream per sample of one prompt (n or best_of of them), sharing a parent id."""
     if params.num_samples == 1:
-        return [engine_stream(ctx, prompt_ids, params, base_id, tracker, first_index)]
-    return [engine_stream(ctx, prompt_ids, child, f"{base_id}-{j}", tracker, first_index + j, parent_id=base_id)
+        return [engine_stream(ctx, prompt_ids, params, base_id, tracker, first_index, lora=lora)]
+    return [engine_stream(ctx, prompt_ids, child, f"{base_id}-{j}", tracker, first_index + j, parent_id=base_id,
+                          lora=lora)
             for j, child in enumerate(params.children())]
 
 
@@ -254,11 +284,20 @@ def track(raw: Request, request_id: str) -> RequestTracker:
 
 
 # ---- engine streams -----------------------------------------------------------------------
+def generate(ctx: ServerContext, prompt_ids: list[int], params: SamplingParams, request_id: str,
+             parent_id: str | None = None, lora: LoRARequest | None = None) -> AsyncGenerator[RequestOutput, None]:
+    """ctx.aengine.generate, with the request's adapter (its name goes to the metrics' lora_name label)."""
+    if lora is None:
+        return ctx.aengine.generate(prompt_ids, params, request_id, parent_id)
+    ctx.metrics.set_lora(request_id, lora.lora_name)  # before the engine can send the request's outputs
+    return ctx.aengine.generate(prompt_ids, params, request_id, parent_id, lora_request=lora)
+
+
 async def engine_stream(ctx: ServerContext, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                        tracker: RequestTracker, index: int = 0,
-                        parent_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+                        tracker: RequestTracker, index: int = 0, parent_id: str | None = None,
+                        lora: LoRARequest | None = None) -> AsyncGenerator[RequestOutput, None]:
     """The engine's outputs for one prompt; closing it early aborts the request (counted)."""
-    gen = ctx.aengine.generate(prompt_ids, params, request_id, parent_id)
+    gen = generate(ctx, prompt_ids, params, request_id, parent_id, lora)
     finished = refused = False
     try:
         async for out in gen:
@@ -271,7 +310,12 @@ async def engine_stream(ctx: ServerContext, prompt_ids: list[int], params: Sampl
     finally:
         await gen.aclose()
         if not finished and not refused:
-            ctx.metrics.on_abort()
+            if lora is None:
+                ctx.metrics.on_abort()
+            else:
+                ctx.metrics.on_abort(request_id)
+        elif refused and lora is not None:
+            ctx.metrics.forget(request_id)
 
 
 def _as_api_error(e: BaseException) -> BaseException:
@@ -433,7 +477,7 @@ def stream_error_chunk(e: BaseException) -> bytes:
 
 # ---- beam search ----------------------------------------------------------------------------
 async def run_beam_search(ctx: ServerContext, prompt_ids: list[int], body, max_tokens: int,
-                          request_id: str) -> BeamSearchOutput:
+                          request_id: str, lora: LoRARequest | None = None) -> BeamSearchOutput:
     """vLLM's use_beam_search: n beams, rounds of one-token requests on the engine (see beam_search.py)."""
     if body.stream:
         raise APIError("use_beam_search cannot be streamed", param="use_beam_search")
@@ -444,9 +488,15 @@ async def run_beam_search(ctx: ServerContext, prompt_ids: list[int], body, max_t
         raise APIError(str(e), param="n") from None
     search = BeamSearch(prompt_ids, params, ctx.engine.eos_token_ids)
     while not search.done:
-        gens = [ctx.aengine.generate(b.tokens, search.round_params(), f"{request_id}-beam{search.rounds}-{i}")
-                for i, b in enumerate(search.beams)]
-        search.advance(await asyncio.gather(*[_last_output(g) for g in gens]))
+        rids = [f"{request_id}-beam{search.rounds}-{i}" for i in range(len(search.beams))]
+        gens = [generate(ctx, b.tokens, search.round_params(), rid, lora=lora) for rid, b in zip(rids, search.beams)]
+        try:
+            search.advance(await asyncio.gather(*[_last_output(g) for g in gens]))
+        except BaseException:
+            if lora is not None:  # finished rounds are forgotten by the metrics as they finish
+                for rid in rids:
+                    ctx.metrics.forget(rid)
+            raise
     return search.result(lambda t: ctx.tokenizer.decode(t, skip_special_tokens=True))
 
 

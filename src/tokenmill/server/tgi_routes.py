@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 import tokenmill
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured_output import GuidedDecodingParams
@@ -23,6 +24,7 @@ from tokenmill.server.serving import (
     collect_all,
     engine_stream,
     get_ctx,
+    lora_request,
     merge,
     new_request_id,
     run_cancellable,
@@ -64,6 +66,8 @@ class TGIParameters(BaseModel):
     watermark: bool = Field(False, description="green-list watermark (the server's --watermark-gamma / -delta)")
     grammar: dict[str, Any] | None = Field(None, description='{"type": "json", "value": schema} or '
                                                              '{"type": "regex", "value": "..."}')
+    adapter_id: str | None = Field(None, description="a LoRA adapter by name (--lora-modules, or loaded at run "
+                                                     "time); null or the model's id: the base model")
 
 
 class TGIRequest(BaseModel):
@@ -131,9 +135,15 @@ def _bad(msg: str) -> APIError:
     return APIError(msg, 422, tgi_type="validation")
 
 
-def _validate(ctx: ServerContext, req: TGIRequest) -> tuple[list[int], SamplingParams, bool]:
-    """TGI's checks and messages; returns (input ids, params, sampling?)."""
+def _validate(ctx: ServerContext, req: TGIRequest) -> tuple[list[int], SamplingParams, bool, LoRARequest | None]:
+    """TGI's checks and messages; returns (input ids, params, sampling?, the adapter)."""
     p = req.parameters
+    lora = None
+    if p.adapter_id and p.adapter_id != ctx.model_name:
+        lora = lora_request(ctx, p.adapter_id)
+        if lora is None:  # TGI itself would serve the base model; a typo must not go unnoticed
+            raise _bad(f"`adapter_id` {p.adapter_id!r} is not a loaded LoRA adapter"
+                       + ("" if ctx.lora is not None else " (the server runs without --enable-lora)"))
     if p.best_of is not None and p.best_of != 1:
         raise _bad("`best_of` != 1 is not supported")
     if p.decoder_input_details:
@@ -187,7 +197,7 @@ def _validate(ctx: ServerContext, req: TGIRequest) -> tuple[list[int], SamplingP
         )
     except ValueError as e:
         raise _bad(str(e)) from None
-    return ids, params, sampling
+    return ids, params, sampling, lora
 
 
 def _grammar(g: dict | None) -> GuidedDecodingParams | None:
@@ -231,11 +241,11 @@ def _tokens(ctx: ServerContext, out: RequestOutput, token_ids: list[int], texts:
 
 
 async def _start(ctx: ServerContext, req: TGIRequest, raw: Request):
-    ids, params, sampling = await ctx.offload(_validate, ctx, req)
+    ids, params, sampling, lora = await ctx.offload(_validate, ctx, req)
     request_id = new_request_id("tgi")
     tracker = track(raw, request_id)
     tracker.prompt_tokens = len(ids)
-    streams = await start_streams([engine_stream(ctx, ids, params, request_id, tracker)])
+    streams = await start_streams([engine_stream(ctx, ids, params, request_id, tracker, lora=lora)])
     return ids, streams, (req.parameters.seed if sampling else None)
 
 
