@@ -20,6 +20,8 @@ all-reduce, called from C++), and the vocab slices of the logits gathered on ran
 Its threads wait for each other at a barrier that spins briefly and then sleeps
 (TOKENMILL_SPIN_US), so that the step slows in proportion, rather than collapsing, when other
 processes take cores (cpu_threads).
+Multi-LoRA: after set_lora(specs) (the adapters' slot buffers, csrc/lora.h), a step given
+row_slots adds each row's adapter to the adapted linears inside the step (lora_add's kernels).
 """
 
 from __future__ import annotations
@@ -123,10 +125,19 @@ class FusedDecode:
             return True
         return self.batch_invariant and meta.query_start_loc is not None and meta.max_query_len <= MAX_Q
 
+    def set_lora(self, specs: list) -> None:
+        """Multi-LoRA slot buffers: 4 entries per layer (qkv, o, gate_up, down), each (A, Bt, ranks,
+        slice_bounds) as lora_add takes them, or None; kept and read at every step."""
+        self.decoder.set_lora(specs)
+
+    def clear_lora(self) -> None:
+        self.decoder.clear_lora()
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 logits_rows: torch.Tensor) -> torch.Tensor:
+                 logits_rows: torch.Tensor, row_slots: torch.Tensor | None = None) -> torch.Tensor:
         """Runs the step (K/V written, as the model would); float32 logits of `logits_rows` (any
-        rows of the step: a verification wants each of its request's rows)."""
+        rows of the step: a verification wants each of its request's rows). row_slots: int32 [rows],
+        each row's LoRA slot (-1: the base model), after set_lora."""
         rows = torch.as_tensor(logits_rows, dtype=torch.long)
         if self.batch_invariant or not meta.all_decode:  # the rows kernel, over the varlen view
             args = (input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens, rows,
@@ -134,11 +145,11 @@ class FusedDecode:
         else:  # decode rows, split over the threads at small batches
             args = (input_ids, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens, rows)
         if self.tp.size == 1:
-            return self.decoder.forward(*args)
+            return self.decoder.forward(*args, row_slots=row_slots)
         shm = self.tp.shm
         self.decoder.tp_seq = shm.seq  # the step's all-reduces continue the Python side's sequence
         try:
-            logits = self.decoder.forward(*args)
+            logits = self.decoder.forward(*args, row_slots=row_slots)
         except RuntimeError as e:
             raise TPAborted(str(e)) from e
         finally:

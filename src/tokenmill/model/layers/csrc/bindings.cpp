@@ -35,6 +35,10 @@ torch::Tensor dequantize_weight(torch::Tensor qweight, torch::Tensor scales, int
 torch::Tensor quant_embedding(torch::Tensor ids, torch::Tensor qweight, torch::Tensor scales, int64_t bits,
                               at::ScalarType dtype);
 
+// lora.cpp
+void lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor A, torch::Tensor Bt, torch::Tensor ranks,
+              torch::Tensor slice_bounds, torch::Tensor row_slots);
+
 // shm_allreduce.cpp
 bool shm_all_reduce(torch::Tensor x, torch::Tensor slots, torch::Tensor words, int64_t rank, int64_t world,
                     int64_t seq, int64_t spin_ns);
@@ -66,6 +70,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("panels"), py::arg("out_features"), py::arg("bias") = py::none());
   m.def("dequantize_weight", &dequantize_weight, "an int4/int8 weight, dequantized (for large batches)");
   m.def("quant_embedding", &quant_embedding, "rows of an int4/int8 table, dequantized");
+  m.def("lora_add", &lora_add, "multi-LoRA: y [M, N] += each row's adapter delta (row_slots; -1: none), in place",
+        py::arg("y"), py::arg("x"), py::arg("A"), py::arg("Bt"), py::arg("ranks"), py::arg("slice_bounds"),
+        py::arg("row_slots"));
   m.def("shm_all_reduce", &shm_all_reduce, "tensor-parallel all-reduce through shared memory (false: aborted)",
         py::call_guard<py::gil_scoped_release>());
   bind_fused_decoder(m);
