@@ -137,9 +137,24 @@ def test_bf16_mixed_batch_is_batch_invariant(tiny_llama_dir, adapters):
     """bf16: a request's tokens and logprobs are the same bits alone and in a mixed batch (the
     LoRA kernel computes each row alike), through the fused decode step when it runs."""
     llm = LLM(tiny_llama_dir, dtype="bfloat16", kv_cache_memory=0.02, enable_lora=True, max_loras=4, max_lora_rank=16)
+    fused_lora_steps = []
+    fd = llm.engine.core.runner.fast_decode
+    if fd is not None:  # count the fused steps that carried adapter rows
+        call = fd.__call__
+
+        def counting(*args, row_slots=None, **kw):
+            fused_lora_steps.append(row_slots is not None)
+            return call(*args, row_slots=row_slots, **kw)
+
+        llm.engine.core.runner.fast_decode = type("Counted", (), {"accepts": staticmethod(fd.accepts),
+                                                                  "__call__": staticmethod(counting)})()
     reqs = [None, *_requests(adapters).values()]
     alone = [llm.generate(PROMPTS[:1], GREEDY, lora_request=lr, use_tqdm=False)[0].outputs[0] for lr in reqs]
     mixed = llm.generate(PROMPTS[:1] * len(reqs), GREEDY, lora_request=reqs, use_tqdm=False)
+    from tokenmill.model.layers import cpu_kernels
+
+    if cpu_kernels.load() is not None and hasattr(cpu_kernels.load(), "FusedDecoder"):
+        assert any(fused_lora_steps)  # adapters ran inside the fused decode step
     for a, m in zip(alone, mixed):
         assert m.outputs[0].token_ids == a.token_ids
         assert [lp[t].logprob for lp, t in zip(m.outputs[0].logprobs, a.token_ids)] == \
