@@ -22,6 +22,8 @@ import time
 
 import torch
 
+from panel_linear import time_interleaved  # benchmarks/ is on sys.path when run as a script
+
 # name: (K, slice bounds), SmolLM2-135M
 SHAPES = {"qkv": (576, [0, 576, 768, 960]), "gate_up": (576, [0, 1536, 3072]), "down": (1536, [0, 576])}
 
@@ -59,15 +61,8 @@ def main(argv=None) -> None:
                 row_slots = (torch.arange(M) % d).to(torch.int32)
                 runs = {"base": lambda: [k.panel_linear(x, w, N) for w in panels],
                         "lora": lambda: [k.lora_add(y, x, *lw, row_slots) for lw in loras]}
-                times: dict[str, list[float]] = {n: [] for n in runs}
-                for f in runs.values():
-                    f()
-                for _ in range(args.repeats):
-                    for n, f in runs.items():
-                        t0 = time.perf_counter()
-                        f()
-                        times[n].append((time.perf_counter() - t0) / copies)
-                base, lora = statistics.median(times["base"]), statistics.median(times["lora"])
+                times = time_interleaved(runs, args.repeats, copies)
+                base, lora = times["base"], times["lora"]
                 print(f"{name:8s} rows {M:4d} adapters {d:3d}: base {base * 1e6:8.1f}  lora_add {lora * 1e6:7.1f}  "
                       f"lora / base {lora / base:6.1%}")
 

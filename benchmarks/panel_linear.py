@@ -21,6 +21,21 @@ import torch
 SHAPES = {"qkv": (832, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 
 
+
+def time_interleaved(runs: dict, repeats: int, copies: int = 1) -> dict[str, float]:
+    """Median seconds per call of each function (one warm-up call each, then the functions
+    interleaved `repeats` times, so that a noisy moment hits them alike); each call runs `copies`
+    layers."""
+    times: dict[str, list[float]] = {n: [] for n in runs}
+    for f in runs.values():
+        f()
+    for _ in range(repeats):
+        for n, f in runs.items():
+            t0 = time.perf_counter()
+            f()
+            times[n].append((time.perf_counter() - t0) / copies)
+    return {n: statistics.median(t) for n, t in times.items()}
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="1,8,16,32,64", help="batch sizes (comma-separated)")
@@ -41,15 +56,8 @@ def main(argv=None) -> None:
             x = torch.randn(M, K).bfloat16()
             runs = {"oneDNN": lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in onednn],
                     "panels": lambda: [k.panel_linear(x, w, N) for w in panels]}
-            times: dict[str, list[float]] = {n: [] for n in runs}
-            for f in runs.values():
-                f()
-            for _ in range(args.repeats):
-                for n, f in runs.items():
-                    t0 = time.perf_counter()
-                    f()
-                    times[n].append((time.perf_counter() - t0) / copies)
-            t1, t2 = statistics.median(times["oneDNN"]), statistics.median(times["panels"])
+            times = time_interleaved(runs, args.repeats, copies)
+            t1, t2 = times["oneDNN"], times["panels"]
             flop = 2 * M * N * K
             line = (f"{name:8s} rows {M:4d}: oneDNN {flop / t1 / 1e9:6.0f}  panels {flop / t2 / 1e9:6.0f}  "
                     f"panels / oneDNN {t1 / t2:5.2f}x")
