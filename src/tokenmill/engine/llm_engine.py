@@ -42,7 +42,7 @@ DEFAULT_KV_CACHE_GIB = 4.0
 
 class LLMEngine:
     def __init__(self, args: EngineArgs):
-        from tokenmill.model.loader import load_hf_config, resolve_model_path
+        from tokenmill.model.loader import check_features, load_hf_config, resolve_model_path
         from tokenmill.tokenizer import load_tokenizer
 
         t0 = time.perf_counter()
@@ -56,6 +56,7 @@ class LLMEngine:
         path = resolve_model_path(args.model)
         hf_config = load_hf_config(path)
         check_tp_size(hf_config, tp, check_quantization(args.quantization))
+        check_features(hf_config, tp, args.enable_lora)
         self.tokenizer = load_tokenizer(args.tokenizer or path)
         model_max = getattr(hf_config, "max_position_embeddings", 2048)
         max_model_len = args.max_model_len or model_max

@@ -71,7 +71,9 @@ class FusedDecode:
             return None
         kernels = cpu_kernels.load() if cpu_kernels.enabled() else None
         reason = None
-        if kernels is None or not hasattr(kernels, "FusedDecoder"):
+        if not getattr(model, "SUPPORTS_FUSED_DECODE", False):
+            reason = f"{type(model).__name__} has no fused step"
+        elif kernels is None or not hasattr(kernels, "FusedDecoder"):
             reason = "needs the C++ kernels built with AVX512-BF16"
         elif dtype != torch.bfloat16 or attn.kernels is None or attn.kv_scales is not None:
             reason = "needs bfloat16 activations and a bfloat16 KV cache"

@@ -55,6 +55,20 @@ def resolve_model_path(model: str | None) -> str:
     raise ValueError(f"model path {model!r} does not exist")
 
 
+def model_class(hf_config) -> type:
+    """The model class serving this config's architecture (load_hf_config has checked it)."""
+    return MODEL_REGISTRY[hf_config.architectures[0]]
+
+
+def check_features(hf_config, tensor_parallel_size: int, enable_lora: bool) -> None:
+    """Refuses what this architecture's model class has not opted in to (SUPPORTS_* attributes)."""
+    cls, arch = model_class(hf_config), hf_config.architectures[0]
+    if tensor_parallel_size > 1 and not getattr(cls, "SUPPORTS_TENSOR_PARALLEL", False):
+        raise ValueError(f"--tensor-parallel-size > 1 is not supported for {arch} yet")
+    if enable_lora and not getattr(cls, "SUPPORTS_LORA", False):
+        raise ValueError(f"--enable-lora is not supported for {arch} yet")
+
+
 def load_hf_config(path: str):
     from transformers import AutoConfig
 
@@ -136,7 +150,7 @@ def load_model(path: str, hf_config, dtype: torch.dtype, max_position: int, devi
                        "as %s instead", quantization, dtype)
         quantization = None
     t0 = time.perf_counter()
-    cls = MODEL_REGISTRY[hf_config.architectures[0]]
+    cls = model_class(hf_config)
     with torch.device("meta"):
         model = cls(hf_config, dtype, max_position, tp)
     model = model.to_empty(device=device).to(dtype)

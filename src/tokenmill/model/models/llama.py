@@ -99,6 +99,11 @@ class LlamaForCausalLM(nn.Module):
         "MistralForCausalLM": False,
         "Qwen2ForCausalLM": True,
     }
+    # What the engine may do with this family (a new family opts in to each once it is tested):
+    # the fused C++ decode step (fused_decode.py), tensor parallelism (distributed/), LoRA (lora/).
+    SUPPORTS_FUSED_DECODE = True
+    SUPPORTS_TENSOR_PARALLEL = True
+    SUPPORTS_LORA = True
 
     def __init__(self, cfg, dtype: torch.dtype, max_position: int, tp: TPGroup = NO_TP):
         super().__init__()
