@@ -11,6 +11,7 @@ import os
 import sys
 import threading
 import types
+from pathlib import Path
 
 import pytest
 
@@ -91,6 +92,21 @@ def test_build_directory_keyed_by_environment(monkeypatch, tmp_path):
     assert cpu_kernels.build_directory() == here  # stable
     monkeypatch.setattr(sys, "prefix", str(tmp_path / "other-venv"))
     assert cpu_kernels.build_directory() != here  # a second venv builds apart
+
+
+def test_sources_staged_in_the_build_directory(tmp_path):
+    """ninja compiles copies kept in the build folder, so checkouts of the same sources share one build;
+    a copy is rewritten only when its source changed (an unchanged file keeps its time: no rebuild)."""
+    staged = [Path(p) for p in cpu_kernels._staged_sources(tmp_path)]
+    assert [p.name for p in staged] == [p.name for p in cpu_kernels.SOURCES]
+    assert all(p.parent == tmp_path / "src" and p.read_bytes() == s.read_bytes()
+               for p, s in zip(staged, cpu_kernels.SOURCES))
+    assert {h.name for h in cpu_kernels.HEADERS} <= {p.name for p in (tmp_path / "src").iterdir()}
+    os.utime(staged[0], (1, 1))
+    (tmp_path / "src" / cpu_kernels.HEADERS[0].name).write_text("stale")
+    cpu_kernels._staged_sources(tmp_path)
+    assert staged[0].stat().st_mtime == 1  # unchanged: left alone
+    assert (tmp_path / "src" / cpu_kernels.HEADERS[0].name).read_bytes() == cpu_kernels.HEADERS[0].read_bytes()
 
 
 def test_build_is_logged_and_waits_visibly_on_another_builder(fresh_kernels, events):
