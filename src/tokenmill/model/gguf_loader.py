@@ -26,8 +26,9 @@ import shutil
 import struct
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -41,12 +42,6 @@ _MARKER = "tokenmill_gguf.json"
 # tokenmill) keep seeing a plain HF folder.
 QUANTIZED_FILE = os.path.join("gguf_blocks", "model.safetensors")
 
-# general.architecture -> (transformers model class, undo llama.cpp's Q/K permutation?)
-_ARCHS: dict[str, tuple[str, bool]] = {
-    "llama": ("LlamaForCausalLM", True),  # also Mistral 7B, which llama.cpp writes as "llama"
-    "mistral": ("MistralForCausalLM", True),
-    "qwen2": ("Qwen2ForCausalLM", False),  # NEOX-style rope in llama.cpp, so no permutation
-}
 _TENSOR_NAMES = {
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -54,6 +49,30 @@ _TENSOR_NAMES = {
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }  # fmt: skip
+
+
+def _has_qkv_bias(g: _Gguf, m: dict[str, Any], p: str) -> dict[str, Any]:
+    return {"attention_bias": "blk.0.attn_q.bias" in g.tensors}
+
+
+@dataclass(frozen=True)
+class GgufArch:
+    """How one llama.cpp architecture (general.architecture) becomes a Hugging Face folder."""
+
+    hf_arch: str  # config.json's architectures[0]
+    permute_qk: bool = False  # undo convert_hf_to_gguf.py's Q/K permutation (llama.cpp's non-NEOX rope)
+    tensors: dict[str, str] = field(default_factory=dict)  # llama.cpp tensor -> HF module, beyond _TENSOR_NAMES
+    # (reader, metadata, "<arch>.") -> config.json fields beyond the common ones (may override them)
+    config: Callable[[_Gguf, dict[str, Any], str], dict[str, Any]] = lambda g, m, p: {}
+
+
+# Keyed by llama.cpp's architecture name; a family adds its entry here.
+ARCHS: dict[str, GgufArch] = {
+    "llama": GgufArch("LlamaForCausalLM", permute_qk=True, config=_has_qkv_bias),  # also Mistral 7B
+    "mistral": GgufArch("MistralForCausalLM", permute_qk=True, config=lambda g, m, p: {
+        **_has_qkv_bias(g, m, p), "sliding_window": m.get(p + "attention.sliding_window")}),
+    "qwen2": GgufArch("Qwen2ForCausalLM"),  # NEOX-style rope in llama.cpp; q/k/v biases always
+}
 
 # tokenizer.ggml.pre -> split regex run before byte-level BPE (llama.cpp's llama-vocab.cpp).
 _LLAMA3_SPLIT = (
@@ -272,7 +291,7 @@ def _config(g: _Gguf, arch: str, tied: bool, vocab_size: int, tok_ids: dict[str,
     if "rope_freqs.weight" in g.tensors:
         rope = _rope_from_freqs(g.tensor("rope_freqs.weight"), theta, int(m.get(p + "rope.dimension_count", head_dim)))
     config: dict[str, Any] = dict(
-        architectures=[_ARCHS[arch][0]], model_type=arch, vocab_size=vocab_size, hidden_size=hidden,
+        architectures=[ARCHS[arch].hf_arch], model_type=arch, vocab_size=vocab_size, hidden_size=hidden,
         intermediate_size=int(m[p + "feed_forward_length"]), num_hidden_layers=int(m[p + "block_count"]),
         num_attention_heads=heads, num_key_value_heads=int(m.get(p + "attention.head_count_kv", heads)),
         head_dim=head_dim, hidden_act="silu", max_position_embeddings=int(m.get(p + "context_length", 2048)),
@@ -281,10 +300,7 @@ def _config(g: _Gguf, arch: str, tied: bool, vocab_size: int, tok_ids: dict[str,
         torch_dtype="float32", bos_token_id=tok_ids.get("bos"), eos_token_id=tok_ids.get("eos"),
         pad_token_id=tok_ids.get("pad"),
     )  # fmt: skip
-    if arch != "qwen2":  # qwen2 always has q/k/v biases; llama/mistral only when the file has them
-        config["attention_bias"] = "blk.0.attn_q.bias" in g.tensors
-    if arch == "mistral":
-        config["sliding_window"] = m.get(p + "attention.sliding_window")
+    config.update(ARCHS[arch].config(g, m, p))
     return config
 
 
@@ -362,25 +378,25 @@ def _convert(gguf_path: str, out: Path, dense_dtype: str = "float32") -> None:
     g = _Gguf(gguf_path)
     m = g.meta
     arch = m["general.architecture"]
-    if arch not in _ARCHS:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(_ARCHS)}")
+    if arch not in ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(ARCHS))}")
     n_tokens = len(m["tokenizer.ggml.tokens"])
     tok_ids: dict[str, int] = {}  # special token ids that exist in the vocabulary
     for k, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
         if (i := m.get(f"tokenizer.ggml.{key}_token_id")) is not None and int(i) < n_tokens:
             tok_ids[k] = int(i)
     heads, kv_heads = int(m[f"{arch}.attention.head_count"]), int(m.get(f"{arch}.attention.head_count_kv", 0))
-    permute = _ARCHS[arch][1]
+    permute, hf_names = ARCHS[arch].permute_qk, {**_TENSOR_NAMES, **ARCHS[arch].tensors}
 
     weights: dict[str, torch.Tensor] = {}
     quantized: dict[str, torch.Tensor] = {}
     names = [n for n in g.tensors if n != "rope_freqs.weight"]  # consumed into the config
     for name in tqdm(names, desc=f"Converting {os.path.basename(gguf_path)}", unit="tensor", disable=None):
         parts = name.split(".")
-        if parts[0] == "blk" and len(parts) == 4 and parts[2] in _TENSOR_NAMES:
-            hf = f"model.layers.{parts[1]}.{_TENSOR_NAMES[parts[2]]}.{parts[3]}"
-        elif len(parts) == 2 and parts[0] in _TENSOR_NAMES:
-            hf = f"{_TENSOR_NAMES[parts[0]]}.{parts[1]}"
+        if parts[0] == "blk" and len(parts) == 4 and parts[2] in hf_names:
+            hf = f"model.layers.{parts[1]}.{hf_names[parts[2]]}.{parts[3]}"
+        elif len(parts) == 2 and parts[0] in hf_names:
+            hf = f"{hf_names[parts[0]]}.{parts[1]}"
         else:
             raise ValueError(f"unexpected tensor {name!r} in {arch} GGUF")
         fix = (lambda w: w)
