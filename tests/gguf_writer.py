@@ -1,6 +1,7 @@
-"""Test utility: write a GGUF from a tiny Hugging Face llama / qwen2 folder, the way llama.cpp's
-convert_hf_to_gguf.py does (same metadata keys, Q/K permutation for llama, llama3 rope as a
-`rope_freqs` tensor, byte-level BPE vocabulary as tokenizer.ggml.model "gpt2").
+"""Test utility: write a GGUF from a tiny Hugging Face llama / qwen2 / qwen3 / phi3 folder, the way
+llama.cpp's convert_hf_to_gguf.py does (same metadata keys, Q/K permutation for llama, llama3 rope
+as a `rope_freqs` tensor, Phi-3's LongRoPE factors as `rope_factors_long` / `rope_factors_short`,
+byte-level BPE vocabulary as tokenizer.ggml.model "gpt2").
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ _NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",  # qwen3
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # phi3: fused, gate rows first
 }  # fmt: skip
+ARCHS = ("llama", "qwen2", "qwen3", "phi3")
 
 
 def _gguf_name(hf: str) -> str:
@@ -75,20 +79,49 @@ def _vocab(hf_dir: Path) -> tuple[list[str], list[int]]:
     return tokens, types
 
 
-def write_gguf_from_hf(hf_dir: str | Path, out_path: str | Path, qtype: str = "F32", pre: str = "gpt-2") -> Path:
-    """Write `hf_dir` (llama or qwen2) as a GGUF at `out_path`; 2-D weights are stored as `qtype`
-    (e.g. "F32", "F16", "Q8_0") where their rows fit its block size, norms stay F32 as in llama.cpp."""
+def random_kquant(t: np.ndarray, qt: gguf.GGMLQuantizationType, seed: int = 0) -> np.ndarray:
+    """Raw rows of a k-quant type (Q2_K ... Q6_K) for a tensor shaped like `t`, with its spread and
+    about zero mean: random, seeded blocks, since the gguf package dequantizes k-quants but cannot
+    quantize to them. Only the float16 super-block scales (d, and dmin where the type has one) are
+    chosen; every other byte is random, as any byte is valid."""
+    block, size = gguf.GGML_QUANT_SIZES[qt]
+    raw = np.random.default_rng(seed).integers(0, 256, (t.shape[0], t.shape[1] // block, size), dtype=np.uint8)
+    offsets = _KQUANT_SCALES[qt.name]
+
+    def dequant(*scales: float) -> np.ndarray:
+        for off, v in zip(offsets, scales):
+            raw[..., off : off + 2] = np.frombuffer(np.float16(v).tobytes(), np.uint8)
+        return gguf.quants.dequantize(raw.reshape(t.shape[0], -1), qt)
+
+    # w = d * a + dmin * b: pick dmin / d for a zero mean, then d for t's standard deviation.
+    a = dequant(1.0, 0.0)
+    ratio = -a.mean() / dequant(0.0, 1.0).mean() if len(offsets) == 2 else 0.0
+    d = float(t.std() / dequant(1.0, ratio).std())
+    dequant(d, d * ratio)
+    return raw.reshape(t.shape[0], -1)
+
+
+# byte offsets of the float16 super-block scale d (and dmin) in each k-quant block (ggml-common.h)
+_KQUANT_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def write_gguf_from_hf(hf_dir: str | Path, out_path: str | Path, qtype: str | dict[str, str] = "F32",
+                       pre: str = "gpt-2") -> Path:
+    """Write `hf_dir` (one of ARCHS) as a GGUF at `out_path`; 2-D weights are stored as `qtype`
+    (e.g. "F32", "F16", "Q8_0"; or per llama.cpp tensor kind, {"attn_v": "Q6_K", ...}, the rest F32)
+    where their rows fit its block size, norms stay F32 as in llama.cpp. k-quant tensors get
+    random_kquant blocks: the file then holds another model than `hf_dir`, with its shapes."""
     hf_dir, out_path = Path(hf_dir), Path(out_path)
     cfg = json.loads((hf_dir / "config.json").read_text())
     arch = cfg["model_type"]
-    if arch not in ("llama", "qwen2"):
-        raise ValueError(f"write_gguf_from_hf supports llama and qwen2, not {arch}")
+    if arch not in ARCHS:
+        raise ValueError(f"write_gguf_from_hf supports {ARCHS}, not {arch}")
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    qt = gguf.GGMLQuantizationType[qtype]
+    kinds = qtype if isinstance(qtype, dict) else None
 
     w = gguf.GGUFWriter(str(out_path), arch)
     w.add_type(gguf.GGUFType.MODEL)
@@ -102,13 +135,27 @@ def write_gguf_from_hf(hf_dir: str | Path, out_path: str | Path, qtype: str = "F
     w.add_rope_freq_base(theta)
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_file_type({"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
-                     "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}.get(qtype, gguf.LlamaFileType.GUESSED))  # fmt: skip
+                     "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}.get(str(qtype), gguf.LlamaFileType.GUESSED))  # fmt: skip
+    if cfg.get("head_dim"):
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
     if arch == "llama":
         w.add_vocab_size(cfg["vocab_size"])
         w.add_rope_dimension_count(head_dim)
+    if arch == "phi3":  # Phi3MiniModel.set_gguf_parameters
+        partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+        w.add_rope_dimension_count(int(partial * cfg["hidden_size"]) // heads)
+        w.add_rope_scaling_orig_ctx_len(cfg.get("original_max_position_embeddings", cfg["max_position_embeddings"]))
+        w.add_sliding_window(cfg.get("sliding_window") or 0)
     if rope_type == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
+    elif rope_type == "longrope" and arch == "phi3":  # Phi3MiniModel.generate_extra_tensors
+        orig = rope["original_max_position_embeddings"]
+        scale = cfg["max_position_embeddings"] / orig
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0)
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     elif rope_type not in ("default", "llama3"):
         raise ValueError(f"rope type {rope_type} not handled by this test writer")
 
@@ -121,7 +168,7 @@ def write_gguf_from_hf(hf_dir: str | Path, out_path: str | Path, qtype: str = "F
 
     if arch == "llama" and rope_type == "llama3":
         w.add_tensor("rope_freqs.weight", _llama3_rope_freqs(rope, theta, head_dim))
-    for name, t in load_file(str(hf_dir / "model.safetensors")).items():
+    for i, (name, t) in enumerate(load_file(str(hf_dir / "model.safetensors")).items()):
         if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
             continue
         t = t.astype(np.float32)
@@ -129,11 +176,14 @@ def write_gguf_from_hf(hf_dir: str | Path, out_path: str | Path, qtype: str = "F
             t = _permute(t, heads)
         elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             t = _permute(t, kv_heads)
+        gname = _gguf_name(name)
+        qt = gguf.GGMLQuantizationType[kinds.get(gname.split(".")[-2], "F32") if kinds else qtype]
         block = gguf.GGML_QUANT_SIZES[qt][0]
         if t.ndim == 2 and qt != gguf.GGMLQuantizationType.F32 and t.shape[-1] % block == 0:
-            w.add_tensor(_gguf_name(name), gguf.quants.quantize(t, qt), raw_dtype=qt)
+            data = random_kquant(t, qt, seed=i) if qt.name in _KQUANT_SCALES else gguf.quants.quantize(t, qt)
+            w.add_tensor(gname, data, raw_dtype=qt)
         else:
-            w.add_tensor(_gguf_name(name), np.ascontiguousarray(t))
+            w.add_tensor(gname, np.ascontiguousarray(t))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -210,7 +210,7 @@ def test_sentencepiece_llama_vocab(tmp_path: Path) -> None:
 
 def test_unknown_architecture_names_supported_ones(tmp_path: Path) -> None:
     tokens = {"model": "gpt2", "tokens": ["a", "b", "c"], "types": [1, 1, 1]}
-    path = _write_minimal(tmp_path / "phi.gguf", "phi3", tokens)
+    path = _write_minimal(tmp_path / "falcon.gguf", "falcon", tokens)
     with pytest.raises(ValueError, match="llama.*mistral.*qwen2"):
         gguf_to_hf_folder(str(path), cache_dir=str(tmp_path / "cache"))
     assert list((tmp_path / "cache" / "gguf").iterdir()) == []  # no half-written cache

@@ -58,9 +58,12 @@ def build_tokenizer(out: Path, vocab_size: int = 512) -> int:
 
 
 def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
-    """arch: 'llama' (GQA, llama3 rope scaling, untied) or 'qwen2' (qkv bias, tied embeddings)."""
+    """arch: 'llama' (GQA, llama3 rope scaling, untied), 'qwen2' (qkv bias, tied embeddings) or
+    'qwen3' (q/k norms, head_dim 32 != hidden / heads, tied embeddings) or 'phi3' (fused qkv and
+    gate_up; pass partial_rotary_factor / rope_scaling for Phi-4-mini-like rope)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     out.mkdir(parents=True, exist_ok=True)
     vocab = build_tokenizer(out)
@@ -100,6 +103,14 @@ def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0, **overrides)
         common.update(tie_word_embeddings=True)
         common.update(overrides)
         cfg, cls = Qwen2Config(**common), Qwen2ForCausalLM
+    elif arch == "qwen3":
+        common.update(tie_word_embeddings=True, head_dim=32)
+        common.update(overrides)
+        cfg, cls = Qwen3Config(**common), Qwen3ForCausalLM
+    elif arch == "phi3":
+        common.update(tie_word_embeddings=False, pad_token_id=tok.token_to_id("<|endoftext|>"))
+        common.update(overrides)
+        cfg, cls = Phi3Config(**common), Phi3ForCausalLM
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
@@ -109,5 +120,10 @@ def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0, **overrides)
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.2)
+    if arch == "qwen3":  # HF inits the q/k norms to ones; make them matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                    norm.weight.uniform_(0.5, 1.5)
     model.save_pretrained(out, safe_serialization=True)
     return out

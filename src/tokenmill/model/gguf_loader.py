@@ -4,12 +4,16 @@ A GGUF file is converted once into config.json, model.safetensors, tokenizer.jso
 tokenizer_config.json and generation_config.json, so the rest of the engine loads it like any HF
 folder. Tensors stored as Q4_0, Q4_1 or Q8_0 are also kept as they are, re-laid out as int4 / int8
 groups of 32 with float16 scales (gguf_blocks/model.safetensors), for `--quantization gguf`.
+Other block types (the k-quants Q2_K ... Q6_K of the common Q4_K_M files, Q5_0, ...) run
+dequantized, with a log line naming them; their raw rows are kept in gguf_blocks for exact
+float32 loads. Each llama.cpp architecture is one entry of ARCHS.
 
 model.safetensors holds the dequantized weights in float32 (exact: what an outside tool should
 read) or, as the engine asks for, with the block-backed tensors in bfloat16, the serving dtype:
 half the size (SmolLM2 Q4_1: 634 -> 370 MB), the same bits a bfloat16 load of the float32 values
 gives, and float32 loads rebuild those tensors from the blocks (loader._iter_safetensors), so no
-dtype loses anything. Q4/Q8 values (d * q + m with float16 d, m) are not exact in 16 bits. Parsing the 49k-token vocabulary with `gguf.GGUFReader` alone takes ~5 s, so the header is
+dtype loses anything. Q4/Q8 values (d * q + m with float16 d, m) are not exact in 16 bits.
+Parsing the 49k-token vocabulary with `gguf.GGUFReader` alone takes ~5 s, so the header is
 read here with a small parser and only `gguf.quants.dequantize` is used from the `gguf` package.
 """
 
@@ -22,6 +26,7 @@ import logging
 import math
 import mmap
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -55,6 +60,30 @@ def _has_qkv_bias(g: _Gguf, m: dict[str, Any], p: str) -> dict[str, Any]:
     return {"attention_bias": "blk.0.attn_q.bias" in g.tensors}
 
 
+# Tensors llama.cpp stores for the rope, read into config.json rather than kept as weights.
+_ROPE_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
+
+
+def _phi3_config(g: _Gguf, m: dict[str, Any], p: str) -> dict[str, Any]:
+    """Phi-3's partial rotary (rope.dimension_count of head_dim), sliding window (0: none) and
+    LongRoPE: llama.cpp keeps the factors as tensors and the attention factor as metadata."""
+    head_dim = int(m.get(p + "attention.key_length", m[p + "embedding_length"] // m[p + "attention.head_count"]))
+    out: dict[str, Any] = {"sliding_window": int(m.get(p + "attention.sliding_window", 0)) or None,
+                           "partial_rotary_factor": int(m.get(p + "rope.dimension_count", head_dim)) / head_dim}
+    orig = m.get(p + "rope.scaling.original_context_length")
+    if orig:
+        out["original_max_position_embeddings"] = int(orig)
+    if "rope_factors_long.weight" in g.tensors:
+        rope = out["rope_scaling"] = {
+            "rope_type": "longrope", "original_max_position_embeddings": int(orig or m[p + "context_length"]),
+            "long_factor": [_f32(v) for v in g.tensor("rope_factors_long.weight").tolist()],
+            "short_factor": [_f32(v) for v in g.tensor("rope_factors_short.weight").tolist()],
+        }  # fmt: skip
+        if (factor := m.get(p + "rope.scaling.attn_factor")) is not None:
+            rope["attention_factor"] = _f32(factor)
+    return out
+
+
 @dataclass(frozen=True)
 class GgufArch:
     """How one llama.cpp architecture (general.architecture) becomes a Hugging Face folder."""
@@ -72,6 +101,10 @@ ARCHS: dict[str, GgufArch] = {
     "mistral": GgufArch("MistralForCausalLM", permute_qk=True, config=lambda g, m, p: {
         **_has_qkv_bias(g, m, p), "sliding_window": m.get(p + "attention.sliding_window")}),
     "qwen2": GgufArch("Qwen2ForCausalLM"),  # NEOX-style rope in llama.cpp; q/k/v biases always
+    "qwen3": GgufArch("Qwen3ForCausalLM", config=_has_qkv_bias,
+                      tensors={"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}),
+    "phi3": GgufArch("Phi3ForCausalLM", tensors={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+                     config=_phi3_config),
 }
 
 # tokenizer.ggml.pre -> split regex run before byte-level BPE (llama.cpp's llama-vocab.cpp).
@@ -171,6 +204,19 @@ class _Gguf:
         raw = np.frombuffer(self.buf, np.uint8, N * (K // 32) * size, self.data_start + offset)
         return qtype, raw.reshape(N, K // 32, size)
 
+    def raw_rows(self, name: str) -> tuple[int, np.ndarray] | None:
+        """(ggml type, raw bytes [N, row bytes]) of any 2-D block-quantized tensor (k-quants
+        included), else None (float tensors, other ranks)."""
+        import gguf
+
+        shape, qtype, offset = self.tensors[name]
+        if qtype in _FLOAT_TYPES or len(shape) != 2:
+            return None
+        block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
+        row_bytes = shape[1] // block * type_size
+        return qtype, np.frombuffer(self.buf, np.uint8, shape[0] * row_bytes, self.data_start + offset).reshape(
+            shape[0], row_bytes)
+
     def tensor(self, name: str) -> np.ndarray:
         """The tensor dequantized to float32, in torch layout (out_features, in_features)."""
         import gguf
@@ -186,6 +232,30 @@ class _Gguf:
 
 _Q4_0, _Q4_1, _Q8_0 = 2, 3, 8  # ggml type ids
 _BLOCK_BYTES = {_Q4_0: 18, _Q4_1: 20, _Q8_0: 34}  # float16 d (and m), then 32 quants
+_FLOAT_TYPES = {0, 1, 28, 30}  # F32, F16, F64, BF16
+
+
+def dequantize_rows(raw: Any, qtype: int) -> Any:
+    """A tensor's raw GGUF rows (uint8 [N, row bytes], as gguf_blocks keeps k-quants) -> float32 [N, K]."""
+    import gguf
+    import torch
+
+    out = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType(qtype))
+    return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32))
+
+
+def _log_dequantized(summary: str | None) -> None:
+    if summary:
+        logger.info("GGUF tensors dequantized (our kernels run only Q4_0 / Q4_1 / Q8_0 blocks): %s", summary)
+
+
+def _dequantized_summary(names: dict[str, list[str]]) -> str:
+    """{type: [tensor names]} -> "Q4_K: blk.*.attn_q.weight, ... (60 tensors); Q6_K: ..."."""
+    parts = []
+    for qtype, group in sorted(names.items()):
+        kinds = sorted({re.sub(r"^blk\.\d+\.", "blk.*.", n) for n in group})
+        parts.append(f"{qtype}: {', '.join(kinds)} ({len(group)} tensors)")
+    return "; ".join(parts)
 
 
 def _split_blocks(qtype: int, raw: np.ndarray) -> dict[str, np.ndarray]:
@@ -370,7 +440,9 @@ def _tokenizer(m: dict[str, Any], tok_ids: dict[str, int]) -> Any:
 
 
 
-def _convert(gguf_path: str, out: Path, dense_dtype: str = "float32") -> None:
+def _convert(gguf_path: str, out: Path, dense_dtype: str = "float32") -> str:
+    """Writes the folder; returns which tensors were dequantized for want of a kernel ("" if none)."""
+    import gguf
     import torch
     from safetensors.torch import save_file
     from tqdm import tqdm
@@ -390,7 +462,8 @@ def _convert(gguf_path: str, out: Path, dense_dtype: str = "float32") -> None:
 
     weights: dict[str, torch.Tensor] = {}
     quantized: dict[str, torch.Tensor] = {}
-    names = [n for n in g.tensors if n != "rope_freqs.weight"]  # consumed into the config
+    dequantized: dict[str, list[str]] = {}  # ggml type -> tensors
+    names = [n for n in g.tensors if n not in _ROPE_TENSORS]  # consumed into the config
     for name in tqdm(names, desc=f"Converting {os.path.basename(gguf_path)}", unit="tensor", disable=None):
         parts = name.split(".")
         if parts[0] == "blk" and len(parts) == 4 and parts[2] in hf_names:
@@ -404,13 +477,18 @@ def _convert(gguf_path: str, out: Path, dense_dtype: str = "float32") -> None:
             n_head = heads if parts[2] == "attn_q" else (kv_heads or heads)
             fix = (lambda w: _unpermute(w, n_head))  # a permutation of rows: applies to blocks alike
         dense = torch.from_numpy(np.require(fix(g.tensor(name)), requirements="CW"))  # W: not the read-only mmap
+        stem = hf.removesuffix(".weight")
         if (blocks := g.raw_blocks(name)) is not None:
-            stem = hf.removesuffix(".weight")
             for key, arr in _split_blocks(*blocks).items():
                 quantized[f"{stem}.{key}"] = torch.from_numpy(np.require(fix(arr), requirements="CW"))
-            if dense_dtype == "bfloat16":  # the blocks keep the exact values
-                dense = dense.to(torch.bfloat16)
+        elif (raw := g.raw_rows(name)) is not None:  # k-quants and others our kernels do not run: kept as bytes
+            quantized[f"{stem}.ggml"] = torch.from_numpy(np.require(fix(raw[1]), requirements="CW"))
+            quantized[f"{stem}.ggml_type"] = torch.tensor(raw[0], dtype=torch.int32)
+            dequantized.setdefault(gguf.GGMLQuantizationType(raw[0]).name, []).append(name)
+        if dense_dtype == "bfloat16" and (f"{stem}.scales" in quantized or f"{stem}.ggml" in quantized):
+            dense = dense.to(torch.bfloat16)  # the blocks keep the exact values
         weights[hf] = dense
+
     tied = "lm_head.weight" not in weights
     vocab_size = weights["model.embed_tokens.weight"].shape[0]
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -439,6 +517,7 @@ def _convert(gguf_path: str, out: Path, dense_dtype: str = "float32") -> None:
     if "tokenizer.chat_template" in m:
         tok_config["chat_template"] = m["tokenizer.chat_template"]
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, ensure_ascii=False))
+    return _dequantized_summary(dequantized)
 
 
 def _file_key(path: str) -> str:
@@ -473,6 +552,7 @@ def gguf_to_hf_folder(gguf_path: str, cache_dir: str | None = None, dense_dtype:
     final = root / "gguf" / (digest[:16] + ("-bf16" if dense_dtype == "bfloat16" else ""))
     if _complete(final):
         logger.info("GGUF %s: using cached HF folder %s (%.0f MB)", gguf_path, final, _size(final) / 1e6)
+        _log_dequantized(json.loads((final / _MARKER).read_text()).get("dequantized"))
         return str(final)
 
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -483,9 +563,10 @@ def gguf_to_hf_folder(gguf_path: str, cache_dir: str | None = None, dense_dtype:
     start = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=final.parent))
     try:
-        _convert(gguf_path, tmp, dense_dtype)
+        dequantized = _convert(gguf_path, tmp, dense_dtype)
+        _log_dequantized(dequantized)
         info = {"converter_version": CONVERTER_VERSION, "source": gguf_path, "sha256": digest,
-                "dense_dtype": dense_dtype}
+                "dense_dtype": dense_dtype, "dequantized": dequantized}
         (tmp / _MARKER).write_text(json.dumps(info, indent=2))  # last: only complete folders have it
         for f in tmp.rglob("*"):  # mkdtemp and safetensors create owner-only; a cache can be shared
             f.chmod(0o755 if f.is_dir() else 0o644)

@@ -12,15 +12,22 @@ import torch
 
 from tokenmill.distributed.comm import NO_TP, TPGroup
 from tokenmill.distributed.sharding import Shard, shard_for
-from tokenmill.model.gguf_loader import QUANTIZED_FILE
+from tokenmill.model.gguf_loader import QUANTIZED_FILE, dequantize_rows
 from tokenmill.model.layers import cpu_kernels
 from tokenmill.model.layers.quantization import BITS, GROUP, dequantize, quantize_model
 from tokenmill.model.models.llama import LlamaForCausalLM
+from tokenmill.model.models.phi3 import Phi3ForCausalLM
+from tokenmill.model.models.qwen3 import Qwen3ForCausalLM
 
 logger = logging.getLogger("tokenmill")
 
-# architecture name in config.json -> model class
-MODEL_REGISTRY = {arch: LlamaForCausalLM for arch in LlamaForCausalLM.ARCHITECTURES}
+# Model classes, one per family; each lists the config.json architecture names it serves.
+_MODEL_CLASSES = (
+    LlamaForCausalLM,
+    Qwen3ForCausalLM,
+    Phi3ForCausalLM,
+)
+MODEL_REGISTRY = {arch: cls for cls in _MODEL_CLASSES for arch in cls.ARCHITECTURES}
 # GGUF architecture names map onto the same classes through gguf_loader's config writer.
 
 
@@ -87,7 +94,7 @@ def _iter_safetensors(path: str, skip: set[str] = frozenset(), blocks: str | Non
                       shard_of=lambda name: None):
     """(name, tensor) over the folder's *.safetensors, with a progress bar on a terminal. blocks: a
     GGUF cache's gguf_blocks file; weights it holds that the folder stores in bfloat16 are rebuilt
-    from it exactly (the float32 values the GGUF's Q4_0 / Q4_1 / Q8_0 blocks stand for).
+    from it exactly (the float32 values the GGUF's Q4_0 / Q4_1 / Q8_0 / k-quant blocks stand for).
     shard_of(name) -> Shard | None: under tensor parallelism, read only this rank's slice."""
     from safetensors import safe_open
     from tqdm import tqdm
@@ -105,9 +112,12 @@ def _iter_safetensors(path: str, skip: set[str] = frozenset(), blocks: str | Non
         if shard is not None and shard.zero:
             yield name, torch.zeros(st.get_slice(name).get_shape(), dtype=torch.float32)
             continue
-        if _is_bf16(st, name) and stem + ".qweight" in qkeys:
-            qweight = q.get_tensor(stem + ".qweight")
-            w = dequantize(qweight, q.get_tensor(stem + ".scales"), 4 if qweight.dtype == torch.uint8 else 8)
+        if _is_bf16(st, name) and (stem + ".qweight" in qkeys or stem + ".ggml" in qkeys):
+            if stem + ".qweight" in qkeys:
+                qweight = q.get_tensor(stem + ".qweight")
+                w = dequantize(qweight, q.get_tensor(stem + ".scales"), 4 if qweight.dtype == torch.uint8 else 8)
+            else:  # k-quants: the raw GGUF rows, dequantized by the gguf package
+                w = dequantize_rows(q.get_tensor(stem + ".ggml"), int(q.get_tensor(stem + ".ggml_type")))
             if shard is not None:
                 w = w.narrow(shard.dim, shard.start, shard.size)
         elif shard is not None:  # read just the slice from the file
@@ -131,8 +141,11 @@ def _load_gguf_quantized(model: torch.nn.Module, path: str, dtype: torch.dtype) 
     if not os.path.exists(qpath):
         raise ValueError("--quantization gguf needs a .gguf model with Q4_0, Q4_1 or Q8_0 tensors; "
                          "for a Hugging Face checkpoint use --quantization int4 or int8")
-    used = model.load_quantized(load_file(qpath), dtype)
-    logger.info("GGUF quantized weights kept for %d tensors", len(used))
+    tensors = load_file(qpath)
+    used = model.load_quantized(tensors, dtype)
+    dense = sum(key.endswith(".ggml") for key in tensors)  # k-quants: no kernel of ours runs their blocks
+    logger.info("GGUF quantized weights kept for %d tensors%s", len(used),
+                f"; {dense} k-quant tensors run dequantized ({dtype})" if dense else "")
     return used
 
 

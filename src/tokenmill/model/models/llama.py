@@ -37,13 +37,18 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=getattr(cfg, "attention_bias", False) and not qkv_bias)
+        # HF gives o_proj a bias with attention_bias (Llama, Qwen3), never for Qwen2's q/k/v biases.
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=getattr(cfg, "attention_bias", False))
+
+    def prepare_qkv(self, qkv: torch.Tensor) -> torch.Tensor:
+        """The fused projection's output before rope: a family's own step goes here (Qwen3's q/k norms)."""
+        return qkv
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 attn: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        qkv = self.qkv_proj(x)
-        if attn.fuses_rope(qkv):  # rotary embedding and the K/V cache write in one kernel
+        qkv = self.prepare_qkv(self.qkv_proj(x))
+        if rope.fusable and attn.fuses_rope(qkv):  # rotary embedding and the K/V cache write in one kernel
             q = attn.rope_and_cache(self.layer_idx, qkv, positions, rope.cos, rope.sin, meta)
             return self.tp.all_reduce(self.o_proj(attn.forward(self.layer_idx, q, None, None, meta)))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -73,9 +78,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    attention_cls = LlamaAttention  # a family with its own attention subclasses the layer and sets this
+
     def __init__(self, cfg, layer_idx: int, qkv_bias: bool, tp: TPGroup = NO_TP):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx, qkv_bias, tp)
+        self.self_attn = self.attention_cls(cfg, layer_idx, qkv_bias, tp)
         self.mlp = LlamaMLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -104,6 +111,7 @@ class LlamaForCausalLM(nn.Module):
     SUPPORTS_FUSED_DECODE = True
     SUPPORTS_TENSOR_PARALLEL = True
     SUPPORTS_LORA = True
+    decoder_layer_cls = LlamaDecoderLayer
 
     def __init__(self, cfg, dtype: torch.dtype, max_position: int, tp: TPGroup = NO_TP):
         super().__init__()
@@ -112,7 +120,7 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias = self.ARCHITECTURES.get(arch, False) or getattr(cfg, "attention_bias", False)
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, qkv_bias, tp) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.decoder_layer_cls(cfg, i, qkv_bias, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = nn.Linear(cfg.hidden_size, lm_head_rows(cfg.vocab_size, tp.size), bias=False)
@@ -126,9 +134,13 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.cfg
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         # transformers >= 5 keeps theta and scaling in rope_parameters; older ones split them.
-        params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+        params = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
         theta = params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-        return RotaryEmbedding(head_dim, self.max_position, theta, params, dtype)
+        partial = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None) or 1.0)
+        for key in ("max_position_embeddings", "original_max_position_embeddings"):  # longrope's defaults
+            if getattr(cfg, key, None):
+                params.setdefault(key, getattr(cfg, key))
+        return RotaryEmbedding(head_dim, self.max_position, theta, params, dtype, int(head_dim * partial))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -1,0 +1,135 @@
+"""Qwen3 and Phi-3 against transformers: tiny random checkpoints (HF folders and GGUF files written
+here), greedy tokens token for token and logprobs within 1e-3 in float32, under chunked prefill
+(8-token chunks) and preemption (a KV pool of a few 4-token blocks). And GGUF k-quants."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from conftest import PROMPTS
+from gguf_writer import _gguf_name, write_gguf_from_hf
+from hf_oracle import hf_greedy, load_hf, matching_prefix
+from safetensors.numpy import load_file
+from tiny_models import CORPUS, build_tiny_model
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.model.gguf_loader import gguf_to_hf_folder
+
+MAX_TOKENS = 16
+TIGHT = dict(dtype="float32", num_gpu_blocks_override=12, block_size=4, max_num_batched_tokens=8)
+# Over 32 tokens (Phi-3 longrope's pretrained context below): the long factors
+LONG_PROMPTS = [" ".join(CORPUS[:4]), " ".join(CORPUS[2:5])]
+LONGROPE = dict(max_position_embeddings=256, original_max_position_embeddings=32, partial_rotary_factor=0.5,
+                rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.7],
+                              "long_factor": [1.0, 2.5, 6.0, 15.0]})  # head_dim 16, rotary 8: 4 frequencies
+
+
+def check_against_hf(llm: LLM, hf_dir: str, prompts: list[str], max_tokens: int = MAX_TOKENS) -> None:
+    """The engine's greedy tokens and logprobs are transformers' on hf_dir, and the tight KV pool preempted."""
+    ids = [llm.get_tokenizer().encode(p) for p in prompts]
+    expected = [hf_greedy(hf_dir, p, max_tokens) for p in ids]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    core = llm.engine.core
+    before = core.scheduler.num_preemptions
+    for out, exp in zip(llm.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False), expected):
+        n = matching_prefix(out.outputs[0].token_ids, exp)
+        got = [next(iter(d.values())).logprob for d in out.outputs[0].logprobs[: n + 1]]
+        assert max(abs(a - b) for a, b in zip(got, exp[1])) < 1e-3
+    assert core.scheduler.num_preemptions > before
+    assert core.kv.num_free_blocks == core.kv.num_usable_blocks
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory) -> str:
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3"))
+
+
+@pytest.fixture(scope="module")
+def phi3_dir(tmp_path_factory) -> str:
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-phi3"), "phi3"))
+
+
+@pytest.fixture(scope="module")
+def phi3_longrope_dir(tmp_path_factory) -> str:
+    """Phi-4-mini-like rope: half of each head turns, LongRoPE factors."""
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-phi3-longrope"), "phi3", **LONGROPE))
+
+
+def test_qwen3_matches_hf(qwen3_dir: str) -> None:
+    check_against_hf(LLM(qwen3_dir, **TIGHT), qwen3_dir, PROMPTS[:4])
+
+
+def test_phi3_matches_hf(phi3_dir: str) -> None:
+    check_against_hf(LLM(phi3_dir, **TIGHT), phi3_dir, PROMPTS[:4])
+
+
+def test_phi3_longrope_partial_rotary_matches_hf(phi3_longrope_dir: str) -> None:
+    # A context within the pretrained 32 tokens runs the short factors, a longer one the long
+    # factors, as transformers does for sequences that short / that long.
+    check_against_hf(LLM(phi3_longrope_dir, max_model_len=32, **TIGHT), phi3_longrope_dir, PROMPTS[:4])
+    long = LLM(phi3_longrope_dir, **{**TIGHT, "num_gpu_blocks_override": 24})
+    assert len(long.get_tokenizer().encode(LONG_PROMPTS[0])) > 32
+    check_against_hf(long, phi3_longrope_dir, LONG_PROMPTS)
+
+
+def test_phi3_sliding_window_refused_past_the_window(tmp_path) -> None:
+    hf_dir = build_tiny_model(tmp_path / "hf", "phi3", sliding_window=64)
+    with pytest.raises(ValueError, match="sliding window of 64 tokens.*--max-model-len 64"):
+        LLM(str(hf_dir), dtype="float32", kv_cache_memory=0.01)
+
+
+@pytest.mark.parametrize("which", ["qwen3", "phi3_longrope"])
+def test_gguf_matches_hf(which: str, request: pytest.FixtureRequest, tmp_path, monkeypatch) -> None:
+    """llama.cpp's qwen3 / phi3 files: the converted folder is the original model (transformers
+    reads both), and the engine on the .gguf file gives transformers' tokens."""
+    hf_dir = request.getfixturevalue(f"{which}_dir")
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    path = str(write_gguf_from_hf(hf_dir, tmp_path / f"{which}.gguf"))
+    ref, conv = load_hf(hf_dir), load_hf(gguf_to_hf_folder(path))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n in (7, 40):  # phi3_longrope: short, then long factors
+            ids = torch.randint(0, ref.config.vocab_size, (1, n), generator=gen)
+            torch.testing.assert_close(conv(ids).logits, ref(ids).logits, atol=1e-5, rtol=0)
+    if which == "qwen3":
+        check_against_hf(LLM(path, **TIGHT), hf_dir, PROMPTS[:4])
+    else:
+        check_against_hf(LLM(path, **{**TIGHT, "num_gpu_blocks_override": 24}), hf_dir, LONG_PROMPTS)
+
+
+# Every k-quant the gguf package dequantizes, placed as Q4_K_M-style files mix them.
+K_MIX = {"token_embd": "Q4_K", "attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q3_K",
+         "ffn_gate": "Q2_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K"}
+
+
+def test_kquant_gguf_loads_dequantized(tmp_path, monkeypatch, caplog) -> None:
+    """k-quant tensors (rows a multiple of 256: hidden 256) load as the gguf package dequantizes
+    them, with a log line naming them; float32 engines rebuild them exactly from the kept rows of the
+    bfloat16 cache, and generate transformers' tokens on the dequantized model."""
+    hf_dir = build_tiny_model(tmp_path / "hf", "qwen3", hidden_size=256, intermediate_size=512, head_dim=64)
+    path = str(write_gguf_from_hf(hf_dir, tmp_path / "k.gguf", qtype=K_MIX))
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    with caplog.at_level(logging.INFO, logger="tokenmill"):
+        exact = gguf_to_hf_folder(path)
+    assert "GGUF tensors dequantized" in caplog.text
+    for qtype in set(K_MIX.values()):
+        assert f"{qtype}: " in caplog.text, qtype
+    assert "blk.*.attn_v.weight, blk.*.ffn_down.weight (4 tensors)" in caplog.text  # Q6_K
+
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    converted = load_file(os.path.join(exact, "model.safetensors"))
+    kinds = set()
+    for name, w in converted.items():
+        t = tensors[_gguf_name(name)]
+        if t.tensor_type.name in K_MIX.values():
+            kinds.add(t.tensor_type.name)
+            np.testing.assert_array_equal(w, gguf.quants.dequantize(t.data, t.tensor_type))
+    assert kinds == set(K_MIX.values())
+
+    llm = LLM(path, **TIGHT)  # the engine's bfloat16 cache, loaded in float32
+    check_against_hf(llm, exact, PROMPTS[:4])
