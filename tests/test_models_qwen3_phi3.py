@@ -64,6 +64,35 @@ def test_qwen3_matches_hf(qwen3_dir: str) -> None:
     check_against_hf(LLM(qwen3_dir, **TIGHT), qwen3_dir, PROMPTS[:4])
 
 
+def test_qwen3_tensor_parallel_matches_hf(qwen3_dir: str) -> None:
+    """TP=2: each rank one kv head and two query heads, the q/k norms replicated."""
+    llm = LLM(qwen3_dir, tensor_parallel_size=2, **TIGHT)
+    try:
+        check_against_hf(llm, qwen3_dir, PROMPTS[:3])
+    finally:
+        llm.shutdown()
+
+
+def test_qwen3_lora_matches_peft(qwen3_dir: str, tmp_path) -> None:
+    pytest.importorskip("peft")
+    from hf_oracle import greedy
+    from lora_adapters import make_adapter, peft_model
+
+    from tokenmill import LoRARequest
+
+    adapter = make_adapter(qwen3_dir, tmp_path / "lora", rank=8, seed=1)
+    llm = LLM(qwen3_dir, enable_lora=True, max_lora_rank=8, **TIGHT)
+    oracle, tok = peft_model(qwen3_dir, adapter), llm.get_tokenizer()
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    outs = llm.generate(PROMPTS[:3], params, lora_request=LoRARequest("a", 1, adapter), use_tqdm=False)
+    for prompt, out in zip(PROMPTS[:3], outs):
+        ref = greedy(oracle, tok.encode(prompt), MAX_TOKENS)
+        n = matching_prefix(out.outputs[0].token_ids, ref)
+        got = [next(iter(d.values())).logprob for d in out.outputs[0].logprobs[: n + 1]]
+        assert max(abs(a - b) for a, b in zip(got, ref[1])) < 1e-3
+        assert out.outputs[0].token_ids != hf_greedy(qwen3_dir, tok.encode(prompt), MAX_TOKENS)[0]  # it matters
+
+
 def test_phi3_matches_hf(phi3_dir: str) -> None:
     check_against_hf(LLM(phi3_dir, **TIGHT), phi3_dir, PROMPTS[:4])
 
