@@ -92,3 +92,43 @@ def test_parser_and_generic_prompt():
     assert parse_tool_calls(plan, "no calls here") == ("no calls here", [])
     msgs = add_tool_prompt([{"role": "user", "content": "hi"}], plan)
     assert msgs[0]["role"] == "system" and "get_weather" in msgs[0]["content"] and "<tool_call>" in msgs[0]["content"]
+
+
+def _events(plan, pieces):
+    from tokenmill.server.tool_calls import ToolCallStream
+
+    s = ToolCallStream(plan)
+    out = [e for p in pieces for e in s.feed(p)] + s.finish()
+    text, calls = "", []
+    for e in out:  # adjacent text pieces joined, calls as (name, arguments)
+        if isinstance(e, str):
+            text += e
+        elif type(e).__name__ == "CallStart":
+            calls.append([e.name, ""])
+            text += "|"
+        elif type(e).__name__ == "CallArgs":
+            calls[-1][1] += e.delta
+        else:
+            assert e.arguments.strip() == calls[-1][1].strip()
+    return text, calls
+
+
+def test_tool_call_stream_splits_text_and_calls_however_the_text_arrives():
+    """The streaming parser the Anthropic and Responses routes use: the same events whether the
+    answer comes whole or one character at a time; text before and after calls streams, a possible
+    tag is held back, and a block that is not a call of a known tool stays text."""
+    plan = plan_tools(TOOLS, "auto")
+    text = ('Sure.\n<tool_call>{"name": "get_time", "arguments": {"timezone": "UTC"}}</tool_call>\n'
+            '<tool_call>{"name": "unknown", "arguments": {}}</tool_call> and 1 < 2 <tool')
+    whole = _events(plan, [text])
+    assert whole == _events(plan, list(text))
+    shown, calls = whole
+    assert calls == [["get_time", '{"timezone": "UTC"}']]
+    assert shown == 'Sure.|<tool_call>{"name": "unknown", "arguments": {}}</tool_call> and 1 < 2 <tool'
+    assert _events(plan, list("no calls, trailing space ")) == ("no calls, trailing space ", [])
+    named = plan_tools(TOOLS, {"type": "function", "function": {"name": "get_time"}})
+    assert _events(named, [' {"timezone":', ' "UTC"}']) == ("|", [["get_time", '{"timezone": "UTC"}']])
+    required = plan_tools(TOOLS, "required")
+    assert _events(required, ['[{"name": "get_time", ', '"arguments": {"timezone": "UTC"}}]']) == (
+        "|", [["get_time", '{"timezone": "UTC"}']])
+    assert _events(required, ['[{"name": "get_ti']) == ('[{"name": "get_ti', [])  # cut short: text

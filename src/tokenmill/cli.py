@@ -207,6 +207,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         ssl_keyfile=ns.ssl_keyfile, ssl_certfile=ns.ssl_certfile, root_path=ns.root_path,
         trust_request_chat_template=ns.trust_request_chat_template,
         max_request_body_bytes=ns.max_request_body_bytes or None, max_prompts_per_request=ns.max_prompts_per_request,
+        max_stored_responses=ns.max_stored_responses,
     )
 
 
@@ -299,6 +300,9 @@ def add_server_args(s: argparse.ArgumentParser) -> None:
                         "0: no limit)")
     g.add_argument("--max-prompts-per-request", type=int, default=256,
                    help="most prompts one /v1/completions request may carry (default 256)")
+    g.add_argument("--max-stored-responses", type=int, default=1000,
+                   help="Responses API: responses kept in memory for GET /v1/responses/{id} and "
+                        "previous_response_id, least recently used dropped first (default 1000; 0: none)")
     g.add_argument("--disable-log-requests", action="store_true",
                    help="do not write the access-log line of each request (id, tokens in/out, TTFT, latency)")
     g.add_argument("--uvicorn-log-level", default="info",

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import tokenmill
 from tokenmill.engine.async_engine import AsyncLLMEngine, ServerShutdownError
 from tokenmill.server import lora_routes, misc_routes, openai_chat, openai_completions, tgi_routes
+from tokenmill.server import anthropic_messages, openai_responses
 from tokenmill.server.errors import error_response, install_error_handlers
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.chat_template import install_template_bounds
@@ -68,7 +69,8 @@ class ServerMiddleware:
         try:
             key = self.ctx.api_key
             if key and not _public(path) and not _authorized(headers, key):
-                resp = error_response(path, "invalid or missing API key: send 'Authorization: Bearer <key>'", 401)
+                resp = error_response(path, "invalid or missing API key: send 'Authorization: Bearer <key>' "
+                                             "or 'x-api-key: <key>'", 401)
                 resp.headers["WWW-Authenticate"] = "Bearer"
                 return await resp(scope, receive, send_wrapper)
             limit = self.ctx.max_request_body_bytes
@@ -120,6 +122,10 @@ def _public(path: str) -> bool:
 
 
 def _authorized(headers: dict[bytes, bytes], key: str) -> bool:
+    """`Authorization: Bearer <key>` (OpenAI's clients), or `x-api-key: <key>` (Anthropic's)."""
+    x_api_key = headers.get(b"x-api-key")
+    if x_api_key is not None and secrets.compare_digest(x_api_key.strip(), key.encode()):
+        return True
     value = headers.get(b"authorization")
     if value is None:
         return False
@@ -157,7 +163,8 @@ def build_app(aengine: AsyncLLMEngine, *, api_key: str | None = None, max_logpro
               chat_template: str | None = None, log_requests: bool = True, shutdown_engine: bool = False,
               trust_request_chat_template: bool = False,
               max_request_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
-              max_prompts_per_request: int = DEFAULT_MAX_PROMPTS) -> FastAPI:
+              max_prompts_per_request: int = DEFAULT_MAX_PROMPTS,
+              max_stored_responses: int = openai_responses.DEFAULT_MAX_STORED) -> FastAPI:
     """The HTTP app over a running AsyncLLMEngine. With shutdown_engine, the app stops the
     engine when it shuts down (after uvicorn has drained in-flight requests)."""
     model_name = aengine.engine.config.model.name
@@ -167,7 +174,8 @@ def build_app(aengine: AsyncLLMEngine, *, api_key: str | None = None, max_logpro
                         api_key=api_key or None, max_logprobs=max_logprobs, chat_template=chat_template,
                         trust_request_chat_template=trust_request_chat_template,
                         max_request_body_bytes=max_request_body_bytes,
-                        max_prompts_per_request=max_prompts_per_request)
+                        max_prompts_per_request=max_prompts_per_request,
+                        response_store=openai_responses.ResponseStore(max_stored_responses))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -181,7 +189,7 @@ def build_app(aengine: AsyncLLMEngine, *, api_key: str | None = None, max_logpro
     app.state.ctx = ctx
     install_error_handlers(app)
     _add_offline_docs(app)
-    for module in (openai_completions, openai_chat, misc_routes, tgi_routes):
+    for module in (openai_completions, openai_chat, openai_responses, anthropic_messages, misc_routes, tgi_routes):
         app.include_router(module.router)
     # vLLM registers these only with runtime updating on; here they answer 404 saying how to turn it on
     app.include_router(lora_routes.router, include_in_schema=lora_routes.runtime_updating_allowed(ctx))
@@ -290,6 +298,7 @@ def serve(aengine: AsyncLLMEngine, *, host: str = "0.0.0.0", port: int = 8000, a
           log_requests: bool = True, uvicorn_log_level: str = "info", timeout_keep_alive: int = 5,
           trust_request_chat_template: bool = False, max_request_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
           max_prompts_per_request: int = DEFAULT_MAX_PROMPTS,
+          max_stored_responses: int = openai_responses.DEFAULT_MAX_STORED,
           ssl_keyfile: str | None = None, ssl_certfile: str | None = None, root_path: str = "",
           sock: socket.socket | None = None) -> int:
     """Serve until SIGTERM / SIGINT; returns 0 after draining. Used by `tokenmill serve`, which
@@ -300,7 +309,8 @@ def serve(aengine: AsyncLLMEngine, *, host: str = "0.0.0.0", port: int = 8000, a
     app = build_app(aengine, api_key=api_key, max_logprobs=max_logprobs, chat_template=chat_template,
                     log_requests=log_requests, shutdown_engine=True,
                     trust_request_chat_template=trust_request_chat_template,
-                    max_request_body_bytes=max_request_body_bytes, max_prompts_per_request=max_prompts_per_request)
+                    max_request_body_bytes=max_request_body_bytes, max_prompts_per_request=max_prompts_per_request,
+                    max_stored_responses=max_stored_responses)
     config = make_config(app, host, port, drain_timeout, log_level=uvicorn_log_level,
                          timeout_keep_alive=timeout_keep_alive, ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile,
                          root_path=root_path)

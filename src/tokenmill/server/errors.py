@@ -1,6 +1,7 @@
 """Errors as OpenAI's body `{"error": {"message", "type", "param", "code"}}` (vLLM's types and
 integer codes); on the TGI routes as TGI's body `{"error": "...", "error_type": "..."}`, which
-TGI clients parse."""
+TGI clients parse; on Anthropic's /v1/messages routes as Anthropic's
+`{"type": "error", "error": {"type": "invalid_request_error", "message": "..."}}`."""
 
 from __future__ import annotations
 
@@ -67,9 +68,30 @@ def openai_error_body(message: str, status: int, param: str | None = None) -> di
     return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
 
 
+# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors); 503 (our full queue,
+# dead or draining engine) is its overloaded_error.
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+
+
+ANTHROPIC_PATH = "/v1/messages"
+
+
+def anthropic_error_body(message: str, status: int) -> dict:
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
 def error_response(path: str, message: str, status: int, param: str | None = None,
                    headers: dict[str, str] | None = None, tgi_type: str = "validation") -> JSONResponse:
-    if path in TGI_PATHS:
+    if is_anthropic_path(path):
+        body = anthropic_error_body(message, status)
+    elif path in TGI_PATHS:
         body = {"error": message, "error_type": tgi_type}
         if status == 400 and tgi_type == "validation":
             status = 422  # TGI answers validation errors (malformed JSON included) with 422
@@ -171,11 +193,23 @@ def _range_message(e: dict, loc: list, body_model, tgi: bool) -> str | None:
     return None
 
 
+_ARM_RE = re.compile(r"^(list|str|int|float|dict|bool|function|tagged|constrained)\b")
+
+
 def _clean_loc(e: dict) -> list:
     """An error's location without 'body' and without the Union arms pydantic names (e.g.
     'list[int]', 'constrained-str', 'function-after[...]'): noise to a client."""
-    return [x for x in e.get("loc", ()) if x != "body"
-            and not re.match(r"^(list|str|int|float|dict|bool|function|tagged|constrained)\b", str(x))]
+    return [x for x in e.get("loc", ()) if x != "body" and not _ARM_RE.match(str(x))]
+
+
+def _union_field(e: dict) -> str | None:
+    """The _UNION_FIELDS field whose value matched none of its arms: the error is at the field itself
+    or inside one of its arms (not deeper in a value that was accepted as one, e.g. a content block)."""
+    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    for k in range(len(loc) - 1, -1, -1):
+        if loc[k] in _UNION_FIELDS:
+            return loc[k] if k + 1 == len(loc) or _ARM_RE.match(loc[k + 1]) else None
+    return None
 
 
 def _validation_message(exc: RequestValidationError, body_model=None, tgi: bool = False) -> tuple[str, str | None]:
@@ -201,7 +235,7 @@ def _validation_message(exc: RequestValidationError, body_model=None, tgi: bool 
         loc = [str(x) for x in raw_loc]
         if param is None and loc:
             param = loc[0]
-        union = None if tgi else next((x for x in reversed(loc) if x in _UNION_FIELDS), None)
+        union = None if tgi else _union_field(e)
         ranged = None if union is not None else _range_message(e, raw_loc, body_model, tgi)
         if union is not None:
             where_loc = loc[: len(loc) - loc[::-1].index(union)]

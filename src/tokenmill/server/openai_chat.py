@@ -51,7 +51,7 @@ from tokenmill.server.serving import (
     track,
 )
 from tokenmill.server.chat_template import render_chat
-from tokenmill.server.tool_calls import ToolPlan, parse_tool_calls, plan_tools
+from tokenmill.server.tool_calls import ToolPlan, apply_tool_grammar, parse_tool_calls, plan_tools
 
 router = APIRouter(tags=["OpenAI"])
 
@@ -87,12 +87,7 @@ async def _create_chat_completion(ctx: ServerContext, body: ChatCompletionReques
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = resolve_max_tokens(ctx, len(ids), requested, "messages", max_param)
     params = sampling_params(body, max_tokens, top_n)
-    if plan is not None and plan.guided is not None:
-        if params.guided_decoding is not None:
-            raise APIError("tool_choice required or named cannot be combined with response_format or guided_*",
-                           param="tool_choice")
-        params.guided_decoding = plan.guided
-    plan = plan if plan is not None and plan.parses else None
+    plan = apply_tool_grammar(params, plan)
 
     request_id = new_request_id("chatcmpl")
     tracker = track(raw, request_id)

@@ -44,6 +44,7 @@ class ServerContext:
     trust_request_chat_template: bool = False
     max_request_body_bytes: int | None = None
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS
+    response_store: Any = None  # openai_responses.ResponseStore: the Responses API's stored responses
     started: float = field(default_factory=time.time)
 
     async def offload(self, fn: Callable[..., T], *args) -> T:
@@ -183,25 +184,33 @@ def guided_params(body, response_format: dict | None = None) -> GuidedDecodingPa
     given = {k: getattr(body, f"guided_{k}") for k in ("json", "regex", "choice", "grammar")
              if getattr(body, f"guided_{k}") is not None}
     kind = (response_format or {}).get("type", "text")
-    if kind == "json_object":
-        given["json_object"] = True
-    elif kind == "json_schema":
+    if kind == "json_schema":
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
             raise APIError("response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}",
                            param="response_format")
-        given["json"] = spec["schema"]
+    return structured_output(kind, spec["schema"] if kind == "json_schema" else None, given, "response_format")
+
+
+def structured_output(kind: str, schema: dict | None, given: dict | None = None,
+                      param: str = "response_format") -> GuidedDecodingParams | None:
+    """GuidedDecodingParams for an output format (text, json_object, or json_schema with `schema`),
+    plus vLLM's guided_* fields in `given`; None for free text. At most one kind in all."""
+    given = dict(given or {})
+    if kind == "json_object":
+        given["json_object"] = True
+    elif kind == "json_schema":
+        given["json"] = schema
     elif kind != "text":
-        raise APIError(f"response_format type must be text, json_object or json_schema, got {kind!r}",
-                       param="response_format")
+        raise APIError(f"{param} type must be text, json_object or json_schema, got {kind!r}", param=param)
     if not given:
         return None
     if len(given) > 1:
-        raise APIError(f"give one kind of structured output, not {sorted(given)}", param="response_format")
+        raise APIError(f"give one kind of structured output, not {sorted(given)}", param=param)
     try:
         return GuidedDecodingParams(**given)
     except ValueError as e:
-        raise APIError(str(e), param="guided_choice" if "choice" in given else "response_format") from None
+        raise APIError(str(e), param="guided_choice" if "choice" in given else param) from None
 
 
 def sampling_params(body, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -209,20 +218,25 @@ def sampling_params(body, max_tokens: int, logprobs: int | None) -> SamplingPara
     def opt(v, default):
         return default if v is None else v
 
+    return build_sampling_params(
+        temperature=opt(body.temperature, 1.0), top_p=opt(body.top_p, 1.0), top_k=opt(body.top_k, -1),
+        min_p=opt(body.min_p, 0.0), seed=body.seed, repetition_penalty=opt(body.repetition_penalty, 1.0),
+        presence_penalty=opt(body.presence_penalty, 0.0), frequency_penalty=opt(body.frequency_penalty, 0.0),
+        max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop, stop_token_ids=body.stop_token_ids,
+        ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output,
+        logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
+        spaces_between_special_tokens=body.spaces_between_special_tokens,
+        logit_bias=body.logit_bias, bad_words=body.bad_words, watermark=body.watermark,
+        n=opt(body.n, 1), best_of=getattr(body, "best_of", None),
+        guided_decoding=guided_params(body, getattr(body, "response_format", None)),
+        prompt_logprobs=body.prompt_logprobs,
+    )
+
+
+def build_sampling_params(**kw) -> SamplingParams:
+    """SamplingParams(**kw); its ValueErrors (and those of the guided_* fields) become 400s naming the field."""
     try:
-        return SamplingParams(
-            temperature=opt(body.temperature, 1.0), top_p=opt(body.top_p, 1.0), top_k=opt(body.top_k, -1),
-            min_p=opt(body.min_p, 0.0), seed=body.seed, repetition_penalty=opt(body.repetition_penalty, 1.0),
-            presence_penalty=opt(body.presence_penalty, 0.0), frequency_penalty=opt(body.frequency_penalty, 0.0),
-            max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop, stop_token_ids=body.stop_token_ids,
-            ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output,
-            logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
-            spaces_between_special_tokens=body.spaces_between_special_tokens,
-            logit_bias=body.logit_bias, bad_words=body.bad_words, watermark=body.watermark,
-            n=opt(body.n, 1), best_of=getattr(body, "best_of", None),
-            guided_decoding=guided_params(body, getattr(body, "response_format", None)),
-            prompt_logprobs=body.prompt_logprobs,
-        )
+        return SamplingParams(**kw)
     except ValueError as e:
         raise APIError.from_value_error(e) from None
 
@@ -233,10 +247,10 @@ def check_logprobs(ctx: ServerContext, n: int | None, param: str) -> None:
         raise APIError(f"{param} must be in [0, {limit}], got {n}", param=param)
 
 
-def new_request_id(prefix: str) -> str:
+def new_request_id(prefix: str, sep: str = "-") -> str:
     """Always fresh: a client's X-Request-Id is only echoed and logged (see app.py), never the
     engine's id, so two requests sending the same one cannot take each other's tokens."""
-    return f"{prefix}-{uuid.uuid4().hex}"
+    return f"{prefix}{sep}{uuid.uuid4().hex}"
 
 
 def prompt_logprobs_json(out: RequestOutput) -> list[dict | None] | None:
@@ -466,13 +480,19 @@ def sse(obj: Any) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
+def stream_error(e: BaseException) -> APIError:
+    """An error after a stream started, as the APIError its client is sent (unexpected ones: 500, logged)."""
+    err = _as_api_error(e)
+    if isinstance(err, APIError):
+        return err
+    logger.exception("error while streaming", exc_info=e)
+    return APIError(f"internal server error: {e!r}", 500)
+
+
 def stream_error_chunk(e: BaseException) -> bytes:
     """An error after the stream started: vLLM sends it as a data chunk, then [DONE]."""
-    e = _as_api_error(e)
-    if isinstance(e, APIError):
-        return sse(openai_error_body(e.message, e.status, e.param))
-    logger.exception("error while streaming", exc_info=e)
-    return sse(openai_error_body(f"internal server error: {e!r}", 500))
+    err = stream_error(e)
+    return sse(openai_error_body(err.message, err.status, err.param))
 
 
 # ---- beam search ----------------------------------------------------------------------------

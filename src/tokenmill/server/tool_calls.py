@@ -72,6 +72,12 @@ def plan_tools(tools: list[dict] | None, tool_choice) -> ToolPlan | None:
                    param="tool_choice")
 
 
+def function_tool(name: str, description: str | None, parameters: dict | None) -> dict:
+    """A tool in OpenAI's chat format (what plan_tools takes) from another API's fields."""
+    f = {"name": name, **({"description": description} if description is not None else {})}
+    return {"type": "function", "function": {**f, **({"parameters": parameters} if parameters is not None else {})}}
+
+
 def _params(f: dict) -> dict:
     return f.get("parameters") or {"type": "object"}
 
@@ -128,15 +134,149 @@ def parse_tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]
             return text, []
     if plan.mode == "auto":
         names = {f["name"] for f in plan.tools}
-        calls = []
-        for m in _TOOL_CALL_RE.finditer(text):
-            try:
-                c = json.loads(m.group(1))
-            except json.JSONDecodeError:
-                continue
-            if isinstance(c, dict) and c.get("name") in names:
-                calls.append(_call(c["name"], c.get("arguments", {})))
+        calls = [c for c in (_parse_call(m.group(1), names) for m in _TOOL_CALL_RE.finditer(text)) if c]
         if calls:
             rest = _TOOL_CALL_RE.sub("", text).strip()
             return rest or None, calls
     return text, []
+
+
+def _parse_call(body: str, names: set[str]) -> dict | None:
+    """The call in one `<tool_call>` block, or None if it is not JSON naming one of the tools."""
+    try:
+        c = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if isinstance(c, dict) and c.get("name") in names:
+        return _call(c["name"], c.get("arguments", {}))
+    return None
+
+
+# ---- an answer as a stream of text and tool calls ------------------------------------------
+@dataclass
+class CallStart:
+    id: str
+    name: str
+
+
+@dataclass
+class CallArgs:
+    delta: str
+
+
+@dataclass
+class CallEnd:
+    arguments: str  # the whole arguments JSON
+
+
+OutputEvent = str | CallStart | CallArgs | CallEnd  # a str is a piece of text
+
+
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+
+
+class ToolCallStream:
+    """An answer's text, fed as it is generated, split into text pieces and tool calls (each a
+    CallStart, CallArgs and a CallEnd): the Anthropic and Responses routes build their content
+    blocks / output items from these, streamed or not. With `auto`, text streams until a
+    `<tool_call>` tag may begin (a possible tag prefix and trailing whitespace are held back);
+    a complete block that is a call of a known tool becomes a call, anything else stays text.
+    A named function streams its arguments as they come; `required` is parsed once complete."""
+
+    def __init__(self, plan: ToolPlan | None):
+        self.mode = plan.mode if plan is not None else "none"
+        self.plan = plan
+        self.names = {f["name"] for f in plan.tools} if plan is not None else set()
+        self.buf = ""
+        self.in_call = False
+        self.calls = 0  # calls emitted so far
+        self.after_call = False  # whitespace right after a call is dropped
+        self.args = ""  # a named call's arguments so far
+
+    def feed(self, delta: str) -> list[OutputEvent]:
+        if self.mode == "none":
+            return [delta] if delta else []
+        if self.mode == "named":
+            events: list[OutputEvent] = []
+            if not self.calls:
+                self.calls = 1
+                events.append(CallStart(_call(self.plan.named, "")["id"], self.plan.named))
+            delta = delta if self.args else delta.lstrip()
+            if delta:
+                self.args += delta
+                events.append(CallArgs(delta))
+            return events
+        self.buf += delta
+        return self._split() if self.mode == "auto" else []
+
+    def finish(self) -> list[OutputEvent]:
+        if self.mode == "none":
+            return []
+        if self.mode == "named":
+            events = self.feed("") if not self.calls else []
+            return events + [CallEnd(self.args.rstrip())]
+        if self.mode == "required":
+            text, calls = parse_tool_calls(self.plan, self.buf)
+            return [e for c in calls for e in _call_events(c)] if calls else ([text] if text else [])
+        rest = (_OPEN if self.in_call else "") + self.buf
+        self.buf, self.in_call = "", False
+        if self.calls:
+            rest = rest.rstrip()
+        return [rest] if rest else []
+
+    def _split(self) -> list[OutputEvent]:
+        events: list[OutputEvent] = []
+        while True:
+            if self.in_call:
+                end = self.buf.find(_CLOSE)
+                if end < 0:
+                    return events
+                body, self.buf = self.buf[:end], self.buf[end + len(_CLOSE):]
+                self.in_call = False
+                call = _parse_call(body.strip(), self.names)
+                if call is None:
+                    events.append(_OPEN + body + _CLOSE)
+                    continue
+                self.calls += 1
+                self.after_call = True
+                events += _call_events(call)
+                continue
+            if self.after_call:
+                self.buf = self.buf.lstrip()
+                self.after_call = not self.buf
+            start = self.buf.find(_OPEN)
+            if start >= 0:
+                text, self.buf = self.buf[:start].rstrip(), self.buf[start + len(_OPEN):]
+                self.in_call = True
+                if text:
+                    events.append(text)
+                continue
+            keep = _held_back(self.buf)
+            text, self.buf = self.buf[: len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+            if text:
+                events.append(text)
+            return events
+
+
+def _held_back(text: str) -> int:
+    """How many trailing characters may still turn out to precede or begin a `<tool_call>` tag:
+    a prefix of the tag, and the whitespace before it."""
+    keep = next((k for k in range(min(len(_OPEN) - 1, len(text)), 0, -1) if _OPEN.startswith(text[-k:])),
+                0)
+    return len(text) - len(text[: len(text) - keep].rstrip())
+
+
+def _call_events(call: dict) -> list[OutputEvent]:
+    f = call["function"]
+    return [CallStart(call["id"], f["name"]), CallArgs(f["arguments"]), CallEnd(f["arguments"])]
+
+
+def apply_tool_grammar(params, plan: ToolPlan | None) -> ToolPlan | None:
+    """Put the plan's grammar (required / named) into the SamplingParams; the plan to parse the
+    answer with, or None when nothing is to be parsed."""
+    if plan is not None and plan.guided is not None:
+        if params.guided_decoding is not None:
+            raise APIError("tool_choice required or named cannot be combined with structured output "
+                           "(response_format, text.format or guided_*)", param="tool_choice")
+        params.guided_decoding = plan.guided
+    return plan if plan is not None and plan.parses else None

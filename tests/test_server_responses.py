@@ -1,0 +1,178 @@
+"""OpenAI's Responses API (POST /v1/responses, GET / DELETE /v1/responses/{id}), driven by the
+official `openai` client's responses.create against a real uvicorn server over SmolLM2 (the real
+model: real text and function calls). Greedy answers are checked against the chat route's for
+the same conversation."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from conftest import running_server
+
+from tokenmill.server.openai_responses import ResponseStore, Stored
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                           "unit": {"enum": ["celsius", "fahrenheit"]}},
+                          "required": ["city", "unit"], "additionalProperties": False}}
+CHAT_TOOLS = [{"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}]
+ASK = "What is the weather in Paris?"
+
+
+@pytest.fixture(scope="module")
+def served(smollm2_dir):
+    with running_server(smollm2_dir, dtype="bfloat16", kv_cache_memory=0.5) as (server, aengine):
+        yield server, aengine
+
+
+@pytest.fixture(scope="module")
+def model(served):
+    return served[1].engine.config.model.name
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    with openai.OpenAI(base_url=served[0].url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+def _chat(client, model, messages, max_tokens, **kw):
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0, **kw)
+    return r.choices[0].message.content, r
+
+
+def test_text_and_instructions_equal_chat_route(client, model):
+    r = client.responses.create(model=model, instructions="You are a terse assistant.", input="Name a fruit.",
+                                max_output_tokens=24, temperature=0)
+    want, c = _chat(client, model, [{"role": "system", "content": "You are a terse assistant."},
+                                    {"role": "user", "content": "Name a fruit."}], 24)
+    assert r.object == "response" and r.id.startswith("resp_") and r.model == model
+    assert r.output_text == want and [i.type for i in r.output] == ["message"]
+    assert r.status == {"length": "incomplete", "stop": "completed"}[c.choices[0].finish_reason]
+    assert (r.usage.input_tokens, r.usage.output_tokens, r.usage.total_tokens) == (
+        c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens)
+    # items in, developer as a system message, output_text parts in an assistant turn
+    items = [{"role": "developer", "content": "You are a terse assistant."},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Name a fruit."}]}]
+    assert client.responses.create(model=model, input=items, max_output_tokens=24, temperature=0).output_text == want
+
+
+def test_stream_events(client, model):
+    whole = client.responses.create(model=model, input="Count from one to ten in words.", max_output_tokens=30,
+                                    temperature=0)
+    events = list(client.responses.create(model=model, input="Count from one to ten in words.",
+                                          max_output_tokens=30, temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    done = "response.incomplete" if whole.status == "incomplete" else "response.completed"
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          done]
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text == events[-4].text == events[-1].response.output_text
+    assert events[-1].response.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_json_schema_output(client, model):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+              "additionalProperties": False}
+    r = client.responses.create(model=model, input=ASK, max_output_tokens=40, temperature=0,
+                                text={"format": {"type": "json_schema", "name": "city", "schema": schema}})
+    assert set(json.loads(r.output_text)) == {"city"} and r.status == "completed"
+
+
+def test_function_call_then_output_with_previous_response_id(client, model):
+    choice = {"type": "function", "name": "get_weather"}
+    r = client.responses.create(model=model, input=ASK, tools=[WEATHER], tool_choice=choice, max_output_tokens=60,
+                                temperature=0)
+    (call,) = r.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
+    args = json.loads(call.arguments)
+    assert set(args) == {"city", "unit"}
+    events = list(client.responses.create(model=model, input=ASK, tools=[WEATHER], tool_choice=choice,
+                                          max_output_tokens=60, temperature=0, stream=True))
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    (args_done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert json.loads(deltas) == json.loads(args_done.arguments) == args and args_done.name == "get_weather"
+    # the call's output, continuing the stored response; the same conversation given as items, and on
+    # the chat route, gives the same answer
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees, sunny"}
+    follow = client.responses.create(model=model, previous_response_id=r.id, input=[output], tools=[WEATHER],
+                                     tool_choice="none", max_output_tokens=24, temperature=0)
+    assert follow.previous_response_id == r.id and follow.output_text
+    items = [{"role": "user", "content": ASK},
+             {"type": "function_call", "call_id": call.call_id, "name": "get_weather", "arguments": call.arguments},
+             output]
+    again = client.responses.create(model=model, input=items, tools=[WEATHER], tool_choice="none",
+                                    max_output_tokens=24, temperature=0)
+    chat_convo = [{"role": "user", "content": ASK},
+                  {"role": "assistant", "content": None, "tool_calls": [{"id": call.call_id, "type": "function",
+                   "function": {"name": "get_weather", "arguments": call.arguments}}]},
+                  {"role": "tool", "tool_call_id": call.call_id, "content": "18 degrees, sunny"}]
+    want, _ = _chat(client, model, chat_convo, 24, tools=CHAT_TOOLS, tool_choice="none")
+    assert follow.output_text == again.output_text == want
+
+
+def test_required_tool_choice_one_call(client, model):
+    r = client.responses.create(model=model, input=ASK, tools=[WEATHER], tool_choice="required",
+                                parallel_tool_calls=False, max_output_tokens=80, temperature=0)
+    assert [(i.type, i.name) for i in r.output] == [("function_call", "get_weather")]
+
+
+def test_store_retrieve_delete(client, served, model):
+    r = client.responses.create(model=model, input="Hi", max_output_tokens=4, temperature=0)
+    got = client.responses.retrieve(r.id)
+    assert got.id == r.id and got.output_text == r.output_text
+    client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.create(model=model, input="Hi", previous_response_id=r.id, max_output_tokens=4)
+    assert e.value.body["param"] == "previous_response_id"
+    unstored = client.responses.create(model=model, input="Hi", max_output_tokens=4, store=False)
+    assert unstored.store is False
+    assert httpx.delete(f"{served[0].url}/v1/responses/{unstored.id}", timeout=30).status_code == 404
+
+
+def test_store_is_a_bounded_lru():
+    store = ResponseStore(2)
+    for k in "abc":
+        store.put(k, Stored({"id": k}, []))
+        if k == "b":
+            store.get("a")  # a is now the most recently used: b goes first
+    assert len(store) == 2 and store.get("a") and store.get("c")
+    with pytest.raises(Exception):
+        store.get("b")
+    off = ResponseStore(0)
+    off.put("a", Stored({}, []))
+    assert len(off) == 0
+
+
+def test_errors_in_openai_shape(client, served, model):
+    url = served[0].url + "/v1/responses"
+    for body, param in (({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+                         "input"),
+                        ({"input": [{"type": "web_search_call"}]}, "input"),
+                        ({"input": "x", "temperature": 3}, "temperature"),
+                        ({"input": "x", "tool_choice": "required"}, "tool_choice"),
+                        ({"input": "x", "background": True}, "background"),
+                        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
+                        ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
+                        ({"input": "x", "max_output_tokens": 10**6}, "max_output_tokens")):
+        r = httpx.post(url, json={"model": model, **body}, timeout=60)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == 400 and err["param"] == param, err
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="nope", input="x")
+    aengine = served[1]
+    kv, sched = aengine.engine.core.kv, aengine.engine.core.scheduler
+    deadline = time.monotonic() + 30  # every request above has finished: its blocks come back
+    while (sched.requests or kv.num_free_blocks != kv.num_usable_blocks) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not sched.requests and kv.num_free_blocks == kv.num_usable_blocks
