@@ -91,7 +91,8 @@ def running_server(model_dir: str, **engine_kwargs):
 
 @pytest.fixture(scope="module")
 def smollm2_server(smollm2_dir):
-    """SmolLM2 (bf16) behind a real server, one per test module: .url, .aengine, .model, .client (openai)."""
+    """SmolLM2 (bf16) behind a real server, one per test module: .url, .aengine, .model, .client (openai),
+    .ctx (the app's ServerContext)."""
     import types
 
     import openai
@@ -99,7 +100,8 @@ def smollm2_server(smollm2_dir):
     with running_server(smollm2_dir, dtype="bfloat16", kv_cache_memory=0.5) as (server, aengine):
         with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
             yield types.SimpleNamespace(url=server.url, aengine=aengine, client=client,
-                                        model=aengine.engine.config.model.name)
+                                        model=aengine.engine.config.model.name,
+                                        ctx=server.server.config.app.state.ctx)
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +112,20 @@ def smollm2_client(smollm2_server):
 @pytest.fixture(scope="module")
 def smollm2_model(smollm2_server):
     return smollm2_server.model
+
+
+def wait_engine_idle(aengine, timeout: float = 30.0) -> bool:
+    """Until no request is left in the scheduler and every KV block is back in the pool (an aborted
+    or finished request's blocks come back on the engine's next step); False if not by `timeout`."""
+    import time
+
+    kv, sched = aengine.engine.core.kv, aengine.engine.core.scheduler
+    deadline = time.monotonic() + timeout
+    while sched.requests or kv.num_free_blocks != kv.num_usable_blocks:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def reference_paged_decode(q, k_cache, v_cache, tables, lens, bs: int):

@@ -65,7 +65,7 @@ def _aim(spec: dict, model: str) -> None:
         props = sch.get("properties", {})
         if name.endswith("Request") and "model" in props:
             props["model"] = {"anyOf": [{"const": model}, {"type": "null"}]}
-        for field in ("max_tokens", "max_completion_tokens", "max_new_tokens", "max_output_tokens"):
+        for field in ("max_tokens", "max_completion_tokens", "max_new_tokens"):
             for arm in props.get(field, {}).get("anyOf", []):
                 if arm.get("type") == "integer":
                     arm["maximum"] = MAX_NEW_TOKENS

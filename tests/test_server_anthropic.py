@@ -5,13 +5,12 @@ tool calls). Greedy answers are checked against the chat route's for the same co
 from __future__ import annotations
 
 import json
-import time
 
 import anthropic
 import httpx
 import openai
 import pytest
-from conftest import running_server
+from conftest import wait_engine_idle
 
 GREEDY = {"temperature": 0}  # not a keyword of this client's messages.create any more: sent as an extra field
 WEATHER = {"name": "get_weather", "description": "Current weather in a city",
@@ -28,25 +27,23 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def served(smollm2_dir):
-    with running_server(smollm2_dir, dtype="bfloat16", kv_cache_memory=0.5) as (server, aengine):
-        yield server, aengine
+def served(smollm2_server):
+    return smollm2_server
 
 
 @pytest.fixture(scope="module")
-def model(served):
-    return served[1].engine.config.model.name
+def model(smollm2_model):
+    return smollm2_model
+
+
+@pytest.fixture(scope="module")
+def chat(smollm2_client):
+    return smollm2_client
 
 
 @pytest.fixture(scope="module")
 def client(served):
-    with anthropic.Anthropic(base_url=served[0].url, api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def chat(served):
-    with openai.OpenAI(base_url=served[0].url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+    with anthropic.Anthropic(base_url=served.url, api_key="unused", max_retries=0, timeout=120) as c:
         yield c
 
 
@@ -82,7 +79,7 @@ def test_stream_events_and_stop_sequence(client, served, model):
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "content_block_start" in kinds
     assert kinds.count("content_block_start") == kinds.count("content_block_stop") == 1
     # the wire format: `event:` lines (the client drops events without one), a ping after message_start
-    with httpx.stream("POST", served[0].url + "/v1/messages", timeout=120, json={
+    with httpx.stream("POST", served.url + "/v1/messages", timeout=120, json={
             "model": model, "max_tokens": 5, "messages": ask, "stream": True, **GREEDY}) as r:
         events = [line.removeprefix("event: ") for line in r.iter_lines() if line.startswith("event: ")]
     assert events[:3] == ["message_start", "ping", "content_block_start"]
@@ -140,7 +137,7 @@ def test_structured_output(client, model):
 
 
 def test_errors_in_anthropic_shape(client, served, model):
-    url = served[0].url + "/v1/messages"
+    url = served.url + "/v1/messages"
     base = {"model": model, "max_tokens": 8, "messages": ASK}
     for body, words in (({"max_tokens": None}, "max_tokens"),
                         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
@@ -166,25 +163,19 @@ def test_errors_in_anthropic_shape(client, served, model):
 
 
 def test_api_key_as_x_api_key(served, model):
-    server, aengine = served
-    ctx = server.server.config.app.state.ctx
-    ctx.api_key = "s3cret"
+    served.ctx.api_key = "s3cret"
     try:
-        with anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0) as c:
+        with anthropic.Anthropic(base_url=served.url, api_key="wrong", max_retries=0) as c:
             with pytest.raises(anthropic.AuthenticationError) as e:
                 c.messages.count_tokens(model=model, messages=ASK)
             assert e.value.body["error"]["type"] == "authentication_error"
-        with anthropic.Anthropic(base_url=server.url, api_key="s3cret", max_retries=0) as c:
+        with anthropic.Anthropic(base_url=served.url, api_key="s3cret", max_retries=0) as c:
             assert c.messages.count_tokens(model=model, messages=ASK).input_tokens > 0
-        r = httpx.post(server.url + "/v1/messages/count_tokens", json={"model": model, "messages": ASK},
+        r = httpx.post(served.url + "/v1/messages/count_tokens", json={"model": model, "messages": ASK},
                        headers={"Authorization": "Bearer s3cret"}, timeout=60)
         assert r.status_code == 200
         # x-api-key opens the OpenAI routes too
-        assert httpx.get(server.url + "/v1/models", headers={"x-api-key": "s3cret"}, timeout=60).status_code == 200
+        assert httpx.get(served.url + "/v1/models", headers={"x-api-key": "s3cret"}, timeout=60).status_code == 200
     finally:
-        ctx.api_key = None
-    kv, sched = aengine.engine.core.kv, aengine.engine.core.scheduler
-    deadline = time.monotonic() + 30  # every request above has finished: its blocks come back
-    while (sched.requests or kv.num_free_blocks != kv.num_usable_blocks) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not sched.requests and kv.num_free_blocks == kv.num_usable_blocks
+        served.ctx.api_key = None
+    assert wait_engine_idle(served.aengine)  # every request of this module finished and gave its blocks back

@@ -6,12 +6,11 @@ the same conversation."""
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import openai
 import pytest
-from conftest import running_server
+from conftest import wait_engine_idle
 
 from tokenmill.server.openai_responses import ResponseStore, Stored
 
@@ -24,20 +23,18 @@ ASK = "What is the weather in Paris?"
 
 
 @pytest.fixture(scope="module")
-def served(smollm2_dir):
-    with running_server(smollm2_dir, dtype="bfloat16", kv_cache_memory=0.5) as (server, aengine):
-        yield server, aengine
+def served(smollm2_server):
+    return smollm2_server
 
 
 @pytest.fixture(scope="module")
-def model(served):
-    return served[1].engine.config.model.name
+def model(smollm2_model):
+    return smollm2_model
 
 
 @pytest.fixture(scope="module")
-def client(served):
-    with openai.OpenAI(base_url=served[0].url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
+def client(smollm2_client):
+    return smollm2_client
 
 
 def _chat(client, model, messages, max_tokens, **kw):
@@ -136,7 +133,7 @@ def test_store_retrieve_delete(client, served, model):
     assert e.value.body["param"] == "previous_response_id"
     unstored = client.responses.create(model=model, input="Hi", max_output_tokens=4, store=False)
     assert unstored.store is False
-    assert httpx.delete(f"{served[0].url}/v1/responses/{unstored.id}", timeout=30).status_code == 404
+    assert httpx.delete(f"{served.url}/v1/responses/{unstored.id}", timeout=30).status_code == 404
 
 
 def test_store_is_a_bounded_lru():
@@ -154,7 +151,7 @@ def test_store_is_a_bounded_lru():
 
 
 def test_errors_in_openai_shape(client, served, model):
-    url = served[0].url + "/v1/responses"
+    url = served.url + "/v1/responses"
     for body, param in (({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
                          "input"),
                         ({"input": [{"type": "web_search_call"}]}, "input"),
@@ -170,9 +167,4 @@ def test_errors_in_openai_shape(client, served, model):
         assert err["code"] == 400 and err["param"] == param, err
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="nope", input="x")
-    aengine = served[1]
-    kv, sched = aengine.engine.core.kv, aengine.engine.core.scheduler
-    deadline = time.monotonic() + 30  # every request above has finished: its blocks come back
-    while (sched.requests or kv.num_free_blocks != kv.num_usable_blocks) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not sched.requests and kv.num_free_blocks == kv.num_usable_blocks
+    assert wait_engine_idle(served.aengine)  # every request of this module finished and gave its blocks back

@@ -1,15 +1,19 @@
-"""The HTTP server: OpenAI-compatible routes (completions, chat, models, tokenize), TGI routes,
-Prometheus metrics and Bearer auth over an AsyncLLMEngine.
+"""The HTTP server: OpenAI-compatible routes (completions, chat, responses, models, tokenize),
+Anthropic's Messages API, TGI routes, Prometheus metrics and API-key auth over an AsyncLLMEngine.
 
     app.py                 build_app(), middleware (auth, access log), DrainingServer, serve(), BackgroundServer
     protocol.py            pydantic request / response models (OpenAI and vLLM fields)
     serving.py             shared route plumbing: input checks, engine streams, disconnects, SSE
     openai_completions.py  POST /v1/completions
     openai_chat.py         POST /v1/chat/completions
+    openai_responses.py    POST /v1/responses, GET / DELETE /v1/responses/{id} (OpenAI's Responses API)
+    anthropic_messages.py  POST /v1/messages, POST /v1/messages/count_tokens (Anthropic's Messages API)
+    conversation.py        what those two share with the chat route: render, sample, start, answer events
+    anthropic_protocol.py, responses_protocol.py   their pydantic models
     misc_routes.py         /v1/models, /tokenize, /detokenize, /health, /version, /metrics
     tgi_routes.py          POST /generate, POST /generate_stream, GET /info
     metrics.py             tokenmill:* Prometheus metrics
-    errors.py              error bodies (OpenAI's; TGI's on TGI routes) and exception handlers
+    errors.py              error bodies (OpenAI's; TGI's and Anthropic's on theirs) and exception handlers
     chat_template.py       chat-template rendering for the routes, bounded (size, time, trust)
     listen.py              the listening socket bound before the model loads; the route listing
 """

@@ -8,6 +8,7 @@ Errors are Anthropic's body, `{"type": "error", "error": {"type", "message"}}` (
 from __future__ import annotations
 
 import json
+from contextlib import aclosing
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -179,48 +180,56 @@ def _event(obj: dict) -> bytes:
     return f"event: {obj['type']}\ndata: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
 
 
+class _Blocks:
+    """Anthropic's content-block events for the answer's text pieces and tool calls, in order."""
+
+    def __init__(self):
+        self.index, self.open = -1, None  # the current block and its kind
+
+    def on(self, e) -> list[bytes]:
+        out = []
+        if isinstance(e, str):
+            if self.open != "text":
+                out += self.close() + self._start("text", {"type": "text", "text": ""})
+            out.append(_event({"type": "content_block_delta", "index": self.index,
+                               "delta": {"type": "text_delta", "text": e}}))
+        elif isinstance(e, CallStart):
+            out += self.close() + self._start("tool_use", {"type": "tool_use", "id": _tool_id(e.id), "name": e.name,
+                                                           "input": {}})
+        elif isinstance(e, CallArgs) and e.delta:
+            out.append(_event({"type": "content_block_delta", "index": self.index,
+                               "delta": {"type": "input_json_delta", "partial_json": e.delta}}))
+        elif isinstance(e, CallEnd):
+            out += self.close()
+        return out
+
+    def close(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [_event({"type": "content_block_stop", "index": self.index})]
+
+    def _start(self, kind: str, block: dict) -> list[bytes]:
+        self.index, self.open = self.index + 1, kind
+        return [_event({"type": "content_block_start", "index": self.index, "content_block": block})]
+
+
 async def _stream(gen: conversation.Generation):
     """message_start, ping, then per block content_block_start / _delta / _stop (text_delta for
     text, input_json_delta for a tool's input), message_delta (stop_reason, usage), message_stop."""
     start = AnthropicMessage(id=gen.request_id, model=gen.model, content=[],
                              usage=AnthropicUsage(input_tokens=gen.prompt_tokens, output_tokens=0))
-    yield _event({"type": "message_start", "message": start.model_dump()})
-    yield _event({"type": "ping"})
-    index, open_kind = -1, None
-    answer = None
-
-    def open_block(block: dict) -> bytes:
-        return _event({"type": "content_block_start", "index": index, "content_block": block})
-
+    yield _event({"type": "message_start", "message": start.model_dump()}) + _event({"type": "ping"})
+    blocks, answer = _Blocks(), None
     try:
-        async for events, answer in conversation.answer_events(gen):
-            for e in events:
-                if isinstance(e, str):
-                    if open_kind != "text":
-                        if open_kind is not None:
-                            yield _event({"type": "content_block_stop", "index": index})
-                        index, open_kind = index + 1, "text"
-                        yield open_block({"type": "text", "text": ""})
-                    yield _event({"type": "content_block_delta", "index": index,
-                                  "delta": {"type": "text_delta", "text": e}})
-                elif isinstance(e, CallStart):
-                    if open_kind is not None:
-                        yield _event({"type": "content_block_stop", "index": index})
-                    index, open_kind = index + 1, "tool_use"
-                    yield open_block({"type": "tool_use", "id": _tool_id(e.id), "name": e.name, "input": {}})
-                elif isinstance(e, CallArgs) and e.delta:
-                    yield _event({"type": "content_block_delta", "index": index,
-                                  "delta": {"type": "input_json_delta", "partial_json": e.delta}})
-                elif isinstance(e, CallEnd):
-                    yield _event({"type": "content_block_stop", "index": index})
-                    open_kind = None
-        if open_kind is not None:
-            yield _event({"type": "content_block_stop", "index": index})
-        yield _event({"type": "message_delta",
-                      "delta": {"stop_reason": _stop_reason(answer), "stop_sequence": answer.stop_string},
-                      "usage": {"input_tokens": gen.prompt_tokens, "output_tokens": answer.output_tokens}})
-        yield _event({"type": "message_stop"})
+        async with aclosing(conversation.answer_chunks(gen, blocks.on)) as steps:  # closed with the response: aborts
+            async for chunk, answer in steps:
+                if chunk:
+                    yield chunk
+        delta = {"stop_reason": _stop_reason(answer), "stop_sequence": answer.stop_string}
+        usage = {"input_tokens": gen.prompt_tokens, "output_tokens": answer.output_tokens}
+        yield b"".join([*blocks.close(), _event({"type": "message_delta", "delta": delta, "usage": usage}),
+                        _event({"type": "message_stop"})])
     except (ValueError, RuntimeError, APIError) as e:
         err = stream_error(e)
         yield _event(anthropic_error_body(err.message, err.status))
-

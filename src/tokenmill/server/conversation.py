@@ -7,8 +7,9 @@ its own blocks / items and events."""
 
 from __future__ import annotations
 
+from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import AsyncGenerator, AsyncIterator
+from typing import AsyncGenerator, AsyncIterator, Callable
 
 from fastapi import Request
 
@@ -160,3 +161,12 @@ async def answer_events(gen: Generation) -> AsyncIterator[tuple[list[OutputEvent
         if out.finished:
             result.finish(out)
         yield events, result
+
+
+async def answer_chunks(gen: Generation, write: Callable[[OutputEvent], list[bytes]]
+                        ) -> AsyncIterator[tuple[bytes, Answer]]:
+    """answer_events written by an API's `write` (an event -> its SSE events): one chunk per step
+    (maybe empty), with the answer so far. Closing it aborts the request."""
+    async with aclosing(answer_events(gen)) as steps:
+        async for events, answer in steps:
+            yield b"".join(b for e in events for b in write(e)), answer

@@ -10,6 +10,7 @@ dropped first), with their conversation, for GET and `previous_response_id`."""
 from __future__ import annotations
 
 import json
+from contextlib import aclosing
 import time
 import uuid
 from collections import OrderedDict
@@ -155,7 +156,8 @@ def input_messages(body: ResponsesRequest) -> list[ChatMessage]:
             out.append(ChatMessage(role=role, content=[ChatContentPart(type="text", text=p.text)
                                                        for p in item.content]))
         elif isinstance(item, ResponsesFunctionCallInput):
-            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
             if out and out[-1].role == "assistant":
                 out[-1] = out[-1].model_copy(update={"tool_calls": [*(out[-1].tool_calls or []), call]})
             else:
@@ -225,82 +227,84 @@ def _store(ctx: ServerContext, body: ResponsesRequest, response: dict, turn: lis
     store_of(ctx).put(response["id"], Stored(response, [*turn, reply]))
 
 
+class _Items:
+    """The Responses stream events for the answer's text pieces and tool calls, in order: a message
+    item per run of text, a function_call item per call; every event numbered."""
+
+    def __init__(self):
+        self.seq = 0
+        self.items: list[dict] = []  # finished items
+        self.current: dict | None = None  # the item being streamed
+
+    def event(self, kind: str, **fields) -> bytes:
+        obj = {"type": kind, **fields, "sequence_number": self.seq}
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
+
+    def on(self, e) -> list[bytes]:
+        cur, out = self.current, []
+        if isinstance(e, str):
+            if cur is None or cur["type"] != "message":
+                out += self.close()
+                cur = self.current = _item("", "in_progress")
+                cur["content"] = []
+                out.append(self.event("response.output_item.added", output_index=len(self.items), item=cur))
+                cur["content"] = [ResponsesOutputText(text="").model_dump()]
+                out.append(self.event("response.content_part.added", **self._at(), part=cur["content"][0]))
+            cur["content"][0]["text"] += e
+            out.append(self.event("response.output_text.delta", **self._at(), delta=e, logprobs=[]))
+        elif isinstance(e, CallStart):
+            out += self.close()
+            self.current = _item(conversation.ToolCall(e.id, e.name, ""), "in_progress")
+            out.append(self.event("response.output_item.added", output_index=len(self.items), item=self.current))
+        elif isinstance(e, CallArgs) and e.delta:
+            cur["arguments"] += e.delta
+            out.append(self.event("response.function_call_arguments.delta", item_id=cur["id"],
+                                  output_index=len(self.items), delta=e.delta))
+        elif isinstance(e, CallEnd):
+            cur["arguments"] = e.arguments
+            out += self.close()
+        return out
+
+    def close(self, status: str = "completed") -> list[bytes]:
+        item = self.current
+        if item is None:
+            return []
+        item["status"] = status
+        if item["type"] == "message":
+            out = [self.event("response.output_text.done", **self._at(), text=item["content"][0]["text"], logprobs=[]),
+                   self.event("response.content_part.done", **self._at(), part=item["content"][0])]
+        else:
+            out = [self.event("response.function_call_arguments.done", item_id=item["id"],
+                              output_index=len(self.items), name=item["name"], arguments=item["arguments"])]
+        out.append(self.event("response.output_item.done", output_index=len(self.items), item=item))
+        self.items.append(item)
+        self.current = None
+        return out
+
+    def _at(self) -> dict:
+        return {"item_id": self.current["id"], "output_index": len(self.items), "content_index": 0}
+
+
 async def _stream(ctx: ServerContext, body: ResponsesRequest, gen: conversation.Generation, created: int,
                   turn: list[ChatMessage]):
     """response.created and .in_progress; per output item output_item.added, then for a message
     content_part.added, output_text.delta... output_text.done, content_part.done, for a function
     call function_call_arguments.delta... .done, then output_item.done; response.completed (or
     response.incomplete when max_output_tokens cut it)."""
-    seq = 0
-    items: list[dict] = []  # finished items
-    current: dict | None = None  # the item being streamed
-
-    def event(kind: str, **fields) -> bytes:
-        nonlocal seq
-        obj = {"type": kind, **fields, "sequence_number": seq}
-        seq += 1
-        return f"event: {kind}\ndata: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
-
-    def where() -> dict:
-        return {"item_id": current["id"], "output_index": len(items)}
-
-    def close(status: str = "completed"):
-        nonlocal current
-        item, current = current, None
-        item["status"] = status
-        if item["type"] == "message":
-            text = item["content"][0]["text"]
-            yield event("response.output_text.done", **_at(item, len(items)), text=text, logprobs=[])
-            yield event("response.content_part.done", **_at(item, len(items)), part=item["content"][0])
-        else:
-            yield event("response.function_call_arguments.done", item_id=item["id"], output_index=len(items),
-                        name=item["name"], arguments=item["arguments"])
-        yield event("response.output_item.done", output_index=len(items), item=item)
-        items.append(item)
-
-    yield event("response.created", response=_response(body, gen, created, [], None))
-    yield event("response.in_progress", response=_response(body, gen, created, [], None))
-    answer = None
+    out, answer = _Items(), None
+    yield (out.event("response.created", response=_response(body, gen, created, [], None))
+           + out.event("response.in_progress", response=_response(body, gen, created, [], None)))
     try:
-        async for events, answer in conversation.answer_events(gen):
-            for e in events:
-                if isinstance(e, str):
-                    if current is None or current["type"] != "message":
-                        if current is not None:
-                            for b in close():
-                                yield b
-                        current = _item("", "in_progress")
-                        current["content"] = []
-                        yield event("response.output_item.added", output_index=len(items), item=current)
-                        current["content"] = [ResponsesOutputText(text="").model_dump()]
-                        yield event("response.content_part.added", **_at(current, len(items)),
-                                    part=current["content"][0])
-                    current["content"][0]["text"] += e
-                    yield event("response.output_text.delta", **_at(current, len(items)), delta=e, logprobs=[])
-                elif isinstance(e, CallStart):
-                    if current is not None:
-                        for b in close():
-                            yield b
-                    current = _item(conversation.ToolCall(e.id, e.name, ""), "in_progress")
-                    yield event("response.output_item.added", output_index=len(items), item=current)
-                elif isinstance(e, CallArgs) and e.delta:
-                    current["arguments"] += e.delta
-                    yield event("response.function_call_arguments.delta", **where(), delta=e.delta)
-                elif isinstance(e, CallEnd):
-                    current["arguments"] = e.arguments
-                    for b in close():
-                        yield b
-        if current is not None:
-            for b in close("incomplete" if answer.finish_reason == "length" else "completed"):
-                yield b
-        response = _response(body, gen, created, items, answer)
+        async with aclosing(conversation.answer_chunks(gen, out.on)) as steps:  # closed with the response: aborts
+            async for chunk, answer in steps:
+                if chunk:
+                    yield chunk
+        last = out.close("incomplete" if answer.finish_reason == "length" else "completed")
+        response = _response(body, gen, created, out.items, answer)
         _store(ctx, body, response, turn, answer)
         done = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
-        yield event(done, response=response)
+        yield b"".join([*last, out.event(done, response=response)])
     except (ValueError, RuntimeError, APIError) as e:
         err = stream_error(e)
-        yield event("error", code=str(err.status), message=err.message, param=err.param)
-
-
-def _at(item: dict, output_index: int) -> dict:
-    return {"item_id": item["id"], "output_index": output_index, "content_index": 0}
+        yield out.event("error", code=str(err.status), message=err.message, param=err.param)
