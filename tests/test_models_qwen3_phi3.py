@@ -136,12 +136,23 @@ K_MIX = {"token_embd": "Q4_K", "attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6
          "ffn_gate": "Q2_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K"}
 
 
-def test_kquant_gguf_loads_dequantized(tmp_path, monkeypatch, caplog) -> None:
-    """k-quant tensors (rows a multiple of 256: hidden 256) load as the gguf package dequantizes
-    them, with a log line naming them; float32 engines rebuild them exactly from the kept rows of the
-    bfloat16 cache, and generate transformers' tokens on the dequantized model."""
-    hf_dir = build_tiny_model(tmp_path / "hf", "qwen3", hidden_size=256, intermediate_size=512, head_dim=64)
-    path = str(write_gguf_from_hf(hf_dir, tmp_path / "k.gguf", qtype=K_MIX))
+# What llama.cpp's Q4_K_M puts where (roughly: it gives half the attn_v / ffn_down tensors Q6_K)
+Q4_K_M = {"token_embd": "Q4_K", "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K",
+          "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K"}
+
+
+@pytest.fixture(scope="module")
+def qwen3_256_dir(tmp_path_factory) -> str:
+    """k-quant blocks hold 256 values: rows of 256 and 512."""
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-256"), "qwen3", hidden_size=256,
+                                intermediate_size=512, head_dim=64))
+
+
+def test_kquant_gguf_loads_dequantized(qwen3_256_dir: str, tmp_path, monkeypatch, caplog) -> None:
+    """k-quant tensors load as the gguf package dequantizes them, with a log line naming them;
+    float32 engines rebuild them exactly from the kept rows of the bfloat16 cache, and generate
+    transformers' tokens on the dequantized model."""
+    path = str(write_gguf_from_hf(qwen3_256_dir, tmp_path / "k.gguf", qtype=K_MIX))
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
     with caplog.at_level(logging.INFO, logger="tokenmill"):
         exact = gguf_to_hf_folder(path)
@@ -162,3 +173,30 @@ def test_kquant_gguf_loads_dequantized(tmp_path, monkeypatch, caplog) -> None:
 
     llm = LLM(path, **TIGHT)  # the engine's bfloat16 cache, loaded in float32
     check_against_hf(llm, exact, PROMPTS[:4])
+
+
+def test_q4_k_runs_as_int4_groups_under_quantization_gguf(qwen3_256_dir: str, tmp_path, monkeypatch) -> None:
+    """--quantization gguf keeps Q4_K tensors quantized (int4 groups of 32, the sub-block scale and
+    min rounded to float16), next to the Q6_K ones running dense: the same greedy tokens."""
+    from tokenmill.model.layers.quantization import QuantEmbedding, QuantLinear, dequantize
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    path = str(write_gguf_from_hf(qwen3_256_dir, tmp_path / "m.Q4_K_M.gguf", qtype=Q4_K_M))
+    dense = LLM(path, dtype="float32", kv_cache_memory=0.02)
+    quant = LLM(path, dtype="float32", kv_cache_memory=0.02, quantization="gguf")
+    qmodel, dense_params = quant.engine.core.runner.model, dict(dense.engine.core.runner.model.named_parameters())
+    layer = qmodel.layers[0]
+    assert isinstance(layer.self_attn.o_proj, QuantLinear) and isinstance(layer.mlp.gate_up_proj, QuantLinear)
+    assert isinstance(qmodel.embed_tokens, QuantEmbedding) and isinstance(qmodel.lm_head, QuantLinear)  # tied
+    assert not isinstance(layer.self_attn.qkv_proj, QuantLinear)  # its v is Q6_K: the fused layer stays dense
+    assert not isinstance(layer.mlp.down_proj, QuantLinear)
+    kept = {n: m for n, m in qmodel.named_modules() if isinstance(m, (QuantLinear, QuantEmbedding))}
+    assert len(kept) == 2 * 2 + 2
+    for name, m in kept.items():
+        want = dense_params.get(name + ".weight", dense_params["embed_tokens.weight"])
+        got = dequantize(m.qweight, m.scales, m.bits)
+        torch.testing.assert_close(got, want, rtol=0, atol=float(want.abs().max()) * 2**-10)
+        assert not torch.equal(got, want)  # float16 scales: close, not exact
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    a, b = (llm.generate(PROMPTS[:4], params, use_tqdm=False) for llm in (dense, quant))
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]

@@ -6,7 +6,8 @@ folder. Tensors stored as Q4_0, Q4_1 or Q8_0 are also kept as they are, re-laid 
 groups of 32 with float16 scales (gguf_blocks/model.safetensors), for `--quantization gguf`.
 Other block types (the k-quants Q2_K ... Q6_K of the common Q4_K_M files, Q5_0, ...) run
 dequantized, with a log line naming them; their raw rows are kept in gguf_blocks for exact
-float32 loads. Each llama.cpp architecture is one entry of ARCHS.
+float32 loads, and Q4_K's also as int4 groups (scales rounded to float16) for `--quantization
+gguf`. Each llama.cpp architecture is one entry of ARCHS.
 
 model.safetensors holds the dequantized weights in float32 (exact: what an outside tool should
 read) or, as the engine asks for, with the block-backed tensors in bfloat16, the serving dtype:
@@ -41,7 +42,9 @@ logger = logging.getLogger("tokenmill")
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the converted output changes, so stale cache folders get rebuilt.
-CONVERTER_VERSION = 4  # 3: Q4_0 / Q4_1 / Q8_0 blocks kept in gguf_blocks/model.safetensors; 4: bfloat16 dense
+# 3: Q4_0 / Q4_1 / Q8_0 blocks kept in gguf_blocks/model.safetensors; 4: bfloat16 dense; 5: k-quant rows kept
+# (bfloat16 dense), Q4_K also as int4 groups
+CONVERTER_VERSION = 5
 _MARKER = "tokenmill_gguf.json"
 # In a subfolder: tools that load every top-level *.safetensors (vLLM, transformers, older
 # tokenmill) keep seeing a plain HF folder.
@@ -230,7 +233,7 @@ class _Gguf:
 
 
 
-_Q4_0, _Q4_1, _Q8_0 = 2, 3, 8  # ggml type ids
+_Q4_0, _Q4_1, _Q8_0, _Q4_K = 2, 3, 8, 12  # ggml type ids
 _BLOCK_BYTES = {_Q4_0: 18, _Q4_1: 20, _Q8_0: 34}  # float16 d (and m), then 32 quants
 _FLOAT_TYPES = {0, 1, 28, 30}  # F32, F16, F64, BF16
 
@@ -246,7 +249,8 @@ def dequantize_rows(raw: Any, qtype: int) -> Any:
 
 def _log_dequantized(summary: str | None) -> None:
     if summary:
-        logger.info("GGUF tensors dequantized (our kernels run only Q4_0 / Q4_1 / Q8_0 blocks): %s", summary)
+        logger.info("GGUF tensors dequantized (our kernels run only Q4_0 / Q4_1 / Q8_0 blocks, and Q4_K's "
+                    "as int4 groups under --quantization gguf): %s", summary)
 
 
 def _dequantized_summary(names: dict[str, list[str]]) -> str:
@@ -271,6 +275,23 @@ def _split_blocks(qtype: int, raw: np.ndarray) -> dict[str, np.ndarray]:
     else:
         m, qs = (d * np.float16(-8)).astype(np.float16), raw[..., 2:]
     return {"qweight": np.ascontiguousarray(qs).reshape(N, G * 16), "scales": np.stack([d, m], -1)}
+
+
+def _split_q4_k(rows: np.ndarray) -> dict[str, np.ndarray]:
+    """Q4_K rows -> the same int4 form: each 256-value block is 8 groups of 32 with a 6-bit scale and
+    min of their own, w = (d * sc) * q - dmin * m, so each group's (d, m) is (d * sc, -dmin * m),
+    rounded to float16 (within 2^-11 of the file's; not exact, unlike Q4_0 / Q4_1). Q4_K pairs value
+    i with i + 32 in a byte, Q4_0 i with i + 16: the nibbles are re-paired."""
+    import gguf
+
+    blocks = rows.reshape(-1, 144)  # float16 d, dmin; 12 bytes of packed 6-bit scales / mins; 128 bytes of nibbles
+    d, dmin = (blocks[:, i : i + 2].copy().view(np.float16).astype(np.float32) for i in (0, 2))
+    sc, mn = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])
+    scales = np.stack([d * sc, -(dmin * mn)], -1).astype(np.float16)  # [blocks, 8, 2]
+    qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    q = (qs & 0x0F).reshape(-1, 8, 32)  # group 2j: low nibbles of bytes 32j.., group 2j + 1: high ones
+    qweight = q[..., :16] | (q[..., 16:] << 4)
+    return {"qweight": qweight.reshape(rows.shape[0], -1), "scales": scales.reshape(rows.shape[0], -1, 2)}
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -485,6 +506,9 @@ def _convert(gguf_path: str, out: Path, dense_dtype: str = "float32") -> str:
             quantized[f"{stem}.ggml"] = torch.from_numpy(np.require(fix(raw[1]), requirements="CW"))
             quantized[f"{stem}.ggml_type"] = torch.tensor(raw[0], dtype=torch.int32)
             dequantized.setdefault(gguf.GGMLQuantizationType(raw[0]).name, []).append(name)
+            if raw[0] == _Q4_K:  # and, for --quantization gguf, as int4 groups
+                for key, arr in _split_q4_k(raw[1]).items():
+                    quantized[f"{stem}.{key}"] = torch.from_numpy(np.require(fix(arr), requirements="CW"))
         if dense_dtype == "bfloat16" and (f"{stem}.scales" in quantized or f"{stem}.ggml" in quantized):
             dense = dense.to(torch.bfloat16)  # the blocks keep the exact values
         weights[hf] = dense

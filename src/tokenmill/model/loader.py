@@ -113,11 +113,11 @@ def _iter_safetensors(path: str, skip: set[str] = frozenset(), blocks: str | Non
             yield name, torch.zeros(st.get_slice(name).get_shape(), dtype=torch.float32)
             continue
         if _is_bf16(st, name) and (stem + ".qweight" in qkeys or stem + ".ggml" in qkeys):
-            if stem + ".qweight" in qkeys:
+            if stem + ".ggml" in qkeys:  # k-quants: the raw GGUF rows, dequantized by the gguf package
+                w = dequantize_rows(q.get_tensor(stem + ".ggml"), int(q.get_tensor(stem + ".ggml_type")))
+            else:
                 qweight = q.get_tensor(stem + ".qweight")
                 w = dequantize(qweight, q.get_tensor(stem + ".scales"), 4 if qweight.dtype == torch.uint8 else 8)
-            else:  # k-quants: the raw GGUF rows, dequantized by the gguf package
-                w = dequantize_rows(q.get_tensor(stem + ".ggml"), int(q.get_tensor(stem + ".ggml_type")))
             if shard is not None:
                 w = w.narrow(shard.dim, shard.start, shard.size)
         elif shard is not None:  # read just the slice from the file
@@ -143,9 +143,10 @@ def _load_gguf_quantized(model: torch.nn.Module, path: str, dtype: torch.dtype) 
                          "for a Hugging Face checkpoint use --quantization int4 or int8")
     tensors = load_file(qpath)
     used = model.load_quantized(tensors, dtype)
-    dense = sum(key.endswith(".ggml") for key in tensors)  # k-quants: no kernel of ours runs their blocks
+    # k-quants other than Q4_K (and Q4_K parts of a fused layer whose other parts are not) stay dense
+    dense = sum(key.endswith(".ggml") and key.replace(".ggml", ".weight") not in used for key in tensors)
     logger.info("GGUF quantized weights kept for %d tensors%s", len(used),
-                f"; {dense} k-quant tensors run dequantized ({dtype})" if dense else "")
+                f"; {dense} other quantized tensors run dequantized ({dtype})" if dense else "")
     return used
 
 
