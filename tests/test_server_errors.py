@@ -119,7 +119,8 @@ CASES = [
     ("unknown_model_chat", CHAT, {"model": "gpt-17", "messages": USER}, 404, "model", ["gpt-17"]),
     ("unknown_model_tokenize", "/tokenize", {"model": "gpt-17", "prompt": "Hi"}, 404, "model", ["gpt-17"]),
     ("detokenize_bad_ids", "/detokenize", {"tokens": [10**6]}, 400, "tokens", ["token ids"]),
-    ("unknown_route", "/v1/embeddings", {"input": "Hi"}, 404, None, ["/v1/embeddings"]),
+    ("unknown_route", "/v1/moderations", {"input": "Hi"}, 404, None, ["/v1/moderations"]),
+    ("embeddings_on_a_generator", "/v1/embeddings", {"input": "Hi"}, 400, "model", ["Embeddings API"]),
 ]
 
 

@@ -43,6 +43,12 @@ _ENGINE_HELP = {
     "num_threads": "intra-op CPU threads, per tensor-parallel rank (default: all cores, shared out among the ranks)",
     "tensor_parallel_size": "split the model across this many ranks, one process each (Megatron-style shards; "
                             "the head counts must divide by it)",
+    "task": "auto | generate | embed: what the engine serves, one task per server as vLLM (auto: embed for an "
+            "encoder such as BERT, generate for a decoder; embed: a decoder as an embedding model, /v1/embeddings)",
+    "override_pooler_config": "with --task embed: how a prompt's hidden states become its embedding, vLLM's JSON "
+                              "'{\"pooling_type\": \"MEAN\", \"normalize\": true}' (pooling_type LAST | MEAN | CLS; "
+                              "default: the sentence-transformers folder's pooling, else CLS for encoders and LAST "
+                              "for decoders, normalized)",
     "served_model_name": "model name reported by the API and expected in requests "
                          "(default: --model, or SmolLM2-135M-Instruct)",
     "enable_lora": "serve LoRA adapters (PEFT folders) over the base model, mixed in one batch; a request "

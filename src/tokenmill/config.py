@@ -85,6 +85,9 @@ class EngineArgs:
     num_threads: int | None = None  # per tensor-parallel rank
     tensor_parallel_size: int = 1  # ranks the model is split across (one process each beyond the engine's)
     served_model_name: str | None = None
+    # auto (an encoder embeds, a decoder generates) | generate | embed (a decoder as an embedder, vLLM's --task embed)
+    task: str = "auto"
+    override_pooler_config: str | dict | None = None  # vLLM's JSON: {"pooling_type": "MEAN", "normalize": true}
     # vLLM's JSON: {"method": "ngram" | "suffix" | "draft_model", "num_speculative_tokens": k, ...}
     speculative_config: str | dict | None = None
     # Multi-LoRA, vLLM's flags: adapters by name (`name=path` or JSON {"name", "path", "base_model_name"})
@@ -111,6 +114,7 @@ class ModelConfig:
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
     load_format: str = "auto"
+    pooler: object | None = None  # model.pooling.PoolerConfig: the engine runs embeddings (--task embed)
 
     @property
     def num_layers(self) -> int:

@@ -11,7 +11,9 @@ from tokenmill.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from tokenmill.config import EngineArgs
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.lora.request import LoRARequest
-from tokenmill.outputs import RequestOutput
+from tokenmill.engine.request import Request
+from tokenmill.outputs import EmbeddingRequestOutput, RequestOutput
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
 PromptType = str | list[int]
@@ -47,24 +49,42 @@ class LLM:
         loras = _as_lora_list(lora_request, len(batch))
         # Validate everything before queueing anything, so a bad prompt leaves no work behind.
         requests = [self.engine.make_requests(p, sp, lora_request=lr) for p, sp, lr in zip(batch, params, loras)]
-        order = {self.engine.enqueue(req): (i, j) for i, reqs in enumerate(requests) for j, req in enumerate(reqs)}
-        samples: list[list[RequestOutput | None]] = [[None] * len(reqs) for reqs in requests]
-        # disable=None: tqdm shows the bar only when stderr is a terminal
-        bar = tqdm(total=len(order), desc="Generating", unit="req", disable=None if use_tqdm else True)
+        done = self._run([req for reqs in requests for req in reqs], "Generating", use_tqdm)
+        return [merge_samples([done[r.request_id] for r in reqs], sp) for reqs, sp in zip(requests, params)]
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None, *,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Embeddings of prompts (text or token ids), in input order, batched by the engine as
+        vLLM's LLM.embed: needs an embedding model (an encoder such as BERT) or task="embed".
+        truncate_prompt_tokens: cut longer prompts to this many tokens (-1: max_model_len) instead of
+        refusing them."""
+        params = pooling_params or PoolingParams()
+        if truncate_prompt_tokens is not None:
+            params = replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
+        requests = [self.engine.make_pooling_request(p, params) for p in _as_prompt_list(prompts, None)]
+        done = self._run(requests, "Embedding", use_tqdm)
+        return [EmbeddingRequestOutput.from_base(done[r.request_id]) for r in requests]
+
+    def _run(self, requests: list[Request], desc: str, use_tqdm: bool) -> dict:
+        """Queues requests (validated before, so a bad prompt leaves no work behind) and steps the
+        engine until all have finished; their last outputs by request id. use_tqdm: a progress bar
+        over finished requests, shown only when stderr is a terminal."""
+        rids = [self.engine.enqueue(req) for req in requests]
+        done: dict = {}
+        bar = tqdm(total=len(rids), desc=desc, unit="req", disable=None if use_tqdm else True)
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.finished:
-                        i, j = order[out.request_id]
-                        samples[i][j] = out
+                        done[out.request_id] = out
                         bar.update(1)
         except BaseException:
-            for rid in order:
+            for rid in rids:
                 self.engine.abort_request(rid)
             raise
         finally:
             bar.close()
-        return [merge_samples(outs, sp) for outs, sp in zip(samples, params)]  # type: ignore[arg-type]
+        return done
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """Beam search over each prompt (vLLM's LLM.beam_search): the beam_width best sequences,

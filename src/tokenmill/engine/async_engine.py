@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import PoolingRequestOutput, RequestOutput
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenmill")
@@ -131,6 +132,42 @@ class AsyncLLMEngine:
             if not finished:
                 self.abort(rid)
 
+    async def encode(self, prompts: list[str | list[int]], params: PoolingParams | None = None,
+                     request_id: str | None = None) -> list[PoolingRequestOutput]:
+        """Embeddings of prompts (--task embed engines), in order: one engine request each
+        (`{request_id}-{i}`), prepared together on the prep pool and queued together, so that one step
+        can take them all. Raises ValueError for bad input before anything is queued (QueueFullError
+        when the queue is full); cancelling aborts what is still running."""
+        if not self.is_running:
+            raise EngineDeadError(f"the engine is not running: {self._error!r}")
+        base = request_id or f"embd-{next(self._ids)}"
+        rids = [f"{base}-{i}" for i in range(len(prompts))]
+        if any(rid in self._streams for rid in rids):
+            raise ValueError(f"request id {base!r} is already in use")
+        loop = asyncio.get_running_loop()
+        streams = {rid: _Stream(loop, asyncio.Queue()) for rid in rids}
+        self._streams.update(streams)
+        pending: set[str] = set()
+        try:
+            reqs = await loop.run_in_executor(
+                self.prep_pool, lambda: [self.engine.make_pooling_request(p, params, r) for p, r in zip(prompts, rids)])
+            self._inbox.put(("add", reqs))
+            self._wakeup.set()
+            pending = set(rids)
+            outs = []
+            for rid in rids:
+                item = await streams[rid].queue.get()
+                pending.discard(rid)
+                if isinstance(item, BaseException):
+                    raise item
+                outs.append(item)
+            return outs
+        finally:
+            for rid in rids:
+                self._streams.pop(rid, None)
+            for rid in pending:
+                self.abort(rid)
+
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
         self._wakeup.set()
@@ -196,20 +233,27 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             kind = msg[0]
-            if kind == "add":
-                req = msg[1]
-                stream = self._streams.get(req.request_id)
-                if stream is None:  # the caller went away before we got to it
+            if kind == "add":  # one request, or the list of one embeddings call (admitted together)
+                reqs = msg[1] if isinstance(msg[1], list) else [msg[1]]
+                reqs = [r for r in reqs if r.request_id in self._streams]  # not those whose caller went away
+                if not reqs:
                     continue
+                queued = []
                 try:
                     if self.max_waiting is not None and len(self.engine.core.scheduler.waiting) >= self.max_waiting:
                         raise QueueFullError(f"too many waiting requests (max {self.max_waiting}); retry later")
-                    self.engine.enqueue(req)
+                    for req in reqs:
+                        queued.append(self.engine.enqueue(req))
+                    continue
                 except (ValueError, QueueFullError) as e:
-                    stream.put(e)
+                    error = e
                 except Exception as e:  # noqa: BLE001 - a bad request must not kill the engine loop
-                    logger.exception("could not add request %s", req.request_id)
-                    stream.put(ValueError(f"invalid request: {e}"))
+                    logger.exception("could not add request %s", reqs[0].request_id)
+                    error = ValueError(f"invalid request: {e}")
+                for rid in queued:  # all or nothing
+                    self.engine.abort_request(rid)
+                for stream in filter(None, map(self._streams.get, (r.request_id for r in reqs))):
+                    stream.put(error)
             elif kind == "abort":
                 out = self.engine.abort_request(msg[1])
                 if out is not None:

@@ -85,6 +85,8 @@ class EngineCore:
                 n = req.num_output_tokens - num_outputs[req.request_id]  # fewer than sampled when one stopped it
                 results.append(CoreOutput(req, req.output_token_ids[-n:] if n else [],
                                           logprobs[req.request_id][:n], req.finished))
+            elif req.pooling_params is not None and req.status == RequestStatus.FINISHED_STOPPED:
+                results.append(CoreOutput(req, [], [], True))  # pooled: the embedding is its output
         if self.drafter is not None:
             self.drafter.propose(self.scheduler.running)
         return results

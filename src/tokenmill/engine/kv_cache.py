@@ -142,8 +142,8 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> list[KVBlock]:
         """The longest run of cached blocks that starts the request's tokens. The last token is
         never served from cache: the step needs its logits (nor any token, for a request that
-        wants prompt logprobs)."""
-        if not self.enable_prefix_caching or request.prompt_logprobs is not None:
+        wants prompt logprobs; nor a pooling request's: it needs the hidden states of its tokens)."""
+        if not self.enable_prefix_caching or request.prompt_logprobs is not None or request.pooling_params is not None:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits = []
@@ -179,8 +179,9 @@ class KVCacheManager:
             self.stats.hits += num_cached_tokens
 
     def cache_blocks(self, request: Request) -> None:
-        """Hash the request's blocks that became full of computed K/V since the last call."""
-        if not self.enable_prefix_caching:
+        """Hash the request's blocks that became full of computed K/V since the last call (not a
+        pooling request's: an encoder keeps no K/V in them, and they are freed as soon as it pools)."""
+        if not self.enable_prefix_caching or request.pooling_params is not None:
             return
         rid = request.request_id
         num_full = request.num_computed_tokens // self.block_size

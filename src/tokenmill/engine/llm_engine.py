@@ -30,6 +30,7 @@ from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.model.layers import cpu_threads
 from tokenmill.model.layers.quantization import check_quantization
 from tokenmill.outputs import RequestOutput
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.structured_output import StructuredOutputManager
@@ -42,7 +43,8 @@ DEFAULT_KV_CACHE_GIB = 4.0
 
 class LLMEngine:
     def __init__(self, args: EngineArgs):
-        from tokenmill.model.loader import check_features, load_hf_config, resolve_model_path
+        from tokenmill.model.loader import check_features, load_hf_config, model_class, resolve_model_path
+        from tokenmill.model.pooling import resolve_task, sentence_transformers_max_len
         from tokenmill.tokenizer import load_tokenizer
 
         t0 = time.perf_counter()
@@ -58,7 +60,13 @@ class LLMEngine:
         check_tp_size(hf_config, tp, check_quantization(args.quantization))
         check_features(hf_config, tp, args.enable_lora)
         self.tokenizer = load_tokenizer(args.tokenizer or path)
+        # --task embed (or an encoder): a pooler, and the engine runs embeddings only (model/pooling.py)
+        pooler = resolve_task(args.task, model_class(hf_config), path, hf_config, args.override_pooler_config)
+        self.task = "generate" if pooler is None else "embed"
+        encoder = getattr(model_class(hf_config), "IS_ENCODER", False)
         model_max = getattr(hf_config, "max_position_embeddings", 2048)
+        if pooler is not None:
+            model_max = min(model_max, sentence_transformers_max_len(path) or model_max)
         max_model_len = args.max_model_len or model_max
         if max_model_len > model_max:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length {model_max}")
@@ -69,21 +77,26 @@ class LLMEngine:
                              f"(CUDA_VISIBLE_DEVICES picks them), or --device cpu")
         if args.load_format not in LOAD_FORMATS:
             raise ValueError(f"unknown load_format {args.load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
-        dtype = parse_dtype(args.dtype, device)
+        # An encoder's "auto" is its checkpoint's float32: small models whose vectors bf16 would shift.
+        dtype = parse_dtype("float32" if encoder and args.dtype == "auto" else args.dtype, device)
         name = args.served_model_name or (args.model or "SmolLM2-135M-Instruct")
         model_config = ModelConfig(path, hf_config, dtype, max_model_len, name, device,
                                    check_kv_cache_dtype(args.kv_cache_dtype), check_quantization(args.quantization),
-                                   args.load_format)
+                                   args.load_format, pooler)
 
         block_size = args.block_size
-        num_blocks = self._num_kv_blocks(args, model_config)
-        batched = args.max_num_batched_tokens or (2048 if args.enable_chunked_prefill else max(2048, max_model_len))
-        if not args.enable_chunked_prefill and batched < max_model_len:
-            raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
+        chunked = args.enable_chunked_prefill and not encoder  # an encoder attends over whole sequences
+        batched = args.max_num_batched_tokens or (2048 if chunked else max(2048, max_model_len))
+        if not chunked and batched < max_model_len:
+            raise ValueError(f"without chunked prefill{' (an encoder)' if encoder else ''}, max_num_batched_tokens "
+                             f"must be >= max_model_len")
+        # An encoder keeps no K/V: its blocks only count tokens, all freed after each step.
+        num_blocks = -(-batched // block_size) + args.max_num_seqs + 1 if encoder else self._num_kv_blocks(
+            args, model_config)
         self.config = EngineConfig(
             model=model_config,
             cache=CacheConfig(block_size, num_blocks, args.enable_prefix_caching),
-            scheduler=SchedulerConfig(args.max_num_seqs, batched, max_model_len, args.enable_chunked_prefill),
+            scheduler=SchedulerConfig(args.max_num_seqs, batched, max_model_len, chunked),
             seed=args.seed,
             watermark=WatermarkConfig(args.watermark_gamma, args.watermark_delta),
             parallel=ParallelConfig(tp, args.num_threads),
@@ -107,14 +120,20 @@ class LLMEngine:
         self.structured_output = StructuredOutputManager(self.tokenizer, model_config.vocab_size, self.eos_token_ids)
         self._ids = itertools.count()
         usable_tokens = (num_blocks - 1) * block_size
-        logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s); max concurrency at max_model_len %d: "
-            "%.2fx; prefix caching %s", num_blocks - 1, block_size, usable_tokens,
-            num_blocks * block_size * model_config.kv_bytes_per_token() / 2**30,
-            dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype, max_model_len,
-            (num_blocks - 1) / self.core.kv.blocks_needed(max_model_len),
-            "on" if args.enable_prefix_caching else "off",
-        )
+        if pooler is not None:
+            logger.info("embeddings (--task embed): %s pooling (%s), %snormalized", pooler.pooling_type, pooler.source,
+                        "" if pooler.normalize else "not ")
+        if encoder:
+            logger.info("encoder: no KV cache")
+        else:
+            logger.info(
+                "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s); max concurrency at max_model_len %d: "
+                "%.2fx; prefix caching %s", num_blocks - 1, block_size, usable_tokens,
+                num_blocks * block_size * model_config.kv_bytes_per_token() / 2**30,
+                dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype, max_model_len,
+                (num_blocks - 1) / self.core.kv.blocks_needed(max_model_len),
+                "on" if args.enable_prefix_caching else "off",
+            )
         logger.info("engine ready in %.1fs: %s, %s, max_model_len %d", time.perf_counter() - t0, name, dtype,
                     max_model_len)
 
@@ -153,22 +172,15 @@ class LLMEngine:
                      request_id: str | None = None, parent_id: str | None = None, lora_request=None) -> Request:
         """Validate and tokenize; raises ValueError naming the problem (lora.adapter.LoRAError for
         an adapter that cannot be served: unknown, unreadable, or not for this model)."""
+        if self.task == "embed":
+            raise ValueError(f"{self.config.model.name} runs embeddings (--task embed): it does not generate text")
         adapter = self._adapter(lora_request)
         params = (params or SamplingParams()).clone()
         if params.num_samples > 1:
             raise ValueError("n > 1 or best_of > 1 makes one request per sample: use make_requests "
                              "(LLM.generate and the server do)")
         cfg = self.config
-        if isinstance(prompt, str):
-            text = prompt
-            ids = self.encode(prompt)
-        else:
-            text, ids = None, list(prompt)
-            vocab = cfg.model.vocab_size
-            if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if not ids:
-            raise ValueError("the prompt is empty")
+        text, ids = self._prompt_ids(prompt)
         vocab = cfg.model.vocab_size
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
@@ -199,6 +211,47 @@ class LLMEngine:
                 raise ValueError(f"min_tokens ({params.min_tokens}) cannot be met: the guided decoding "
                                  f"constraint only accepts an empty output")
         return req
+
+    def _prompt_ids(self, prompt: str | list[int], truncate: int | None = None) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a prompt, ids checked against the vocabulary. truncate: at most
+        this many tokens (text through the tokenizer's truncation, keeping special tokens; ids: the last)."""
+        if isinstance(prompt, str):
+            text, ids = prompt, self.encode(prompt)
+            if truncate is not None and len(ids) > truncate:
+                ids = self.tokenizer(prompt, truncation=True, max_length=truncate)["input_ids"]
+        else:
+            text, ids = None, list(prompt)[-truncate:] if truncate else list(prompt)
+            vocab = self.config.model.vocab_size
+            if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        return text, ids
+
+    def make_pooling_request(self, prompt: str | list[int], params: PoolingParams | None = None,
+                             request_id: str | None = None) -> Request:
+        """A pooling (embedding) request, validated: --task embed engines only; the prompt fits
+        max_model_len (all of it runs; no output token) unless params.truncate_prompt_tokens."""
+        if self.task != "embed":
+            raise ValueError(f"{self.config.model.name} runs generation: embeddings need an embedding model or "
+                             f"--task embed")
+        params = params or PoolingParams()
+        model = self.config.model
+        model.pooler.check_dimensions(params.dimensions, model.name, model.hf_config.hidden_size)
+        max_len = self.config.scheduler.max_model_len
+        truncate = max_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+        if truncate is not None and truncate > max_len:
+            raise ValueError(f"truncate_prompt_tokens {truncate} is over the model's maximum context length {max_len}")
+        text, ids = self._prompt_ids(prompt, truncate)
+        if len(ids) > max_len:
+            raise ValueError(f"This model's maximum context length is {max_len} tokens. However, you requested "
+                             f"{len(ids)} tokens in the input for embedding generation. Please reduce the length of "
+                             f"the input.")
+        if self.core.kv.blocks_needed(len(ids)) > self.core.kv.num_usable_blocks:
+            raise ValueError(f"the input has {len(ids)} tokens, more than the KV cache holds "
+                             f"({self.core.kv.num_usable_blocks} blocks); raise --kv-cache-memory")
+        rid = request_id if request_id is not None else str(next(self._ids))
+        return Request(rid, ids, SamplingParams(max_tokens=1), prompt=text, pooling_params=params)
 
     def _adapter(self, lora_request):
         """The loaded adapter of a LoRARequest (None: the base model)."""

@@ -10,13 +10,14 @@ from tokenizers import Tokenizer
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.engine_core import CoreOutput
 from tokenmill.engine.request import Request, RequestStatus
-from tokenmill.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tokenmill.outputs import (CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestMetrics,
+                               RequestOutput)
 
 
 @dataclass
 class RequestState:
     request: Request
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | None  # None for a pooling request (no text)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     sent_tokens: int = 0
@@ -31,6 +32,9 @@ class OutputProcessor:
         self.states: dict[str, RequestState] = {}
 
     def add_request(self, req: Request) -> None:
+        if req.pooling_params is not None:
+            self.states[req.request_id] = RequestState(req, None, metrics=RequestMetrics(req.arrival_time))
+            return
         p = req.sampling_params
         detok = IncrementalDetokenizer(
             self.tokenizer, req.prompt_token_ids, p.skip_special_tokens, p.stop, p.include_stop_str_in_output
@@ -53,6 +57,9 @@ class OutputProcessor:
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
                 state.metrics.first_scheduled_time = req.scheduled_time
+            if state.detok is None:  # pooled: its one output
+                results.append(self._pooling_output(state, True))
+                continue
             stop = None
             for tok, lp in zip(o.new_token_ids, o.logprobs):
                 stop = state.detok.add_token(tok)
@@ -73,11 +80,21 @@ class OutputProcessor:
             results.append(self._make_output(state, finished, RequestStatus.FINISHED_STOPPED if stop else None))
         return results, stopped
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str) -> RequestOutput | PoolingRequestOutput | None:
         state = self.states.get(request_id)
         if state is None:
             return None
+        if state.detok is None:
+            return self._pooling_output(state, False)
         return self._make_output(state, True, RequestStatus.FINISHED_ABORTED)
+
+    def _pooling_output(self, state: RequestState, pooled: bool) -> PoolingRequestOutput:
+        """A pooling request's result (data None when it was aborted before it pooled)."""
+        req = state.request
+        state.metrics.finished_time = time.monotonic()
+        del self.states[req.request_id]
+        return PoolingRequestOutput(req.request_id, PoolingOutput(req.pooled_data if pooled else None),
+                                    req.prompt_token_ids, True, req.prompt, state.metrics)
 
     def _make_output(self, state: RequestState, finished: bool, status: RequestStatus | None = None) -> RequestOutput:
         req = state.request

@@ -48,6 +48,10 @@ class Request:
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # from SamplingParams.bad_words
     # prompt_logprobs[i]: logprobs of prompt token i + 1 (filled as prompt chunks run; None until then)
     prompt_logprobs: list | None = None
+    # A pooling (embedding) request: its prompt runs once, no token is sampled, and it finishes with its
+    # embedding in pooled_data (model/pooling.py); its KV blocks go back at once, never prefix-cached.
+    pooling_params: object | None = None  # pooling_params.PoolingParams
+    pooled_data: torch.Tensor | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

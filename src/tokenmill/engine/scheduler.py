@@ -29,9 +29,11 @@ class ScheduledRequest:
 
     @property
     def samples(self) -> bool:
-        """True when this chunk reaches the end of the known tokens: a new token is sampled."""
+        """True when this chunk reaches the end of the known tokens: a new token is sampled (a
+        pooling request's last chunk pools instead)."""
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids) == r.num_tokens
+        return (r.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids) == r.num_tokens
+                and r.pooling_params is None)
 
 
 @dataclass
@@ -201,6 +203,8 @@ class Scheduler:
             # K/V is now computed for every token but the newest (rejected drafts' slots get overwritten).
             req.num_computed_tokens = req.num_tokens - 1 if tokens else req.num_computed_tokens + s.num_new_tokens
             self.kv.cache_blocks(req)
+            if req.pooling_params is not None and req.num_computed_tokens == req.num_tokens:
+                status = RequestStatus.FINISHED_STOPPED  # its prompt has run: pooled, done, blocks freed
             if status is not None:
                 self.finish_request(req.request_id, status)
                 finished.append(req)

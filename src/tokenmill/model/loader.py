@@ -15,6 +15,7 @@ from tokenmill.distributed.sharding import Shard, shard_for
 from tokenmill.model.gguf_loader import QUANTIZED_FILE, dequantize_rows
 from tokenmill.model.layers import cpu_kernels
 from tokenmill.model.layers.quantization import BITS, GROUP, dequantize, quantize_model
+from tokenmill.model.models.bert import BertModel
 from tokenmill.model.models.llama import LlamaForCausalLM
 from tokenmill.model.models.phi3 import Phi3ForCausalLM
 from tokenmill.model.models.qwen3 import Qwen3ForCausalLM
@@ -26,6 +27,7 @@ _MODEL_CLASSES = (
     LlamaForCausalLM,
     Qwen3ForCausalLM,
     Phi3ForCausalLM,
+    BertModel,  # an encoder: embeddings only
 )
 MODEL_REGISTRY = {arch: cls for cls in _MODEL_CLASSES for arch in cls.ARCHITECTURES}
 # GGUF architecture names map onto the same classes through gguf_loader's config writer.
@@ -168,7 +170,8 @@ def load_model(path: str, hf_config, dtype: torch.dtype, max_position: int, devi
     with torch.device("meta"):
         model = cls(hf_config, dtype, max_position, tp)
     model = model.to_empty(device=device).to(dtype)
-    model.rope = model.make_rope(dtype).to(device)  # buffers were created on meta
+    if hasattr(model, "make_rope"):
+        model.rope = model.make_rope(dtype).to(device)  # buffers were created on meta
     if model.tie_word_embeddings and tp.size == 1:
         model.lm_head.weight = model.embed_tokens.weight
     if load_format == "dummy":

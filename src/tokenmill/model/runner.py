@@ -23,6 +23,7 @@ from tokenmill.model.layers import cpu_kernels
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata, SeqChunk
 from tokenmill.model.layers.sampler import Sampler, SamplerOutput, SamplingBatch, score_tokens
 from tokenmill.model.loader import load_model
+from tokenmill.model.pooling import Pooler, PoolingMetadata
 from tokenmill.model.staging import PinnedStaging
 from tokenmill.spec_decode.verify import verify_drafts
 from tokenmill.watermark import WatermarkConfig
@@ -55,6 +56,7 @@ class StepInputs:
     logits_rows: torch.Tensor  # [R] rows whose next token is sampled
     prompt_rows: list[tuple[int, int]] = field(default_factory=list)  # row ranges scored for prompt logprobs
     lora_rows: torch.Tensor | None = None  # [T] int32 each row's LoRA slot (-1: base model); None: no adapters
+    pooling: PoolingMetadata | None = None  # the pooling requests' rows (embeddings; model/pooling.py)
 
 
 class ModelRunner:
@@ -74,19 +76,25 @@ class ModelRunner:
             model_config.quantization, tp, model_config.load_format,
         )
         self.backend = attention_backend_for(self.device)
+        # An encoder (BERT) attends within whole sequences and keeps no K/V: no cache, no decode steps.
+        self.encoder = getattr(self.model, "IS_ENCODER", False)
+        self.pooler = Pooler(model_config.pooler, self.model.final_hidden) if model_config.pooler else None
         # Index tensors go to a GPU in one pinned copy per step; on the CPU they are used as built.
         self.staging = PinnedStaging(self.device) if self.device.type == "cuda" else None
         self.fast_decode = None  # a decode-only step's fast path: the fused C++ step, or CUDA graphs
         # Not under tensor parallelism: NCCL calls inside captured graphs are left for when they can be tested.
-        self.cuda_graphs = self.device.type == "cuda" and not self.device_config.enforce_eager and tp.size == 1
+        self.cuda_graphs = (self.device.type == "cuda" and not self.device_config.enforce_eager and tp.size == 1
+                            and not self.encoder)
         if self.device.type == "cuda" and tp.size > 1 and not self.device_config.enforce_eager and tp.rank == 0:
             logger.info("CUDA graphs: off under tensor parallelism (decode steps run eagerly)")
         if num_blocks == 0:  # every rank sizes its own GPU; all take the smallest count
             num_blocks = gpu_memory.check_fits(self, tp.min(gpu_memory.num_kv_blocks(self)))
         self.num_blocks = num_blocks
-        self.allocate_kv_cache(num_blocks)
+        self.kv_cache = self.attn = None
+        if not self.encoder:
+            self.allocate_kv_cache(num_blocks)
         self.sampler = Sampler(seed, watermark)
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and not self.encoder:
             self.fast_decode = FusedDecode.build(self.model, self.attn, model_config.dtype, block_size, tp)
         elif self.cuda_graphs:
             self.fast_decode = CudaGraphDecode.capture(self)
@@ -138,10 +146,12 @@ class ModelRunner:
         seqs: list[SeqChunk] = []
         logits_rows: list[int] = []
         prompt_rows: list[tuple[int, int]] = []
+        row0s: list[int] = []
         for s in sched.scheduled:
             req, n, table, k = s.request, s.num_new_tokens, s.block_ids, len(s.spec_token_ids)
             start = req.num_computed_tokens
             row0 = len(input_ids)
+            row0s.append(row0)
             input_ids.extend(req.all_token_ids[start : start + n - k])
             input_ids.extend(s.spec_token_ids)
             pos = range(start, start + n)
@@ -155,8 +165,9 @@ class ModelRunner:
                 prompt_rows.append((row0, row0 + min(n, req.num_prompt_tokens - 1 - start)))
         return StepInputs(
             torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
-            self.attn.build_metadata(seqs, slots, bs), torch.tensor(logits_rows, dtype=torch.long), prompt_rows,
-            self.lora.step_rows(sched.scheduled) if self.lora is not None else None)
+            self.backend.build_metadata(seqs, slots, bs), torch.tensor(logits_rows, dtype=torch.long), prompt_rows,
+            self.lora.step_rows(sched.scheduled) if self.lora is not None else None,
+            PoolingMetadata.build(sched.scheduled, row0s) if self.pooler is not None else None)
 
     def to_device(self, step: StepInputs) -> StepInputs:
         """The step's index tensors on the model's device (one host-to-device copy); every rank
@@ -170,7 +181,8 @@ class ModelRunner:
         for name in meta.tensors():
             setattr(meta, name, dev[name])
         lora_rows = step.lora_rows.to(self.device) if step.lora_rows is not None else None
-        return StepInputs(dev["input_ids"], dev["positions"], meta, dev["logits_rows"], step.prompt_rows, lora_rows)
+        return StepInputs(dev["input_ids"], dev["positions"], meta, dev["logits_rows"], step.prompt_rows, lora_rows,
+                          step.pooling)
 
     # ---- the step ---------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> SamplerOutput | None:
@@ -182,6 +194,8 @@ class ModelRunner:
         except Exception as e:  # a collective that failed because a worker died says so
             raise (self.workers.check(e) if self.workers is not None else e) from e
         self._score_prompt_logprobs(sched, prompt_logits)
+        if step.pooling is not None:
+            self.pooler.update(sched.scheduled, step.pooling)
         if logits is None:
             return None
         if any(s.spec_token_ids for s in sched.scheduled):
@@ -194,13 +208,15 @@ class ModelRunner:
     def run(self, step: StepInputs) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
         """The forward pass (every rank): logits of the sampled rows and of each prompt-logprobs
         range, on rank 0 (None on the others)."""
-        if (self.fast_decode is not None and not step.prompt_rows
+        if (self.fast_decode is not None and not step.prompt_rows and step.pooling is None
                 and self.fast_decode.accepts(step.meta, len(step.input_ids))):
             extra = {"row_slots": step.lora_rows} if step.lora_rows is not None else {}
             return self.fast_decode(step.input_ids, step.positions, step.meta, step.logits_rows, **extra), []
         if self.lora is not None:
             self.lora.row_slots = step.lora_rows  # the LoRA linears read it (lora/layers.py)
         hidden = self.model(step.input_ids, step.positions, self.attn, step.meta)
+        if step.pooling is not None and self.tp.rank == 0:
+            self.pooler(hidden, step.pooling)
         prompt_logits = [self.model.compute_logits(hidden[a:b]) for a, b in step.prompt_rows]
         logits = self.model.compute_logits(hidden[step.logits_rows]) if len(step.logits_rows) else None
         return logits, prompt_logits

@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tokenmill
 from tokenmill.engine.async_engine import AsyncLLMEngine, ServerShutdownError
-from tokenmill.server import lora_routes, misc_routes, openai_chat, openai_completions, tgi_routes
+from tokenmill.server import lora_routes, misc_routes, openai_chat, openai_completions, openai_embeddings, tgi_routes
 from tokenmill.server import anthropic_messages, openai_responses
 from tokenmill.server.errors import error_response, install_error_handlers
 from tokenmill.server.metrics import ServerMetrics
@@ -189,7 +189,8 @@ def build_app(aengine: AsyncLLMEngine, *, api_key: str | None = None, max_logpro
     app.state.ctx = ctx
     install_error_handlers(app)
     _add_offline_docs(app)
-    for module in (openai_completions, openai_chat, openai_responses, anthropic_messages, misc_routes, tgi_routes):
+    for module in (openai_completions, openai_chat, openai_embeddings, openai_responses, anthropic_messages,
+                   misc_routes, tgi_routes):
         app.include_router(module.router)
     # vLLM registers these only with runtime updating on; here they answer 404 saying how to turn it on
     app.include_router(lora_routes.router, include_in_schema=lora_routes.runtime_updating_allowed(ctx))

@@ -103,6 +103,8 @@ def error_response(path: str, message: str, status: int, param: str | None = Non
 # Fields typed as a Union: pydantic reports one error per arm; say what is accepted instead.
 _UNION_FIELDS = {
     "prompt": "a string, a list of strings, a list of token ids (integers >= 0) or a list of token id lists",
+    "input": "a non-empty string, a list of non-empty strings, a list of token ids (integers >= 0) or a list of "
+             "token id lists",
     "stop": "a non-empty string or a list of at most 64 non-empty strings",
     "content": "a string or a list of content parts ({'type': 'text', 'text': ...})",
     "tool_choice": "a string or an object",

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tokenmill.engine.async_engine import AsyncLLMEngine
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import PoolingRequestOutput, RequestOutput
 
 # No `*_created` series next to every counter and histogram (vLLM drops them too).
 prometheus_client.disable_created_metrics()
@@ -154,6 +154,9 @@ class ServerMetrics:
         last_times = self._last_token_time
         lora_of = self._lora_of
         for out in outputs:
+            if isinstance(out, PoolingRequestOutput):  # an embedding: its prompt ran, nothing was generated
+                self._on_pooled(out)
+                continue
             rid = out.request_id
             lora_name = lora_of.get(rid) if lora_of else None
             n_new = len(out.outputs[0].delta_token_ids)
@@ -194,6 +197,13 @@ class ServerMetrics:
         if len(last_times) > len(sched.requests):  # aborted requests never send a last output
             for rid in [r for r in last_times if r not in sched.requests]:
                 del last_times[rid]
+
+    def _on_pooled(self, out: PoolingRequestOutput) -> None:
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        m = out.metrics
+        if m is not None and m.finished_time is not None:
+            self.e2e.observe(m.finished_time - m.arrival_time)
+        self.request_success.labels(*self._labels(""), "stop").inc()
 
     # event loop
     def on_abort(self, request_id: str | None = None) -> None:

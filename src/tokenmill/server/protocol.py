@@ -183,11 +183,15 @@ class _SamplingFields(OpenAIBaseModel):
 
 
 # ---- /v1/completions ---------------------------------------------------------------------
+# A prompt (an embeddings input): token ids, lists of them, a string or strings; none of them empty.
+PromptInput = Union[Annotated[list[TokenId], Field(min_length=1)],
+                    Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)],
+                    NonEmptyStr,
+                    Annotated[list[NonEmptyStr], Field(min_length=1)]]
+
+
 class CompletionRequest(_SamplingFields):
-    prompt: Union[Annotated[list[TokenId], Field(min_length=1)],
-                  Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)],
-                  Annotated[str, Field(min_length=1)],
-                  Annotated[list[NonEmptyStr], Field(min_length=1)]] = Field(
+    prompt: PromptInput = Field(
         ..., description="a string, a list of strings, token ids, or a list of token id lists (none of them empty; "
                          "at most the server's --max-prompts-per-request prompts)")
     best_of: int | None = Field(None, ge=1, le=MAX_N,
@@ -344,6 +348,48 @@ class ChatCompletionStreamResponse(BaseModel):
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+
+
+# ---- /v1/embeddings ----------------------------------------------------------------------
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on inputs per request
+
+
+class EmbeddingRequest(OpenAIBaseModel):
+    model: str | None = Field(None, description="served model name; omitted means the served model")
+    input: PromptInput = Field(
+        ..., description=f"a string, a list of strings, token ids, or a list of token id lists (none of them "
+                         f"empty; at most {MAX_EMBEDDING_INPUTS} inputs, each at most the model's max_model_len "
+                         f"tokens)")
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="float: lists of numbers; base64: each vector's little-endian float32 bytes")
+    dimensions: int | None = Field(None, ge=1, description="keep the first N dimensions (normalised again); "
+                                                           "Matryoshka models only")
+    user: str | None = Field(None, description="accepted and ignored")
+    # vLLM extras
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, description="vLLM extra: cut longer inputs to this many tokens instead of refusing them "
+                                 "(-1: max_model_len)")
+    normalize: bool | None = Field(None, description="vLLM extra: L2-normalise (default: the model's pooler)")
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str = Field(..., description="the vector, or its float32 bytes in base64")
+    index: int
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
 
 
 # ---- models, tokenize, detokenize --------------------------------------------------------

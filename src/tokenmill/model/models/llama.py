@@ -150,6 +150,10 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, positions, self.rope, attn, meta)
         return x + residual
 
+    def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm's output: what the LM head reads, and what pooling (embeddings) reads."""
+        return self.norm(hidden)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits of these rows; under tensor parallelism on rank 0 only (None elsewhere)."""
         logits = self.tp.gather_to_first(self.lm_head(self.norm(hidden)).float())
