@@ -97,6 +97,15 @@ def test_phi3_matches_hf(phi3_dir: str) -> None:
     check_against_hf(LLM(phi3_dir, **TIGHT), phi3_dir, PROMPTS[:4])
 
 
+def test_phi3_tensor_parallel_matches_hf(phi3_longrope_dir: str) -> None:
+    """TP=2: each rank's heads and MLP rows cut out of the checkpoint's fused qkv_proj / gate_up_proj."""
+    llm = LLM(phi3_longrope_dir, tensor_parallel_size=2, max_model_len=32, **TIGHT)
+    try:
+        check_against_hf(llm, phi3_longrope_dir, PROMPTS[:3])
+    finally:
+        llm.shutdown()
+
+
 def test_phi3_longrope_partial_rotary_matches_hf(phi3_longrope_dir: str) -> None:
     # A context within the pretrained 32 tokens runs the short factors, a longer one the long
     # factors, as transformers does for sequences that short / that long.

@@ -1,29 +1,28 @@
 """Phi-3 (and Phi-3.5, Phi-4-mini): Llama's decoder as the checkpoint already fuses it.
 
 The checkpoint stores qkv_proj and gate_up_proj fused, in the row order our Llama layers use
-(q, k, v; gate, up), so its tensors load as they are. What differs is the rotary embedding, which
-layers/rotary.py handles from the config: partial rotary (partial_rotary_factor: Phi-4-mini turns
+(q, k, v; gate, up). load_weights splits them into Llama's q/k/v and gate/up, so that under
+tensor parallelism each rank keeps its own heads and rows of each. What differs is the rotary
+embedding, which layers/rotary.py handles from the config: partial rotary (partial_rotary_factor: Phi-4-mini turns
 the first 3/4 of each head) and LongRoPE scaling (short / long factors, attention factor).
 """
 
 from __future__ import annotations
 
-import logging
+from typing import Iterable
 
 import torch
 
 from tokenmill.distributed.comm import NO_TP, TPGroup
 from tokenmill.model.models.llama import LlamaForCausalLM
 
-logger = logging.getLogger("tokenmill")
-
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     ARCHITECTURES = {"Phi3ForCausalLM": False}
-    # Tested op by op: the fused decode step turns whole heads; tensor parallelism and LoRA would
-    # have to split the checkpoint's fused qkv / gate_up tensors.
+    # Op by op: the fused decode step turns whole heads (Phi-4-mini turns 3/4). LoRA would have to
+    # split PEFT's adapters of the fused qkv_proj / gate_up_proj modules.
     SUPPORTS_FUSED_DECODE = False
-    SUPPORTS_TENSOR_PARALLEL = False
+    SUPPORTS_TENSOR_PARALLEL = True
     SUPPORTS_LORA = False
 
     def __init__(self, cfg, dtype: torch.dtype, max_position: int, tp: TPGroup = NO_TP):
@@ -34,3 +33,21 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             raise ValueError(f"{cfg.architectures[0]} attends a sliding window of {window} tokens, which this engine "
                              f"does not implement for it yet; serve it with --max-model-len {window} or less")
         super().__init__(cfg, dtype, max_position, tp)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(self._split_fused(weights))
+
+    def _split_fused(self, weights: Iterable[tuple[str, torch.Tensor]]):
+        """qkv_proj -> q/k/v_proj, gate_up_proj -> gate/up_proj, each cut to this rank's share (whole
+        heads; the loader reads these tensors whole, as it cannot slice a fused one)."""
+        attn, rank, size = self.layers[0].self_attn, self.tp.rank, self.tp.size
+        q, kv = attn.q_size * size, attn.kv_size * size  # the whole model's
+        for name, w in weights:
+            if ".qkv_proj." in name:
+                for proj, part in zip(("q_proj", "k_proj", "v_proj"), w.split([q, kv, kv])):
+                    yield name.replace("qkv_proj", proj), part.chunk(size)[rank]
+            elif ".gate_up_proj." in name:
+                for proj, part in zip(("gate_proj", "up_proj"), w.chunk(2)):
+                    yield name.replace("gate_up_proj", proj), part.chunk(size)[rank]
+            else:
+                yield name, w
