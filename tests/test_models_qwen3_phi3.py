@@ -73,16 +73,19 @@ def test_qwen3_tensor_parallel_matches_hf(qwen3_dir: str) -> None:
         llm.shutdown()
 
 
-def test_qwen3_lora_matches_peft(qwen3_dir: str, tmp_path) -> None:
+@pytest.mark.parametrize("which,targets", [("qwen3", None), ("phi3", ["qkv_proj", "o_proj", "gate_up_proj"])])
+def test_lora_matches_peft(which: str, targets: list[str] | None, request: pytest.FixtureRequest, tmp_path) -> None:
+    """A PEFT adapter: Qwen3's on every projection, Phi-3's on its fused modules (whole)."""
     pytest.importorskip("peft")
     from hf_oracle import greedy
     from lora_adapters import make_adapter, peft_model
 
     from tokenmill import LoRARequest
 
-    adapter = make_adapter(qwen3_dir, tmp_path / "lora", rank=8, seed=1)
-    llm = LLM(qwen3_dir, enable_lora=True, max_lora_rank=8, **TIGHT)
-    oracle, tok = peft_model(qwen3_dir, adapter), llm.get_tokenizer()
+    hf_dir = request.getfixturevalue(f"{which}_dir")
+    adapter = make_adapter(hf_dir, tmp_path / "lora", rank=8, targets=targets, seed=1)
+    llm = LLM(hf_dir, enable_lora=True, max_lora_rank=8, **TIGHT)
+    oracle, tok = peft_model(hf_dir, adapter), llm.get_tokenizer()
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     outs = llm.generate(PROMPTS[:3], params, lora_request=LoRARequest("a", 1, adapter), use_tqdm=False)
     for prompt, out in zip(PROMPTS[:3], outs):
@@ -90,7 +93,7 @@ def test_qwen3_lora_matches_peft(qwen3_dir: str, tmp_path) -> None:
         n = matching_prefix(out.outputs[0].token_ids, ref)
         got = [next(iter(d.values())).logprob for d in out.outputs[0].logprobs[: n + 1]]
         assert max(abs(a - b) for a, b in zip(got, ref[1])) < 1e-3
-        assert out.outputs[0].token_ids != hf_greedy(qwen3_dir, tok.encode(prompt), MAX_TOKENS)[0]  # it matters
+        assert out.outputs[0].token_ids != hf_greedy(hf_dir, tok.encode(prompt), MAX_TOKENS)[0]  # it matters
 
 
 def test_phi3_matches_hf(phi3_dir: str) -> None:

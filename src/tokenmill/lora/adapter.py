@@ -6,6 +6,8 @@ scaling lora_alpha / r (lora_alpha / sqrt(r) with use_rslora). Our q/k/v and gat
 are fused (one linear each), so an adapter's q_proj, k_proj and v_proj become three *slices* of
 qkv_proj's adapter (gate_proj, up_proj: two of gate_up_proj's), each with its own A and B; the
 scaling is folded into B, kept transposed (Bt [r, out]) as the kernel reads it (csrc/lora.h).
+Where the checkpoint itself is fused (Phi-3's qkv_proj, gate_up_proj), PEFT adapts the fused
+module whole: each slice then gets the one A and its rows of B.
 
 Refused at load, with a message naming the problem (the server answers 400): modules_to_save,
 embedding or LM-head adapters, DoRA, LoRA biases, ranks above --max-lora-rank, tensors whose
@@ -163,7 +165,7 @@ def load_adapter(name: str, uid: int, path: str, shapes: dict[str, LinearShape],
                     "an LM-head adapter" if "lm_head" in key else "a tensor this engine cannot apply")
             raise LoRAError(f"{path}: {key!r} is {what}: only q/k/v/o_proj and gate/up/down_proj adapters are supported")
         layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
-        if module not in _SLICE_OF:
+        if module not in _SLICE_OF and module not in LINEARS:
             raise LoRAError(f"{path}: {key!r}: module {module!r} is not one of {sorted(_SLICE_OF)}")
         if layer >= num_layers:
             raise LoRAError(f"{path}: {key!r}: layer {layer}, but the base model has {num_layers} layers")
@@ -176,17 +178,24 @@ def load_adapter(name: str, uid: int, path: str, shapes: dict[str, LinearShape],
         if set(ab) != {"A", "B"}:
             raise LoRAError(f"{path}: layer {layer} {module}: lora_A and lora_B must both be present")
         a, b = ab["A"], ab["B"]
-        ours, i = _SLICE_OF[module]
+        ours, i = _SLICE_OF.get(module, (module, None))  # None: a fused module adapted whole, every slice
         shape = shapes[ours]
+        out = shape.out_features if i is None else shape.slices[i]
         r = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != shape.in_features or b.shape != (shape.slices[i], r):
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != shape.in_features or b.shape != (out, r):
             raise LoRAError(
                 f"{path}: layer {layer} {module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the base "
-                f"model ({module} is {shape.in_features} -> {shape.slices[i]}): an adapter for another base model?")
+                f"model ({module} is {shape.in_features} -> {out}): an adapter for another base model?")
         if r > max_rank:
             raise LoRAError(f"{path}: rank {r} ({module}) is above --max-lora-rank {max_rank}")
         rank = max(rank, r)
         scale = _scaling(f"model.layers.{layer}.{module}", r, cfg)
         bt = (b.float() * scale).t().contiguous()
-        weights.setdefault((layer, ours), []).append((i, a.to(dtype).contiguous(), bt.to(dtype)))
+        if i is None:
+            bounds = shape.bounds
+            for j in range(len(shape.slices)):
+                part = bt[:, bounds[j] : bounds[j + 1]].contiguous()
+                weights.setdefault((layer, ours), []).append((j, a.to(dtype).contiguous(), part.to(dtype)))
+        else:
+            weights.setdefault((layer, ours), []).append((i, a.to(dtype).contiguous(), bt.to(dtype)))
     return LoRAAdapter(name, uid, path, rank, weights)

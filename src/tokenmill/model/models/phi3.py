@@ -19,11 +19,9 @@ from tokenmill.model.models.llama import LlamaForCausalLM
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     ARCHITECTURES = {"Phi3ForCausalLM": False}
-    # Op by op: the fused decode step turns whole heads (Phi-4-mini turns 3/4). LoRA would have to
-    # split PEFT's adapters of the fused qkv_proj / gate_up_proj modules.
-    SUPPORTS_FUSED_DECODE = False
+    SUPPORTS_FUSED_DECODE = False  # op by op: the fused step turns whole heads (Phi-4-mini turns 3/4)
     SUPPORTS_TENSOR_PARALLEL = True
-    SUPPORTS_LORA = False
+    SUPPORTS_LORA = True  # PEFT adapts the fused qkv_proj / gate_up_proj whole (lora/adapter.py)
 
     def __init__(self, cfg, dtype: torch.dtype, max_position: int, tp: TPGroup = NO_TP):
         window = getattr(cfg, "sliding_window", None)
