@@ -72,6 +72,30 @@ def test_hits_misses_and_accounting():
     assert _run_prefill(kv, _req("e", prefix + [9])) == 12
 
 
+def test_reset_prefix_cache_forgets_free_and_used_blocks():
+    kv = KVCacheManager(num_blocks=32, block_size=4)
+    prefix, other = list(range(100, 112)), list(range(200, 212))
+    a = _req("a", prefix + [1])
+    _run_prefill(kv, a)
+    _finish(kv, a)  # its 3 full blocks are free and cached
+    b = _req("b", other + [1])
+    _run_prefill(kv, b)  # in use and cached
+    hits = kv.stats.hits
+    assert kv.reset_prefix_cache() == 6
+    assert not kv.pool.cached and all(blk.block_hash is None for blk in kv.pool.blocks)
+    assert len(kv.req_blocks["b"]) == 4  # b keeps its blocks
+    c, d, e = _req("c", prefix + [2]), _req("d", other + [3]), _req("e", prefix + [4])
+    assert _run_prefill(kv, c) == 0
+    assert _run_prefill(kv, d) == 0  # b's blocks are no longer found either
+    assert kv.stats.hits == hits  # cumulative: a reset does not rewind the counters
+    assert _run_prefill(kv, e) == 12  # filled again by c
+    kv.cache_blocks(b)  # b's blocks stay unnamed: they are not hashed a second time
+    assert all(blk.block_hash is None for blk in kv.req_blocks["b"])
+    for r in (b, c, d, e):
+        _finish(kv, r)
+    assert kv.num_free_blocks == kv.num_usable_blocks
+
+
 def test_cache_salt_isolates():
     kv = KVCacheManager(num_blocks=16, block_size=4)
     ids = list(range(20))

@@ -201,3 +201,90 @@ def test_kv_budget_too_small_for_one_request_refuses_to_start(tiny_llama_dir, ca
     assert llm.engine.core.kv.num_usable_blocks == 12
     assert "12 blocks x 16 tokens = 192 tokens" in caplog.text
     assert "max concurrency at max_model_len 128: 1.50x" in caplog.text
+
+
+# ---- --scheduling-policy priority -------------------------------------------------------
+def _policy_scheduler(policy: str, num_blocks: int = 65, max_num_seqs: int = 8) -> Scheduler:
+    kv = KVCacheManager(num_blocks=num_blocks, block_size=4)
+    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64, max_model_len=64,
+                                     policy=policy), kv)
+
+
+def _req(rid: str, priority: int, arrival: float, max_tokens: int = 2) -> Request:
+    return Request(rid, [1, 2, 3, 4], SamplingParams(max_tokens=max_tokens), priority=priority, arrival_time=arrival)
+
+
+def _step(sched: Scheduler):
+    out = sched.schedule()
+    sched.update(out, {s.request.request_id: [9] for s in out.scheduled if s.samples})
+    return out
+
+
+@pytest.mark.parametrize("policy, expected", [("priority", ["b", "d", "c", "a"]), ("fcfs", ["a", "b", "c", "d"])])
+def test_priority_policy_admits_lower_value_first_ties_by_arrival(policy, expected):
+    sched = _policy_scheduler(policy, max_num_seqs=1)  # one at a time: admission order is run order
+    for i, (rid, prio) in enumerate([("a", 5), ("b", 1), ("c", 3), ("d", 1)]):
+        sched.add_request(_req(rid, prio, arrival=float(i)))
+    order = []
+    for _ in range(50):
+        if not sched.has_unfinished():
+            break
+        for s in _step(sched).scheduled:
+            if s.request.request_id not in order:
+                order.append(s.request.request_id)
+    assert order == expected and not sched.has_unfinished()
+    assert sched.kv.num_free_blocks == sched.kv.num_usable_blocks
+
+
+@pytest.mark.parametrize("policy", ["priority", "fcfs"])
+def test_priority_policy_preempts_lowest_priority_running_request(policy):
+    sched = _policy_scheduler(policy, num_blocks=5, max_num_seqs=2)  # 4 usable blocks of 4 tokens
+    low = _req("low", priority=10, arrival=0.0, max_tokens=8)  # arrived first, lowest priority
+    high = _req("high", priority=0, arrival=1.0, max_tokens=8)
+    mid = _req("mid", priority=5, arrival=2.0, max_tokens=8)
+    sched.add_request(low)
+    sched.add_request(high)
+    preempted = _step(sched).preempted  # both admitted
+    sched.add_request(mid)  # waits: max_num_seqs is 2
+    for _ in range(5):  # prompts + 4 tokens each fill 2 blocks each; the 9th token needs a third
+        preempted += _step(sched).preempted
+    if policy == "priority":
+        # The lowest priority goes, although it arrived first; it waits behind the higher-priority `mid`.
+        assert preempted == [low] and low.num_computed_tokens == 0 and low.output_token_ids
+        assert list(sched.waiting) == [mid, low]
+    else:
+        assert preempted == [high]  # FCFS: the latest-arrived running request
+        assert list(sched.waiting) == [high, mid]
+    for rid in ("low", "high", "mid"):
+        sched.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+    assert sched.kv.num_free_blocks == sched.kv.num_usable_blocks
+
+
+def test_priority_policy_same_tokens_under_preemption(tiny_llama_dir, reference):
+    ids, expected = reference
+    # 8 usable blocks of 4 tokens: constant preemption; priorities opposite to arrival order.
+    llm = LLM(tiny_llama_dir, dtype="float32", num_gpu_blocks_override=17, block_size=4, scheduling_policy="priority")
+    prios = list(range(len(ids)))[::-1]
+    outs = llm.generate(prompt_token_ids=ids, sampling_params=GREEDY, priority=prios)
+    assert [o.outputs[0].token_ids for o in outs] == expected  # in input order
+    assert llm.engine.core.scheduler.num_preemptions > 0
+    assert outs[prios.index(0)].metrics.num_preemptions == 0  # the most urgent is never the victim
+    _assert_no_leak(llm)
+    # Run one at a time, requests finish in priority order.
+    llm1 = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.02, max_num_seqs=1, scheduling_policy="priority")
+    engine = llm1.engine
+    for i, (p, prio) in enumerate(zip(ids[:4], [2, 0, 3, 1])):
+        engine.enqueue(engine.make_request(p, GREEDY, f"r{i}", priority=prio))
+    finished = []
+    for _ in range(500):
+        if not engine.has_unfinished_requests():
+            break
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert finished == ["r1", "r3", "r0", "r2"]
+
+
+def test_priority_refused_under_fcfs(tiny_llama_llm):
+    with pytest.raises(ValueError, match="priority scheduling is not enabled"):
+        tiny_llama_llm.generate("Hello", GREEDY, priority=[1])
+    tiny_llama_llm.generate("Hello", SamplingParams(max_tokens=2), priority=0)  # 0 is every request's default
+    _assert_no_leak(tiny_llama_llm)

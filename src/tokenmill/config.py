@@ -42,6 +42,7 @@ def resolve_device(device: str) -> str:
 
 
 LOAD_FORMATS = ("auto", "dummy")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
@@ -77,6 +78,7 @@ class EngineArgs:
     load_format: str = "auto"  # auto (the checkpoint) | dummy (random weights: benchmarks without the files)
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # default: max(2048, max_model_len) capped
+    scheduling_policy: str = "fcfs"  # fcfs | priority (requests' priority: lower first, ties by arrival)
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     watermark_gamma: float = 0.5  # green fraction of the vocabulary for requests with watermark on
@@ -157,6 +159,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     max_loras: int = 0  # distinct LoRA adapters one step may hold (0: LoRA off)
+    policy: str = "fcfs"  # fcfs | priority (see scheduler.py)
 
 
 @dataclass

@@ -40,15 +40,19 @@ class LLM:
         prompt_token_ids: Sequence[list[int]] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Runs all prompts through one continuously batched engine; outputs in input order.
         use_tqdm: a progress bar over finished requests, shown only when stderr is a terminal.
-        lora_request: one adapter for every prompt, or one per prompt (None: the base model)."""
+        lora_request: one adapter for every prompt, or one per prompt (None: the base model).
+        priority: one per prompt (or one for all), with scheduling_policy="priority": lower first."""
         batch = _as_prompt_list(prompts, prompt_token_ids)
         params = _as_params_list(sampling_params, len(batch))
         loras = _as_lora_list(lora_request, len(batch))
+        priorities = _as_priority_list(priority, len(batch))
         # Validate everything before queueing anything, so a bad prompt leaves no work behind.
-        requests = [self.engine.make_requests(p, sp, lora_request=lr) for p, sp, lr in zip(batch, params, loras)]
+        requests = [self.engine.make_requests(p, sp, lora_request=lr, priority=pr)
+                    for p, sp, lr, pr in zip(batch, params, loras, priorities)]
         done = self._run([req for reqs in requests for req in reqs], "Generating", use_tqdm)
         return [merge_samples([done[r.request_id] for r in reqs], sp) for reqs, sp in zip(requests, params)]
 
@@ -85,6 +89,10 @@ class LLM:
         finally:
             bar.close()
         return done
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (vLLM's LLM.reset_prefix_cache); returns the hashes dropped."""
+        return self.engine.reset_prefix_cache()
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """Beam search over each prompt (vLLM's LLM.beam_search): the beam_width best sequences,
@@ -174,6 +182,15 @@ def _as_lora_list(lora, n: int) -> list[LoRARequest | None]:
     if len(loras) != n:
         raise ValueError(f"{len(loras)} lora_requests for {n} prompts")
     return loras
+
+
+def _as_priority_list(priority, n: int) -> list[int]:
+    if priority is None or isinstance(priority, int):
+        return [priority or 0] * n
+    priorities = list(priority)
+    if len(priorities) != n:
+        raise ValueError(f"{len(priorities)} priorities for {n} prompts")
+    return priorities
 
 
 def merge_samples(outs: list[RequestOutput], params: SamplingParams) -> RequestOutput:

@@ -22,6 +22,7 @@ tokenization and chat-template rendering on the same pool, off the event loop.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import queue
@@ -98,9 +99,11 @@ class AsyncLLMEngine:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None, parent_id: str | None = None,
-                       lora_request=None) -> AsyncIterator[RequestOutput]:
+                       lora_request=None, priority: int = 0,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yields RequestOutputs (with delta_text) until the request finishes. `lora_request`: a
-        LoRARequest (with --enable-lora; None: the base model), loaded on the prep pool.
+        LoRARequest (with --enable-lora; None: the base model), loaded on the prep pool; `priority`
+        and `cache_salt`: see LLMEngine.make_request.
         Raises ValueError for bad input (or a request id already in flight), before the first output
         (lora.adapter.LoRAError, a ValueError, for an adapter that cannot serve)."""
         if not self.is_running:
@@ -113,8 +116,9 @@ class AsyncLLMEngine:
         self._streams[rid] = stream
         finished = True  # nothing to abort until the request is queued
         try:
-            req = await loop.run_in_executor(self.prep_pool, self.engine.make_request, prompt, params, rid, parent_id,
-                                             lora_request)
+            req = await loop.run_in_executor(self.prep_pool, functools.partial(
+                self.engine.make_request, prompt, params, rid, parent_id, lora_request, priority=priority,
+                cache_salt=cache_salt))
             self._inbox.put(("add", req))
             self._wakeup.set()
             finished = False
@@ -171,6 +175,12 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
         self._wakeup.set()
+
+    async def reset_prefix_cache(self) -> int:
+        """LLMEngine.reset_prefix_cache, on the engine thread (which owns the block pool)."""
+        if not self.is_running:
+            raise EngineDeadError(f"the engine is not running: {self._error!r}")
+        return await self.call(lambda engine: engine.reset_prefix_cache())
 
     def abort_all(self, error: BaseException) -> None:
         """Abort every request in flight; each stream ends with `error` (e.g. the drain timeout)."""

@@ -99,6 +99,16 @@ class BlockPool:
     def usage(self) -> float:
         return 1.0 - len(self.free_queue) / (self.num_blocks - 1)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every block's content hash (free blocks and blocks in use alike), so that no later
+        request reuses K/V computed before now; blocks in use stay with their requests. Returns how
+        many hashes were dropped."""
+        n = len(self.cached)
+        for block in self.cached.values():
+            block.block_hash = None
+        self.cached.clear()
+        return n
+
     def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
         """Name a full block by its content; the first block with a given content stays the one."""
         if block.block_hash is None and block_hash not in self.cached:
@@ -192,6 +202,12 @@ class KVCacheManager:
         for i in range(done, num_full):
             self.pool.cache_block(blocks[i], hashes[i])
         self.num_cached_blocks[rid] = num_full
+
+    def reset_prefix_cache(self) -> int:
+        """vLLM's reset_prefix_cache (POST /reset_prefix_cache): see BlockPool.reset_prefix_cache. A
+        running request keeps the blocks it has; its blocks hashed so far stay unnamed (not hashed
+        again), so they are freed as plain blocks. The hit counters are cumulative and stay."""
+        return self.pool.reset_prefix_cache()
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Frees the request's blocks past those num_tokens need (what rejected draft tokens used)."""

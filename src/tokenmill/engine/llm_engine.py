@@ -17,6 +17,7 @@ from tokenmill.config import (
     ModelConfig,
     DeviceConfig,
     LOAD_FORMATS,
+    SCHEDULING_POLICIES,
     ParallelConfig,
     SchedulerConfig,
     check_kv_cache_dtype,
@@ -75,6 +76,9 @@ class LLMEngine:
             raise ValueError(f"--tensor-parallel-size {tp} on GPUs takes GPUs 0..{tp - 1} (one rank each, NCCL): "
                              f"{torch.cuda.device_count()} visible; use --device cuda with enough GPUs "
                              f"(CUDA_VISIBLE_DEVICES picks them), or --device cpu")
+        if args.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"unknown scheduling_policy {args.scheduling_policy!r}; choose one of "
+                             f"{', '.join(SCHEDULING_POLICIES)}")
         if args.load_format not in LOAD_FORMATS:
             raise ValueError(f"unknown load_format {args.load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
         # An encoder's "auto" is its checkpoint's float32: small models whose vectors bf16 would shift.
@@ -96,7 +100,8 @@ class LLMEngine:
         self.config = EngineConfig(
             model=model_config,
             cache=CacheConfig(block_size, num_blocks, args.enable_prefix_caching),
-            scheduler=SchedulerConfig(args.max_num_seqs, batched, max_model_len, chunked),
+            scheduler=SchedulerConfig(args.max_num_seqs, batched, max_model_len, chunked,
+                                      policy=args.scheduling_policy),
             seed=args.seed,
             watermark=WatermarkConfig(args.watermark_gamma, args.watermark_delta),
             parallel=ParallelConfig(tp, args.num_threads),
@@ -169,11 +174,15 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                     request_id: str | None = None, parent_id: str | None = None, lora_request=None) -> Request:
+                     request_id: str | None = None, parent_id: str | None = None, lora_request=None, *,
+                     priority: int = 0, cache_salt: str | None = None) -> Request:
         """Validate and tokenize; raises ValueError naming the problem (lora.adapter.LoRAError for
-        an adapter that cannot be served: unknown, unreadable, or not for this model)."""
+        an adapter that cannot be served: unknown, unreadable, or not for this model). `priority`:
+        with the priority scheduling policy, lower runs first; `cache_salt`: the request shares
+        prefix-cache blocks only with requests of the same salt."""
         if self.task == "embed":
             raise ValueError(f"{self.config.model.name} runs embeddings (--task embed): it does not generate text")
+        self.check_priority(priority)
         adapter = self._adapter(lora_request)
         params = (params or SamplingParams()).clone()
         if params.num_samples > 1:
@@ -204,7 +213,8 @@ class LLMEngine:
             )
         rid = request_id if request_id is not None else str(next(self._ids))
         req = Request(rid, ids, params, eos_token_ids=self.eos_token_ids, prompt=text,
-                      bad_words_token_ids=self._bad_words_ids(params.bad_words), parent_id=parent_id, lora=adapter)
+                      bad_words_token_ids=self._bad_words_ids(params.bad_words), parent_id=parent_id, lora=adapter,
+                      priority=priority, cache_salt=cache_salt)
         if params.guided_decoding is not None:
             req.matcher = self.structured_output.matcher_for(params.guided_decoding)
             if params.min_tokens and self.structured_output.allows_only_eos(req.matcher):
@@ -253,6 +263,12 @@ class LLMEngine:
         rid = request_id if request_id is not None else str(next(self._ids))
         return Request(rid, ids, SamplingParams(max_tokens=1), prompt=text, pooling_params=params)
 
+    def check_priority(self, priority: int) -> None:
+        """vLLM's rule: a priority other than 0 needs the priority scheduling policy."""
+        if priority != 0 and self.config.scheduler.policy != "priority":
+            raise ValueError(f"priority {priority} given, but priority scheduling is not enabled "
+                             f"(--scheduling-policy priority)")
+
     def _adapter(self, lora_request):
         """The loaded adapter of a LoRARequest (None: the base model)."""
         if lora_request is None:
@@ -289,14 +305,14 @@ class LLMEngine:
         return self.enqueue(self.make_request(prompt, params, request_id, parent_id, lora_request))
 
     def make_requests(self, prompt: str | list[int], params: SamplingParams | None = None,
-                      request_id: str | None = None, lora_request=None) -> list[Request]:
+                      request_id: str | None = None, lora_request=None, priority: int = 0) -> list[Request]:
         """One request per sample: `request_id` itself when n == 1 (and no best_of), else
         `{request_id}-{i}` children sharing it as parent."""
         params = params or SamplingParams()
         if params.num_samples == 1:
-            return [self.make_request(prompt, params, request_id, lora_request=lora_request)]
+            return [self.make_request(prompt, params, request_id, lora_request=lora_request, priority=priority)]
         parent = request_id if request_id is not None else f"p{next(self._ids)}"
-        return [self.make_request(prompt, child, f"{parent}-{i}", parent, lora_request)
+        return [self.make_request(prompt, child, f"{parent}-{i}", parent, lora_request, priority=priority)
                 for i, child in enumerate(params.children())]
 
     def enqueue(self, req: Request) -> str:
@@ -310,6 +326,11 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         self.core.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         return self.output_processor.abort(request_id)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (see KVCacheManager.reset_prefix_cache); returns the number of
+        block hashes dropped."""
+        return self.core.kv.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished()

@@ -42,6 +42,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     prompt: str | None = None
     cache_salt: str | None = None  # requests share cached prefixes only with the same salt
+    priority: int = 0  # --scheduling-policy priority: lower runs first (ties by arrival)
     parent_id: str | None = None  # the samples of one n > 1 request share a parent
     matcher: object | None = None  # llguidance matcher when the output is constrained (structured output)
     lora: object | None = None  # the LoRA adapter it runs with (lora.adapter.LoRAAdapter), None: the base model

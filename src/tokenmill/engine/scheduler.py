@@ -6,10 +6,17 @@ chunked to fit the budget, after the blocks the prefix cache already holds. When
 request cannot get a block, the latest-arrived running request is preempted: its blocks are
 freed and it goes back to the front of the waiting queue to be recomputed later, keeping the
 output it has produced.
+
+With `policy="priority"` (vLLM's --scheduling-policy priority) both queues are kept in
+(priority, arrival) order, lower first: waiting requests are admitted in that order, running
+requests get their tokens in that order, and the one preempted when blocks run out is the last,
+the lowest-priority (highest value) and, among equals, the latest-arrived; a preempted request
+re-enters the waiting queue at its place in that order.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -47,6 +54,11 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+def policy_key(req: Request) -> tuple[int, float]:
+    """Order under the priority policy: lower priority value first, then earlier arrival."""
+    return req.priority, req.arrival_time
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
@@ -55,11 +67,22 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.by_priority = config.policy == "priority"
 
     # ---- queue management -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request, preempted: bool = False) -> None:
+        """Into the waiting queue: at its place in priority order; under FCFS at the back, or at
+        the front for a preempted request (it goes before those that have not run yet)."""
+        if self.by_priority:
+            bisect.insort(self.waiting, request, key=policy_key)
+        elif preempted:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -87,8 +110,10 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         scheduled_ids: set[str] = set()
 
-        # 1. Running requests, in arrival order, so preemption takes the latest first. A decoding
-        # request with draft tokens gets slots for them too (lookahead), budget and pool permitting.
+        # 1. Running requests, in arrival (or priority) order, so preemption takes the last first. A
+        # decoding request with draft tokens gets slots for them too (lookahead), budget and pool permitting.
+        if self.by_priority:
+            self.running.sort(key=policy_key)  # last step's admissions were appended at the end
         loras: set[int] = set()  # the step's LoRA adapters (at most max_loras)
         i = 0
         while i < len(self.running) and budget > 0:
@@ -118,7 +143,8 @@ class Scheduler:
                 continue
             break  # the request preempted itself: nothing after it can fit either
 
-        # 2. Waiting requests, FCFS; never admit while a preemption happened this step.
+        # 2. Waiting requests in queue order (FCFS, or by priority); never admit while a preemption
+        # happened this step.
         w = 0
         while w < len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs and not out.preempted:
             req = self.waiting[w]
@@ -177,7 +203,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self._enqueue(req, preempted=True)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
         """Append each request's new tokens (one, or a verified run of drafts and one more), finishing
