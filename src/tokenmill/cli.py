@@ -35,6 +35,8 @@ _ENGINE_HELP = {
                    "without its files)",
     "max_num_seqs": "most requests in one batch",
     "max_num_batched_tokens": "token budget of one engine step (default 2048)",
+    "scheduling_policy": "fcfs (first come, first served) | priority (requests' `priority`: lower first, ties by "
+                         "arrival; when KV blocks run out the lowest-priority running request is preempted)",
     "enable_chunked_prefill": "split long prompts across steps",
     "watermark_gamma": "green fraction of the vocabulary for watermarked requests (Kirchenbauer et al.)",
     "watermark_delta": "logit bonus of green tokens for watermarked requests",
@@ -193,10 +195,20 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     if ns.allow_runtime_lora_updating and not ns.enable_lora:
         logging.getLogger("tokenmill").warning("--allow-runtime-lora-updating (or %s) without --enable-lora: "
                                                "the LoRA routes stay off", RUNTIME_LORA_ENV)
+    from tokenmill.server import tracing
+    from tokenmill.server.metrics import check_metrics_prefix
+
+    check_metrics_prefix(ns.metrics_prefix)
+    traced = tracing.tracing_requested(ns.otlp_traces_endpoint)
     if _wants_ray(ns):
         if ns.enable_lora:
             raise ValueError("--enable-lora with Ray Serve replicas is not supported yet")
+        if traced or ns.metrics_prefix != "tokenmill":
+            raise ValueError("--otlp-traces-endpoint and --metrics-prefix with Ray Serve replicas are not supported "
+                             "yet")
         return _serve_on_ray(ns, chat_template)
+    # Before the model loads: a missing OpenTelemetry package or a bad protocol fails now.
+    tracer = tracing.RequestTracer(ns.otlp_traces_endpoint) if traced else None
     sock = bind_socket(ns.host, ns.port)  # first: a busy port fails now, not after the model has loaded
     try:
         from tokenmill.engine.async_engine import AsyncLLMEngine
@@ -205,6 +217,8 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         aengine = AsyncLLMEngine.from_args(max_waiting=ns.max_waiting, **vars(engine_args_from(ns)))
     except BaseException:
         sock.close()
+        if tracer is not None:
+            tracer.shutdown()
         raise
     return serve(
         aengine, sock=sock, host=ns.host, port=ns.port, api_key=ns.api_key, drain_timeout=ns.drain_timeout,
@@ -214,6 +228,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         trust_request_chat_template=ns.trust_request_chat_template,
         max_request_body_bytes=ns.max_request_body_bytes or None, max_prompts_per_request=ns.max_prompts_per_request,
         max_stored_responses=ns.max_stored_responses,
+        tracer=tracer, metrics_prefix=ns.metrics_prefix,
     )
 
 
@@ -319,6 +334,13 @@ def add_server_args(s: argparse.ArgumentParser) -> None:
     g.add_argument("--ssl-keyfile", default=None, help="TLS private key file (serve HTTPS)")
     g.add_argument("--ssl-certfile", default=None, help="TLS certificate file (serve HTTPS)")
     g.add_argument("--root-path", default="", help="ASGI root_path, when behind a path-based proxy")
+    g.add_argument("--otlp-traces-endpoint", default=None,
+                   help="send one OpenTelemetry span per request (vLLM's GenAI attributes) to this OTLP collector "
+                        "URL, e.g. http://localhost:4318/v1/traces (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or "
+                        "$OTEL_EXPORTER_OTLP_ENDPOINT if set, else off); pip install 'tokenmill[otel]'")
+    g.add_argument("--metrics-prefix", default="tokenmill",
+                   help="prefix of the /metrics names: tokenmill (tokenmill:*) or vllm (vllm:*, so dashboards made "
+                        "for vLLM work unchanged) (default: tokenmill)")
 
 
 def build_parser() -> argparse.ArgumentParser:

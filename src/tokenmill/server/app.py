@@ -27,9 +27,10 @@ from tokenmill.engine.async_engine import AsyncLLMEngine, ServerShutdownError
 from tokenmill.server import lora_routes, misc_routes, openai_chat, openai_completions, openai_embeddings, tgi_routes
 from tokenmill.server import anthropic_messages, openai_responses
 from tokenmill.server.errors import error_response, install_error_handlers
-from tokenmill.server.metrics import ServerMetrics
+from tokenmill.server.metrics import DEFAULT_METRICS_PREFIX, ServerMetrics
 from tokenmill.server.chat_template import install_template_bounds
 from tokenmill.server.serving import DEFAULT_MAX_PROMPTS, ServerContext
+from tokenmill.server.tracing import RequestTracer
 
 logger = logging.getLogger("tokenmill.server")
 access_logger = logging.getLogger("tokenmill.access")
@@ -164,24 +165,30 @@ def build_app(aengine: AsyncLLMEngine, *, api_key: str | None = None, max_logpro
               trust_request_chat_template: bool = False,
               max_request_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
               max_prompts_per_request: int = DEFAULT_MAX_PROMPTS,
-              max_stored_responses: int = openai_responses.DEFAULT_MAX_STORED) -> FastAPI:
+              max_stored_responses: int = openai_responses.DEFAULT_MAX_STORED, tracer: RequestTracer | None = None,
+              metrics_prefix: str = DEFAULT_METRICS_PREFIX) -> FastAPI:
     """The HTTP app over a running AsyncLLMEngine. With shutdown_engine, the app stops the
-    engine when it shuts down (after uvicorn has drained in-flight requests)."""
+    engine when it shuts down (after uvicorn has drained in-flight requests). `tracer`: spans of
+    requests (tracing.py), shut down (flushed) with the app; `metrics_prefix`: of /metrics' names."""
     model_name = aengine.engine.config.model.name
     if not install_template_bounds():
         logger.warning("this transformers version compiles chat templates elsewhere: template operators unbounded")
-    ctx = ServerContext(aengine=aengine, model_name=model_name, metrics=ServerMetrics(aengine, model_name),
+    ctx = ServerContext(aengine=aengine, model_name=model_name,
+                        metrics=ServerMetrics(aengine, model_name, metrics_prefix),
                         api_key=api_key or None, max_logprobs=max_logprobs, chat_template=chat_template,
                         trust_request_chat_template=trust_request_chat_template,
                         max_request_body_bytes=max_request_body_bytes,
                         max_prompts_per_request=max_prompts_per_request,
-                        response_store=openai_responses.ResponseStore(max_stored_responses))
+                        response_store=openai_responses.ResponseStore(max_stored_responses), tracer=tracer)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
+        loop = asyncio.get_running_loop()
+        if tracer is not None:  # after the drain: the last requests' spans go out too
+            await loop.run_in_executor(None, tracer.shutdown)
         if shutdown_engine:
-            await asyncio.get_running_loop().run_in_executor(None, aengine.shutdown)
+            await loop.run_in_executor(None, aengine.shutdown)
 
     app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan,
                   description="OpenAI-compatible and TGI-compatible LLM server.", docs_url=None, redoc_url=None,
@@ -301,7 +308,8 @@ def serve(aengine: AsyncLLMEngine, *, host: str = "0.0.0.0", port: int = 8000, a
           max_prompts_per_request: int = DEFAULT_MAX_PROMPTS,
           max_stored_responses: int = openai_responses.DEFAULT_MAX_STORED,
           ssl_keyfile: str | None = None, ssl_certfile: str | None = None, root_path: str = "",
-          sock: socket.socket | None = None) -> int:
+          sock: socket.socket | None = None, tracer: RequestTracer | None = None,
+          metrics_prefix: str = DEFAULT_METRICS_PREFIX) -> int:
     """Serve until SIGTERM / SIGINT; returns 0 after draining. Used by `tokenmill serve`, which
     binds `sock` (listen.bind_socket) before loading the model; without one, host:port is bound here."""
     from tokenmill.server.listen import announce, bind_socket
@@ -311,7 +319,9 @@ def serve(aengine: AsyncLLMEngine, *, host: str = "0.0.0.0", port: int = 8000, a
                     log_requests=log_requests, shutdown_engine=True,
                     trust_request_chat_template=trust_request_chat_template,
                     max_request_body_bytes=max_request_body_bytes, max_prompts_per_request=max_prompts_per_request,
-                    max_stored_responses=max_stored_responses)
+                    max_stored_responses=max_stored_responses, tracer=tracer, metrics_prefix=metrics_prefix)
+    if tracer is not None:
+        logger.info("OpenTelemetry: one span per request, exported to %s", tracer.endpoint)
     config = make_config(app, host, port, drain_timeout, log_level=uvicorn_log_level,
                          timeout_keep_alive=timeout_keep_alive, ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile,
                          root_path=root_path)

@@ -1,4 +1,5 @@
-"""Prometheus metrics, named `tokenmill:*` like vLLM's `vllm:*`.
+"""Prometheus metrics, named `tokenmill:*` like vLLM's `vllm:*` (`--metrics-prefix vllm`: named
+`vllm:*`, so dashboards built for vLLM read them unchanged; README lists the differences).
 
 Per-token and per-request numbers are taken on the engine thread after each step (a step
 observer), from the engine's own timestamps; queue and cache gauges are read when scraped.
@@ -11,6 +12,7 @@ adapters the running and waiting requests use, as vLLM's `vllm:lora_requests_inf
 
 from __future__ import annotations
 
+import re
 import time
 
 import prometheus_client
@@ -30,70 +32,90 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                40.0, 80.0]
 REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+DEFAULT_METRICS_PREFIX = "tokenmill"
+
+
+def check_metrics_prefix(prefix: str) -> str:
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", prefix):
+        raise ValueError(f"--metrics-prefix must be letters, digits and _ (not starting with a digit), got {prefix!r}")
+    return prefix
+
+
+def token_count_buckets(max_model_len: int) -> list[int]:
+    """vLLM's 1-2-5 buckets up to the context length: 1, 2, 5, 10, 20, 50, ..."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return out
+            out.append(m * scale)
+        scale *= 10
 
 
 class _EngineGauges:
     """Gauges read at scrape time: always current, even when the engine is idle."""
 
-    def __init__(self, aengine: AsyncLLMEngine, model_name: str):
+    def __init__(self, aengine: AsyncLLMEngine, model_name: str, prefix: str = DEFAULT_METRICS_PREFIX):
         self.aengine = aengine
         self.model_name = model_name
+        self.prefix = prefix
 
     def collect(self):
         core = self.aengine.engine.core
         labels = [self.model_name]
+        p = self.prefix
         for name, doc, value in (
-            ("tokenmill:num_requests_running", "Requests in the running batch.", len(core.scheduler.running)),
-            ("tokenmill:num_requests_waiting", "Requests waiting to be scheduled (preempted ones included).",
+            ("num_requests_running", "Requests in the running batch.", len(core.scheduler.running)),
+            ("num_requests_waiting", "Requests waiting to be scheduled (preempted ones included).",
              len(core.scheduler.waiting)),
-            ("tokenmill:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", core.kv.usage()),
+            ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", core.kv.usage()),
         ):
-            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g = GaugeMetricFamily(f"{p}:{name}", doc, labels=["model_name"])
             g.add_metric(labels, float(value))
             yield g
         stats = core.kv.stats  # cumulative, kept by the KV cache manager on the engine thread
         for name, doc, value in (
-            ("tokenmill:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.queries),
-            ("tokenmill:prefix_cache_hits", "Prompt tokens served from the prefix cache.", stats.hits),
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.queries),
+            ("prefix_cache_hits", "Prompt tokens served from the prefix cache.", stats.hits),
         ):
-            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c = CounterMetricFamily(f"{p}:{name}", doc, labels=["model_name"])
             c.add_metric(labels, float(value))
             yield c
-        g = GaugeMetricFamily("tokenmill:prefix_cache_hit_rate", "Prefix cache hits / queries since start.",
+        g = GaugeMetricFamily(f"{p}:prefix_cache_hit_rate", "Prefix cache hits / queries since start.",
                               labels=["model_name"])
         g.add_metric(labels, stats.hit_rate)
         yield g
         if core.drafter is not None:
-            yield from _spec_decode_counters(core.drafter.stats, labels)
+            yield from _spec_decode_counters(core.drafter.stats, labels, p)
         lora = getattr(self.aengine.engine.config, "lora", None)
         if lora is not None:
-            yield _lora_info(core.scheduler, lora.max_loras)
+            yield _lora_info(core.scheduler, lora.max_loras, p)
 
 
-def _lora_info(scheduler, max_loras: int) -> GaugeMetricFamily:
+def _lora_info(scheduler, max_loras: int, prefix: str) -> GaugeMetricFamily:
     """vLLM's lora_requests_info: the adapters of the running and of the waiting requests (names,
     comma-joined) as labels; the value is the time of the scrape."""
     def names(requests) -> str:
         return ",".join(sorted({r.lora.name for r in requests if r.lora is not None}))
 
     running, waiting = list(scheduler.running), list(scheduler.waiting)  # copies: the engine thread owns them
-    g = GaugeMetricFamily("tokenmill:lora_requests_info", "Running stats on LoRA requests (the value: the time "
+    g = GaugeMetricFamily(f"{prefix}:lora_requests_info", "Running stats on LoRA requests (the value: the time "
                           "of the scrape).", labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
     g.add_metric([str(max_loras), names(running), names(waiting)], time.time())
     return g
 
 
-def _spec_decode_counters(st, labels: list[str]):
+def _spec_decode_counters(st, labels: list[str], prefix: str):
     """vLLM's speculative-decoding counters (each exposed with the _total suffix)."""
     for name, doc, value in (
-        ("tokenmill:spec_decode_num_drafts", "Verification steps x requests that carried draft tokens.", st.num_drafts),
-        ("tokenmill:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", st.num_draft_tokens),
-        ("tokenmill:spec_decode_num_accepted_tokens", "Draft tokens accepted.", st.num_accepted_tokens),
+        ("spec_decode_num_drafts", "Verification steps x requests that carried draft tokens.", st.num_drafts),
+        ("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", st.num_draft_tokens),
+        ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", st.num_accepted_tokens),
     ):
-        c = CounterMetricFamily(name, doc, labels=["model_name"])
+        c = CounterMetricFamily(f"{prefix}:{name}", doc, labels=["model_name"])
         c.add_metric(labels, float(value))
         yield c
-    c = CounterMetricFamily("tokenmill:spec_decode_num_accepted_tokens_per_pos",
+    c = CounterMetricFamily(f"{prefix}:spec_decode_num_accepted_tokens_per_pos",
                             "Draft tokens accepted, by position in the draft (0 = first).",
                             labels=["model_name", "position"])
     for pos, n in enumerate(st.accepted_per_pos):
@@ -102,35 +124,49 @@ def _spec_decode_counters(st, labels: list[str]):
 
 
 class ServerMetrics:
-    def __init__(self, aengine: AsyncLLMEngine, model_name: str):
+    def __init__(self, aengine: AsyncLLMEngine, model_name: str, prefix: str = DEFAULT_METRICS_PREFIX):
+        check_metrics_prefix(prefix)
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        reg, lab = self.registry, ["model_name"]
+        reg, lab, p = self.registry, ["model_name"], prefix
         # --enable-lora: the request counters by adapter too (lora_name; "" for the base model)
         self.lora = getattr(aengine.engine.config, "lora", None) is not None
         req_lab = lab + ["lora_name"] if self.lora else lab
         self._lora_of: dict[str, str] = {}  # request id -> adapter name, for requests with an adapter
-        self._prompt_tokens = Counter("tokenmill:prompt_tokens", "Prompt tokens processed (once per request).",
+        self._prompt_tokens = Counter(f"{p}:prompt_tokens", "Prompt tokens processed (once per request).",
                                       req_lab, registry=reg)
-        self._generation_tokens = Counter("tokenmill:generation_tokens", "Tokens generated.", req_lab, registry=reg)
+        self._generation_tokens = Counter(f"{p}:generation_tokens", "Tokens generated.", req_lab, registry=reg)
         self.prompt_tokens = self._prompt_tokens.labels(*self._labels(""))
         self.generation_tokens = self._generation_tokens.labels(*self._labels(""))
-        self.preemptions = Counter("tokenmill:num_preemptions", "Requests preempted (KV blocks freed, recomputed).",
+        self.preemptions = Counter(f"{p}:num_preemptions", "Requests preempted (KV blocks freed, recomputed).",
                                    lab, registry=reg).labels(model_name)
-        self.request_success = Counter("tokenmill:request_success", "Requests finished, by finish reason.",
+        self.request_success = Counter(f"{p}:request_success", "Requests finished, by finish reason.",
                                        req_lab + ["finished_reason"], registry=reg)
-        self.ttft = Histogram("tokenmill:time_to_first_token_seconds", "Time from arrival to the first token.",
-                              lab, buckets=TTFT_BUCKETS, registry=reg).labels(model_name)
-        self.itl = Histogram("tokenmill:inter_token_latency_seconds", "Time between consecutive output tokens.",
-                             lab, buckets=ITL_BUCKETS, registry=reg).labels(model_name)
-        self.e2e = Histogram("tokenmill:e2e_request_latency_seconds", "Time from arrival to the last token.",
-                             lab, buckets=REQUEST_LATENCY_BUCKETS, registry=reg).labels(model_name)
-        self.queue_time = Histogram("tokenmill:request_queue_time_seconds",
-                                    "Time from arrival to first being scheduled.", lab,
-                                    buckets=REQUEST_LATENCY_BUCKETS, registry=reg).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(f"{p}:{name}", doc, lab, buckets=buckets, registry=reg).labels(model_name)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token.",
+                             REQUEST_LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Time from arrival to first being scheduled.",
+                                    REQUEST_LATENCY_BUCKETS)
+        # Per finished request, as vLLM's (its Grafana dashboard draws them).
+        self.prefill_time = histogram("request_prefill_time_seconds", "Time from first scheduled to the first "
+                                      "token.", REQUEST_LATENCY_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds", "Time from the first token to the last.",
+                                     REQUEST_LATENCY_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds", "Time from first scheduled to the last "
+                                        "token.", REQUEST_LATENCY_BUCKETS)
+        token_buckets = token_count_buckets(aengine.engine.config.model.max_model_len)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens of each finished request.",
+                                               token_buckets)
+        self.request_generation_tokens = histogram("request_generation_tokens", "Generated tokens of each finished "
+                                                   "request.", token_buckets)
         for reason in ("stop", "length", "abort"):  # present from the start, as vLLM does
             self.request_success.labels(*self._labels(""), reason)
-        reg.register(_EngineGauges(aengine, model_name))
+        reg.register(_EngineGauges(aengine, model_name, prefix))
         self._engine = aengine.engine
         self._last_token_time: dict[str, float] = {}  # engine thread only
         self._preemptions_seen = self._engine.core.scheduler.num_preemptions
@@ -183,7 +219,7 @@ class ServerMetrics:
             if out.finished:
                 last_times.pop(rid, None)
                 if m is not None and m.finished_time is not None:
-                    self.e2e.observe(m.finished_time - m.arrival_time)
+                    self._observe_finished(out, m)
                 if lora_name is not None:
                     lora_of.pop(rid, None)
                 reason = out.outputs[0].finish_reason or "abort"
@@ -204,6 +240,18 @@ class ServerMetrics:
         if m is not None and m.finished_time is not None:
             self.e2e.observe(m.finished_time - m.arrival_time)
         self.request_success.labels(*self._labels(""), "stop").inc()
+
+    def _observe_finished(self, out: RequestOutput, m) -> None:
+        end = m.finished_time
+        self.e2e.observe(end - m.arrival_time)
+        self.request_prompt_tokens.observe(len(out.prompt_token_ids))
+        self.request_generation_tokens.observe(len(out.outputs[0].token_ids))
+        if m.first_scheduled_time is not None:
+            self.inference_time.observe(end - m.first_scheduled_time)
+            if m.first_token_time is not None:
+                self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
+        if m.first_token_time is not None:
+            self.decode_time.observe(end - m.first_token_time)
 
     # event loop
     def on_abort(self, request_id: str | None = None) -> None:

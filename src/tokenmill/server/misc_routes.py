@@ -1,14 +1,19 @@
-"""GET /v1/models, POST /tokenize and /detokenize, GET /health, /version and /metrics."""
+"""GET /v1/models, POST /tokenize and /detokenize, GET /health, /version and /metrics, POST
+/reset_prefix_cache."""
 
 from __future__ import annotations
+
+import logging
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import tokenmill
+from tokenmill.engine.async_engine import EngineDeadError
 from tokenmill.lora.request import LoRARequest
 from tokenmill.server.chat_template import render_chat
+from tokenmill.server.errors import APIError
 from tokenmill.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -23,6 +28,7 @@ from tokenmill.server.protocol import (
 )
 from tokenmill.server.serving import ServerContext, check_model, check_token_ids, get_ctx
 
+logger = logging.getLogger("tokenmill.server")
 router = APIRouter()
 _ERR = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
         413: {"model": ErrorResponse}}
@@ -105,3 +111,16 @@ async def version() -> VersionResponse:
 async def metrics(raw: Request) -> Response:
     return Response(get_ctx(raw).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+
+@router.post("/reset_prefix_cache", tags=["server"], response_class=Response,
+             responses={200: {"description": "the prefix cache is empty (empty body)"}, 401: {"model": ErrorResponse}})
+async def reset_prefix_cache(raw: Request) -> Response:
+    """vLLM's route: forget every cached prompt prefix (blocks of running requests stay theirs), so
+    that later requests compute their prompts again; the prefix-cache counters of /metrics keep counting."""
+    ctx = get_ctx(raw)
+    try:
+        dropped = await ctx.aengine.reset_prefix_cache()
+    except EngineDeadError as e:
+        raise APIError(str(e), 503) from None
+    logger.info("prefix cache reset: %d cached blocks forgotten", dropped)
+    return Response(status_code=200)

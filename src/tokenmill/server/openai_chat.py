@@ -90,7 +90,7 @@ async def _create_chat_completion(ctx: ServerContext, body: ChatCompletionReques
     plan = apply_tool_grammar(params, plan)
 
     request_id = new_request_id("chatcmpl")
-    tracker = track(raw, request_id)
+    tracker = track(raw, request_id, body)
     tracker.prompt_tokens = len(ids)
     if body.use_beam_search:
         result = await run_beam_search(ctx, ids, body, max_tokens, request_id, lora)

@@ -120,7 +120,7 @@ async def _create_completion(ctx: ServerContext, body: CompletionRequest, raw: R
         params.append(sp)
 
     request_id = new_request_id("cmpl")
-    tracker = track(raw, request_id)
+    tracker = track(raw, request_id, body)
     tracker.prompt_tokens = sum(len(ids) for _, ids in prompts)
     if body.use_beam_search:
         return JSONResponse((await _beam_search(ctx, body, request_id, prompts, params, lora)).model_dump())

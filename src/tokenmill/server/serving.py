@@ -25,6 +25,7 @@ from tokenmill.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured_output import GuidedDecodingParams
 from tokenmill.server.errors import APIError, openai_error_body
+from tokenmill.server.tracing import trace_headers
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -45,6 +46,7 @@ class ServerContext:
     max_request_body_bytes: int | None = None
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS
     response_store: Any = None  # openai_responses.ResponseStore: the Responses API's stored responses
+    tracer: Any = None  # tracing.RequestTracer with --otlp-traces-endpoint, else None (no cost)
     started: float = field(default_factory=time.time)
 
     async def offload(self, fn: Callable[..., T], *args) -> T:
@@ -133,6 +135,10 @@ def check_sampling_fields(ctx: ServerContext, body) -> None:
     if body.stop_token_ids:
         check_token_ids(ctx, body.stop_token_ids, "stop_token_ids")
     check_logprobs(ctx, body.prompt_logprobs, "prompt_logprobs")
+    try:
+        ctx.engine.check_priority(getattr(body, "priority", 0))
+    except ValueError as e:
+        raise APIError(str(e), param="priority") from None
 
 
 def check_token_ids(ctx: ServerContext, ids: list[int], param: str) -> None:
@@ -270,11 +276,17 @@ def clamp_logprob(x: float) -> float:
 # ---- the per-request record behind the access log ------------------------------------------
 @dataclass
 class RequestTracker:
+    """One API request: what the access log reports, and what its engine requests share (the
+    scheduling priority, the prefix-cache salt, the caller's W3C trace context headers)."""
+
     request_id: str
     prompt_tokens: int = 0
     completion_tokens: dict[int, int] = field(default_factory=dict)
     ttft: float | None = None
     finish_reasons: list[str] = field(default_factory=list)
+    priority: int = 0
+    cache_salt: str | None = None
+    trace_headers: dict[str, str] | None = None  # traceparent / tracestate, only while tracing
 
     def update(self, index: int, out: RequestOutput) -> None:
         self.completion_tokens[index] = len(out.outputs[0].token_ids)
@@ -291,32 +303,47 @@ class RequestTracker:
                 f"completion_tokens={sum(self.completion_tokens.values())} ttft={ttft} finish={finish}")
 
 
-def track(raw: Request, request_id: str) -> RequestTracker:
-    tracker = RequestTracker(request_id)
+def new_tracker(request_id: str, body=None) -> RequestTracker:
+    """A tracker with the vLLM extras `priority` and `cache_salt` of `body` (if it has them)."""
+    return RequestTracker(request_id, priority=getattr(body, "priority", 0),
+                          cache_salt=getattr(body, "cache_salt", None))
+
+
+def track(raw: Request, request_id: str, body=None) -> RequestTracker:
+    """The API request's tracker (new_tracker), read by the access log; with the caller's trace context."""
+    tracker = new_tracker(request_id, body)
+    if get_ctx(raw).tracer is not None:
+        tracker.trace_headers = trace_headers(raw.headers)
     raw.state.tracker = tracker  # read by the access-log middleware once the response is sent
     return tracker
 
 
 # ---- engine streams -----------------------------------------------------------------------
 def generate(ctx: ServerContext, prompt_ids: list[int], params: SamplingParams, request_id: str,
-             parent_id: str | None = None, lora: LoRARequest | None = None) -> AsyncGenerator[RequestOutput, None]:
-    """ctx.aengine.generate, with the request's adapter (its name goes to the metrics' lora_name label)."""
+             parent_id: str | None = None, lora: LoRARequest | None = None,
+             tracker: RequestTracker | None = None) -> AsyncGenerator[RequestOutput, None]:
+    """ctx.aengine.generate, with the request's adapter (its name goes to the metrics' lora_name label),
+    priority and cache salt (the tracker's)."""
+    extras = {"priority": tracker.priority, "cache_salt": tracker.cache_salt} if tracker is not None else {}
     if lora is None:
-        return ctx.aengine.generate(prompt_ids, params, request_id, parent_id)
+        return ctx.aengine.generate(prompt_ids, params, request_id, parent_id, **extras)
     ctx.metrics.set_lora(request_id, lora.lora_name)  # before the engine can send the request's outputs
-    return ctx.aengine.generate(prompt_ids, params, request_id, parent_id, lora_request=lora)
+    return ctx.aengine.generate(prompt_ids, params, request_id, parent_id, lora_request=lora, **extras)
 
 
 async def engine_stream(ctx: ServerContext, prompt_ids: list[int], params: SamplingParams, request_id: str,
                         tracker: RequestTracker, index: int = 0, parent_id: str | None = None,
                         lora: LoRARequest | None = None) -> AsyncGenerator[RequestOutput, None]:
-    """The engine's outputs for one prompt; closing it early aborts the request (counted)."""
-    gen = generate(ctx, prompt_ids, params, request_id, parent_id, lora)
+    """The engine's outputs for one prompt; closing it early aborts the request (counted). With
+    tracing on, a finished request becomes a span (built here, on the event loop)."""
+    gen = generate(ctx, prompt_ids, params, request_id, parent_id, lora, tracker)
     finished = refused = False
     try:
         async for out in gen:
             tracker.update(index, out)
             finished = out.finished
+            if finished and ctx.tracer is not None:
+                ctx.tracer.record(out, params, served_name(ctx, lora), tracker.trace_headers)
             yield out
     except (ValueError, QueueFullError, EngineDeadError):
         refused = True
@@ -507,9 +534,11 @@ async def run_beam_search(ctx: ServerContext, prompt_ids: list[int], body, max_t
     except ValueError as e:
         raise APIError(str(e), param="n") from None
     search = BeamSearch(prompt_ids, params, ctx.engine.eos_token_ids)
+    extras = new_tracker(request_id, body)  # priority and cache salt of every round
     while not search.done:
         rids = [f"{request_id}-beam{search.rounds}-{i}" for i in range(len(search.beams))]
-        gens = [generate(ctx, b.tokens, search.round_params(), rid, lora=lora) for rid, b in zip(rids, search.beams)]
+        gens = [generate(ctx, b.tokens, search.round_params(), rid, lora=lora, tracker=extras)
+                for rid, b in zip(rids, search.beams)]
         try:
             search.advance(await asyncio.gather(*[_last_output(g) for g in gens]))
         except BaseException:
