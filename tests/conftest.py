@@ -74,13 +74,14 @@ def smollm2_llm(smollm2_dir):
 
 
 @contextlib.contextmanager
-def running_server(model_dir: str, **engine_kwargs):
-    """A real uvicorn server on a free loopback port over a fresh engine; always stopped."""
+def running_server(model_dir: str, app_kwargs: dict | None = None, **engine_kwargs):
+    """A real uvicorn server on a free loopback port over a fresh engine (build_app's app_kwargs:
+    api_key, ...); always stopped."""
     from tokenmill.engine.async_engine import AsyncLLMEngine
     from tokenmill.server.app import BackgroundServer, build_app
 
     aengine = AsyncLLMEngine.from_args(model_dir, **{"dtype": "float32", "kv_cache_memory": 0.05, **engine_kwargs})
-    server = BackgroundServer(build_app(aengine))
+    server = BackgroundServer(build_app(aengine, **(app_kwargs or {})))
     try:
         server.start()
         yield server, aengine

@@ -322,6 +322,12 @@ def test_bad_request_through_the_ingress(cluster):
     assert r.status_code == 404
 
 
+def test_web_ui_through_the_ingress(cluster):
+    page = httpx.get(cluster.url + "/", timeout=30)
+    assert page.status_code == 200 and 'src="ui/main.js"' in page.text
+    assert httpx.get(cluster.url + "/ui/dashboard.js", timeout=30).status_code == 200
+
+
 # ---- faults: a replica killed under load ----------------------------------------------------
 def test_killed_replica_recovers_without_losing_unstarted_requests(cluster):
     import concurrent.futures

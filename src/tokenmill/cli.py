@@ -229,6 +229,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         max_request_body_bytes=ns.max_request_body_bytes or None, max_prompts_per_request=ns.max_prompts_per_request,
         max_stored_responses=ns.max_stored_responses,
         tracer=tracer, metrics_prefix=ns.metrics_prefix,
+        enable_web_ui=not ns.disable_web_ui,
     )
 
 
@@ -253,7 +254,7 @@ def _serve_on_ray(ns: argparse.Namespace, chat_template: str | None) -> int:
         api_key=ns.api_key, max_logprobs=ns.max_logprobs, chat_template=chat_template,
         trust_request_chat_template=ns.trust_request_chat_template,
         max_request_body_bytes=ns.max_request_body_bytes or None, max_prompts_per_request=ns.max_prompts_per_request,
-        log_requests=not ns.disable_log_requests)
+        log_requests=not ns.disable_log_requests, enable_web_ui=not ns.disable_web_ui)
     cluster = ray_serve.ClusterOptions(
         ray_address=ns.ray_address, host=ns.host, port=ns.port, keep_alive_timeout_s=ns.timeout_keep_alive,
         ssl_keyfile=ns.ssl_keyfile, ssl_certfile=ns.ssl_certfile, root_path=ns.root_path)
@@ -326,6 +327,9 @@ def add_server_args(s: argparse.ArgumentParser) -> None:
                         "previous_response_id, least recently used dropped first (default 1000; 0: none)")
     g.add_argument("--disable-log-requests", action="store_true",
                    help="do not write the access-log line of each request (id, tokens in/out, TTFT, latency)")
+    g.add_argument("--disable-web-ui", action="store_true",
+                   help="do not serve the web playground and live dashboard at / (its data calls need --api-key "
+                        "like every route)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="log level of uvicorn's own messages (default info)")

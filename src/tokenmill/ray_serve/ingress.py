@@ -20,7 +20,7 @@ import tokenmill
 from tokenmill.ray_serve.client import ReplicaEngineClient
 from tokenmill.ray_serve.metrics import merge_replica_metrics
 from tokenmill.ray_serve.replica import EngineFrontend, ReplicaStats
-from tokenmill.server import misc_routes, openai_chat, openai_completions, tgi_routes
+from tokenmill.server import misc_routes, openai_chat, openai_completions, tgi_routes, web_ui
 from tokenmill.server.app import DEFAULT_MAX_BODY_BYTES, ServerMiddleware, _add_offline_docs
 from tokenmill.server.chat_template import install_template_bounds
 from tokenmill.server.errors import install_error_handlers
@@ -43,6 +43,7 @@ class IngressOptions:
     max_request_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS
     log_requests: bool = True
+    enable_web_ui: bool = True
 
 
 class _IngressMetrics:
@@ -85,6 +86,8 @@ def build_ingress_app(client: ReplicaEngineClient, handle, options: IngressOptio
     misc.routes.extend(r for r in misc_routes.router.routes if getattr(r, "path", None) not in _REPLICA_ROUTES)
     for router in (openai_completions.router, openai_chat.router, misc, tgi_routes.router):
         app.include_router(router)
+    if options.enable_web_ui:
+        web_ui.install(app)
     app.add_middleware(ServerMiddleware, ctx=ctx, log_requests=options.log_requests)
     return app
 

@@ -16,6 +16,7 @@ Anthropic's Messages API, TGI routes, Prometheus metrics and API-key auth over a
     errors.py              error bodies (OpenAI's; TGI's and Anthropic's on theirs) and exception handlers
     chat_template.py       chat-template rendering for the routes, bounded (size, time, trust)
     listen.py              the listening socket bound before the model loads; the route listing
+    web_ui.py              the web playground and live dashboard at / (static files in web/)
 """
 
 __all__ = ["build_app", "serve", "BackgroundServer"]

@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import tokenmill
 from tokenmill.engine.async_engine import AsyncLLMEngine, ServerShutdownError
 from tokenmill.server import lora_routes, misc_routes, openai_chat, openai_completions, openai_embeddings, tgi_routes
-from tokenmill.server import anthropic_messages, openai_responses
+from tokenmill.server import anthropic_messages, openai_responses, web_ui
 from tokenmill.server.errors import error_response, install_error_handlers
 from tokenmill.server.metrics import DEFAULT_METRICS_PREFIX, ServerMetrics
 from tokenmill.server.chat_template import install_template_bounds
@@ -118,8 +118,9 @@ def _limited(receive, limit: int):
 
 
 def _public(path: str) -> bool:
-    """Open without the API key: health checks, and the API's own documentation."""
-    return path in UNAUTHENTICATED_PATHS or path.startswith(DOCS_STATIC + "/")
+    """Open without the API key: health checks, the API's own documentation and the web UI's page
+    (whose data calls need the key)."""
+    return path in UNAUTHENTICATED_PATHS or path.startswith(DOCS_STATIC + "/") or web_ui.is_public(path)
 
 
 def _authorized(headers: dict[bytes, bytes], key: str) -> bool:
@@ -166,10 +167,11 @@ def build_app(aengine: AsyncLLMEngine, *, api_key: str | None = None, max_logpro
               max_request_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
               max_prompts_per_request: int = DEFAULT_MAX_PROMPTS,
               max_stored_responses: int = openai_responses.DEFAULT_MAX_STORED, tracer: RequestTracer | None = None,
-              metrics_prefix: str = DEFAULT_METRICS_PREFIX) -> FastAPI:
+              metrics_prefix: str = DEFAULT_METRICS_PREFIX, enable_web_ui: bool = True) -> FastAPI:
     """The HTTP app over a running AsyncLLMEngine. With shutdown_engine, the app stops the
     engine when it shuts down (after uvicorn has drained in-flight requests). `tracer`: spans of
-    requests (tracing.py), shut down (flushed) with the app; `metrics_prefix`: of /metrics' names."""
+    requests (tracing.py), shut down (flushed) with the app; `metrics_prefix`: of /metrics' names;
+    enable_web_ui serves the playground and dashboard at / (web_ui.py)."""
     model_name = aengine.engine.config.model.name
     if not install_template_bounds():
         logger.warning("this transformers version compiles chat templates elsewhere: template operators unbounded")
@@ -201,6 +203,8 @@ def build_app(aengine: AsyncLLMEngine, *, api_key: str | None = None, max_logpro
         app.include_router(module.router)
     # vLLM registers these only with runtime updating on; here they answer 404 saying how to turn it on
     app.include_router(lora_routes.router, include_in_schema=lora_routes.runtime_updating_allowed(ctx))
+    if enable_web_ui:
+        web_ui.install(app)
     app.add_middleware(ServerMiddleware, ctx=ctx, log_requests=log_requests)
     return app
 
@@ -307,6 +311,7 @@ def serve(aengine: AsyncLLMEngine, *, host: str = "0.0.0.0", port: int = 8000, a
           trust_request_chat_template: bool = False, max_request_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
           max_prompts_per_request: int = DEFAULT_MAX_PROMPTS,
           max_stored_responses: int = openai_responses.DEFAULT_MAX_STORED,
+          enable_web_ui: bool = True,
           ssl_keyfile: str | None = None, ssl_certfile: str | None = None, root_path: str = "",
           sock: socket.socket | None = None, tracer: RequestTracer | None = None,
           metrics_prefix: str = DEFAULT_METRICS_PREFIX) -> int:
@@ -319,7 +324,8 @@ def serve(aengine: AsyncLLMEngine, *, host: str = "0.0.0.0", port: int = 8000, a
                     log_requests=log_requests, shutdown_engine=True,
                     trust_request_chat_template=trust_request_chat_template,
                     max_request_body_bytes=max_request_body_bytes, max_prompts_per_request=max_prompts_per_request,
-                    max_stored_responses=max_stored_responses, tracer=tracer, metrics_prefix=metrics_prefix)
+                    max_stored_responses=max_stored_responses, tracer=tracer, metrics_prefix=metrics_prefix,
+                    enable_web_ui=enable_web_ui)
     if tracer is not None:
         logger.info("OpenTelemetry: one span per request, exported to %s", tracer.endpoint)
     config = make_config(app, host, port, drain_timeout, log_level=uvicorn_log_level,
