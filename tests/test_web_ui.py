@@ -371,8 +371,9 @@ def test_dashboard_reads_metrics_as_prometheus_does(browser, served):
 # ---- the README's screenshots (on demand) ---------------------------------------------------------
 @needs_browser
 @pytest.mark.skipif(not os.environ.get(SHOTS_ENV), reason=f"{SHOTS_ENV}=docs/img retakes the README's screenshots")
+@pytest.mark.timeout(1500)
 def test_readme_screenshots(browser, smollm2_dir):
-    """The playground answering on SmolLM2; the dashboard while 12 chat users keep it busy."""
+    """The playground answering on SmolLM2; the dashboard while 8 chat users keep it busy."""
     out = Path(os.environ[SHOTS_ENV])
     out.mkdir(parents=True, exist_ok=True)
     name = "SmolLM2-135M-Instruct"
@@ -394,18 +395,18 @@ def test_readme_screenshots(browser, smollm2_dir):
             with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300) as c:
                 while not done.is_set():
                     c.chat.completions.create(
-                        model=name, max_tokens=48 + 16 * (i % 5), temperature=0.8,
+                        model=name, max_tokens=32 + 16 * (i % 4), temperature=0.8,
                         messages=[{"role": "system", "content": system},
                                   {"role": "user", "content": f"Tell me about {topics[i % len(topics)]}."}])
 
-        with ThreadPoolExecutor(12) as pool:
-            users = [pool.submit(user, i) for i in range(12)]
-            try:  # under load for a while: some 60 requests done, some running
-                dash.wait_for_function("Number(document.querySelector('#tile-finished').dataset.value) >= 60 && "
-                                       "Number(document.querySelector('#tile-running').dataset.value) > 0",
-                                       timeout=600_000)
+        busy = ("Number(document.querySelector('#tile-finished')?.dataset.value) >= 30 && "
+                "Number(document.querySelector('#tile-running').dataset.value) > 0")
+        with ThreadPoolExecutor(8) as pool:
+            users = [pool.submit(user, i) for i in range(8)]
+            try:  # under load for a while: some 30 requests done, some running
+                _until(lambda: any(u.done() for u in users) or dash.evaluate(busy), "a busy dashboard", 1000)
                 dash.screenshot(path=str(out / "dashboard.png"), full_page=True)
             finally:
                 done.set()
             for u in users:
-                u.result()
+                u.result()  # a user's error, if any

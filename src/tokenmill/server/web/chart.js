@@ -54,12 +54,18 @@ export function drawChart(svg, series, { now, span, max = null, unit = "" }) {
   }
   let lx = M.left;
   for (const s of series) {
-    const pts = s.points.filter(([t, v]) => v != null && now - t <= span);
-    if (pts.length > 1) {
-      const d = pts.map(([t, v], i) => `${i ? "L" : "M"}${x(t).toFixed(1)},${y(v).toFixed(1)}`).join("");
-      svg.append(el("path", { d, class: "line", stroke: s.color }));
+    let d = "", pen = "M", last = null;
+    for (const [t, v] of s.points) {
+      if (now - t > span) continue;
+      if (v == null) { // a gap: no line drawn across it
+        pen = "M";
+        continue;
+      }
+      d += `${pen}${x(t).toFixed(1)},${y(v).toFixed(1)}`;
+      pen = "L";
+      last = v;
     }
-    const last = pts.length ? pts[pts.length - 1][1] : null;
+    if (d.includes("L")) svg.append(el("path", { d, class: "line", stroke: s.color }));
     svg.append(el("rect", { x: lx, y: 6, width: 10, height: 10, fill: s.color, rx: 2 }));
     const label = el("text", { x: lx + 14, y: 15, class: "legend" }, `${s.label} ${fmt(last)}${unit}`);
     svg.append(label);

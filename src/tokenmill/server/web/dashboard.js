@@ -4,11 +4,11 @@
 
 import { call } from "./api.js";
 import { drawChart, fmt } from "./chart.js";
-import { bucketDelta, buckets, parse, quantile, total } from "./prom.js";
+import { bucketDelta, buckets, mean, parse, quantile, total } from "./prom.js";
 
 const INTERVAL_MS = 1000;
 const WINDOW = 300; // seconds of history kept; the charts span it, or the page's age (1 minute at least)
-const RATE_SPAN = 5; // seconds over which a tile's tokens/s is taken
+const RATE_SPAN = 5; // seconds over which tokens/s is taken (tiles and chart)
 const LATENCY_SPAN = 60; // seconds of the latency percentiles
 const HISTOGRAMS = {
   ttft: ["time_to_first_token_seconds", "Time to first token"],
@@ -27,7 +27,7 @@ function snapshot(text) {
     t: performance.now() / 1000,
     running: total(s, "num_requests_running"),
     waiting: total(s, "num_requests_waiting"),
-    kv: total(s, "kv_cache_usage_perc"),
+    kv: mean(s, "kv_cache_usage_perc"), // a fraction: averaged over replicas
     queries: total(s, "prefix_cache_queries_total"),
     hits: total(s, "prefix_cache_hits_total"),
     prompt: total(s, "prompt_tokens_total"),
@@ -121,12 +121,12 @@ function renderLatency(now) {
 }
 
 function renderCharts(now) {
-  const pts = (fn) => samples.map((s, i) => [s.t, i ? fn(s, samples[i - 1]) : null]);
+  const smooth = (key) => samples.map((s) => [s.t, rate(s, before(s, RATE_SPAN), key)]);
   const age = Math.ceil((now.t - samples[0].t) / 60) * 60;
   const opts = { now: now.t, span: Math.min(WINDOW, Math.max(60, age)) };
   drawChart(document.getElementById("chart-tokens"), [
-    { label: "out", color: COLORS.a, points: pts((s, p) => rate(s, p, "gen")) },
-    { label: "in", color: COLORS.b, points: pts((s, p) => rate(s, p, "prompt")) },
+    { label: "out", color: COLORS.a, points: smooth("gen") },
+    { label: "in", color: COLORS.b, points: smooth("prompt") },
   ], opts);
   drawChart(document.getElementById("chart-requests"), [
     { label: "running", color: COLORS.a, points: samples.map((s) => [s.t, s.running]) },

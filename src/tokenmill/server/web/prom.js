@@ -42,6 +42,12 @@ export function total(series, name, match = {}) {
   return sum;
 }
 
+// The mean of every series of a name (a fraction per replica, say), or null if absent.
+export function mean(series, name) {
+  const list = series.get(name);
+  return list && list.length ? total(series, name) / list.length : null;
+}
+
 // A histogram's cumulative buckets summed over its series: [[upper bound, count], ...] by bound.
 export function buckets(series, name) {
   const byLe = new Map();
