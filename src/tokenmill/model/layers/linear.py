@@ -27,10 +27,11 @@ SMALL_BATCH = 64
 
 
 class PackedLinear(nn.Module):
-    """oneDNN-packed bf16 linear. `panels` (when kept, see pack_linears): the weight packed in
-    panels of 32 rows for the engine's own kernel (csrc/panel_linear.cpp), which batches of up
-    to SMALL_BATCH rows run: it streams weights ~10-30% faster than a row-by-row GEMV at 1 row and
-    beats oneDNN's packed GEMM at 8-128 rows (2 cores, AVX512-BF16, SmolLM2 shapes).
+    """oneDNN-packed bf16 linear (float32 too, for models that opt in). `panels` (when kept, see
+    pack_linears): the weight packed in panels of 32 rows for the engine's own kernel
+    (csrc/panel_linear.cpp), which batches of up to SMALL_BATCH rows run: it streams weights
+    ~10-30% faster than a row-by-row GEMV at 1 row and beats oneDNN's packed GEMM at 8-128 rows
+    (2 cores, AVX512-BF16, SmolLM2 shapes).
 
     `onednn=False` (batch-invariant models): panels only, for every batch size. The panel kernel
     sums each output over the inputs in one fixed order, so a row's result does not depend on how
@@ -69,15 +70,17 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, batch_invariant: bool | N
     """Swap the model's bf16 CPU nn.Linear layers for PackedLinear when oneDNN can run them, each
     also keeping its weight in panels while all of them together fit PANEL_WEIGHTS_MAX_BYTES.
     Batch-invariant (the default, cpu_kernels.batch_invariant()): panels only, whatever their
-    size, run at every batch size (no oneDNN copy: less memory, too)."""
-    if dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+    size, run at every batch size (no oneDNN copy: less memory, too). float32: only for models that
+    opt in (PACK_FLOAT32_LINEARS), see _pack_float32."""
+    if not torch.backends.mkldnn.is_available():
         return 0
-    if not _works():
+    if dtype == torch.float32 and getattr(model, "PACK_FLOAT32_LINEARS", False):
+        return _pack_float32(model)
+    if dtype != torch.bfloat16 or not _works(torch.bfloat16):
         return 0
     if batch_invariant is None:
         batch_invariant = cpu_kernels.batch_invariant()
-    linears = [(parent, name, child) for parent in list(model.modules()) for name, child in parent.named_children()
-               if type(child) is nn.Linear and child.weight.device.type == "cpu"]
+    linears = _cpu_linears(model)
     extra = sum(c.weight.numel() * c.weight.element_size() for _, _, c in linears)
     forced = os.environ.get("TOKENMILL_PANEL_WEIGHTS")
     panel_ok = _panel_kernel_works()
@@ -98,6 +101,27 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, batch_invariant: bool | N
     return len(linears)
 
 
+def _pack_float32(model: nn.Module) -> int:
+    """float32 linears packed for oneDNN (no panels: the panel kernel is bf16's). oneDNN runs its
+    own GEMM where torch's float32 linear calls MKL, which on the AMD EPYC measured was ~1.4x
+    slower at a sentence's rows (~30), and re-lays out the weight on every call. The sums differ
+    from MKL's in the last bits, so a model opts in: BERT encoders, whose vectors are compared by
+    cosine, not decoders held to transformers' greedy tokens."""
+    linears = _cpu_linears(model)
+    if not linears or not _works(torch.float32):
+        return 0
+    for parent, name, child in linears:
+        setattr(parent, name, PackedLinear(child))
+    logger.info("float32 linears: oneDNN-packed (%d)", len(linears))
+    return len(linears)
+
+
+def _cpu_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute, layer) of every plain nn.Linear on the CPU."""
+    return [(parent, name, child) for parent in list(model.modules()) for name, child in parent.named_children()
+            if type(child) is nn.Linear and child.weight.device.type == "cpu"]
+
+
 def _panel_kernel_works() -> bool:
     """The panel kernel needs the C++ kernels built with AVX512-BF16."""
     kernels = cpu_kernels.load() if cpu_kernels.enabled() else None
@@ -112,11 +136,11 @@ def _panel_kernel_works() -> bool:
         return False
 
 
-def _works() -> bool:
+def _works(dtype: torch.dtype) -> bool:
     try:
-        lin = nn.Linear(64, 32, bias=True).to(torch.bfloat16)
-        x = torch.randn(3, 64, dtype=torch.bfloat16)
+        lin = nn.Linear(64, 32, bias=True).to(dtype)
+        x = torch.randn(3, 64, dtype=dtype)
         return torch.allclose(PackedLinear(lin)(x).float(), lin(x).float(), atol=1e-2)
-    except Exception as e:  # noqa: BLE001 - no oneDNN bf16 support here: plain nn.Linear it is
+    except Exception as e:  # noqa: BLE001 - no oneDNN support for this dtype here: plain nn.Linear it is
         logger.info("oneDNN packed linear unavailable: %s", e)
         return False

@@ -28,19 +28,21 @@ class SequenceLayout:
     once per step and used by every layer's attention."""
 
     def __init__(self, meta: AttentionMetadata, num_rows: int, device: torch.device):
-        starts = meta.query_start_loc
-        lens = (starts[1:] - starts[:-1]).tolist()
-        self.batch, self.max_len = len(lens), max(lens)
-        self.dense = all(n == self.max_len for n in lens)  # no padding at all (e.g. one sequence)
+        starts = meta.query_start_loc.cpu()
+        lens = starts[1:] - starts[:-1]
+        self.batch, self.max_len = len(lens), int(lens.max())
+        self.dense = bool((lens == self.max_len).all())  # no padding at all (e.g. one sequence)
         if self.dense:
             return
         L = self.max_len
-        # Row r of the flat batch goes to padded slot b * L + (r - start_b).
-        seq = torch.repeat_interleave(torch.arange(self.batch), torch.tensor(lens))
-        offset = torch.arange(num_rows) - torch.repeat_interleave(starts[:-1].cpu(), torch.tensor(lens))
-        self.slots = (seq * L + offset).to(device)
-        self.key_mask = (torch.arange(L).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)).view(self.batch, 1, 1, L)
-        self.key_mask = self.key_mask.to(device)
+        pos = torch.arange(L)
+        valid = pos.unsqueeze(0) < lens.unsqueeze(1)  # [B, L]
+        # Padded slot (b, l) reads row start_b + l; a pad slot reads the sequence's last row instead
+        # of zeros (its key is masked, its query's output dropped), so one gather fills the view.
+        self.gather = (starts[:-1].unsqueeze(1) + torch.minimum(pos.unsqueeze(0), lens.unsqueeze(1) - 1)).flatten()
+        self.scatter = valid.flatten().nonzero().squeeze(1)  # the padded slots of the flat rows, in order
+        self.gather, self.scatter = self.gather.to(device), self.scatter.to(device)
+        self.key_mask = valid.view(self.batch, 1, 1, L).to(device)
 
 
 class BertSelfAttention(nn.Module):
@@ -58,13 +60,11 @@ class BertSelfAttention(nn.Module):
         qkv = self.qkv_proj(x)
         mask = None
         if not layout.dense:
-            padded = qkv.new_zeros(B * L, 3 * hidden)
-            qkv = padded.index_copy_(0, layout.slots, qkv)
-            mask = layout.key_mask
+            qkv, mask = qkv.index_select(0, layout.gather), layout.key_mask
         q, k, v = qkv.view(B, L, 3, H, D).permute(2, 0, 3, 1, 4)  # each [B, H, L, D]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(B * L, hidden)
         if not layout.dense:
-            out = out.index_select(0, layout.slots)
+            out = out.index_select(0, layout.scatter)
         return self.norm(self.o_proj(out) + x)
 
 
@@ -96,6 +96,7 @@ class BertLayer(nn.Module):
 class BertModel(nn.Module):
     ARCHITECTURES = {"BertModel": False}
     IS_ENCODER = True  # bidirectional, whole sequences per pass, no KV cache; only pooling (embeddings)
+    PACK_FLOAT32_LINEARS = True  # float32 linears run on oneDNN's GEMM too (layers/linear.py)
 
     def __init__(self, cfg, dtype: torch.dtype, max_position: int, tp: TPGroup = NO_TP):
         super().__init__()
