@@ -328,6 +328,20 @@ def test_web_ui_through_the_ingress(cluster):
     assert httpx.get(cluster.url + "/ui/dashboard.js", timeout=30).status_code == 200
 
 
+def test_responses_and_messages_through_the_ingress(cluster):
+    """The Responses and Anthropic Messages routes are served behind Ray Serve too (stored responses in the ingress)."""
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=DEADLINE_S)
+    first = client.responses.create(model=cluster.model, input="Hello world!", max_output_tokens=4, temperature=0,
+                                    extra_body={"cache_salt": "tenant-a"})  # vLLM's extras reach the replica too
+    assert first.status == "incomplete" and first.usage.output_tokens == 4
+    follow = client.responses.create(model=cluster.model, input="Again.", previous_response_id=first.id,
+                                     max_output_tokens=4, temperature=0)
+    assert follow.usage.input_tokens > first.usage.input_tokens  # the stored turn came first
+    r = httpx.post(cluster.url + "/v1/messages", timeout=DEADLINE_S, json={
+        "model": cluster.model, "max_tokens": 4, "messages": [{"role": "user", "content": "Hello world!"}]})
+    assert r.status_code == 200 and r.json()["stop_reason"] == "max_tokens", r.text
+
+
 # ---- faults: a replica killed under load ----------------------------------------------------
 def test_killed_replica_recovers_without_losing_unstarted_requests(cluster):
     import concurrent.futures

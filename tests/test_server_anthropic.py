@@ -146,7 +146,8 @@ def test_errors_in_anthropic_shape(client, served, model):
                         ({"temperature": 1.5}, "temperature"),
                         ({"tool_choice": {"type": "any"}}, "tool_choice needs tools"),
                         ({"tools": TOOLS, "tool_choice": {"type": "tool", "name": "nope"}}, "nope"),
-                        ({"max_tokens": 10**6}, "maximum context length")):
+                        ({"max_tokens": 10**6}, "maximum context length"),
+                        ({"priority": 1}, "--scheduling-policy priority")):  # vLLM's extra, refused under fcfs
         r = httpx.post(url, json={**base, **body}, timeout=60)
         assert r.status_code == 400, r.text
         err = r.json()

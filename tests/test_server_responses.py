@@ -150,6 +150,20 @@ def test_store_is_a_bounded_lru():
     assert len(off) == 0
 
 
+def test_cache_salt_separates_prefix_cache_tenants(client, model):
+    """vLLM's cache_salt reaches the engine: a prompt is served from the prefix cache only for its own salt."""
+    text = "Summarise: " + " ".join(f"item {i} is a sentence about paged attention." for i in range(12))
+
+    def cached(salt: str) -> int:
+        r = client.responses.create(model=model, input=text, max_output_tokens=1, store=False,
+                                    extra_body={"cache_salt": salt})
+        return r.usage.input_tokens_details.cached_tokens
+
+    first = cached("tenant-a")
+    assert cached("tenant-a") > first  # the same salt: the prompt's blocks are hits
+    assert cached("tenant-b") == first  # another salt: none of tenant a's blocks
+
+
 def test_errors_in_openai_shape(client, served, model):
     url = served.url + "/v1/responses"
     for body, param in (({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
@@ -160,11 +174,14 @@ def test_errors_in_openai_shape(client, served, model):
                         ({"input": "x", "background": True}, "background"),
                         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
                         ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
-                        ({"input": "x", "max_output_tokens": 10**6}, "max_output_tokens")):
+                        ({"input": "x", "max_output_tokens": 10**6}, "max_output_tokens"),
+                        ({"input": "x", "priority": 1}, "priority")):  # vLLM's extra, refused under fcfs
         r = httpx.post(url, json={"model": model, **body}, timeout=60)
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["code"] == 400 and err["param"] == param, err
+    r = httpx.post(url, json={"model": model, "input": 7}, timeout=60)  # the Responses API's own wording
+    assert r.status_code == 400 and "a string or a list of input items" in r.json()["error"]["message"], r.text
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="nope", input="x")
     assert wait_engine_idle(served.aengine)  # every request of this module finished and gave its blocks back

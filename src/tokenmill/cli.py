@@ -254,7 +254,8 @@ def _serve_on_ray(ns: argparse.Namespace, chat_template: str | None) -> int:
         api_key=ns.api_key, max_logprobs=ns.max_logprobs, chat_template=chat_template,
         trust_request_chat_template=ns.trust_request_chat_template,
         max_request_body_bytes=ns.max_request_body_bytes or None, max_prompts_per_request=ns.max_prompts_per_request,
-        log_requests=not ns.disable_log_requests, enable_web_ui=not ns.disable_web_ui)
+        log_requests=not ns.disable_log_requests, enable_web_ui=not ns.disable_web_ui,
+        max_stored_responses=ns.max_stored_responses)
     cluster = ray_serve.ClusterOptions(
         ray_address=ns.ray_address, host=ns.host, port=ns.port, keep_alive_timeout_s=ns.timeout_keep_alive,
         ssl_keyfile=ns.ssl_keyfile, ssl_certfile=ns.ssl_certfile, root_path=ns.root_path)

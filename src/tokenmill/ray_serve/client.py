@@ -70,7 +70,8 @@ class ReplicaEngineClient:
         return len(self._streams)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None, parent_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, parent_id: str | None = None, *, priority: int = 0,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """AsyncLLMEngine.generate's contract: RequestOutputs until the request finishes; ValueError,
         QueueFullError or EngineDeadError before the first output; closing it aborts the request."""
         rid = request_id or f"req-{uuid.uuid4().hex}"
@@ -82,19 +83,20 @@ class ReplicaEngineClient:
                 loop = asyncio.get_running_loop()
                 prompt = await loop.run_in_executor(self.prep_pool, self.engine.encode, prompt)
             ids = list(prompt)
-            async for out in self._attempts(ids, params, rid, parent_id, state):
+            extras = {"priority": priority, "cache_salt": cache_salt}
+            async for out in self._attempts(ids, params, rid, parent_id, extras, state):
                 yield out
         finally:
             self._streams.pop(rid, None)
             if state.response is not None and not state.finished:
                 state.response.cancel()  # the replica aborts the request and frees its blocks
 
-    async def _attempts(self, ids: list[int], params, rid: str, parent_id: str | None,
+    async def _attempts(self, ids: list[int], params, rid: str, parent_id: str | None, extras: dict,
                         state: _InFlight) -> AsyncIterator[RequestOutput]:
         last_error: BaseException | None = None
         for attempt in range(MAX_SEND_ATTEMPTS):
             started = False
-            state.response = response = self._generate.remote(ids, params, rid, parent_id)
+            state.response = response = self._generate.remote(ids, params, rid, parent_id, **extras)
             try:
                 async for item in response:
                     if isinstance(item, ReplicaError):

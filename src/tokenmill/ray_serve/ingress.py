@@ -20,8 +20,8 @@ import tokenmill
 from tokenmill.ray_serve.client import ReplicaEngineClient
 from tokenmill.ray_serve.metrics import merge_replica_metrics
 from tokenmill.ray_serve.replica import EngineFrontend, ReplicaStats
-from tokenmill.server import misc_routes, openai_chat, openai_completions, tgi_routes, web_ui
-from tokenmill.server.app import DEFAULT_MAX_BODY_BYTES, ServerMiddleware, _add_offline_docs
+from tokenmill.server import misc_routes, openai_responses, web_ui
+from tokenmill.server.app import DEFAULT_MAX_BODY_BYTES, GENERATION_ROUTES, ServerMiddleware, _add_offline_docs
 from tokenmill.server.chat_template import install_template_bounds
 from tokenmill.server.errors import install_error_handlers
 from tokenmill.server.serving import DEFAULT_MAX_PROMPTS, ServerContext, get_ctx
@@ -44,6 +44,7 @@ class IngressOptions:
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS
     log_requests: bool = True
     enable_web_ui: bool = True
+    max_stored_responses: int = openai_responses.DEFAULT_MAX_STORED
 
 
 class _IngressMetrics:
@@ -74,7 +75,8 @@ def build_ingress_app(client: ReplicaEngineClient, handle, options: IngressOptio
                         chat_template=options.chat_template,
                         trust_request_chat_template=options.trust_request_chat_template,
                         max_request_body_bytes=options.max_request_body_bytes,
-                        max_prompts_per_request=options.max_prompts_per_request)
+                        max_prompts_per_request=options.max_prompts_per_request,
+                        response_store=openai_responses.ResponseStore(options.max_stored_responses))
     app = FastAPI(title="tokenmill", version=tokenmill.__version__, docs_url=None, redoc_url=None,
                   description="OpenAI-compatible and TGI-compatible LLM server (Ray Serve replicas).",
                   strict_content_type=False)
@@ -84,7 +86,7 @@ def build_ingress_app(client: ReplicaEngineClient, handle, options: IngressOptio
     app.include_router(_replica_routes(handle))
     misc = APIRouter()
     misc.routes.extend(r for r in misc_routes.router.routes if getattr(r, "path", None) not in _REPLICA_ROUTES)
-    for router in (openai_completions.router, openai_chat.router, misc, tgi_routes.router):
+    for router in (*(m.router for m in GENERATION_ROUTES), misc):
         app.include_router(router)
     if options.enable_web_ui:
         web_ui.install(app)

@@ -55,6 +55,7 @@ class EngineFrontend:
     encode = LLMEngine.encode
     render_chat_template = LLMEngine.render_chat_template
     apply_chat_template = LLMEngine.apply_chat_template
+    check_priority = LLMEngine.check_priority
 
 
 @dataclass
@@ -92,13 +93,15 @@ class EngineReplica:
         logger.info("engine replica %s ready in %.1f s", self.replica_id, time.perf_counter() - t0)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams | None, request_id: str,
-                       parent_id: str | None = None) -> AsyncIterator[RequestOutput | ReplicaError]:
+                       parent_id: str | None = None, *, priority: int = 0,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput | ReplicaError]:
         """The engine's outputs without prompt_token_ids (the caller has them: a 1,000-token prompt
         would otherwise cross the wire with every token). Errors come as one ReplicaError item.
         A caller that goes away (Serve cancels this generator) aborts the request, freeing its blocks."""
         finished = False
         try:
-            async for out in self.aengine.generate(prompt_ids, params, request_id, parent_id):
+            async for out in self.aengine.generate(prompt_ids, params, request_id, parent_id, priority=priority,
+                                                   cache_salt=cache_salt):
                 finished = out.finished
                 yield dataclasses.replace(out, prompt_token_ids=[])
         except ValueError as e:

@@ -86,7 +86,7 @@ async def _create_message(body: AnthropicMessagesRequest, raw: Request):
     sampling = conversation.Sampling(max_tokens=body.max_tokens, max_param="max_tokens", temperature=body.temperature,
                                      top_p=body.top_p, top_k=body.top_k or None, stop=body.stop_sequences,
                                      guided=guided)
-    gen = await conversation.start(ctx, raw, "msg", body.model, messages, tool_plan(body), sampling, continue_final)
+    gen = await conversation.start(ctx, raw, "msg", body, messages, tool_plan(body), sampling, continue_final)
     if body.stream:
         return SSEResponse(_stream(gen))
     answer = await conversation.answer(gen)

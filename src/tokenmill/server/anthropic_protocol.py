@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
 
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.server.protocol import MAX_STOP, NonEmptyStr
+from tokenmill.server.protocol import MAX_STOP, NonEmptyStr, SchedulingExtras
 
 
 class AnthropicBaseModel(BaseModel):
@@ -121,7 +121,7 @@ class AnthropicOutputConfig(AnthropicBaseModel):
     format: AnthropicJSONOutputFormat | None = Field(None, description="structured output (effort is ignored)")
 
 
-class AnthropicMessagesRequest(AnthropicConversation):
+class AnthropicMessagesRequest(AnthropicConversation, SchedulingExtras):
     max_tokens: int = Field(..., ge=1, description="new tokens at most (the prompt and them must fit the context)")
     stop_sequences: Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP)] | None = Field(
         None, description="strings that end generation (not included in the text)")

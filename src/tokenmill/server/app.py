@@ -32,6 +32,9 @@ from tokenmill.server.chat_template import install_template_bounds
 from tokenmill.server.serving import DEFAULT_MAX_PROMPTS, ServerContext
 from tokenmill.server.tracing import RequestTracer
 
+# The routes that generate, served alike by `tokenmill serve` and the Ray Serve ingress.
+GENERATION_ROUTES = (openai_completions, openai_chat, openai_responses, anthropic_messages, tgi_routes)
+
 logger = logging.getLogger("tokenmill.server")
 access_logger = logging.getLogger("tokenmill.access")
 
@@ -198,8 +201,7 @@ def build_app(aengine: AsyncLLMEngine, *, api_key: str | None = None, max_logpro
     app.state.ctx = ctx
     install_error_handlers(app)
     _add_offline_docs(app)
-    for module in (openai_completions, openai_chat, openai_embeddings, openai_responses, anthropic_messages,
-                   misc_routes, tgi_routes):
+    for module in (*GENERATION_ROUTES, openai_embeddings, misc_routes):
         app.include_router(module.router)
     # vLLM registers these only with runtime updating on; here they answer 404 saying how to turn it on
     app.include_router(lora_routes.router, include_in_schema=lora_routes.runtime_updating_allowed(ctx))

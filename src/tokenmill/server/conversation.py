@@ -20,6 +20,7 @@ from tokenmill.server.serving import (
     ServerContext,
     build_sampling_params,
     check_model,
+    check_priority,
     collect_all,
     engine_stream,
     merge,
@@ -71,10 +72,12 @@ async def prompt_ids(ctx: ServerContext, messages: list[ChatMessage], plan: Tool
     return await ctx.offload(render_chat, ctx, messages, not continue_final, continue_final, None, None, plan)
 
 
-async def start(ctx: ServerContext, raw: Request, prefix: str, model: str | None, messages: list[ChatMessage],
+async def start(ctx: ServerContext, raw: Request, prefix: str, body, messages: list[ChatMessage],
                 plan: ToolPlan | None, sampling: Sampling, continue_final: bool = False) -> Generation:
-    """Check, render and start one engine request for a conversation."""
-    lora = check_model(ctx, model)
+    """Check, render and start one engine request for a conversation. body: the API's request (its
+    model, and vLLM's scheduling extras priority and cache_salt)."""
+    lora = check_model(ctx, body.model)
+    check_priority(ctx, body.priority)
     ids = await prompt_ids(ctx, messages, plan, continue_final)
     max_tokens = resolve_max_tokens(ctx, len(ids), sampling.max_tokens, "messages", sampling.max_param)
     params = build_sampling_params(
@@ -82,7 +85,7 @@ async def start(ctx: ServerContext, raw: Request, prefix: str, model: str | None
         top_k=_opt(sampling.top_k, -1), stop=sampling.stop, seed=sampling.seed, guided_decoding=sampling.guided)
     parse_plan = apply_tool_grammar(params, plan)
     request_id = new_request_id(prefix, sep="_")  # msg_..., resp_...: the APIs' own style
-    tracker = track(raw, request_id)
+    tracker = track(raw, request_id, body)
     tracker.prompt_tokens = len(ids)
     (stream,) = await start_streams([engine_stream(ctx, ids, params, request_id, tracker, lora=lora)])
     return Generation(request_id, served_name(ctx, lora), len(ids), parse_plan, stream)

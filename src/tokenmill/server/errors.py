@@ -100,7 +100,8 @@ def error_response(path: str, message: str, status: int, param: str | None = Non
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-# Fields typed as a Union: pydantic reports one error per arm; say what is accepted instead.
+# Fields typed as a Union: pydantic reports one error per arm; say what is accepted instead. A request
+# model whose field of the same name takes other things says so in its own UNION_FIELDS class attribute.
 _UNION_FIELDS = {
     "prompt": "a string, a list of strings, a list of token ids (integers >= 0) or a list of token id lists",
     "input": "a non-empty string, a list of non-empty strings, a list of token ids (integers >= 0) or a list of "
@@ -204,12 +205,12 @@ def _clean_loc(e: dict) -> list:
     return [x for x in e.get("loc", ()) if x != "body" and not _ARM_RE.match(str(x))]
 
 
-def _union_field(e: dict) -> str | None:
-    """The _UNION_FIELDS field whose value matched none of its arms: the error is at the field itself
+def _union_field(e: dict, fields: dict[str, str]) -> str | None:
+    """The union field whose value matched none of its arms: the error is at the field itself
     or inside one of its arms (not deeper in a value that was accepted as one, e.g. a content block)."""
     loc = [str(x) for x in e.get("loc", ()) if x != "body"]
     for k in range(len(loc) - 1, -1, -1):
-        if loc[k] in _UNION_FIELDS:
+        if loc[k] in fields:
             return loc[k] if k + 1 == len(loc) or _ARM_RE.match(loc[k + 1]) else None
     return None
 
@@ -232,12 +233,13 @@ def _validation_message(exc: RequestValidationError, body_model=None, tgi: bool 
             where = ".".join(str(x) for x in _clean_loc(e)) or "body"
             return f"{where}: not valid Unicode text (it contains a lone surrogate)", (_clean_loc(e) or [None])[0]
     parts, param, seen, plain = [], None, set(), False
+    unions = {**_UNION_FIELDS, **getattr(body_model, "UNION_FIELDS", {})}
     for e in errors:
         raw_loc = _clean_loc(e)
         loc = [str(x) for x in raw_loc]
         if param is None and loc:
             param = loc[0]
-        union = None if tgi else _union_field(e)
+        union = None if tgi else _union_field(e, unions)
         ranged = None if union is not None else _range_message(e, raw_loc, body_model, tgi)
         if union is not None:
             where_loc = loc[: len(loc) - loc[::-1].index(union)]
@@ -246,7 +248,7 @@ def _validation_message(exc: RequestValidationError, body_model=None, tgi: bool 
             if values and all(v in ("", []) for v in values):  # every arm refused an empty value
                 msg = f"{where}: must not be empty"
             else:
-                msg = f"{where}: must be {_UNION_FIELDS[union]}"
+                msg = f"{where}: must be {unions[union]}"
             plain = True
         elif ranged is not None:
             msg = ranged

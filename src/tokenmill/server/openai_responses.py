@@ -134,7 +134,7 @@ async def _create_response(ctx: ServerContext, body: ResponsesRequest, raw: Requ
     guided = structured_output(fmt.type, getattr(fmt, "schema_", None), param="text.format") if fmt else None
     sampling = conversation.Sampling(max_tokens=body.max_output_tokens, max_param="max_output_tokens",
                                      temperature=body.temperature, top_p=body.top_p, guided=guided)
-    gen = await conversation.start(ctx, raw, "resp", body.model, messages, tool_plan(body), sampling)
+    gen = await conversation.start(ctx, raw, "resp", body, messages, tool_plan(body), sampling)
     created = int(time.time())
     if body.stream:
         return SSEResponse(_stream(ctx, body, gen, created, turn))

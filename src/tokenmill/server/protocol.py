@@ -132,7 +132,18 @@ _STREAM_OPTIONS_RULE = {
     "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}}
 
 
-class _SamplingFields(OpenAIBaseModel):
+class SchedulingExtras(BaseModel):
+    """vLLM's per-request scheduling extras, on every generation route's body (serving.new_tracker reads them)."""
+
+    priority: int = Field(0, ge=-(2**63), le=2**63 - 1,
+                          description="vLLM extra: with --scheduling-policy priority, lower values are scheduled "
+                                      "first (ties by arrival); anything but 0 is refused under fcfs")
+    cache_salt: NonEmptyStr | None = Field(
+        None, description="vLLM extra: the prompt shares prefix-cache blocks only with requests of the same salt "
+                          "(tenant isolation)")
+
+
+class _SamplingFields(OpenAIBaseModel, SchedulingExtras):
     """Sampling fields common to /v1/completions and /v1/chat/completions."""
 
     model_config = ConfigDict(json_schema_extra={"allOf": [_STREAM_OPTIONS_RULE]})
@@ -180,12 +191,6 @@ class _SamplingFields(OpenAIBaseModel):
     guided_grammar: str | None = Field(None, description="vLLM extra: output follows this grammar (Lark or GBNF)")
     watermark: bool = Field(False, description="tokenmill extra: green-list watermark (Kirchenbauer et al.; "
                             "detect with `tokenmill watermark detect`)")
-    priority: int = Field(0, ge=-(2**63), le=2**63 - 1,
-                          description="vLLM extra: with --scheduling-policy priority, lower values are scheduled "
-                                      "first (ties by arrival); anything but 0 is refused under fcfs")
-    cache_salt: NonEmptyStr | None = Field(
-        None, description="vLLM extra: the prompt shares prefix-cache blocks only with requests of the same salt "
-                          "(tenant isolation)")
 
 
 # ---- /v1/completions ---------------------------------------------------------------------

@@ -5,11 +5,11 @@ this server cannot take (images, files, built-in tools) is a 400 saying what it 
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, Discriminator, Field, Tag
 
-from tokenmill.server.protocol import OpenAIBaseModel
+from tokenmill.server.protocol import OpenAIBaseModel, SchedulingExtras
 
 
 # ---- input ---------------------------------------------------------------------------------
@@ -115,7 +115,9 @@ class ResponsesTextConfig(OpenAIBaseModel):
                       Field(discriminator="type")] | None = None
 
 
-class ResponsesRequest(OpenAIBaseModel):
+class ResponsesRequest(OpenAIBaseModel, SchedulingExtras):
+    UNION_FIELDS: ClassVar[dict[str, str]] = {  # errors.py's wording when a value matches no arm
+        "input": "a string or a list of input items (messages, function_call, function_call_output)"}
     model: str | None = Field(None, description="served model name; omitted means the served model")
     input: ResponsesInput = Field(..., description="text (a user message), or a list of input items")
     instructions: str | None = Field(None, description="a system message first (not carried over by "

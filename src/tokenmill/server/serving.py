@@ -135,8 +135,12 @@ def check_sampling_fields(ctx: ServerContext, body) -> None:
     if body.stop_token_ids:
         check_token_ids(ctx, body.stop_token_ids, "stop_token_ids")
     check_logprobs(ctx, body.prompt_logprobs, "prompt_logprobs")
+    check_priority(ctx, body.priority)
+
+
+def check_priority(ctx: ServerContext, priority: int) -> None:
     try:
-        ctx.engine.check_priority(getattr(body, "priority", 0))
+        ctx.engine.check_priority(priority)
     except ValueError as e:
         raise APIError(str(e), param="priority") from None
 
