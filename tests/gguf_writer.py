@@ -1,13 +1,16 @@
 """Test utility: write a GGUF from a tiny Hugging Face llama / qwen2 / qwen3 / phi3 folder, the way
 llama.cpp's convert_hf_to_gguf.py does (same metadata keys, Q/K permutation for llama, llama3 rope
 as a `rope_freqs` tensor, Phi-3's LongRoPE factors as `rope_factors_long` / `rope_factors_short`,
-byte-level BPE vocabulary as tokenizer.ggml.model "gpt2").
+byte-level BPE vocabulary as tokenizer.ggml.model "gpt2"). Mixtures of experts (mixtral as
+llama.cpp's "llama", qwen2_moe, qwen3_moe) get their experts stacked per layer
+(ffn_{gate,up,down}_exps [E, rows, cols]) and the expert metadata.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import gguf
@@ -23,8 +26,16 @@ _NAMES = {
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",  # qwen3
     "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # phi3: fused, gate rows first
+    "block_sparse_moe.gate": "ffn_gate_inp", "mlp.gate": "ffn_gate_inp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
 }  # fmt: skip
-ARCHS = ("llama", "qwen2", "qwen3", "phi3")
+# model_type -> llama.cpp architecture (Mixtral is "llama" with experts)
+ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "mixtral": "llama",
+         "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight$")
+_EXPERT_PART = {"w1": "ffn_gate_exps", "gate_proj": "ffn_gate_exps", "w3": "ffn_up_exps", "up_proj": "ffn_up_exps",
+                "w2": "ffn_down_exps", "down_proj": "ffn_down_exps"}
 
 
 def _gguf_name(hf: str) -> str:
@@ -107,15 +118,16 @@ _KQUANT_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 
 
 def write_gguf_from_hf(hf_dir: str | Path, out_path: str | Path, qtype: str | dict[str, str] = "F32",
                        pre: str = "gpt-2") -> Path:
-    """Write `hf_dir` (one of ARCHS) as a GGUF at `out_path`; 2-D weights are stored as `qtype`
+    """Write `hf_dir` (a model_type in ARCHS) as a GGUF at `out_path`; 2-D weights are stored as `qtype`
     (e.g. "F32", "F16", "Q8_0"; or per llama.cpp tensor kind, {"attn_v": "Q6_K", ...}, the rest F32)
     where their rows fit its block size, norms stay F32 as in llama.cpp. k-quant tensors get
-    random_kquant blocks: the file then holds another model than `hf_dir`, with its shapes."""
+    random_kquant blocks: the file then holds another model than `hf_dir`, with its shapes. A
+    Qwen2-MoE shared expert's gate is written 1-D ([hidden]), as llama.cpp may store it."""
     hf_dir, out_path = Path(hf_dir), Path(out_path)
     cfg = json.loads((hf_dir / "config.json").read_text())
-    arch = cfg["model_type"]
-    if arch not in ARCHS:
-        raise ValueError(f"write_gguf_from_hf supports {ARCHS}, not {arch}")
+    if cfg["model_type"] not in ARCHS:
+        raise ValueError(f"write_gguf_from_hf supports {sorted(ARCHS)}, not {cfg['model_type']}")
+    arch = ARCHS[cfg["model_type"]]
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
@@ -147,6 +159,13 @@ def write_gguf_from_hf(hf_dir: str | Path, out_path: str | Path, qtype: str | di
         w.add_rope_dimension_count(int(partial * cfg["hidden_size"]) // heads)
         w.add_rope_scaling_orig_ctx_len(cfg.get("original_max_position_embeddings", cfg["max_position_embeddings"]))
         w.add_sliding_window(cfg.get("sliding_window") or 0)
+    if experts := cfg.get("num_local_experts") or cfg.get("num_experts"):
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if "moe_intermediate_size" in cfg:
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if cfg.get("shared_expert_intermediate_size"):
+        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     if rope_type == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
@@ -168,10 +187,16 @@ def write_gguf_from_hf(hf_dir: str | Path, out_path: str | Path, qtype: str | di
 
     if arch == "llama" and rope_type == "llama3":
         w.add_tensor("rope_freqs.weight", _llama3_rope_freqs(rope, theta, head_dim))
+    stacked: dict[str, dict[int, np.ndarray]] = {}  # llama.cpp name -> expert -> tensor
     for i, (name, t) in enumerate(load_file(str(hf_dir / "model.safetensors")).items()):
         if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
             continue
         t = t.astype(np.float32)
+        if m := _EXPERT.match(name):
+            stacked.setdefault(f"blk.{m.group(1)}.{_EXPERT_PART[m.group(3)]}.weight", {})[int(m.group(2))] = t
+            continue
+        if name.endswith("shared_expert_gate.weight"):
+            t = t.reshape(-1)
         if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             t = _permute(t, heads)
         elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -184,6 +209,8 @@ def write_gguf_from_hf(hf_dir: str | Path, out_path: str | Path, qtype: str | di
             w.add_tensor(gname, data, raw_dtype=qt)
         else:
             w.add_tensor(gname, np.ascontiguousarray(t))
+    for name, experts in stacked.items():
+        w.add_tensor(name, np.stack([experts[e] for e in sorted(experts)]))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

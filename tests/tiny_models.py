@@ -57,11 +57,26 @@ def build_tokenizer(out: Path, vocab_size: int = 512) -> int:
     return tok.get_vocab_size()
 
 
+MOE = {  # arch -> (transformers class prefix, config beyond `common`)
+    "mixtral": ("Mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48,
+                                tie_word_embeddings=False)),
+    "qwen2_moe": ("Qwen2Moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                   shared_expert_intermediate_size=80, num_hidden_layers=3, mlp_only_layers=[1],
+                                   norm_topk_prob=False, tie_word_embeddings=False)),
+    "qwen3_moe": ("Qwen3Moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40,
+                                   num_hidden_layers=4, decoder_sparse_step=2, norm_topk_prob=True, head_dim=32,
+                                   tie_word_embeddings=True)),
+}
+
+
 def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """arch: 'llama' (GQA, llama3 rope scaling, untied), 'qwen2' (qkv bias, tied embeddings) or
     'qwen3' (q/k norms, head_dim 32 != hidden / heads, tied embeddings) or 'phi3' (fused qkv and
-    gate_up; pass partial_rotary_factor / rope_scaling for Phi-4-mini-like rope)."""
+    gate_up; pass partial_rotary_factor / rope_scaling for Phi-4-mini-like rope), or a mixture of
+    experts with 4 experts, top 2: 'mixtral', 'qwen2_moe' (shared expert, a dense layer by
+    mlp_only_layers), 'qwen3_moe' (q/k norms, norm_topk_prob, dense layers by decoder_sparse_step)."""
     import torch
+    import transformers
     from transformers import (LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
                               Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
@@ -111,16 +126,21 @@ def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0, **overrides)
         common.update(tie_word_embeddings=False, pad_token_id=tok.token_to_id("<|endoftext|>"))
         common.update(overrides)
         cfg, cls = Phi3Config(**common), Phi3ForCausalLM
+    elif arch in MOE:
+        name, extra = MOE[arch]
+        common.update(extra)
+        common.update(overrides)
+        cfg, cls = getattr(transformers, name + "Config")(**common), getattr(transformers, name + "ForCausalLM")
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
     model = cls(cfg).to(torch.float32).eval()
-    if arch == "qwen2":  # HF zero-inits biases; make them matter
+    if arch in ("qwen2", "qwen2_moe"):  # HF zero-inits biases; make them matter
         with torch.no_grad():
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.2)
-    if arch == "qwen3":  # HF inits the q/k norms to ones; make them matter
+    if arch in ("qwen3", "qwen3_moe"):  # HF inits the q/k norms to ones; make them matter
         with torch.no_grad():
             for layer in model.model.layers:
                 for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):

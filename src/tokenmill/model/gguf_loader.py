@@ -87,6 +87,49 @@ def _phi3_config(g: _Gguf, m: dict[str, Any], p: str) -> dict[str, Any]:
     return out
 
 
+# Mixture of experts. llama.cpp stacks each layer's experts in one tensor [E, rows, cols]; "{e}" in
+# the HF name splits it into the Hub's per-expert tensors. Routing as llama.cpp runs each family:
+# the top-k weights renormalised for Mixtral and Qwen3-MoE, not for Qwen2-MoE; a layer without a
+# router (ffn_gate_inp) is dense.
+_MIXTRAL_TENSORS = {
+    "ffn_gate_inp": "block_sparse_moe.gate", "ffn_gate_exps": "block_sparse_moe.experts.{e}.w1",
+    "ffn_up_exps": "block_sparse_moe.experts.{e}.w3", "ffn_down_exps": "block_sparse_moe.experts.{e}.w2",
+}  # fmt: skip
+_QWEN_MOE_TENSORS = {
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{e}.up_proj", "ffn_down_exps": "mlp.experts.{e}.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}  # fmt: skip
+
+
+def _experts(g: _Gguf, m: dict[str, Any], p: str) -> dict[str, Any]:
+    """The Qwen-MoE config fields: expert counts and sizes, which layers are dense."""
+    layers = int(m[p + "block_count"])
+    return {"num_experts": int(m[p + "expert_count"]), "num_experts_per_tok": int(m[p + "expert_used_count"]),
+            "moe_intermediate_size": int(m[p + "expert_feed_forward_length"]), "decoder_sparse_step": 1,
+            "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in g.tensors]}
+
+
+def _llama_config(g: _Gguf, m: dict[str, Any], p: str) -> dict[str, Any]:
+    """Llama, or Mixtral: llama.cpp writes Mixtral as "llama" with experts."""
+    if not int(m.get(p + "expert_count", 0)):
+        return _has_qkv_bias(g, m, p)
+    return {**_has_qkv_bias(g, m, p), "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+            "num_local_experts": int(m[p + "expert_count"]), "num_experts_per_tok": int(m[p + "expert_used_count"])}
+
+
+def _qwen2moe_config(g: _Gguf, m: dict[str, Any], p: str) -> dict[str, Any]:
+    return {**_experts(g, m, p), "model_type": "qwen2_moe", "norm_topk_prob": False,
+            "qkv_bias": "blk.0.attn_q.bias" in g.tensors,
+            "shared_expert_intermediate_size": int(m.get(p + "expert_shared_feed_forward_length", 0))}
+
+
+def _qwen3moe_config(g: _Gguf, m: dict[str, Any], p: str) -> dict[str, Any]:
+    return {**_experts(g, m, p), "model_type": "qwen3_moe", "norm_topk_prob": True,
+            "attention_bias": "blk.0.attn_q.bias" in g.tensors}
+
+
 @dataclass(frozen=True)
 class GgufArch:
     """How one llama.cpp architecture (general.architecture) becomes a Hugging Face folder."""
@@ -100,7 +143,8 @@ class GgufArch:
 
 # Keyed by llama.cpp's architecture name; a family adds its entry here.
 ARCHS: dict[str, GgufArch] = {
-    "llama": GgufArch("LlamaForCausalLM", permute_qk=True, config=_has_qkv_bias),  # also Mistral 7B
+    "llama": GgufArch("LlamaForCausalLM", permute_qk=True, tensors=_MIXTRAL_TENSORS,  # also Mistral 7B, Mixtral
+                      config=_llama_config),
     "mistral": GgufArch("MistralForCausalLM", permute_qk=True, config=lambda g, m, p: {
         **_has_qkv_bias(g, m, p), "sliding_window": m.get(p + "attention.sliding_window")}),
     "qwen2": GgufArch("Qwen2ForCausalLM"),  # NEOX-style rope in llama.cpp; q/k/v biases always
@@ -108,6 +152,9 @@ ARCHS: dict[str, GgufArch] = {
                       tensors={"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}),
     "phi3": GgufArch("Phi3ForCausalLM", tensors={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
                      config=_phi3_config),
+    "qwen2moe": GgufArch("Qwen2MoeForCausalLM", tensors=_QWEN_MOE_TENSORS, config=_qwen2moe_config),
+    "qwen3moe": GgufArch("Qwen3MoeForCausalLM", tensors={**_QWEN_MOE_TENSORS, "attn_q_norm": "self_attn.q_norm",
+                                                          "attn_k_norm": "self_attn.k_norm"}, config=_qwen3moe_config),
 }
 
 # tokenizer.ggml.pre -> split regex run before byte-level BPE (llama.cpp's llama-vocab.cpp).
@@ -498,6 +545,13 @@ def _convert(gguf_path: str, out: Path, dense_dtype: str = "float32") -> str:
             n_head = heads if parts[2] == "attn_q" else (kv_heads or heads)
             fix = (lambda w: _unpermute(w, n_head))  # a permutation of rows: applies to blocks alike
         dense = torch.from_numpy(np.require(fix(g.tensor(name)), requirements="CW"))  # W: not the read-only mmap
+        if "{e}" in hf:  # stacked experts [E, rows, cols]: the Hub's one tensor per expert, in float32
+            weights.update((hf.format(e=e), w.clone()) for e, w in enumerate(dense.unbind(0)))
+            if (qtype := g.tensors[name][1]) not in _FLOAT_TYPES:
+                dequantized.setdefault(gguf.GGMLQuantizationType(qtype).name, []).append(name)
+            continue
+        if hf.endswith("shared_expert_gate.weight"):  # llama.cpp may keep it 1-D, [hidden]
+            dense = dense.reshape(1, -1)
         stem = hf.removesuffix(".weight")
         if (blocks := g.raw_blocks(name)) is not None:
             for key, arr in _split_blocks(*blocks).items():

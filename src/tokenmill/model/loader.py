@@ -17,7 +17,9 @@ from tokenmill.model.layers import cpu_kernels
 from tokenmill.model.layers.quantization import BITS, GROUP, dequantize, quantize_model
 from tokenmill.model.models.bert import BertModel
 from tokenmill.model.models.llama import LlamaForCausalLM
+from tokenmill.model.models.mixtral import MixtralForCausalLM
 from tokenmill.model.models.phi3 import Phi3ForCausalLM
+from tokenmill.model.models.qwen2_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from tokenmill.model.models.qwen3 import Qwen3ForCausalLM
 
 logger = logging.getLogger("tokenmill")
@@ -27,6 +29,9 @@ _MODEL_CLASSES = (
     LlamaForCausalLM,
     Qwen3ForCausalLM,
     Phi3ForCausalLM,
+    MixtralForCausalLM,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeForCausalLM,
     BertModel,  # an encoder: embeddings only
 )
 MODEL_REGISTRY = {arch: cls for cls in _MODEL_CLASSES for arch in cls.ARCHITECTURES}

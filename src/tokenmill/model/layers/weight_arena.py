@@ -54,8 +54,8 @@ def _decode_tensors(model: nn.Module) -> list[tuple[nn.Module, str]]:
         return []
 
     order: list[nn.Module] = []
-    for layer in getattr(model, "layers", []):
-        order += [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    for layer in getattr(model, "layers", []):  # a layer's linears in the order it defines them (and runs them)
+        order += list(layer.modules())
     order += [getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)]
     return [slot for m in order if m is not None for slot in of(m)]
 

@@ -60,10 +60,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg, tp: TPGroup = NO_TP):
+    def __init__(self, cfg, tp: TPGroup = NO_TP, intermediate_size: int | None = None):
         super().__init__()
         self.tp = tp
-        self.intermediate = cfg.intermediate_size // tp.size  # this rank's share
+        self.intermediate = (intermediate_size or cfg.intermediate_size) // tp.size  # this rank's share
         bias = getattr(cfg, "mlp_bias", False)
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, bias=bias)
         self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=bias)
@@ -83,9 +83,13 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg, layer_idx: int, qkv_bias: bool, tp: TPGroup = NO_TP):
         super().__init__()
         self.self_attn = self.attention_cls(cfg, layer_idx, qkv_bias, tp)
-        self.mlp = LlamaMLP(cfg, tp)
+        self.mlp = self.make_mlp(cfg, layer_idx, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def make_mlp(self, cfg, layer_idx: int, tp: TPGroup) -> nn.Module:
+        """The feed-forward block; a family with another (a mixture of experts) overrides this."""
+        return LlamaMLP(cfg, tp)
 
     def forward(self, x, residual, positions, rope, attn, meta):
         """(x, residual) -> (x, residual): the residual stream is carried separately so that each
@@ -172,7 +176,7 @@ class LlamaForCausalLM(nn.Module):
             name = stem.removeprefix("model.") + ".weight"
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
-            target, shard = _fused_target(name, self)
+            target, shard = self.fused_target(name)
             bits = 4 if qweight.dtype == torch.uint8 else 8
             shards.setdefault(target.removesuffix(".weight"), []).append(
                 ((shard or (0, 0))[0], stem + ".weight", bits, qweight, tensors[stem + ".scales"]))
@@ -198,7 +202,7 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """(HF name, tensor) pairs; under tensor parallelism each tensor is already this rank's slice."""
         params = dict(self.named_parameters())
-        loaded: set[str] = set()
+        covered: dict[str, int] = {}  # rows of each parameter loaded so far
         for name, w in weights:
             if "rotary_emb" in name:
                 continue
@@ -207,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and w.shape[0] < self.lm_head.weight.shape[0]:  # the last, padded slice
                 w = torch.cat([w, w.new_zeros(self.lm_head.weight.shape[0] - w.shape[0], w.shape[1])])
-            target, shard = _fused_target(name, self)
+            target, shard = self.fused_target(name)
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
             p = params[target]
@@ -216,9 +220,9 @@ class LlamaForCausalLM(nn.Module):
                     p.copy_(w)
                 else:
                     start, size = shard
-                    p.narrow(0, start, size).copy_(w)
-            loaded.add(f"{target}:{shard}")
-        missing = {n for n in params if not any(key.startswith(n + ":") for key in loaded)}
+                    _rows(p).narrow(0, start, size).copy_(w)
+            covered[target] = covered.get(target, 0) + (shard[1] if shard is not None else _rows(p).shape[0])
+        missing = {n for n, p in params.items() if covered.get(n, 0) < _rows(p).shape[0]}
         if self.tie_word_embeddings:
             missing.discard("lm_head.weight")
             if self.tp.size > 1:  # this rank's vocab rows of the (replicated) embedding
@@ -228,6 +232,10 @@ class LlamaForCausalLM(nn.Module):
                     self.lm_head.weight.zero_()[: part.shape[0]].copy_(part)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]} ...")
+
+    def fused_target(self, name: str) -> tuple[str, tuple[int, int] | None]:
+        """(our parameter, (row offset, rows) or None) of an HF name; families extend it."""
+        return _fused_target(name, self)
 
 
 def _fused_target(name: str, model: LlamaForCausalLM) -> tuple[str, tuple[int, int] | None]:
@@ -241,7 +249,12 @@ def _fused_target(name: str, model: LlamaForCausalLM) -> tuple[str, tuple[int, i
                 return name.replace(proj, "qkv_proj"), (offsets[i], sizes[i])
     if ".mlp." in name:
         for i, proj in enumerate(("gate_proj", "up_proj")):
-            if f".{proj}." in name:
-                inter = model.layers[int(name.split(".")[1])].mlp.intermediate  # this rank's share
+            if f".{proj}." in name:  # the MLP owning it: the layer's, or a MoE block's shared expert
+                inter = model.get_submodule(name[: name.index(f".{proj}.")]).intermediate  # this rank's share
                 return name.replace(proj, "gate_up_proj"), (i * inter, inter)
     return name, None
+
+
+def _rows(p: torch.Tensor) -> torch.Tensor:
+    """p as rows: its leading dims flattened (stacked experts [E, N, K] -> [E * N, K])."""
+    return p.flatten(0, -2) if p.dim() > 2 else p

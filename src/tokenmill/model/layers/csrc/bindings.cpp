@@ -39,6 +39,10 @@ torch::Tensor quant_embedding(torch::Tensor ids, torch::Tensor qweight, torch::T
 void lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor A, torch::Tensor Bt, torch::Tensor ranks,
               torch::Tensor slice_bounds, torch::Tensor row_slots);
 
+// moe.cpp
+torch::Tensor moe_experts(torch::Tensor x, torch::Tensor w13, torch::Tensor w2, torch::Tensor topk_ids,
+                          torch::Tensor topk_weights);
+
 // shm_allreduce.cpp
 bool shm_all_reduce(torch::Tensor x, torch::Tensor slots, torch::Tensor words, int64_t rank, int64_t world,
                     int64_t seq, int64_t spin_ns);
@@ -73,6 +77,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_add", &lora_add, "multi-LoRA: y [M, N] += each row's adapter delta (row_slots; -1: none), in place",
         py::arg("y"), py::arg("x"), py::arg("A"), py::arg("Bt"), py::arg("ranks"), py::arg("slice_bounds"),
         py::arg("row_slots"));
+  m.def("moe_experts", &moe_experts, "mixture-of-experts FFN: each token's top-k experts (silu(gate) * up, down), "
+        "summed with its routing weights", py::arg("x"), py::arg("w13"), py::arg("w2"), py::arg("topk_ids"),
+        py::arg("topk_weights"));
   m.def("shm_all_reduce", &shm_all_reduce, "tensor-parallel all-reduce through shared memory (false: aborted)",
         py::call_guard<py::gil_scoped_release>());
   bind_fused_decoder(m);
