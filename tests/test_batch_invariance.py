@@ -164,6 +164,8 @@ def test_a_verification_chunk_equals_decoding_one_token_at_a_time(tiny_bf16, pat
     chunk = d.step([(tokens, 40, 5, chunk_table)], fused=path == "fused")[0]
     assert chunk.shape == one_by_one.shape == (5, _vocab(llm))
     assert torch.equal(chunk, one_by_one)
+    if llm.engine.core.runner.fast_decode is None:
+        return  # no fused step here to split the chunk on
     # and as 2 + 3, the other path
     d2 = Driver(llm)
     t = d2.table(48)

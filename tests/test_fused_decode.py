@@ -176,6 +176,8 @@ def test_decode_weights_sit_in_one_arena_in_execution_order(tiny_qwen2_dir, quan
     llm = LLM(tiny_qwen2_dir, quantization=quantization, **KW)
     model = _runner(llm).model
     tensors = [getattr(m, name) for m, name in _decode_tensors(model)]
+    if not tensors:
+        pytest.skip("no bf16 panels here (needs the C++ kernels' panel kernel)")
     storages = {t.untyped_storage().data_ptr() for t in tensors}
     assert len(storages) == 1
     starts = [t.data_ptr() for t in tensors]
