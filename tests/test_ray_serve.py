@@ -322,6 +322,12 @@ def test_bad_request_through_the_ingress(cluster):
     assert r.status_code == 404
 
 
+def test_embeddings_route_on_a_generating_app(cluster):
+    """/v1/embeddings is served behind Ray Serve too; a generating model answers it with vLLM's 400."""
+    r = httpx.post(cluster.url + "/v1/embeddings", timeout=30, json={"model": cluster.model, "input": "Hello"})
+    assert r.status_code == 400 and "does not support Embeddings API" in r.json()["error"]["message"], r.text
+
+
 def test_web_ui_through_the_ingress(cluster):
     page = httpx.get(cluster.url + "/", timeout=30)
     assert page.status_code == 200 and 'src="ui/main.js"' in page.text
@@ -403,3 +409,26 @@ def test_autoscaling_adds_a_replica_under_load(cluster):
         for f in held:
             r = f.result(timeout=DEADLINE_S)
             assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
+
+
+# ---- embeddings (after autoscaling: it replaces the app) ---------------------------------------
+def test_embeddings_through_the_ingress(cluster):
+    """An embedding app (a decoder with --task embed): the vectors equal the offline engine's; a bad
+    input gets OpenAI's 400 from the replica."""
+    from tokenmill import LLM
+
+    engine = {**cluster.engine, "task": "embed", "override_pooler_config": '{"pooling_type": "MEAN"}'}
+    serve.delete("tokenmill")
+    serve.run(build_app(engine, ReplicaOptions(num_replicas=1)), name="tokenmill", route_prefix="/")
+    wait_for(lambda: len(health(cluster)["replicas"]) == 1, "the embedding app's replica")
+    texts = ["Paged attention keeps the KV cache in blocks.", "Hello", "def add(a, b): return a + b"]
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=DEADLINE_S)
+    got = client.embeddings.create(model=cluster.model, input=texts)
+    assert [d.index for d in got.data] == [0, 1, 2] and got.usage.prompt_tokens > 0
+    offline = LLM(**engine).embed(texts)
+    for d, want in zip(got.data, offline):
+        assert max(abs(a - b) for a, b in zip(d.embedding, want.outputs.embedding)) < 1e-5
+    too_long = [1] * 10_000
+    r = httpx.post(cluster.url + "/v1/embeddings", timeout=30, json={"model": cluster.model, "input": too_long})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+    assert wait_for(lambda: all_idle(cluster, n=1), "the replica idle, every KV block free")

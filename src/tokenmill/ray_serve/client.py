@@ -21,7 +21,8 @@ from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
 
 from tokenmill.engine.async_engine import EngineDeadError, QueueFullError
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import PoolingRequestOutput, RequestOutput
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.ray_serve.replica import EngineFrontend, ReplicaError
 from tokenmill.sampling_params import SamplingParams
 
@@ -52,6 +53,7 @@ class ReplicaEngineClient:
     def __init__(self, handle, frontend: EngineFrontend):
         self.engine = frontend
         self._generate = handle.options(stream=True, method_name="generate")
+        self._encode = handle.options(method_name="encode")
         self.prep_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenmill-prep")
         self.step_observers: list = []  # the engines' observers live in the replicas
         self._streams: dict[str, _InFlight] = {}
@@ -123,6 +125,33 @@ class ReplicaEngineClient:
                 last_error = e
                 logger.warning("request %s: its engine replica died before it started (%s); sending it again "
                                "(attempt %d of %d)", rid, type(e).__name__, attempt + 2, MAX_SEND_ATTEMPTS)
+        raise EngineDeadError(f"no engine replica could take the request: {last_error!r}")
+
+    async def encode(self, prompts: list[str | list[int]], params: PoolingParams | None = None,
+                     request_id: str | None = None) -> list[PoolingRequestOutput]:
+        """AsyncLLMEngine.encode's contract, on one replica. Embeddings have no side effects, so a
+        call whose replica died is sent again whatever it had done; cancelling cancels the replica's."""
+        rid = request_id or f"embd-{uuid.uuid4().hex}"
+        last_error: BaseException | None = None
+        for attempt in range(MAX_SEND_ATTEMPTS):
+            response = self._encode.remote(rid, list(prompts), params)
+            try:
+                result = await response
+            except asyncio.CancelledError:
+                response.cancel()  # the replica aborts what is still running
+                raise
+            except BackPressureError as e:
+                raise QueueFullError(f"every engine replica is at its queue limit; retry later ({e})") from None
+            except Exception as e:  # noqa: BLE001 - sorted below
+                if not replica_gone(e):
+                    raise
+                last_error = e
+                logger.warning("embeddings %s: the engine replica died (%s); sending them again (attempt %d of %d)",
+                               rid, type(e).__name__, attempt + 2, MAX_SEND_ATTEMPTS)
+                continue
+            if isinstance(result, ReplicaError):
+                raise result.to_exception()
+            return result
         raise EngineDeadError(f"no engine replica could take the request: {last_error!r}")
 
     def abort(self, request_id: str) -> None:

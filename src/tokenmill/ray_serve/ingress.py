@@ -20,7 +20,7 @@ import tokenmill
 from tokenmill.ray_serve.client import ReplicaEngineClient
 from tokenmill.ray_serve.metrics import merge_replica_metrics
 from tokenmill.ray_serve.replica import EngineFrontend, ReplicaStats
-from tokenmill.server import misc_routes, openai_responses, web_ui
+from tokenmill.server import misc_routes, openai_embeddings, openai_responses, web_ui
 from tokenmill.server.app import DEFAULT_MAX_BODY_BYTES, GENERATION_ROUTES, ServerMiddleware, _add_offline_docs
 from tokenmill.server.chat_template import install_template_bounds
 from tokenmill.server.errors import install_error_handlers
@@ -86,7 +86,7 @@ def build_ingress_app(client: ReplicaEngineClient, handle, options: IngressOptio
     app.include_router(_replica_routes(handle))
     misc = APIRouter()
     misc.routes.extend(r for r in misc_routes.router.routes if getattr(r, "path", None) not in _REPLICA_ROUTES)
-    for router in (*(m.router for m in GENERATION_ROUTES), misc):
+    for router in (*(m.router for m in GENERATION_ROUTES), openai_embeddings.router, misc):
         app.include_router(router)
     if options.enable_web_ui:
         web_ui.install(app)

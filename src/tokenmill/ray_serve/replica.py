@@ -1,7 +1,7 @@
 """The engine replica deployment: one tokenmill AsyncLLMEngine per Ray Serve replica.
 
 The ingress calls `generate` through a streaming deployment handle (routed by
-routing.TokenmillRouter), `frontend` once to learn the model (config, tokenizer), and
+routing.TokenmillRouter), `encode` for embeddings, `frontend` once to learn the model (config, tokenizer), and
 `stats` on every replica (handle.broadcast) for /metrics and /health. Serve calls
 `check_health`: a replica whose engine loop died is replaced.
 """
@@ -18,7 +18,8 @@ from ray import serve
 
 from tokenmill.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import PoolingRequestOutput, RequestOutput
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.metrics import ServerMetrics
 
@@ -33,6 +34,14 @@ class ReplicaError:
 
     kind: str
     message: str
+
+    @classmethod
+    def of(cls, e: Exception) -> "ReplicaError | None":
+        """The item for an engine error the caller must see as itself; None for anything else."""
+        for kind, types in (("value", ValueError), ("queue_full", QueueFullError), ("dead", EngineDeadError)):
+            if isinstance(e, types):
+                return cls(kind, str(e))
+        return None
 
     def to_exception(self) -> Exception:
         if self.kind == "value":
@@ -51,6 +60,7 @@ class EngineFrontend:
     config: Any  # EngineConfig
     tokenizer: Any
     eos_token_ids: frozenset[int]
+    task: str = "generate"  # or "embed" (LLMEngine.task)
 
     encode = LLMEngine.encode
     render_chat_template = LLMEngine.render_chat_template
@@ -104,22 +114,25 @@ class EngineReplica:
                                                    cache_salt=cache_salt):
                 finished = out.finished
                 yield dataclasses.replace(out, prompt_token_ids=[])
-        except ValueError as e:
+        except (ValueError, QueueFullError, EngineDeadError) as e:
             finished = True
-            yield ReplicaError("value", str(e))
-        except QueueFullError as e:
-            finished = True
-            yield ReplicaError("queue_full", str(e))
-        except EngineDeadError as e:
-            finished = True
-            yield ReplicaError("dead", str(e))
+            yield ReplicaError.of(e)
         finally:
             if not finished:  # closed by the caller (a client disconnect): counted as the server does
                 self.metrics.on_abort()
 
+    async def encode(self, request_id: str, prompts: list[str | list[int]],
+                     params: PoolingParams | None) -> list[PoolingRequestOutput] | ReplicaError:
+        """Embeddings (--task embed engines): AsyncLLMEngine.encode, its errors returned as a
+        ReplicaError. The request id comes first so the router does not read prompts as token ids."""
+        try:
+            return await self.aengine.encode(prompts, params, request_id)
+        except (ValueError, QueueFullError, EngineDeadError) as e:
+            return ReplicaError.of(e)
+
     def frontend(self) -> EngineFrontend:
         engine = self.aengine.engine
-        return EngineFrontend(engine.config, engine.tokenizer, engine.eos_token_ids)
+        return EngineFrontend(engine.config, engine.tokenizer, engine.eos_token_ids, engine.task)
 
     async def stats(self) -> ReplicaStats:
         aengine = self.aengine
