@@ -73,7 +73,7 @@ def test_paged_prefill_noncontiguous_q_and_long_table(kernels):
     torch.testing.assert_close(out, reference_paged_prefill(q, k, v, table, ctx, bs, 0.125), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn])
 def test_backend_prompt_chunks_kernel_vs_torch(kernels, cache_dtype):
     """Two prompt chunks (one fresh, one after a cached prefix) and a decode row in one batch:
     the kernel path and the pure-torch path agree."""
@@ -84,7 +84,7 @@ def test_backend_prompt_chunks_kernel_vs_torch(kernels, cache_dtype):
     for use_kernels in (True, False):
         gen = torch.Generator().manual_seed(2)
         kv = torch.zeros(layers, 2, slots_n, Hkv, D, dtype=cache_dtype)
-        scales = torch.zeros(layers, 2, slots_n, Hkv) if cache_dtype == torch.int8 else None
+        scales = torch.zeros(layers, 2, slots_n, Hkv) if cache_dtype in (torch.int8, torch.float8_e4m3fn) else None
         backend = AttentionBackend(kv, H, Hkv, D, use_cpp_kernels=use_kernels, kv_scales=scales)
         assert (backend.kernels is not None) == use_kernels
         # Sequence A: blocks [3, 7, 1], 40 cached tokens then a 5-token chunk; sequence B: fresh

@@ -30,7 +30,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 RUNS_HERE = DEVICE == "cuda" or isinstance(_tl_zeros, InterpretedFunction)
 if RUNS_HERE:
     from tokenmill.model.layers import triton_attention as ta  # noqa: E402
-from tokenmill.model.layers.attention import quantize_int8  # noqa: E402
+from tokenmill.model.layers.attention import quantize_kv  # noqa: E402
 if _SET_INTERPRET:  # not for what the rest of the session starts; `_interpret` sets it while these tests run
     del os.environ["TRITON_INTERPRET"]
 
@@ -72,15 +72,15 @@ BS = 16  # block size
 class PagedCache:
     """A paged K/V cache whose blocks are handed out in shuffled order; every slot no request
     owns (the null block 0 included) holds NaN (NaN scales for int8), so a kernel that reads
-    one, or lets one into a sum, fails the comparison."""
+    one, or lets one into a sum, fails the comparison. `quant`: an int8 / float8 e4m3 cache, or None."""
 
-    def __init__(self, num_blocks: int, hkv: int, d: int, dtype: torch.dtype, int8: bool, seed: int):
+    def __init__(self, num_blocks: int, hkv: int, d: int, dtype: torch.dtype, quant: torch.dtype | None, seed: int):
         self.g = torch.Generator().manual_seed(seed)
-        self.hkv, self.d, self.dtype, self.int8 = hkv, d, dtype, int8
+        self.hkv, self.d, self.dtype, self.quant = hkv, d, dtype, quant
         n = num_blocks * BS
-        if int8:
-            self.k = torch.zeros(n, hkv, d, dtype=torch.int8)
-            self.v = torch.zeros(n, hkv, d, dtype=torch.int8)
+        if quant is not None:
+            self.k = torch.zeros(n, hkv, d, dtype=quant)
+            self.v = torch.zeros(n, hkv, d, dtype=quant)
             self.k_scale = torch.full((n, hkv), float("nan"))
             self.v_scale = torch.full((n, hkv), float("nan"))
         else:
@@ -96,10 +96,10 @@ class PagedCache:
         slots = blocks[pos // BS] * BS + pos % BS
         k = torch.randn(length, self.hkv, self.d, generator=self.g)
         v = torch.randn(length, self.hkv, self.d, generator=self.g)
-        if self.int8:
+        if self.quant is not None:
             for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-                xq, xs = quantize_int8(x)
-                cache[slots], scales[slots] = xq, xs
+                xq, xs = quantize_kv(x, self.quant)
+                cache.view(torch.uint8)[slots], scales[slots] = xq.view(torch.uint8), xs
             k = self.k[slots].float() * self.k_scale[slots].unsqueeze(-1)
             v = self.v[slots].float() * self.v_scale[slots].unsqueeze(-1)
         else:
@@ -134,8 +134,8 @@ def block_table_rows(tables: list[torch.Tensor], width: int) -> torch.Tensor:
     return out
 
 
-def run_decode(lens, heads, kv_heads, d, dtype, int8, num_splits, width=None, seed=0):
-    cache = PagedCache(64, kv_heads, d, dtype, int8, seed)
+def run_decode(lens, heads, kv_heads, d, dtype, quant, num_splits, width=None, seed=0):
+    cache = PagedCache(64, kv_heads, d, dtype, quant, seed)
     reqs = [cache.add(n) for n in lens]
     q = torch.randn(len(lens), heads, d, generator=cache.g).to(dtype)
     tables = block_table_rows([r[0] for r in reqs], width or max(len(r[0]) for r in reqs))
@@ -154,29 +154,34 @@ def run_decode(lens, heads, kv_heads, d, dtype, int8, num_splits, width=None, se
 @pytest.mark.parametrize("num_splits", [1, 4], ids=["nosplit", "split4"])
 def test_decode(dtype, heads, kv_heads, d, num_splits):
     # Lengths off the block size, a single token, and a request that leaves some of its 4 splits empty.
-    run_decode([37, 1, 16, 70], heads, kv_heads, d, dtype, False, num_splits)
+    run_decode([37, 1, 16, 70], heads, kv_heads, d, dtype, None, num_splits)
+
+
+QUANT = [torch.int8, torch.float8_e4m3fn]
+QUANT_IDS = ["int8", "fp8"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("num_splits", [1, 4], ids=["nosplit", "split4"])
-def test_decode_int8(dtype, num_splits):
-    run_decode([37, 5, 50], 8, 2, 64, dtype, True, num_splits)
+@pytest.mark.parametrize("quant", QUANT, ids=QUANT_IDS)
+def test_decode_quantized_cache(dtype, num_splits, quant):
+    run_decode([37, 5, 50], 8, 2, 64, dtype, quant, num_splits)
 
 
 def test_decode_odd_group_and_head_dim():
     # SmolLM2's 3 query heads per kv head, and a head dim that is not a power of two (padded in the kernel).
-    run_decode([21, 40], 6, 2, 80, torch.float32, False, 2)
+    run_decode([21, 40], 6, 2, 80, torch.float32, None, 2)
 
 
 def test_decode_default_splits_from_table_width():
     # A table 40 blocks wide (640 keys) gets 2 splits by default; the requests are shorter than that.
     assert min(ta.MAX_SPLITS, -(-40 * BS // ta.DEFAULT_PARTITION)) == 2
-    run_decode([100, 9], 4, 2, 64, torch.float32, False, None, width=40)
+    run_decode([100, 9], 4, 2, 64, torch.float32, None, None, width=40)
 
 
 def test_decode_padded_row_is_zero():
     # A batch padded with a seq_len 0 row (as a CUDA graph's fixed batch is) gives zeros there, not NaN.
-    cache = PagedCache(8, 2, 64, torch.float32, False, 1)
+    cache = PagedCache(8, 2, 64, torch.float32, None, 1)
     blocks, k, v = cache.add(20)
     q = torch.randn(2, 4, 64, generator=cache.g)
     tables = block_table_rows([blocks, torch.zeros(0, dtype=torch.int64)], 2)
@@ -190,10 +195,10 @@ def test_decode_padded_row_is_zero():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("heads,kv_heads,d", [(8, 2, 64), (4, 4, 128)], ids=["gqa-d64", "mha-d128"])
 @pytest.mark.parametrize("context_len", [0, 21], ids=["fresh", "prefix"])
-@pytest.mark.parametrize("int8", [False, True], ids=["kv", "kv-int8"])
-def test_prefill(dtype, heads, kv_heads, d, context_len, int8):
+@pytest.mark.parametrize("quant", [None, torch.int8], ids=["kv", "kv-int8"])
+def test_prefill(dtype, heads, kv_heads, d, context_len, quant):
     q_len = 19  # not a multiple of the query tile: the last tile is ragged
-    cache = PagedCache(16, kv_heads, d, dtype, int8, 2)
+    cache = PagedCache(16, kv_heads, d, dtype, quant, 2)
     blocks, k, v = cache.add(context_len + q_len)
     q = torch.randn(q_len, heads, d, generator=cache.g).to(dtype)
     scale = d**-0.5
@@ -204,13 +209,13 @@ def test_prefill(dtype, heads, kv_heads, d, context_len, int8):
     torch.testing.assert_close(out.float(), reference(q, k, v, context_len, scale), **tolerance(dtype))
 
 
-@pytest.mark.parametrize("int8", [False, True], ids=["kv", "kv-int8"])
-def test_prefill_varlen(int8):
+@pytest.mark.parametrize("quant", [None, *QUANT], ids=["kv", *QUANT_IDS])
+def test_prefill_varlen(quant):
     # Three requests in one launch: a fresh prompt, a chunk over a cached prefix, a single-token chunk;
     # the default 64-row query tiles hold 21 tokens x 3 heads and one padding row.
     chunks = [(0, 13), (30, 9), (44, 1)]  # (context_len, q_len)
     heads, kv_heads, d, dtype = 6, 2, 64, torch.bfloat16
-    cache = PagedCache(24, kv_heads, d, dtype, int8, 3)
+    cache = PagedCache(24, kv_heads, d, dtype, quant, 3)
     reqs = [cache.add(c + n) for c, n in chunks]
     q = torch.randn(sum(n for _, n in chunks), heads, d, generator=cache.g).to(dtype)
     loc = torch.tensor([0, 13, 22, 23], dtype=torch.int32)
@@ -245,8 +250,8 @@ def compile_(fn, dtype, kv_dtype, consts):
             sig[name] = "fp32" if name == "qk_scale" else "i32"
     triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
 
-for dtype, kv_dtype, prec in (("bf16", "bf16", "tf32"), ("fp32", "i8", "ieee")):
-    int8 = kv_dtype == "i8"
+for dtype, kv_dtype, prec in (("bf16", "bf16", "tf32"), ("fp32", "i8", "ieee"), ("bf16", "fp8e4nv", "tf32")):
+    int8 = kv_dtype != dtype
     for splits in (1, 4):
         compile_(ta._decode_kernel, dtype, kv_dtype, dict(GROUP=3, BLOCK_H=16, BLOCK_N=32, HEAD_DIM=128,
                  NUM_SPLITS=splits, INT8=int8, PRECISION=prec, DOT_F32=False))

@@ -21,8 +21,8 @@ _ENGINE_HELP = {
     "block_size": "tokens per KV cache block",
     "kv_cache_memory": "GiB of memory for the paged KV cache (default: 4 on the CPU; on a GPU what "
                        "--gpu-memory-utilization leaves)",
-    "kv_cache_dtype": "auto (the model's dtype) | int8 (per-token, per-head scales: about half the memory "
-                      "of bfloat16)",
+    "kv_cache_dtype": "auto (the model's dtype) | int8 | fp8 (= fp8_e4m3: float8 e4m3) (per-token, per-head "
+                      "scales: about half the memory of bfloat16)",
     "quantization": "weight-only quantization: int4 | int8 (groups of 32, quantized at load time) | gguf (keep a "
                     "GGUF file's Q4_0 / Q4_1 / Q8_0 tensors as they are; default: weights in --dtype)",
     "num_gpu_blocks_override": "exact number of KV blocks (overrides --kv-cache-memory)",

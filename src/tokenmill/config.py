@@ -20,7 +20,9 @@ _DTYPES = {
 }
 
 
-KV_CACHE_DTYPES = ("auto", "int8")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
+# Caches stored with one float32 scale per (slot, kv head); vLLM's "fp8" is e4m3 on CPUs and NVIDIA GPUs.
+SCALED_KV_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str) -> str:
@@ -70,7 +72,7 @@ class EngineArgs:
     max_model_len: int | None = None  # default: the model's context length (capped, see below)
     block_size: int = 16
     kv_cache_memory: float | None = None  # GiB for the KV pool; default: enough for the load
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 (per-token, per-head scales)
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 | fp8 / fp8_e4m3 (per-token, per-head scales)
     quantization: str | None = None  # int4 | int8 (weight-only, groups of 32) | gguf (keep a GGUF's blocks)
     num_gpu_blocks_override: int | None = None  # exact number of KV blocks (tests)
     gpu_memory_utilization: float = 0.9  # cuda: fraction of the GPU's memory this engine may use
@@ -136,9 +138,14 @@ class ModelConfig:
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
 
+    @property
+    def kv_scaled_dtype(self) -> torch.dtype | None:
+        """The cache's element type when it is int8 / float8 with per-(slot, kv head) scales, else None."""
+        return SCALED_KV_DTYPES.get(self.kv_cache_dtype)
+
     def kv_bytes_per_token(self) -> int:
-        """K and V of one token over all layers; int8 adds a float32 scale per kv head."""
-        if self.kv_cache_dtype == "int8":
+        """K and V of one token over all layers; int8 / fp8 add a float32 scale per kv head."""
+        if self.kv_scaled_dtype is not None:
             per_head = self.head_dim + 4
         else:
             per_head = self.head_dim * torch.tensor([], dtype=self.dtype).element_size()

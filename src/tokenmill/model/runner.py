@@ -120,16 +120,16 @@ class ModelRunner:
         # torch.empty: pages are touched on first use instead of a multi-second memset at start-up.
         # Nothing reads a slot before it is written, except the null block 0 that pads block
         # tables, which is zeroed here.
-        quantized = cfg.kv_cache_dtype == "int8"
+        scaled = cfg.kv_scaled_dtype  # int8 / float8 e4m3, or None: the model's dtype
         kv_heads = cfg.num_kv_heads // tp.size
         self.scratch_slot = num_blocks * self.block_size
         shape = (cfg.num_layers, 2, (num_blocks + 1) * self.block_size, kv_heads)
         self.kv_cache = None  # the old cache goes before the new one comes (re-sizing after profiling)
-        self.kv_cache = torch.empty(*shape, cfg.head_dim, dtype=torch.int8 if quantized else cfg.dtype,
+        self.kv_cache = torch.empty(*shape, cfg.head_dim, dtype=scaled or cfg.dtype,
                                     device=self.device)
         self.kv_cache[:, :, : self.block_size].zero_()
-        # int8: one float32 scale per (layer, K/V, slot, kv head).
-        self.kv_scales = torch.zeros(*shape, dtype=torch.float32, device=self.device) if quantized else None
+        # int8 / fp8: one float32 scale per (layer, K/V, slot, kv head).
+        self.kv_scales = torch.zeros(*shape, dtype=torch.float32, device=self.device) if scaled else None
         heads = cfg.hf_config.num_attention_heads // tp.size
         if self.backend is AttentionBackend:
             self.attn = AttentionBackend(self.kv_cache, heads, kv_heads, cfg.head_dim,

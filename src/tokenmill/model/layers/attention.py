@@ -11,14 +11,15 @@ call of the rows kernel (`paged_rows`, csrc/paged_decode.h), which computes each
 it computes a lone decode token at that position, reading K/V in place through the block tables:
 a row's bits do not depend on the rest of the batch, on how its prompt was chunked, or on whether
 its tokens came in one chunk or one per step. Not batch-invariant (TOKENMILL_BATCH_INVARIANT=0,
-float32, an int8 cache): decode requests (one query token each) go through one C++ kernel call
+float32, an int8 / fp8 cache): decode requests (one query token each) go through one C++ kernel call
 that reads K/V in place through their block tables, split over the threads at small batches (a
 pure-torch gather + SDPA when the kernels are unavailable); prompt chunks run one C++ kernel call
 each (csrc/paged_prefill.cpp: causal, keys read in place through the block table, faster for long
 prompts), or one SDPA call each without the kernels.
 
-With an int8 cache (`--kv-cache-dtype int8`) each token's K and V are stored per kv head as
-int8 with one float32 scale (absmax / 127) and dequantized where they are read.
+With an int8 or fp8 cache (`--kv-cache-dtype int8 | fp8`) each token's K and V are stored per kv
+head as int8 (absmax / 127) or float8 e4m3 (absmax / 448) with one float32 scale, and dequantized
+where they are read (in the kernels, a row at a time).
 """
 
 from __future__ import annotations
@@ -77,12 +78,29 @@ class AttentionMetadata:
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
 
-def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, Hkv, D] -> int8 [T, Hkv, D] and float32 scales [T, Hkv] (symmetric, per token and head)."""
+KV_QUANT_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}  # the absmax maps to the type's largest value
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype = torch.int8) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, Hkv, D] -> int8 / float8 e4m3 [T, Hkv, D] and float32 scales [T, Hkv] (symmetric, per
+    token and head; int8 rounds to the nearest integer, e4m3 to the nearest of its values)."""
+    top = KV_QUANT_MAX[dtype]
     xf = x.float()
-    scale = xf.abs().amax(-1).clamp_min_(1e-8).div_(127.0)
-    q = (xf / scale.unsqueeze(-1)).round_().clamp_(-127, 127).to(torch.int8)  # x itself stays intact
-    return q, scale
+    scale = xf.abs().amax(-1).clamp_min_(1e-8).div_(top)
+    y = (xf * scale.reciprocal().unsqueeze(-1)).clamp_(-top, top)  # x itself stays intact
+    return (y.round_() if dtype == torch.int8 else y).to(dtype), scale
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_kv(x, torch.int8)
+
+
+def write_quantized(cache: torch.Tensor, scale_cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> None:
+    """x [T, Hkv, D] quantized into an int8 / fp8 cache [slots, Hkv, D] and its scales at `slots` (torch ops)."""
+    xq, xs = quantize_kv(x, cache.dtype)
+    # index_copy_ has no float8 kernel on the CPU: the bytes are copied
+    cache.view(torch.uint8).index_copy_(0, slots, xq.view(torch.uint8))
+    scale_cache.index_copy_(0, slots, xs)
 
 
 class AttentionBackend:
@@ -91,7 +109,7 @@ class AttentionBackend:
     def __init__(self, kv_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                  use_cpp_kernels: bool = True, kv_scales: torch.Tensor | None = None,
                  batch_invariant: bool | None = None):
-        # kv_cache: [num_layers, 2, num_slots, num_kv_heads, head_dim]; kv_scales (int8 cache
+        # kv_cache: [num_layers, 2, num_slots, num_kv_heads, head_dim]; kv_scales (int8 / fp8 cache
         # only): [num_layers, 2, num_slots, num_kv_heads] float32.
         self.kv_cache = kv_cache
         self.kv_scales = kv_scales
@@ -104,7 +122,7 @@ class AttentionBackend:
         self.gqa = num_heads != num_kv_heads
         self.kernels = None
         if (use_cpp_kernels and kv_cache.device.type == "cpu"
-                and kv_cache.dtype in (torch.float32, torch.bfloat16, torch.int8) and head_dim in KERNEL_HEAD_DIMS):
+                and kv_cache.dtype in (torch.float32, torch.bfloat16, *KV_QUANT_MAX) and head_dim in KERNEL_HEAD_DIMS):
             from tokenmill.model.layers import cpu_kernels
 
             self.kernels = cpu_kernels.load()
@@ -153,7 +171,7 @@ class AttentionBackend:
 
     def fuses_rope(self, qkv: torch.Tensor) -> bool:
         """Whether rope_and_cache can take this projection: the C++ kernels, and a cache in
-        its dtype (an int8 cache quantizes on write: the unfused path)."""
+        its dtype (an int8 / fp8 cache quantizes on write: the unfused path)."""
         return (self.kernels is not None and self.kv_scales is None and qkv.dtype == self.kv_cache.dtype
                 and qkv.dtype in (torch.float32, torch.bfloat16))
 
@@ -169,12 +187,13 @@ class AttentionBackend:
         """q: [T, H, D]; k, v: [T, Hkv, D], or None when rope_and_cache has written them. Returns [T, H * D]."""
         k_cache, v_cache = self.layer_caches[layer]
         scales = None if self.kv_scales is None else (self.kv_scales[layer, 0], self.kv_scales[layer, 1])
-        if k is not None:  # else rope_and_cache wrote them (never with an int8 cache)
+        if k is not None:  # else rope_and_cache wrote them (never with an int8 / fp8 cache)
             if scales is not None:
                 for cache, scale_cache, x in ((k_cache, scales[0], k), (v_cache, scales[1], v)):
-                    xq, xs = quantize_int8(x)
-                    cache.index_copy_(0, meta.slot_mapping, xq)
-                    scale_cache.index_copy_(0, meta.slot_mapping, xs)
+                    if self.kernels is not None:
+                        self.kernels.write_scaled_cache(x, cache, scale_cache, meta.slot_mapping)
+                        continue
+                    write_quantized(cache, scale_cache, x, meta.slot_mapping)
             else:
                 k_cache.index_copy_(0, meta.slot_mapping, k)
                 v_cache.index_copy_(0, meta.slot_mapping, v)
@@ -190,7 +209,7 @@ class AttentionBackend:
             out[meta.decode_rows] = self._decode(q[meta.decode_rows], k_cache, v_cache, meta, scales)
         for c in meta.prefills or ():
             # The kernel reads all keys (prefix and this chunk's, just written) in place through the
-            # block table. Not for a fresh prompt with an int8 cache: the torch path attends its
+            # block table. Not for a fresh prompt with an int8 / fp8 cache: the torch path attends its
             # unquantized K/V there, and that is kept.
             if (self.kernels is not None and c.block_table is not None and q.dtype in (torch.float32, torch.bfloat16)
                     and (k_cache.dtype == q.dtype or (scales is not None and c.context_len > 0))):
@@ -217,7 +236,7 @@ class AttentionBackend:
 
     @staticmethod
     def _read(cache: torch.Tensor, slots: torch.Tensor, scales, kv: int, dtype: torch.dtype) -> torch.Tensor:
-        """Gather slots of a K or V cache in the compute dtype (dequantized when int8)."""
+        """Gather slots of a K or V cache in the compute dtype (dequantized when int8 / fp8)."""
         x = cache[slots]
         if scales is None:
             return x

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.model.layers import triton_attention as kernels
-from tokenmill.model.layers.attention import AttentionMetadata, SeqChunk, quantize_int8
+from tokenmill.model.layers.attention import AttentionMetadata, SeqChunk, write_quantized
 
 
 class TritonAttentionBackend:
@@ -23,7 +23,7 @@ class TritonAttentionBackend:
 
     def __init__(self, kv_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                  kv_scales: torch.Tensor | None = None):
-        # kv_cache: [num_layers, 2, num_slots, num_kv_heads, head_dim]; kv_scales (int8 cache
+        # kv_cache: [num_layers, 2, num_slots, num_kv_heads, head_dim]; kv_scales (int8 / fp8 cache
         # only): [num_layers, 2, num_slots, num_kv_heads] float32.
         self.kv_cache, self.kv_scales = kv_cache, kv_scales
         self.layer_caches = [(kv_cache[i, 0], kv_cache[i, 1]) for i in range(kv_cache.shape[0])]
@@ -59,9 +59,7 @@ class TritonAttentionBackend:
         if self.kv_scales is not None:
             scales = (self.kv_scales[layer, 0], self.kv_scales[layer, 1])
             for cache, scale_cache, x in ((k_cache, scales[0], k), (v_cache, scales[1], v)):
-                xq, xs = quantize_int8(x)
-                cache.index_copy_(0, meta.slot_mapping, xq)
-                scale_cache.index_copy_(0, meta.slot_mapping, xs)
+                write_quantized(cache, scale_cache, x, meta.slot_mapping)
         else:
             k_cache.index_copy_(0, meta.slot_mapping, k)
             v_cache.index_copy_(0, meta.slot_mapping, v)

@@ -2,7 +2,8 @@
 
 Same cache layout and calls as the CPU kernels (`attention.py`): per layer K and V are
 `[num_slots, num_kv_heads, head_dim]` with slot = block_id * block_size + offset, read in place
-through block tables; an int8 cache has one float32 scale per (slot, kv head), dequantized here.
+through block tables; an int8 or fp8 (e4m3) cache has one float32 scale per (slot, kv head),
+dequantized here.
 
 - `paged_decode`: one query token per request. A program takes one request, one kv head and
   all the query heads that share it (GQA: the kv tile is loaded once for the whole group), over
@@ -186,14 +187,16 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, q_start_ptr, se
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
            v_scale: torch.Tensor | None) -> tuple[int, bool, str]:
-    """Validate shapes; returns (query heads per kv head, int8, dot precision)."""
+    """Validate shapes; returns (query heads per kv head, scaled cache, dot precision). INT8 in the
+    kernels means a cache with per-(slot, kv head) scales: int8 or float8 e4m3, loaded and converted
+    to q's dtype (exact: both fit in bf16)."""
     H, D = q.shape[-2:]
     Hkv = k_cache.shape[1]
     assert k_cache.shape == v_cache.shape and k_cache.shape[2] == D, (k_cache.shape, v_cache.shape, q.shape)
     assert H % Hkv == 0, f"{H} query heads do not share {Hkv} kv heads evenly"
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    int8 = k_cache.dtype == torch.int8
-    assert int8 == (k_scale is not None) == (v_scale is not None), "an int8 cache comes with k_scale and v_scale"
+    int8 = k_cache.dtype in (torch.int8, torch.float8_e4m3fn)
+    assert int8 == (k_scale is not None) == (v_scale is not None), "an int8 / fp8 cache comes with k_scale and v_scale"
     if int8:
         assert k_scale.stride() == v_scale.stride() and k_scale.dtype == torch.float32
     else:

@@ -19,6 +19,7 @@ torch::Tensor argmax_rows(torch::Tensor logits);
 torch::Tensor rope_and_cache(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                              torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping,
                              int64_t num_heads, int64_t num_kv_heads);
+void write_scaled_cache(torch::Tensor x, torch::Tensor cache, torch::Tensor scales, torch::Tensor slot_mapping);
 
 // panel_linear.cpp
 torch::Tensor pack_panels(torch::Tensor weight);
@@ -68,6 +69,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_and_cache", &rope_and_cache, "rotary embedding of q and k, k and v written to the paged cache; "
         "returns q", py::arg("qkv"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("slot_mapping"), py::arg("num_heads"), py::arg("num_kv_heads"));
+  m.def("write_scaled_cache", &write_scaled_cache, "new K or V rows quantized per (token, kv head) into an int8 / "
+        "float8 e4m3 cache and its float32 scales");
   m.def("quant_linear", &quant_linear, "weight-only int4/int8 linear (groups of 32)");
   m.def("pack_panels", &pack_panels, "a bf16 [N, K] weight packed in panels of 32 rows for panel_linear");
   m.def("panel_linear", &panel_linear, "bf16 linear on panel-packed weights (small and medium batches)",

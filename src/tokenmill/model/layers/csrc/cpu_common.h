@@ -6,6 +6,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <utility>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -20,6 +22,51 @@ inline float to_f(c10::BFloat16 x) {
   return f;
 }
 inline float to_f(int8_t x) { return static_cast<float>(x); }
+// float8 e4m3fn (bias 7, no infinities; the cache never holds its NaN code): the 7 magnitude bits
+// shifted into a float32's exponent and mantissa and rebiased (+120), subnormals (exponent 0) as
+// m * 2^-9. Integer ops and a select, no table: plain loops over a row vectorize.
+inline float to_f(c10::Float8_e4m3fn x) {
+  const uint32_t mag = x.x & 0x7fu;
+  const uint32_t normal = (mag << 20) + (120u << 23);
+  float f;
+  std::memcpy(&f, &normal, 4);
+  if (mag < 8) f = static_cast<float>(static_cast<int32_t>(mag)) * (1.f / 512.f);
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  bits |= static_cast<uint32_t>(x.x & 0x80u) << 24;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+// Caches stored with one float32 scale per (slot, kv head): int8 and float8 e4m3.
+template <typename C>
+inline constexpr bool kScaledCache = std::is_same_v<C, int8_t> || std::is_same_v<C, c10::Float8_e4m3fn>;
+
+// The attention ops' cache arguments: whether a cache is int8 / float8 (scaled), its scales'
+// pointers (null for a cache in the queries' dtype), and f(k, v) called with typed pointers.
+inline bool scaled_cache(const torch::Tensor& cache) {
+  return cache.scalar_type() == at::kChar || cache.scalar_type() == at::kFloat8_e4m3fn;
+}
+inline std::pair<const float*, const float*> cache_scales(const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                                                          const c10::optional<torch::Tensor>& k_scale,
+                                                          const c10::optional<torch::Tensor>& v_scale) {
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "k and v cache dtype differ");
+  if (!scaled_cache(k_cache)) return {nullptr, nullptr};
+  TORCH_CHECK(k_scale.has_value() && v_scale.has_value(), "an int8 / float8 cache needs its scales");
+  TORCH_CHECK(k_scale->scalar_type() == at::kFloat && k_scale->is_contiguous() &&
+              v_scale->scalar_type() == at::kFloat && v_scale->is_contiguous(), "float32 contiguous scales");
+  return {k_scale->data_ptr<float>(), v_scale->data_ptr<float>()};
+}
+template <typename T, typename F>
+inline void with_cache(const torch::Tensor& k_cache, const torch::Tensor& v_cache, F&& f) {
+  if (k_cache.scalar_type() == at::kChar) {
+    f(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
+  } else if (k_cache.scalar_type() == at::kFloat8_e4m3fn) {
+    using F8 = c10::Float8_e4m3fn;
+    f(reinterpret_cast<const F8*>(k_cache.data_ptr()), reinterpret_cast<const F8*>(v_cache.data_ptr()));
+  } else {
+    f(k_cache.data_ptr<T>(), v_cache.data_ptr<T>());
+  }
+}
 inline void from_f(float v, float* dst) { *dst = v; }
 inline void from_f(float v, c10::BFloat16* dst) { *dst = c10::BFloat16(v); }
 
@@ -44,6 +91,17 @@ inline __m512 exp16(__m512 x) {
 // 16 bf16 values (their bits) widened to float32: a bf16 is the upper half of a float.
 inline __m512 bf16x16_to_f32(__m256i h) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// 16 float8 e4m3fn values (their bytes) widened to float32, as to_f does one.
+inline __m512 e4m3x16_to_f32(__m128i b) {
+  const __m512i x = _mm512_cvtepu8_epi32(b);
+  const __m512i mag = _mm512_and_si512(x, _mm512_set1_epi32(0x7f));
+  const __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23)));
+  const __mmask16 sub = _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8));
+  const __m512 f = _mm512_mask_mul_ps(normal, sub, _mm512_cvtepi32_ps(mag), _mm512_set1_ps(1.f / 512.f));
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24);
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign));
 }
 
 // Online softmax: acc[r][v] = O[r * ld + 16 v ..] * corr[r], R rows of NV vectors, before new terms add in.

@@ -5,7 +5,10 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "elementwise.h"
 
@@ -120,6 +123,54 @@ torch::Tensor rope_and_cache(torch::Tensor qkv, torch::Tensor positions, torch::
                            rows, num_heads, num_kv_heads, dim);
   });
   return q;
+}
+
+// x: [T, Hkv, D] float32 / bf16, the step's new K or V. Each (token, kv head) row is quantized
+// symmetrically and written into cache ([slots, Hkv, D] int8 or float8 e4m3) at slot_mapping[t],
+// its float32 scale (absmax / 127 or / 448) into scales ([slots, Hkv]): the same values as
+// attention.quantize_kv (x times the scale's reciprocal; int8 rounded half to even, e4m3 to the
+// nearest, ties to even, by c10's conversion).
+void write_scaled_cache(torch::Tensor x, torch::Tensor cache, torch::Tensor scales, torch::Tensor slot_mapping) {
+  TORCH_CHECK(x.dim() == 3 && cache.dim() == 3 && cache.is_contiguous() && scales.is_contiguous() &&
+                  scales.scalar_type() == at::kFloat && x.size(1) == cache.size(1) && x.size(2) == cache.size(2) &&
+                  scales.size(0) == cache.size(0) && scales.size(1) == cache.size(1),
+              "write_scaled_cache: x [T, Hkv, D], cache [slots, Hkv, D], float32 scales [slots, Hkv]");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == x.size(0),
+              "write_scaled_cache: one int64 slot per row");
+  const bool fp8 = cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(fp8 || cache.scalar_type() == at::kChar, "write_scaled_cache: an int8 or float8_e4m3fn cache");
+  const auto xc = x.contiguous();
+  const auto slots = slot_mapping.contiguous();
+  const int64_t T = xc.size(0), Hkv = xc.size(1), D = xc.size(2), num_slots = cache.size(0);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "write_scaled_cache: slot out of range");
+  const float top = fp8 ? 448.f : 127.f;
+  float* sc = scales.data_ptr<float>();
+  dispatch_float(xc, "write_scaled_cache", [&](auto tag) {
+    using T_ = decltype(tag);
+    const T_* xp = xc.data_ptr<T_>();
+    at::parallel_for(0, T * Hkv, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> row(D);
+      for (int64_t i = begin; i < end; ++i) {
+        const T_* src = xp + i * D;
+        float amax = 0.f;
+        for (int64_t d = 0; d < D; ++d) {
+          row[d] = to_f(src[d]);
+          amax = std::max(amax, std::abs(row[d]));
+        }
+        const float s = std::max(amax, 1e-8f) / top, inv = 1.f / s;
+        const int64_t dst = sp[i / Hkv] * Hkv + i % Hkv;
+        sc[dst] = s;
+        if (fp8) {
+          auto* out = reinterpret_cast<c10::Float8_e4m3fn*>(cache.data_ptr()) + dst * D;
+          for (int64_t d = 0; d < D; ++d) out[d] = c10::Float8_e4m3fn(std::clamp(row[d] * inv, -top, top));
+        } else {
+          int8_t* out = cache.data_ptr<int8_t>() + dst * D;
+          for (int64_t d = 0; d < D; ++d) out[d] = static_cast<int8_t>(std::clamp(std::nearbyint(row[d] * inv), -top, top));
+        }
+      }
+    });
+  });
 }
 
 // logits: [B, V] float32 -> the index of each row's largest value (the first one on ties), as

@@ -1,7 +1,7 @@
 // Paged decode attention for CPU: one query token per sequence, K/V read in place through
 // block tables (no gathered copy of the cache). Parallel over work items (paged_decode.h), by
-// ATen's thread pool here or by the fused decode step's threads; scores and accumulation in float32; float32, bfloat16 or int8 cache (int8 with
-// one float32 scale per slot and kv head).
+// ATen's thread pool here or by the fused decode step's threads; scores and accumulation in float32; float32, bfloat16, int8 or float8 e4m3 cache
+// (int8 / float8 with one float32 scale per slot and kv head).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -39,6 +40,9 @@ inline __m512 load16(const c10::BFloat16* p) {
 }
 inline __m512 load16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 load16(const c10::Float8_e4m3fn* p) {
+  return e4m3x16_to_f32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
 constexpr int kTile = 16;        // keys per score vector
@@ -91,7 +95,7 @@ inline void load_row(const C* r, __m512* v) {
 
 // One tile of n (1..16) keys at kp / vp (rows `row` elements apart) for GB query heads.
 // qf: the GB heads' queries (float32, D each); qb: the same as raw bf16 (vdpbf16ps path).
-// ksv / vsv: per-key scales (int8 cache) or null; m, l, acc: the heads' softmax state.
+// ksv / vsv: per-key scales (int8 / float8 cache) or null; m, l, acc: the heads' softmax state.
 template <typename T, typename C, int D, int GB>
 inline void attend_tile(const float* qf, const T* qb, const C* kp, const C* vp, int64_t row, int n,
                         const float* ksv, const float* vsv, float scale, float* m, float* l, float* acc,
@@ -174,7 +178,7 @@ inline void attend_tile(const float* qf, const T* qb, const C* kp, const C* vp, 
       _mm256_store_si256(reinterpret_cast<__m256i*>(pw[g]), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
 #endif
     } else {
-      _mm512_store_ps(p[g], _mm512_mul_ps(e, vs));  // int8 V: fold the row scale into the weight
+      _mm512_store_ps(p[g], _mm512_mul_ps(e, vs));  // int8 / float8 V: fold the row scale into the weight
     }
   }
   __m512 a[GB][NV];
@@ -241,7 +245,7 @@ inline void prefetch_rows(const C* p, int64_t row, int64_t n, int64_t bytes) {
 template <typename T, typename C, int D>
 void decode_items_d(const DecodeArgs<T, C>& a, int64_t begin, int64_t end) {
   static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
-  constexpr bool quantized = std::is_same_v<C, int8_t>;
+  constexpr bool quantized = kScaledCache<C>;
   constexpr int NV = D / 16;
   // Query heads per register tile: GB * NV float32 accumulators held in zmm registers.
   constexpr int kMaxGB = NV <= 4 ? 4 : NV <= 5 ? 3 : NV <= 8 ? 2 : 1;
@@ -371,7 +375,7 @@ void decode_items_d(const DecodeArgs<T, C>& a, int64_t begin, int64_t end) {
 template <typename T, typename C, int D>
 void rows_item_d(const RowsArgs<T, C>& a, const RowsItem& it) {
   static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
-  constexpr bool quantized = std::is_same_v<C, int8_t>;
+  constexpr bool quantized = kScaledCache<C>;
   constexpr int NV = D / 16;
   constexpr int kMaxGB = NV <= 4 ? 4 : NV <= 5 ? 3 : NV <= 8 ? 2 : 1;
   using Layout = RowLayout<T, C, D>;
@@ -512,7 +516,7 @@ template <typename T, typename C, int D>
 void portable_heads(const T* q_row, T* out_row, int64_t L, const int64_t* table, int64_t h, const C* k_cache,
                     const C* v_cache, const float* k_scale, const float* v_scale, int64_t H, int64_t Hkv,
                     int64_t block_size, float scale) {
-  constexpr bool quantized = std::is_same_v<C, int8_t>;
+  constexpr bool quantized = kScaledCache<C>;
   const int64_t G = H / Hkv;
   const int64_t row = Hkv * D;  // elements per cache slot
   std::vector<float> qf(G * D), acc(G * D, 0.f), s(G * block_size), m(G, -INFINITY), l(G, 0.f);
@@ -693,11 +697,13 @@ TM_INSTANTIATE(float, float)
 TM_INSTANTIATE(c10::BFloat16, c10::BFloat16)
 TM_INSTANTIATE(float, int8_t)
 TM_INSTANTIATE(c10::BFloat16, int8_t)
+TM_INSTANTIATE(float, c10::Float8_e4m3fn)
+TM_INSTANTIATE(c10::BFloat16, c10::Float8_e4m3fn)
 #undef TM_INSTANTIATE
 
 }  // namespace tm_cpu
 
-// q: [B, H, D]; k_cache, v_cache: [slots, Hkv, D] (q's dtype, or int8 with k_scale / v_scale:
+// q: [B, H, D]; k_cache, v_cache: [slots, Hkv, D] (q's dtype, or int8 / float8 e4m3 with k_scale / v_scale:
 // [slots, Hkv] float32); block_tables: [B, max_blocks] int64; seq_lens: [B] int64 (keys per
 // sequence, the new token included). Returns [B, H, D].
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -706,17 +712,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
                            c10::optional<torch::Tensor> v_scale) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "int64 tables");
-  const bool quantized = k_cache.scalar_type() == at::kChar;
-  TORCH_CHECK(quantized || q.scalar_type() == k_cache.scalar_type(), "q and cache dtype differ");
-  const float* ks = nullptr;
-  const float* vs = nullptr;
-  if (quantized) {
-    TORCH_CHECK(k_scale.has_value() && v_scale.has_value(), "an int8 cache needs its scales");
-    TORCH_CHECK(k_scale->scalar_type() == at::kFloat && k_scale->is_contiguous() &&
-                v_scale->scalar_type() == at::kFloat && v_scale->is_contiguous(), "float32 contiguous scales");
-    ks = k_scale->data_ptr<float>();
-    vs = v_scale->data_ptr<float>();
-  }
+  TORCH_CHECK(scaled_cache(k_cache) || q.scalar_type() == k_cache.scalar_type(), "q and cache dtype differ");
+  const float *ks, *vs;
+  std::tie(ks, vs) = cache_scales(k_cache, v_cache, k_scale, v_scale);
   auto bt = block_tables.contiguous();
   auto sl = seq_lens.contiguous();
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
@@ -735,8 +733,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   };
   auto with_q = [&](auto* qp, auto* op) {
     using T = std::remove_pointer_t<decltype(qp)>;
-    if (quantized) run(qp, k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), op);
-    else run(qp, k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), op);
+    with_cache<T>(k_cache, v_cache, [&](auto* kp, auto* vp) { run(qp, kp, vp, op); });
   };
   if (q.scalar_type() == at::kFloat) {
     with_q(q.data_ptr<float>(), out.data_ptr<float>());
@@ -762,17 +759,9 @@ torch::Tensor paged_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
                   query_start_loc.scalar_type() == at::kLong && block_tables.dim() == 2,
               "paged_rows: int64 block tables, lengths and query starts");
-  const bool quantized = k_cache.scalar_type() == at::kChar;
-  TORCH_CHECK(quantized || q.scalar_type() == k_cache.scalar_type(), "paged_rows: q and cache dtype differ");
-  const float* ks = nullptr;
-  const float* vs = nullptr;
-  if (quantized) {
-    TORCH_CHECK(k_scale.has_value() && v_scale.has_value(), "an int8 cache needs its scales");
-    TORCH_CHECK(k_scale->scalar_type() == at::kFloat && k_scale->is_contiguous() &&
-                v_scale->scalar_type() == at::kFloat && v_scale->is_contiguous(), "float32 contiguous scales");
-    ks = k_scale->data_ptr<float>();
-    vs = v_scale->data_ptr<float>();
-  }
+  TORCH_CHECK(scaled_cache(k_cache) || q.scalar_type() == k_cache.scalar_type(), "paged_rows: q and cache dtype differ");
+  const float *ks, *vs;
+  std::tie(ks, vs) = cache_scales(k_cache, v_cache, k_scale, v_scale);
   q = q.contiguous();
   auto bt = block_tables.contiguous();
   auto sl = seq_lens.contiguous();
@@ -802,8 +791,7 @@ torch::Tensor paged_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v
   };
   auto with_q = [&](auto* qp, auto* op) {
     using TT = std::remove_pointer_t<decltype(qp)>;
-    if (quantized) run(qp, k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), op);
-    else run(qp, k_cache.data_ptr<TT>(), v_cache.data_ptr<TT>(), op);
+    with_cache<TT>(k_cache, v_cache, [&](auto* kp, auto* vp) { run(qp, kp, vp, op); });
   };
   if (T == 0) return out;
   if (q.scalar_type() == at::kFloat) {

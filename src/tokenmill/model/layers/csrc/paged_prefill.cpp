@@ -6,7 +6,7 @@
 // One parallel region (ATen's thread pool) with two kinds of work:
 //  - pack: every tile of kNK keys of each kv head is read once from the cache (through the
 //    block table) into the layout the matrix micro-kernels want (K transposed, V with pairs
-//    of keys interleaved for vdpbf16ps), int8 values widened exactly (their scales are
+//    of keys interleaved for vdpbf16ps), int8 / float8 e4m3 values widened exactly (their scales are
 //    folded into the scores / the softmax weights instead), by the first thread to need it;
 //  - attend: work items are (tile of kQT queries, kv head): the kQT x G query rows of one kv
 //    head share every packed K/V tile, key tiles above the causal diagonal are skipped, and
@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <tuple>
 #include <type_traits>
 
 #include "cpu_common.h"
@@ -37,10 +38,11 @@ constexpr int kNK = 32;             // keys per tile
 constexpr int kQT = 32;             // queries per work item
 constexpr float kNoScore = -1e30f;  // finite "minus infinity" (the build uses -ffast-math)
 
-// bf16 bits of a cache element (exact for bf16 and int8 values).
+// bf16 bits of a cache element (exact for bf16, int8 and float8 e4m3 values).
 inline uint16_t bf_bits(c10::BFloat16 x) { return x.x; }
-inline uint16_t bf_bits(int8_t x) {
-  const float f = static_cast<float>(x);
+template <typename C, typename = std::enable_if_t<kScaledCache<C>>>
+inline uint16_t bf_bits(C x) {
+  const float f = to_f(x);
   uint32_t b;
   std::memcpy(&b, &f, 4);
   return static_cast<uint16_t>(b >> 16);
@@ -162,7 +164,7 @@ void prefill_kernel(const T* q, const C* k_cache, const C* v_cache, const float*
                     const int64_t* table, int64_t n, int64_t ctx, int64_t H, int64_t Hkv, int64_t block_size,
                     float scale, T* out) {
   static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
-  constexpr bool quantized = std::is_same_v<C, int8_t>;
+  constexpr bool quantized = kScaledCache<C>;
   constexpr int E = Cmp<BF>::E;
   constexpr int W = D / E;          // words per query / key row
   constexpr int PW = kNK / E;       // words per row of P (per tile)
@@ -416,7 +418,7 @@ void prefill_dispatch(int64_t D, const T* q, const C* k, const C* v, const float
 }  // namespace
 
 // q: [n, H, D] (the chunk's queries, query i at position context_len + i); k_cache, v_cache:
-// [slots, Hkv, D] (q's dtype, or int8 with k_scale / v_scale: [slots, Hkv] float32), already
+// [slots, Hkv, D] (q's dtype, or int8 / float8 e4m3 with k_scale / v_scale: [slots, Hkv] float32), already
 // holding the chunk's own K/V; block_table: [>= ceil((context_len + n) / block_size)] int64.
 // Returns [n, H, D]: query i attends to keys 0 .. context_len + i.
 torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
@@ -425,18 +427,9 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q [n, H, D], caches [slots, Hkv, D]");
   TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 1, "int64 block table");
-  const bool quantized = k_cache.scalar_type() == at::kChar;
-  TORCH_CHECK(quantized || q.scalar_type() == k_cache.scalar_type(), "q and cache dtype differ");
-  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "k and v cache dtype differ");
-  const float* ks = nullptr;
-  const float* vs = nullptr;
-  if (quantized) {
-    TORCH_CHECK(k_scale.has_value() && v_scale.has_value(), "an int8 cache needs its scales");
-    TORCH_CHECK(k_scale->scalar_type() == at::kFloat && k_scale->is_contiguous() &&
-                v_scale->scalar_type() == at::kFloat && v_scale->is_contiguous(), "float32 contiguous scales");
-    ks = k_scale->data_ptr<float>();
-    vs = v_scale->data_ptr<float>();
-  }
+  TORCH_CHECK(scaled_cache(k_cache) || q.scalar_type() == k_cache.scalar_type(), "q and cache dtype differ");
+  const float *ks, *vs;
+  std::tie(ks, vs) = cache_scales(k_cache, v_cache, k_scale, v_scale);
   q = q.contiguous();
   auto bt = block_table.contiguous();
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
@@ -448,12 +441,11 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
   const float sc = static_cast<float>(scale);
   const int64_t* tp = bt.data_ptr<int64_t>();
   if (q.scalar_type() == at::kFloat) {
-    if (quantized)
-      prefill_dispatch<float, int8_t, false>(D, q.data_ptr<float>(), k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(),
-                                             ks, vs, tp, n, context_len, H, Hkv, block_size, sc, out.data_ptr<float>());
-    else
-      prefill_dispatch<float, float, false>(D, q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                                            ks, vs, tp, n, context_len, H, Hkv, block_size, sc, out.data_ptr<float>());
+    with_cache<float>(k_cache, v_cache, [&](auto* kp, auto* vp) {
+      using C = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
+      prefill_dispatch<float, C, false>(D, q.data_ptr<float>(), kp, vp, ks, vs, tp, n, context_len, H, Hkv, block_size,
+                                        sc, out.data_ptr<float>());
+    });
   } else if (q.scalar_type() == at::kBFloat16) {
     using BF = c10::BFloat16;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -461,12 +453,11 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
 #else
     constexpr bool kBF = false;
 #endif
-    if (quantized)
-      prefill_dispatch<BF, int8_t, kBF>(D, q.data_ptr<BF>(), k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), ks,
-                                        vs, tp, n, context_len, H, Hkv, block_size, sc, out.data_ptr<BF>());
-    else
-      prefill_dispatch<BF, BF, kBF>(D, q.data_ptr<BF>(), k_cache.data_ptr<BF>(), v_cache.data_ptr<BF>(), ks, vs, tp, n,
-                                    context_len, H, Hkv, block_size, sc, out.data_ptr<BF>());
+    with_cache<BF>(k_cache, v_cache, [&](auto* kp, auto* vp) {
+      using C = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
+      prefill_dispatch<BF, C, kBF>(D, q.data_ptr<BF>(), kp, vp, ks, vs, tp, n, context_len, H, Hkv, block_size, sc,
+                                   out.data_ptr<BF>());
+    });
   } else {
     TORCH_CHECK(false, "paged_prefill: float32 or bfloat16 queries only");
   }
