@@ -154,7 +154,7 @@ def test_a_verification_chunk_equals_decoding_one_token_at_a_time(tiny_bf16, pat
     bits of feeding them one decode step at a time (op by op or in the fused step)."""
     llm = tiny_bf16
     if path == "fused" and llm.engine.core.runner.fast_decode is None:
-        pytest.skip("no fused decode step here (needs the C++ kernels with AVX512-BF16)")
+        pytest.skip("no fused decode step here (needs the C++ kernels with AVX512-BF16 or AVX2 + FMA)")
     tokens = _tokens(45, _vocab(llm), seed=3)  # 40 prompt tokens, then 5 to verify
     d = Driver(llm)
     one_by_one_table, chunk_table = d.table(48), d.table(48)
@@ -220,7 +220,7 @@ def test_fused_step_takes_few_rows_per_request_only(tiny_bf16):
     llm = tiny_bf16
     fd = llm.engine.core.runner.fast_decode
     if fd is None:
-        pytest.skip("no fused decode step here (needs the C++ kernels with AVX512-BF16)")
+        pytest.skip("no fused decode step here (needs the C++ kernels with AVX512-BF16 or AVX2 + FMA)")
     attn, bs = llm.engine.core.runner.attn, llm.engine.core.runner.block_size
 
     def meta(ns):
@@ -303,7 +303,7 @@ def test_tp2_fused_multi_row_steps_equal_op_by_op_and_one_rank(tiny_llama_dir, m
     try:
         fd = fused.engine.core.runner.fast_decode
         if fd is None:
-            pytest.skip("no fused decode step here (needs the C++ kernels with AVX512-BF16)")
+            pytest.skip("no fused decode step here (needs the C++ kernels with AVX512-BF16 or AVX2 + FMA)")
         multi = record_multi_row_fused_steps(fused)
         got = run(fused)
         assert multi, "no multi-row step ran fused"

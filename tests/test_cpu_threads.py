@@ -139,7 +139,7 @@ def test_fused_step_barrier_wait_modes_give_the_same_logits(tiny_llama_dir, thre
     runner = llm.engine.core.runner
     fd = runner.fast_decode
     if fd is None:
-        pytest.skip("no fused decode step here (needs the C++ kernels with AVX512-BF16)")
+        pytest.skip("no fused decode step here (needs the C++ kernels with AVX512-BF16 or AVX2 + FMA)")
     assert fd.decoder.spin_ns == cpu_threads.barrier_spin_ns() and fd.decoder.adaptive_spin
     steps, inner = [], runner.execute
 

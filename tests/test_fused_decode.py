@@ -25,7 +25,7 @@ def _runner(llm):
 def _fused_or_skip(llm):
     fd = _runner(llm).fast_decode
     if fd is None:
-        pytest.skip("no fused decode step here (needs the C++ kernels with AVX512-BF16)")
+        pytest.skip("no fused decode step here (needs the C++ kernels with AVX512-BF16 or AVX2 + FMA)")
     return fd
 
 

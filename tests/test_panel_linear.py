@@ -13,7 +13,7 @@ from tokenmill.model.layers import linear
 @pytest.fixture(scope="module")
 def panel_kernels(kernels):
     if kernels is None or not linear._panel_kernel_works():
-        pytest.skip("no panel kernel here (needs the C++ kernels with AVX512-BF16)")
+        pytest.skip("no panel kernel here (needs the C++ kernels with AVX512-BF16 or AVX2 + FMA)")
     return kernels
 
 
@@ -83,6 +83,9 @@ def test_small_batches_use_panels_and_agree_with_onednn(panel_kernels, tiny_qwen
     """Not batch-invariant: bf16, tied embeddings (qwen2): every linear keeps panels, the lm_head
     a packed copy of the table (which stays plain for the lookup); <= SMALL_BATCH rows run the
     panel kernel, more run oneDNN, and the two agree within bf16 rounding."""
+    if not linear.onednn_bf16_fast():
+        pytest.skip("oneDNN has no bf16 GEMM on this CPU (AVX2): bf16 linears are panels only "
+                    "(test_panels_kept_within_the_memory_limit)")
     monkeypatch.setenv("TOKENMILL_BATCH_INVARIANT", "0")
     llm = LLM(tiny_qwen2_dir, dtype="bfloat16", kv_cache_memory=0.02)
     model = _model(llm)
@@ -103,7 +106,8 @@ def test_panels_kept_within_the_memory_limit(panel_kernels, tiny_llama_dir, monk
     """Not batch-invariant: past PANEL_WEIGHTS_MAX_BYTES (or with TOKENMILL_PANEL_WEIGHTS=0) no
     layer keeps panels and oneDNN runs every batch; TOKENMILL_PANEL_WEIGHTS=1 keeps them whatever
     the size. The same greedy text either way (logprobs within bf16 rounding). Batch-invariant,
-    the panels are the only copy, kept whatever the size."""
+    or where oneDNN has no bf16 GEMM (AVX2 CPUs), the panels are the only copy, kept whatever the
+    size (TOKENMILL_PANEL_WEIGHTS=0 leaves torch's own bf16 linears there)."""
     def panels(llm):
         return [m.panels for m in _model(llm).modules() if isinstance(m, linear.PackedLinear)]
 
@@ -112,6 +116,13 @@ def test_panels_kept_within_the_memory_limit(panel_kernels, tiny_llama_dir, monk
     monkeypatch.setattr(linear, "PANEL_WEIGHTS_MAX_BYTES", 1000)
     assert all(p is not None for p in panels(LLM(tiny_llama_dir, **kw)))  # batch-invariant
     monkeypatch.setenv("TOKENMILL_BATCH_INVARIANT", "0")
+    if not linear.onednn_bf16_fast():
+        model = _model(LLM(tiny_llama_dir, **kw))
+        packed = [m for m in model.modules() if isinstance(m, linear.PackedLinear)]
+        assert packed and all(m.panels is not None and m.packed_weight is None for m in packed)
+        monkeypatch.setenv("TOKENMILL_PANEL_WEIGHTS", "0")
+        assert panels(LLM(tiny_llama_dir, **kw)) == []
+        return
     monkeypatch.setattr(linear, "PANEL_WEIGHTS_MAX_BYTES", 1 << 30)
     with_panels = LLM(tiny_llama_dir, **kw)
     assert all(p is not None for p in panels(with_panels))

@@ -64,13 +64,13 @@ DTYPES = ["float32", "bfloat16"]
 
 def _require_invariant(llm: LLM) -> None:
     """bf16 speculation equals no speculation only where the bf16 path is batch-invariant: the
-    attention rows kernel and every linear in panels (the C++ kernels with AVX512-BF16)."""
+    attention rows kernel and every linear in panels (the C++ kernels with AVX512-BF16 or AVX2 + FMA)."""
     from tokenmill.model.layers.linear import PackedLinear
 
     runner = llm.engine.core.runner
     linears = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]
     if not (runner.attn.batch_invariant and linears and all(m.packed_weight is None for m in linears)):
-        pytest.skip("the bf16 path is not batch-invariant here (needs the C++ kernels with AVX512-BF16)")
+        pytest.skip("the bf16 path is not batch-invariant here (needs the C++ kernels with AVX512-BF16 or AVX2 + FMA)")
 
 
 @pytest.fixture(scope="module")

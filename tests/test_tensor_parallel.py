@@ -325,7 +325,7 @@ def test_tp2_fused_decode_step_equals_op_by_op(tiny_llama_dir, monkeypatch):
     fused = _tp(tiny_llama_dir, 2, dtype="bfloat16")
     try:
         if fused.engine.core.runner.fast_decode is None:
-            pytest.skip("no fused decode step here (needs the C++ kernels with AVX512-BF16)")
+            pytest.skip("no fused decode step here (needs the C++ kernels with AVX512-BF16 or AVX2 + FMA)")
         got = _tokens_and_logprobs(fused)
     finally:
         fused.shutdown()

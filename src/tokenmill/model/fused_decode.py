@@ -74,7 +74,7 @@ class FusedDecode:
         if not getattr(model, "SUPPORTS_FUSED_DECODE", False):
             reason = f"{type(model).__name__} has no fused step"
         elif kernels is None or not hasattr(kernels, "FusedDecoder"):
-            reason = "needs the C++ kernels built with AVX512-BF16"
+            reason = "needs the C++ kernels built with AVX512-BF16 or AVX2 + FMA"
         elif dtype != torch.bfloat16 or attn.kernels is None or attn.kv_scales is not None:
             reason = "needs bfloat16 activations and a bfloat16 KV cache"
         elif tp.size > 1 and (tp.shm is None or tp.shm.kernel is None):

@@ -8,6 +8,7 @@ for prefill, with bit-identical results.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -31,7 +32,8 @@ class PackedLinear(nn.Module):
     pack_linears): the weight packed in panels of 32 rows for the engine's own kernel
     (csrc/panel_linear.cpp), which batches of up to SMALL_BATCH rows run: it streams weights
     ~10-30% faster than a row-by-row GEMV at 1 row and beats oneDNN's packed GEMM at 8-128 rows
-    (2 cores, AVX512-BF16, SmolLM2 shapes).
+    (2 cores, AVX512-BF16, SmolLM2 shapes). On AVX2 CPUs (no bf16 GEMM in oneDNN,
+    onednn_bf16_fast) it runs every batch size.
 
     `onednn=False` (batch-invariant models): panels only, for every batch size. The panel kernel
     sums each output over the inputs in one fixed order, so a row's result does not depend on how
@@ -69,35 +71,40 @@ PANEL_WEIGHTS_MAX_BYTES = 1 << 30
 def pack_linears(model: nn.Module, dtype: torch.dtype, batch_invariant: bool | None = None) -> int:
     """Swap the model's bf16 CPU nn.Linear layers for PackedLinear when oneDNN can run them, each
     also keeping its weight in panels while all of them together fit PANEL_WEIGHTS_MAX_BYTES.
-    Batch-invariant (the default, cpu_kernels.batch_invariant()): panels only, whatever their
-    size, run at every batch size (no oneDNN copy: less memory, too). float32: only for models that
-    opt in (PACK_FLOAT32_LINEARS), see _pack_float32."""
-    if not torch.backends.mkldnn.is_available():
-        return 0
+    Batch-invariant (the default, cpu_kernels.batch_invariant()), or where oneDNN has no bf16
+    GEMM of its own (AVX2 CPUs: onednn_bf16_fast): panels only, whatever their size, run at every
+    batch size (no oneDNN copy: less memory, too). float32: only for models that opt in
+    (PACK_FLOAT32_LINEARS), see _pack_float32."""
     if dtype == torch.float32 and getattr(model, "PACK_FLOAT32_LINEARS", False):
-        return _pack_float32(model)
-    if dtype != torch.bfloat16 or not _works(torch.bfloat16):
+        return _pack_float32(model) if torch.backends.mkldnn.is_available() else 0
+    if dtype != torch.bfloat16:
         return 0
+    onednn = onednn_bf16_fast() and _works(torch.bfloat16)
     if batch_invariant is None:
         batch_invariant = cpu_kernels.batch_invariant()
+    forced = os.environ.get("TOKENMILL_PANEL_WEIGHTS")
+    panel_ok = forced != "0" and _panel_kernel_works()
+    only_panels = panel_ok and (batch_invariant or not onednn)
+    if not onednn and not only_panels:
+        logger.info("bf16 linears run torch's own kernels (no oneDNN bf16 GEMM, %s)", "TOKENMILL_PANEL_WEIGHTS=0"
+                    if forced == "0" else "and the panel kernel needs the C++ kernels with AVX512-BF16 or AVX2 + FMA")
+        return 0
     linears = _cpu_linears(model)
     extra = sum(c.weight.numel() * c.weight.element_size() for _, _, c in linears)
-    forced = os.environ.get("TOKENMILL_PANEL_WEIGHTS")
-    panel_ok = _panel_kernel_works()
-    only_panels = batch_invariant and panel_ok and forced != "0"
-    keep = panel_ok and (only_panels or forced == "1" or (forced != "0" and extra <= PANEL_WEIGHTS_MAX_BYTES))
+    keep = panel_ok and (only_panels or forced == "1" or extra <= PANEL_WEIGHTS_MAX_BYTES)
     kernels = cpu_kernels.load() if keep else None
     for parent, name, child in linears:
         panels = kernels.pack_panels(child.weight.detach()) if keep else None
         setattr(parent, name, PackedLinear(child, panels, onednn=not only_panels))
     if only_panels:
-        logger.info("bf16 linears: in panels for every batch size (batch-invariant)")
+        logger.info("bf16 linears: in panels for every batch size (%s)", "batch-invariant" if batch_invariant
+                    else "oneDNN has no bf16 GEMM of its own on this CPU")
     elif keep:
         logger.info("bf16 linears: oneDNN-packed, and in panels for batches of <= %d rows (+%.0f MB)",
                     SMALL_BATCH, extra / 1e6)
     if batch_invariant and not only_panels and linears:
-        logger.info("bf16 linears are not batch-invariant here (%s)", "TOKENMILL_PANEL_WEIGHTS=0" if panel_ok
-                    else "the panel kernel needs the C++ kernels built with AVX512-BF16")
+        logger.info("bf16 linears are not batch-invariant here (%s)", "TOKENMILL_PANEL_WEIGHTS=0" if forced == "0"
+                    else "the panel kernel needs the C++ kernels built with AVX512-BF16 or AVX2 + FMA")
     return len(linears)
 
 
@@ -122,8 +129,16 @@ def _cpu_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
             if type(child) is nn.Linear and child.weight.device.type == "cpu"]
 
 
+@functools.cache
+def onednn_bf16_fast() -> bool:
+    """Whether oneDNN has bf16 GEMMs of its own here (AVX-512 or AMX: torch's own check). On AVX2
+    CPUs it cannot pack bf16 weights, and torch's bf16 matmul there runs several times slower than
+    float32's (SmolLM2 bf16 decode: 0.4 tok/s against float32's 2.4 on the AMD EPYC helpers' machine)."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def _panel_kernel_works() -> bool:
-    """The panel kernel needs the C++ kernels built with AVX512-BF16."""
+    """The panel kernel needs the C++ kernels built with AVX512-BF16 or AVX2 + FMA."""
     kernels = cpu_kernels.load() if cpu_kernels.enabled() else None
     if kernels is None:
         return False
@@ -132,7 +147,7 @@ def _panel_kernel_works() -> bool:
         y = kernels.panel_linear(x, kernels.pack_panels(w), 40)
         # The result is rounded to bf16: compare within its relative precision.
         return torch.allclose(y.float(), x.float() @ w.float().T, rtol=1e-2, atol=1e-2)
-    except RuntimeError:  # built without AVX512-BF16
+    except RuntimeError:  # built without AVX512-BF16 or AVX2 + FMA
         return False
 
 

@@ -48,7 +48,7 @@ torch::Tensor moe_experts(torch::Tensor x, torch::Tensor w13, torch::Tensor w2, 
 bool shm_all_reduce(torch::Tensor x, torch::Tensor slots, torch::Tensor words, int64_t rank, int64_t world,
                     int64_t seq, int64_t spin_ns);
 
-// decode_step.cpp (defined only where the CPU has AVX512-BF16)
+// decode_step.cpp (defined only where the CPU has AVX512-BF16 or AVX2 + FMA)
 void bind_fused_decoder(pybind11::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -40,6 +40,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
+#if defined(__x86_64__)
+#include <immintrin.h>  // _mm_pause
+#endif
 
 #include "elementwise.h"
 #include "linear.h"
@@ -47,7 +50,7 @@
 #include "paged_decode.h"
 #include "shm_allreduce.h"
 
-#if defined(__AVX512BF16__)
+#if TM_PANEL_KERNEL
 
 namespace {
 
@@ -634,7 +637,7 @@ void bind_fused_decoder(pybind11::module_& m) {
                      "cut a thread's spin budget when its spins run out, grow it back when they succeed");
 }
 
-#else  // no AVX512-BF16: no fused decode step (the model runs op by op)
+#else  // neither AVX512-BF16 nor AVX2 + FMA: no panel kernel, no fused decode step (the model runs op by op)
 
 void bind_fused_decoder(pybind11::module_&) {}
 

@@ -8,6 +8,14 @@
 
 #include <cstdint>
 
+// The bf16 panel kernel (and so the fused decode step) is built where the CPU has AVX512-BF16
+// (vdpbf16ps) or AVX2 with FMA (float32 FMAs on the widened weights).
+#if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
+#define TM_PANEL_KERNEL 1
+#else
+#define TM_PANEL_KERNEL 0
+#endif
+
 namespace tm_cpu {
 
 constexpr int kGroup = 32;      // quantization group: inputs sharing one scale
@@ -27,12 +35,12 @@ struct LinearWeights {
 
 // Quantized weights: out[m * ldo + n] = x[m] . w[n] (+ bias[n], rounded as `y + bias` is) for
 // the M input rows (K apart) and the output rows n of tiles [t0, t1). XT / OT: float or
-// c10::BFloat16 (bf16 inputs need AVX512-BF16).
+// c10::BFloat16 (bf16 inputs widened to float32 first where the CPU lacks AVX512-BF16).
 template <typename XT, typename OT>
 void linear_tiles(const XT* x, int64_t M, const LinearWeights& w, int64_t t0, int64_t t1, OT* out, int64_t ldo,
                   const OT* bias = nullptr);
 
-#if defined(__AVX512BF16__)
+#if TM_PANEL_KERNEL
 // bf16 panels: the same for the output rows of panels [p0, p1).
 void panel_units(const c10::BFloat16* x, int64_t M, const LinearWeights& w, int64_t p0, int64_t p1,
                  c10::BFloat16* out, int64_t ldo, const c10::BFloat16* bias);

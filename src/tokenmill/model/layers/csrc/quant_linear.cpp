@@ -8,8 +8,8 @@
 // Each thread takes a range of 4-row tiles of the output (linear.h); it dequantizes a tile's rows
 // into a small buffer (L1-resident) and multiplies every input row by them, so a weight is read
 // from memory once per call whatever the batch size. The dot products run on AVX-512 (bf16 pairs
-// with vdpbf16ps where the CPU has it), with a portable scalar path elsewhere. (bf16 weights:
-// panel_linear.cpp.)
+// with vdpbf16ps where the CPU has it) or AVX2 + FMA (float32; bf16 inputs widened first), with a
+// portable scalar path elsewhere. (bf16 weights: panel_linear.cpp.)
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -20,7 +20,7 @@
 #include "cpu_common.h"
 #include "linear.h"
 
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -28,8 +28,14 @@ namespace {
 
 using namespace tm_cpu;
 
+#if defined(__AVX512F__) || !defined(__AVX2__)
+#define TM_QUANT_AVX2 0
+#else
+#define TM_QUANT_AVX2 1
+#endif
+
 constexpr int kRows = kTileRows;  // weight rows dequantized and multiplied together
-constexpr int kBatch = 4;  // input rows per micro-tile
+constexpr int kBatch = TM_QUANT_AVX2 ? 3 : 4;  // input rows per micro-tile (AVX2: 3 x 4 accumulators of 16 ymm)
 
 inline float half_to_f(at::Half h) {
 #if defined(__F16C__)
@@ -151,9 +157,32 @@ inline void tile_bf16(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* 
 }
 #endif
 
+#if TM_QUANT_AVX2 && defined(__FMA__)
+// The sum of x's 8 lanes in one fixed order (every output of every tile alike: batch-invariant).
+inline float hsum8(__m256 x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
 template <int MB, int NB>
 inline void tile_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* out, int64_t ldo) {
-#if defined(__AVX512F__)
+#if TM_QUANT_AVX2 && defined(__FMA__)
+  __m256 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+#pragma GCC unroll 4
+    for (int i = 0; i < MB; ++i) {
+      const __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + j * ldw + k), acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) out[i * ldo + j] = hsum8(acc[i][j]);
+#elif defined(__AVX512F__)
   __m512 acc[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -272,8 +301,11 @@ void linear_tiles(const XT* x, int64_t M, const LinearWeights& w, int64_t t0, in
 #endif
     if constexpr (std::is_same_v<XT, float>) {
       tiles_4x4<B, float>(x, M, w, t0, t1, out, ldo, bias);
-    } else {
-      TORCH_CHECK(false, "quantized linear: bfloat16 inputs need AVX512-BF16 (convert them to float32)");
+    } else {  // without vdpbf16ps: the inputs widened to float32 (exact), as the op does
+      thread_local std::vector<float> xf;
+      xf.resize(M * w.K);
+      for (int64_t i = 0; i < M * w.K; ++i) xf[i] = static_cast<float>(x[i]);
+      tiles_4x4<B, float>(xf.data(), M, w, t0, t1, out, ldo, bias);
     }
   };
   if (w.bits == 4) run(std::integral_constant<int, 4>{});
