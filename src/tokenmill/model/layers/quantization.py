@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.model.layers import cpu_kernels
+from tokenmill.model.layers.linear import onednn_bf16_fast
 
 logger = logging.getLogger("tokenmill")
 
@@ -84,7 +85,11 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         ops = cpu_kernels.ops_for(x2)
         if ops is not None and x2.shape[0] >= LARGE_BATCH:  # prompt steps: oneDNN on a dequantized copy
-            y = F.linear(x2, ops.dequantize_weight(self.qweight, self.scales, self.bits, x2.dtype))
+            if x2.dtype == torch.bfloat16 and not onednn_bf16_fast():  # AVX2: its float32 GEMM, not its slow bf16
+                y = F.linear(x2.float(), ops.dequantize_weight(self.qweight, self.scales, self.bits, torch.float32))
+                y = y.to(x2.dtype)
+            else:
+                y = F.linear(x2, ops.dequantize_weight(self.qweight, self.scales, self.bits, x2.dtype))
         elif ops is not None:
             y = ops.quant_linear(x2, self.qweight, self.scales, self.bits)
         else:  # no C++ kernels: dequantize on the fly (slow, but the same numbers)
