@@ -45,7 +45,7 @@ def main(argv=None) -> None:
 
     k = cpu_kernels.load()
     if k is None or not hasattr(k, "lora_add") or not hasattr(k, "panel_linear"):
-        raise SystemExit("the C++ kernels (with AVX512-BF16) are unavailable")
+        raise SystemExit("the C++ kernels (with AVX512-BF16 or AVX2 + FMA) are unavailable")
     S, r, copies = args.max_slots, args.rank, args.copies
     print(f"{torch.get_num_threads()} threads; rank {r}, {S} slots; microseconds per layer, medians of "
           f"{args.repeats} interleaved runs")

@@ -7,7 +7,9 @@
 For each of SmolLM2's linears (qkv, o, gate_up, down: 30 copies each, so that weights come from
 memory as in a decode step; the LM head: one 56 MB copy) and each batch size, the two kernels run
 interleaved (`--repeats` times each); prints the median GFLOP/s of each, their ratio, and at one
-row the weight bytes streamed per second.
+row the weight bytes streamed per second. `--float32` adds F.linear on float32 copies of the
+weights (twice the bytes; what a float32 model runs): the peer to beat where oneDNN has no
+native bf16 (AVX2 CPUs).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="1,8,16,32,64", help="batch sizes (comma-separated)")
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--float32", action="store_true", help="also time F.linear on float32 weights")
+    p.add_argument("--shapes", default=",".join(SHAPES), help="which of SmolLM2's linears (comma-separated)")
     args = p.parse_args(argv)
     from tokenmill.model.layers import cpu_kernels
 
@@ -47,20 +51,34 @@ def main(argv=None) -> None:
     if k is None or not hasattr(k, "panel_linear"):
         raise SystemExit("the C++ kernels are unavailable")
     print(f"{torch.get_num_threads()} threads; GFLOP/s, medians of {args.repeats} interleaved runs")
-    for name, (N, K) in SHAPES.items():
+    for name in args.shapes.split(","):
+        N, K = SHAPES[name]
         copies = 1 if name == "lm_head" else 30
         ws = [torch.randn(N, K).bfloat16() for _ in range(copies)]
-        onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in ws]
+        try:
+            onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in ws]
+        except RuntimeError:  # no oneDNN bf16 GEMM on this CPU (AVX2): float32 is the peer
+            onednn, args.float32 = [], True
         panels = [k.pack_panels(w) for w in ws]
+        fp32 = [w.float() for w in ws] if args.float32 else []
         for M in (int(r) for r in args.rows.split(",")):
             x = torch.randn(M, K).bfloat16()
-            runs = {"oneDNN": lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in onednn],
-                    "panels": lambda: [k.panel_linear(x, w, N) for w in panels]}
+            xf = x.float()
+            runs = {"panels": lambda: [k.panel_linear(x, w, N) for w in panels]}
+            if onednn:
+                runs["oneDNN"] = lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in onednn]
+            if fp32:
+                runs["float32"] = lambda: [torch.nn.functional.linear(xf, w) for w in fp32]
             times = time_interleaved(runs, args.repeats, copies)
-            t1, t2 = times["oneDNN"], times["panels"]
+            t2 = times["panels"]
             flop = 2 * M * N * K
-            line = (f"{name:8s} rows {M:4d}: oneDNN {flop / t1 / 1e9:6.0f}  panels {flop / t2 / 1e9:6.0f}  "
-                    f"panels / oneDNN {t1 / t2:5.2f}x")
+            line = f"{name:8s} rows {M:4d}: panels {flop / t2 / 1e9:6.0f}"
+            if onednn:
+                t1 = times["oneDNN"]
+                line += f"  oneDNN {flop / t1 / 1e9:6.0f}  panels / oneDNN {t1 / t2:5.2f}x"
+            if fp32:
+                t3 = times["float32"]
+                line += f"  float32 {flop / t3 / 1e9:6.0f}  panels / float32 {t3 / t2:5.2f}x"
             if M == 1:
                 line += f"  (panels stream {N * K * 2 / t2 / 1e9:.1f} GB/s)"
             print(line)

@@ -299,6 +299,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     e.add_argument("--max-num-seqs", type=int, default=256, help="tokenmill max_num_seqs")
     e.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokenmill max_num_batched_tokens")
     e.add_argument("--kv-cache-memory", type=float, default=4.0, help="tokenmill KV pool in GiB")
+    e.add_argument("--quantization", default=None, choices=["int4", "int8"],
+                   help="tokenmill weight-only quantization (transformers keeps the checkpoint's weights)")
     s.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
                    help="before each timed run, wait up to this long for other processes on this (shared) "
                         "machine to use fewer than --idle-threshold cores; 0: do not wait")
@@ -378,7 +380,7 @@ def main(argv=None) -> dict:
         t0 = time.perf_counter()
         llm = LLM(path, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-                  num_threads=threads)
+                  num_threads=threads, quantization=args.quantization)
         load_s = time.perf_counter() - t0
         torch.set_num_threads(threads)
         warm, _ = run_tokenmill(llm, warm_prompts, args.warmup_output_len, threads)
