@@ -1,12 +1,15 @@
-"""Micro-benchmark of the C++ paged decode attention kernel (`paged_decode`).
+"""Micro-benchmark of the C++ paged decode attention kernels (`paged_decode`, `paged_rows`).
 
     python benchmarks/paged_decode_kernel.py                      # the package's kernel
     python benchmarks/paged_decode_kernel.py --source OLD.cpp     # another version of the source
     python benchmarks/paged_decode_kernel.py --source OLD.cpp --compare   # both, interleaved
+    python benchmarks/paged_decode_kernel.py --rows 1,5,9,13 --batch 1 --context 256 1000 2000
+        # the rows kernel: each sequence's last R rows at once (a speculative verification chunk)
 
 SmolLM2-135M's attention shape by default (H=9, Hkv=3, D=64, block size 16), bf16 queries,
 bf16 or int8 (+ float32 scales) caches, ~--context keys per sequence (jittered), blocks drawn
-at random from a pool. Every call reads a different part of a pool of at least --pool-mb MB,
+at random from a pool (--rows: `paged_rows` on R query rows per sequence, its last R
+positions, as the batch-invariant engine runs a verification chunk). Every call reads a different part of a pool of at least --pool-mb MB,
 so that K/V come from memory as in a real decode step (a layer's cache is read once a step),
 not from the last-level cache (--hot reuses one set of tables). Prints the median time per
 call in µs and the effective bandwidth: bytes of K and V (and int8 scales) read / time; with
@@ -28,20 +31,39 @@ from pathlib import Path
 import torch
 
 
+BINDINGS = """#include <torch/extension.h>
+torch::Tensor paged_decode(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, double,
+                           c10::optional<torch::Tensor>, c10::optional<torch::Tensor>);
+torch::Tensor paged_rows(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+                         int64_t, double, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>);
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+        py::arg("seq_lens"), py::arg("block_size"), py::arg("scale"), py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none());
+  m.def("paged_rows", &paged_rows, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+        py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("block_size"), py::arg("scale"),
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
+}
+"""
+
+
 def load_source(path: str, tag: str):
+    """A stand-alone paged_attention.cpp (the package's headers) with bindings of its two ops."""
     from torch.utils.cpp_extension import load
 
     from tokenmill.model.layers import cpu_kernels
 
     build = Path(tempfile.gettempdir()) / f"tokenmill_bench_{tag}"
     build.mkdir(parents=True, exist_ok=True)
-    return load(name=f"tokenmill_bench_{tag}", sources=[path], extra_cflags=cpu_kernels._flags(),
-                build_directory=str(build), verbose=False)
+    bindings = build / "bench_bindings.cpp"
+    bindings.write_text(BINDINGS)
+    return load(name=f"tokenmill_bench_{tag}", sources=[path, str(bindings)], extra_cflags=cpu_kernels._flags(),
+                extra_include_paths=[str(cpu_kernels.SOURCES[0].parent)], build_directory=str(build), verbose=False)
 
 
-def make_case(B: int, args, cache: str, gen: torch.Generator):
+def make_case(B: int, args, cache: str, gen: torch.Generator, context: int, rows: int = 1):
     H, Hkv, D, bs = args.heads, args.kv_heads, args.head_dim, args.block_size
-    lens = [max(1, args.context + int(torch.randint(-args.jitter, args.jitter + 1, (1,), generator=gen))) for _ in range(B)]
+    lens = [max(rows, context + int(torch.randint(-args.jitter, args.jitter + 1, (1,), generator=gen))) for _ in range(B)]
     max_blocks = math.ceil(max(lens) / bs)
     blocks_per_call = sum(math.ceil(n / bs) for n in lens)
     elem = 1 if cache == "int8" else 2
@@ -74,31 +96,38 @@ def make_case(B: int, args, cache: str, gen: torch.Generator):
             t[b, :nb] = torch.tensor(mine[k:k + nb])
             k += nb
         tables.append(t)
-    q = torch.randn(B, H, D, generator=gen).to(torch.bfloat16)
+    q = torch.randn(B * rows, H, D, generator=gen).to(torch.bfloat16)
     seq_lens = torch.tensor(lens, dtype=torch.int64)
     kv_bytes = sum(lens) * Hkv * (D * elem + (4 if cache == "int8" else 0)) * 2
-    return q, kc, vc, tables, seq_lens, extra, kv_bytes
+    # rows > 0: paged_rows with query_start_loc (each sequence's last `rows` positions)
+    loc = torch.arange(B + 1, dtype=torch.int64) * rows if args.rows else None
+    return q, kc, vc, tables, seq_lens, extra, kv_bytes, loc
+
+
+def call(mod, case, table, args):
+    q, kc, vc, _, seq_lens, extra, _, loc = case
+    scale = args.head_dim ** -0.5
+    if loc is not None:
+        return mod.paged_rows(q, kc, vc, table, seq_lens, loc, args.block_size, scale, *extra)
+    return mod.paged_decode(q, kc, vc, table, seq_lens, args.block_size, scale, *extra)
 
 
 def time_kernel(mod, case, args) -> float:
-    q, kc, vc, tables, seq_lens, extra, _ = case
-    scale = args.head_dim ** -0.5
+    tables = case[3]
     n = len(tables)
     for i in range(min(n, 8)):
-        mod.paged_decode(q, kc, vc, tables[i % n], seq_lens, args.block_size, scale, *extra)
+        call(mod, case, tables[i % n], args)
     times = []
     for i in range(args.iters):
         t = tables[i % n]
         t0 = time.perf_counter()
-        mod.paged_decode(q, kc, vc, t, seq_lens, args.block_size, scale, *extra)
+        call(mod, case, t, args)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
 def check(mods, case, args):
-    q, kc, vc, tables, seq_lens, extra, _ = case
-    outs = [m.paged_decode(q, kc, vc, tables[0], seq_lens, args.block_size, args.head_dim ** -0.5, *extra).float()
-            for m in mods]
+    outs = [call(m, case, case[3][0], args).float() for m in mods]
     return max(float((o - outs[0]).abs().max()) for o in outs)
 
 
@@ -109,7 +138,9 @@ def main() -> None:
     p.add_argument("--compare", action="store_true", help="time --source and the package's kernel, interleaved")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--cache", nargs="+", default=["bf16", "int8"], choices=["bf16", "int8"])
-    p.add_argument("--context", type=int, default=384)
+    p.add_argument("--context", type=int, nargs="+", default=[384])
+    p.add_argument("--rows", default=None,
+                   help="comma-separated query rows per sequence: time paged_rows (the rows kernel) instead")
     p.add_argument("--jitter", type=int, default=16)
     p.add_argument("--heads", type=int, default=9)
     p.add_argument("--kv-heads", type=int, default=3)
@@ -136,28 +167,37 @@ def main() -> None:
             sys.exit("package kernels failed to build")
 
     gen = torch.Generator().manual_seed(0)
+    rows_list = [int(r) for r in args.rows.split(",")] if args.rows else [1]
+    if args.rows and "int8" in args.cache:
+        args.cache = [c for c in args.cache if c != "int8"] or ["bf16"]  # paged_rows serves bf16 caches
     print(f"threads={args.threads} H={args.heads} Hkv={args.kv_heads} D={args.head_dim} bs={args.block_size} "
-          f"context~{args.context} {args.layout} blocks, {'hot' if args.hot else 'cold (rotating pool)'}")
-    header = f"{'cache':>5} {'B':>4} {'MB/call':>8} " + " ".join(f"{name[-9:] + ' µs':>12} {'GB/s':>6}" for name in mods)
+          f"{'paged_rows' if args.rows else 'paged_decode'} {args.layout} blocks, "
+          f"{'hot' if args.hot else 'cold (rotating pool)'}; medians of {args.rounds} interleaved rounds")
+    header = f"{'cache':>5} {'ctx':>5} {'B':>4} {'R':>3} {'MB/call':>8} "
+    header += " ".join(f"{name[-9:] + ' µs':>12} {'GB/s':>6}" for name in mods)
     if len(mods) >= 2:
         header += f" {'speedup':>8} {'max|diff|':>10}"
     print(header)
     for cache in args.cache:
-        for B in args.batch:
-            case = make_case(B, args, cache, gen)
-            rounds = {name: [] for name in mods}
-            for _ in range(args.rounds):
-                for name, mod in mods.items():
-                    rounds[name].append(time_kernel(mod, case, args))
-            med = {name: statistics.median(v) for name, v in rounds.items()}
-            kv_bytes = case[-1]
-            line = f"{cache:>5} {B:>4} {kv_bytes / 1e6:>8.2f} "
-            line += " ".join(f"{med[n] * 1e6:>12.1f} {kv_bytes / med[n] / 1e9:>6.1f}" for n in mods)
-            if len(mods) >= 2:
-                a, b = list(med.values())[0], list(med.values())[-1]
-                line += f" {a / b:>7.2f}x {check(list(mods.values()), case, args):>10.2e}"
-            print(line, flush=True)
-            del case
+        for context in args.context:
+            for B in args.batch:
+                for R in rows_list:
+                    case = make_case(B, args, cache, gen, context, R)
+                    rounds = {name: [] for name in mods}
+                    for _ in range(args.rounds):
+                        for name, mod in mods.items():
+                            rounds[name].append(time_kernel(mod, case, args))
+                    med = {name: statistics.median(v) for name, v in rounds.items()}
+                    kv_bytes = case[6]
+                    line = f"{cache:>5} {context:>5} {B:>4} {R:>3} {kv_bytes / 1e6:>8.2f} "
+                    line += " ".join(f"{med[n] * 1e6:>12.1f} {kv_bytes / med[n] / 1e9:>6.1f}" for n in mods)
+                    if len(mods) >= 2:
+                        # speedup: the median over rounds of first / last version's time
+                        names = list(mods)
+                        ratio = statistics.median(x / y for x, y in zip(rounds[names[0]], rounds[names[-1]]))
+                        line += f" {ratio:>7.2f}x {check(list(mods.values()), case, args):>10.2e}"
+                    print(line, flush=True)
+                    del case
 
 
 if __name__ == "__main__":

@@ -123,6 +123,47 @@ def test_rows_kernel_gives_each_row_the_bits_it_has_alone(rows_kernels):
         rows_kernels.paged_rows(q, kc, vc, tables, lens, loc[:-1], bs, 1.0)
 
 
+@pytest.mark.parametrize("cache", ["bf16", "int8", "fp8"])
+def test_rows_kernel_long_context_rows_equal_alone(rows_kernels, cache):
+    """Verification chunks at long context (~60-125 key tiles; a lone request's rows split over
+    work items; blocks of 16 and 32 keys), a bf16, int8 or float8 cache: each row's bits equal the
+    row alone, and the rows are close to float32 attention."""
+    from conftest import reference_paged_decode
+
+    g = torch.Generator().manual_seed(1)
+    H, Hkv, D = 9, 3, 64
+    for bs, seqs in [(16, [(1500, 13)]), (16, [(1000, 9), (37, 1)]), (32, [(2000, 5), (700, 16), (250, 20)])]:
+        slots = 4096 * 2
+        if cache != "bf16":
+            if cache == "int8":
+                kc, vc = (torch.randint(-127, 128, (slots, Hkv, D), generator=g, dtype=torch.int8) for _ in range(2))
+            else:
+                kc, vc = ((torch.randn(slots, Hkv, D, generator=g) * 64).clamp(-440, 440).to(torch.float8_e4m3fn)
+                          for _ in range(2))
+            ks, vs = (torch.rand(slots, Hkv, generator=g) * 0.02 + 0.001 for _ in range(2))
+            scales = (ks, vs)
+            kf, vf = kc.float() * ks.unsqueeze(-1), vc.float() * vs.unsqueeze(-1)
+        else:
+            kc, vc = (torch.randn(slots, Hkv, D, generator=g).to(torch.bfloat16) for _ in range(2))
+            scales, kf, vf = (), kc, vc
+        width = max(-(-(c + n) // bs) for c, n in seqs)
+        perm = torch.randperm(slots // bs - 1, generator=g) + 1
+        tables = torch.stack([perm[i * width : (i + 1) * width] for i in range(len(seqs))]).long()
+        lens = torch.tensor([c + n for c, n in seqs])
+        loc = torch.tensor([0] + [n for _, n in seqs]).cumsum(0)
+        q = torch.randn(int(loc[-1]), H, D, generator=g).to(torch.bfloat16)
+        out = rows_kernels.paged_rows(q, kc, vc, tables, lens, loc, bs, D**-0.5, *scales)
+        for b, (c, n) in enumerate(seqs):
+            rows = range(int(loc[b]), int(loc[b + 1]))
+            for i, r in enumerate(rows):
+                alone = rows_kernels.paged_rows(q[r : r + 1], kc, vc, tables[b : b + 1], torch.tensor([c + i + 1]),
+                                                torch.tensor([0, 1]), bs, D**-0.5, *scales)
+                assert torch.equal(out[r : r + 1], alone), (bs, b, i)
+            ref = torch.cat([reference_paged_decode(q[r : r + 1], kf, vf, tables[b : b + 1], torch.tensor([c + i + 1]),
+                                                    bs) for i, r in enumerate(rows)])
+            torch.testing.assert_close(out[rows.start : rows.stop].float(), ref, atol=1e-2, rtol=1e-2)
+
+
 @pytest.mark.parametrize("splits", [[70], [33, 37], [16, 16, 16, 16, 6], [1, 69], [69, 1], [5] * 14, [64, 6]])
 def test_prompt_chunking_changes_no_bit(tiny_bf16, splits):
     """The same prompt prefilled whole or in chunks (op by op, or fused where a step is small

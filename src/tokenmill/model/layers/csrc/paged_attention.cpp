@@ -16,6 +16,7 @@
 
 #include "cpu_common.h"
 #include "paged_decode.h"
+#include "paged_rows_avx2.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -581,15 +582,19 @@ void decode_items_d(const DecodeArgs<T, C>& a, int64_t begin, int64_t end) {
                               a.k_cache, a.v_cache, a.k_scale, a.v_scale, a.H, a.Hkv, a.block_size, a.scale);
 }
 
-// Each row as a lone decode row at its length.
+// Each row as a lone decode row at its length (with AVX2: paged_rows_avx2.h, rows sharing tiles).
 template <typename T, typename C, int D>
 void rows_item_d(const RowsArgs<T, C>& a, const RowsItem& it) {
+#if defined(__AVX2__) && defined(__FMA__)
+  avx2::rows_item<T, C, D>(a, it);
+#else
   const int64_t q0 = a.q_start[it.b], n = a.q_start[it.b + 1] - q0;
   for (int64_t i = it.r0; i < it.r1; ++i)
     for (int64_t h = it.h0; h < it.h1; ++h)
       portable_heads<T, C, D>(a.q + (q0 + i) * a.H * D, a.out + (q0 + i) * a.H * D, a.seq_lens[it.b] - n + i + 1,
                               a.tables + it.b * a.max_blocks, h, a.k_cache, a.v_cache, a.k_scale, a.v_scale, a.H,
                               a.Hkv, a.block_size, a.scale);
+#endif
 }
 
 #endif  // __AVX512F__
@@ -668,6 +673,21 @@ std::vector<RowsItem> rows_items(const int64_t* q_start, const int64_t* seq_lens
     for (const auto& it : items)
       for (int64_t h = 0; h < Hkv; ++h) per_head.push_back({it.b, it.r0, it.r1, h, h + 1});
     items.swap(per_head);
+  }
+  // Still too few (a lone request's verification chunk: 3 kv heads on 2 threads leave one idle
+  // half the time): rows split too, in parts of at least kMinRows (each part reads the K/V again).
+  constexpr int64_t kMinRows = 4;
+  const int64_t have = static_cast<int64_t>(items.size());
+  if (have < 2 * threads) {
+    const int64_t want = (2 * threads + have - 1) / have;
+    std::vector<RowsItem> split;
+    for (const auto& it : items) {
+      const int64_t parts = std::max<int64_t>(1, std::min(want, (it.r1 - it.r0) / kMinRows));
+      for (int64_t p = 0; p < parts; ++p)
+        split.push_back({it.b, it.r0 + (it.r1 - it.r0) * p / parts, it.r0 + (it.r1 - it.r0) * (p + 1) / parts, it.h0,
+                         it.h1});
+    }
+    items.swap(split);
   }
   // Most work first: (keys of the last row) x rows x heads.
   auto work = [&](const RowsItem& it) {

@@ -74,8 +74,10 @@ struct RowsItem {
 };
 
 // The work items of a batch for `threads` threads: each sequence's rows in blocks of up to 16,
-// all kv heads together, or one kv head per item when there are too few blocks to go round;
-// those with the most work first. (How items are cut does not change any result.)
+// all kv heads together, or one kv head per item when there are too few blocks to go round, and
+// then, if still too few, rows split in parts of at least 4 (each part reads the K/V again);
+// those with the most work first. (How items are cut does not change any result.) An item's rows
+// share each tile of keys they read (the AVX-512 path and paged_rows_avx2.h).
 std::vector<RowsItem> rows_items(const int64_t* q_start, const int64_t* seq_lens, int64_t B, int64_t Hkv,
                                  int64_t threads);
 
