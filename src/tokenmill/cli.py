@@ -24,7 +24,11 @@ _ENGINE_HELP = {
     "kv_cache_dtype": "auto (the model's dtype) | int8 | fp8 (= fp8_e4m3: float8 e4m3) (per-token, per-head "
                       "scales: about half the memory of bfloat16)",
     "quantization": "weight-only quantization: int4 | int8 (groups of 32, quantized at load time) | gguf (keep a "
-                    "GGUF file's Q4_0 / Q4_1 / Q8_0 tensors as they are; default: weights in --dtype)",
+                    "GGUF file's Q4_0 / Q4_1 / Q8_0 tensors as they are); or w8a8 (int8 weights per output channel "
+                    "and int8 activations per token, SmoothQuant-smoothed); default: weights in --dtype",
+    "quantization_calibration": "with --quantization w8a8: a calibration file for the smoothing factors (.jsonl "
+                                "lines {\"text\"}, {\"prompt\"} or {\"messages\"}, or plain text; default: a few KB "
+                                "shipped with tokenmill); the statistics are cached per model",
     "num_gpu_blocks_override": "exact number of KV blocks (overrides --kv-cache-memory)",
     "gpu_memory_utilization": "cuda: fraction of the GPU's memory for this engine: weights, activations (profiled "
                               "at start-up), CUDA graphs, and the KV cache in what is left",

@@ -73,7 +73,8 @@ class EngineArgs:
     block_size: int = 16
     kv_cache_memory: float | None = None  # GiB for the KV pool; default: enough for the load
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 | fp8 / fp8_e4m3 (per-token, per-head scales)
-    quantization: str | None = None  # int4 | int8 (weight-only, groups of 32) | gguf (keep a GGUF's blocks)
+    quantization: str | None = None  # int4 | int8 (weight-only, groups of 32) | gguf (keep a GGUF's blocks) | w8a8
+    quantization_calibration: str | None = None  # w8a8: the smoothing's calibration file (default: the packaged set)
     num_gpu_blocks_override: int | None = None  # exact number of KV blocks (tests)
     gpu_memory_utilization: float = 0.9  # cuda: fraction of the GPU's memory this engine may use
     enforce_eager: bool = False  # cuda: no CUDA graphs
@@ -119,6 +120,7 @@ class ModelConfig:
     quantization: str | None = None
     load_format: str = "auto"
     pooler: object | None = None  # model.pooling.PoolerConfig: the engine runs embeddings (--task embed)
+    quantization_calibration: str | None = None  # w8a8's calibration file (None: the packaged set)
 
     @property
     def num_layers(self) -> int:

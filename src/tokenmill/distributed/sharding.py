@@ -46,6 +46,8 @@ def check_tp_size(hf_config, size: int, quantization: str | None) -> None:
         raise ValueError("--quantization gguf keeps a GGUF file's blocks whole and cannot be split across ranks; "
                          "with --tensor-parallel-size use --quantization int4 or int8 (each rank quantizes its "
                          "own shard) or no quantization")
+    if quantization == "w8a8":  # one set of smoothing factors per norm, computed from every rank's rows
+        raise ValueError("--quantization w8a8 is not supported with --tensor-parallel-size > 1 yet")
     if quantization in ("int4", "int8"):
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         for what, cols in (("o_proj", hf_config.num_attention_heads * head_dim),

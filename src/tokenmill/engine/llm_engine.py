@@ -29,7 +29,7 @@ from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.model.layers import cpu_threads
-from tokenmill.model.layers.quantization import check_quantization
+from tokenmill.model.layers.quantization import check_quantization, check_w8a8_args
 from tokenmill.outputs import RequestOutput
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
@@ -60,6 +60,7 @@ class LLMEngine:
         hf_config = load_hf_config(path)
         check_tp_size(hf_config, tp, check_quantization(args.quantization))
         check_features(hf_config, tp, args.enable_lora)
+        check_w8a8_args(args.quantization, args.quantization_calibration, args.enable_lora)
         self.tokenizer = load_tokenizer(args.tokenizer or path)
         # --task embed (or an encoder): a pooler, and the engine runs embeddings only (model/pooling.py)
         pooler = resolve_task(args.task, model_class(hf_config), path, hf_config, args.override_pooler_config)
@@ -86,7 +87,7 @@ class LLMEngine:
         name = args.served_model_name or (args.model or "SmolLM2-135M-Instruct")
         model_config = ModelConfig(path, hf_config, dtype, max_model_len, name, device,
                                    check_kv_cache_dtype(args.kv_cache_dtype), check_quantization(args.quantization),
-                                   args.load_format, pooler)
+                                   args.load_format, pooler, args.quantization_calibration)
 
         block_size = args.block_size
         chunked = args.enable_chunked_prefill and not encoder  # an encoder attends over whole sequences

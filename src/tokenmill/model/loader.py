@@ -158,9 +158,11 @@ def _load_gguf_quantized(model: torch.nn.Module, path: str, dtype: torch.dtype) 
 
 
 def load_model(path: str, hf_config, dtype: torch.dtype, max_position: int, device: str = "cpu",
-               quantization: str | None = None, tp: TPGroup = NO_TP, load_format: str = "auto") -> torch.nn.Module:
-    """quantization: None (weights in `dtype`), "int4" / "int8" (quantized here, groups of 32) or
-    "gguf" (a GGUF's Q4_0 / Q4_1 / Q8_0 tensors kept quantized). tp: this rank's group; the
+               quantization: str | None = None, tp: TPGroup = NO_TP, load_format: str = "auto",
+               calibration: str | None = None) -> torch.nn.Module:
+    """quantization: None (weights in `dtype`), "int4" / "int8" (quantized here, groups of 32),
+    "gguf" (a GGUF's Q4_0 / Q4_1 / Q8_0 tensors kept quantized) or "w8a8" (int8 weights and
+    activations, smoothed on `calibration`, a file, or the packaged set). tp: this rank's group; the
     model is built with its share of the heads and reads only its slices. load_format "dummy":
     random weights, nothing read (vLLM's name; for benchmarks of shapes without their files)."""
     on_cpu = torch.device(device).type == "cpu"
@@ -191,6 +193,11 @@ def load_model(path: str, hf_config, dtype: torch.dtype, max_position: int, devi
     if quantization in BITS:
         n = quantize_model(model, BITS[quantization])
         logger.info("quantized %d linear layers to %s (groups of %d)", n, quantization, GROUP)
+    elif quantization == "w8a8":
+        from tokenmill.model.smoothquant import quantize_model_w8a8
+
+        logger.info("w8a8: %d linear layers in int8, activations quantized per token",
+                    quantize_model_w8a8(model, path, calibration))
     if on_cpu and os.environ.get("TOKENMILL_NO_PACKED_LINEAR") != "1":
         from tokenmill.model.layers.linear import pack_linears
 

@@ -73,7 +73,7 @@ class ModelRunner:
         self.scheduler_config = scheduler_config or SchedulerConfig()
         self.model = load_model(
             model_config.path, model_config.hf_config, model_config.dtype, model_config.max_model_len, self.device,
-            model_config.quantization, tp, model_config.load_format,
+            model_config.quantization, tp, model_config.load_format, model_config.quantization_calibration,
         )
         self.backend = attention_backend_for(self.device)
         # An encoder (BERT) attends within whole sequences and keeps no K/V: no cache, no decode steps.

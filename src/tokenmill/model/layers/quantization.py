@@ -29,7 +29,7 @@ GROUP = 32
 # steps: the GEMM is compute-bound there and oneDNN's beats the engine's tile kernel; the
 # copy costs a weight's bf16 size in memory traffic, small against 128+ rows of work).
 LARGE_BATCH = 128
-QUANTIZATION_METHODS = ("int4", "int8", "gguf")
+QUANTIZATION_METHODS = ("int4", "int8", "gguf", "w8a8")  # w8a8: layers/w8a8.py, model/smoothquant.py
 BITS = {"int4": 4, "int8": 8}
 
 
@@ -140,6 +140,14 @@ def quantize_model(model: nn.Module, bits: int) -> int:
         head = model.lm_head
         model.embed_tokens = QuantEmbedding(head.qweight, head.scales, head.bits, model.embed_tokens.weight.dtype)
     return count
+
+
+def check_w8a8_args(method: str | None, calibration: str | None, enable_lora: bool) -> None:
+    """What --quantization w8a8 cannot be combined with, refused before the model loads."""
+    if calibration and method != "w8a8":
+        raise ValueError("--quantization-calibration is for --quantization w8a8")
+    if method == "w8a8" and enable_lora:  # the smoothing rescales the inputs the adapters' A matrices read
+        raise ValueError("--enable-lora is not supported with --quantization w8a8")
 
 
 def check_quantization(method: str | None) -> str | None:

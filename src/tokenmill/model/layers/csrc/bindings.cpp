@@ -36,6 +36,12 @@ torch::Tensor dequantize_weight(torch::Tensor qweight, torch::Tensor scales, int
 torch::Tensor quant_embedding(torch::Tensor ids, torch::Tensor qweight, torch::Tensor scales, int64_t bits,
                               at::ScalarType dtype);
 
+// w8a8.cpp
+torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale, torch::Tensor rowsum,
+                          c10::optional<torch::Tensor> bias, int64_t N);
+std::vector<torch::Tensor> w8a8_quantize_activations(torch::Tensor x);
+std::string w8a8_isa();
+
 // lora.cpp
 void lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor A, torch::Tensor Bt, torch::Tensor ranks,
               torch::Tensor slice_bounds, torch::Tensor row_slots);
@@ -77,6 +83,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("panels"), py::arg("out_features"), py::arg("bias") = py::none());
   m.def("dequantize_weight", &dequantize_weight, "an int4/int8 weight, dequantized (for large batches)");
   m.def("quant_embedding", &quant_embedding, "rows of an int4/int8 table, dequantized");
+  m.def("w8a8_linear", &w8a8_linear, "int8 weights x per-token int8 activations, int32 sums (--quantization w8a8)",
+        py::arg("x"), py::arg("packed"), py::arg("w_scale"), py::arg("rowsum"), py::arg("bias"), py::arg("N"));
+  m.def("w8a8_quantize_activations", &w8a8_quantize_activations, "per-token asymmetric uint8 (u, scale, zero point)");
+  m.def("w8a8_isa", &w8a8_isa, "the instruction path w8a8_linear runs");
   m.def("lora_add", &lora_add, "multi-LoRA: y [M, N] += each row's adapter delta (row_slots; -1: none), in place",
         py::arg("y"), py::arg("x"), py::arg("A"), py::arg("Bt"), py::arg("ranks"), py::arg("slice_bounds"),
         py::arg("row_slots"));

@@ -1,0 +1,409 @@
+// W8A8 linear layers for CPU (--quantization w8a8, layers/w8a8.py): int8 weights with one float32
+// scale per output row (symmetric, q in -127..127), activations quantized per token on the fly
+// (asymmetric, 8 bits: u in 0..255 with a zero point z, x ~ (u - z) * scale), products summed in
+// int32 and rescaled in float32:
+//   y[m][n] = float(sum_k u[m][k] * q[n][k] - z[m] * rowsum(q[n])) * (sx[m] * sw[n]) + bias[n]
+//
+// Weights are packed once (pack in layers/w8a8.py) in panels of 16 output rows, each panel's K
+// inputs in groups of 4: [N/16][K/4][16][4] int8, so one 64-byte row of a panel holds 4 inputs of
+// 16 outputs: the operand of AVX-512 VNNI's vpdpbusd (and the B tile of AMX), two 32-byte halves of
+// AVX2's. An input row's 4 bytes are broadcast against it: no horizontal sums.
+//
+// Instruction paths (chosen at compile time by -march=native):
+// - AMX-INT8 (tdpbusd) for blocks of 16 input rows, where the CPU and the OS allow it; the rest:
+// - AVX-512 VNNI (vpdpbusd: u8 x s8, 4 products summed into each int32 lane, no intermediate
+//   rounding or saturation), tiles of 8 input rows x 16 outputs.
+// - AVX2 (+ AVX-VNNI's 256-bit vpdpbusd where the CPU has it): vpmaddubsw multiplies u8 by s8 and
+//   adds pairs into int16 *with saturation*: 255 * 127 * 2 overflows it. So activations are stored
+//   signed (u - 128 in -128..127) and multiplied with the sign trick of llama.cpp's AVX2 dot
+//   products: |a| (as u8, at most 128) times sign(a) * q (at most 127 in magnitude), pairs at most
+//   2 * 128 * 127 = 32512: exact. The 128 * rowsum(q) this shifts is put back with the zero point.
+//   Tiles of 4 input rows x 16 outputs.
+// - Anything else: plain loops.
+// Every path computes the same integers, exactly, so a row's outputs do not depend on the other
+// rows in the call, on the tiling, or on the instruction set (the float epilogue is one
+// function applied to each row alike): batch-invariant by construction.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#include "cpu_common.h"
+
+namespace {
+
+using tm_cpu::to_f;
+
+constexpr int kPanel = 16;  // output rows per packed panel
+constexpr int kQuad = 4;    // inputs per packed group
+constexpr int64_t kRowBlock = 128;  // input rows whose activations stay in L2 while a thread walks its panels
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define TM_W8A8_VNNI512 1
+constexpr bool kSignedActs = false;  // vpdpbusd takes u8 activations
+constexpr int kTileRows = 8;
+#elif defined(__AVX2__) && defined(__AVXVNNI__)
+constexpr bool kSignedActs = false;  // 256-bit vpdpbusd takes u8 activations
+constexpr int kTileRows = 4;
+#elif defined(__AVX2__)
+constexpr bool kSignedActs = true;  // u - 128, for the sign trick
+constexpr int kTileRows = 4;
+#else
+constexpr bool kSignedActs = false;
+constexpr int kTileRows = 4;
+#endif
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// ---- per-token activation quantization ---------------------------------------------------------
+// One row: lo = min(x, 0), hi = max(x, 0), scale = (hi - lo) * (1 / 255), z = round(-lo / scale),
+// u = clamp(round(x / scale) + z, 0, 255) with x / scale computed as x * (1 / scale) and round to
+// nearest even: exactly what layers/w8a8.py's quantize_activations does in torch. The row's tail
+// up to Kp is zero-filled (its weights are zero). Stored as u (or u - 128 when `flip`).
+template <typename T>
+void quantize_row(const T* x, int64_t K, int64_t Kp, uint8_t* out, float* scale, int32_t* zero, bool flip) {
+  float lo = 0.f, hi = 0.f;
+  for (int64_t k = 0; k < K; ++k) {
+    const float v = to_f(x[k]);
+    lo = std::min(lo, v);
+    hi = std::max(hi, v);
+  }
+  float s = (hi - lo) * (1.f / 255.f);  // a product: -ffast-math would make a division one anyway
+  if (!(s > 0.f) || !std::isfinite(s)) s = 1.f;  // an all-zero row (or a non-finite one: garbage in, no crash)
+  const float inv = 1.f / s;
+  const float zf = std::nearbyint(-lo * inv);
+  const uint8_t fx = flip ? 0x80 : 0;
+  int64_t k = 0;
+#if defined(__AVX2__)
+  const __m256 vinv = _mm256_set1_ps(inv), vz = _mm256_set1_ps(zf), v0 = _mm256_setzero_ps(),
+               v255 = _mm256_set1_ps(255.f);
+  const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (; k + 32 <= K; k += 32) {
+    __m256i q[4];
+    for (int j = 0; j < 4; ++j) {
+      __m256 v;
+      if constexpr (std::is_same_v<T, float>) {
+        v = _mm256_loadu_ps(x + k + 8 * j);
+      } else {  // bf16: the upper half of a float
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + k + 8 * j));
+        v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+      }
+      // round(x * inv) then + z (both exact integers in float): the same as the scalar tail
+      v = _mm256_add_ps(_mm256_round_ps(_mm256_mul_ps(v, vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), vz);
+      q[j] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, v0), v255));
+    }
+    const __m256i w01 = _mm256_packs_epi32(q[0], q[1]), w23 = _mm256_packs_epi32(q[2], q[3]);
+    __m256i b = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(w01, w23), perm);
+    b = _mm256_xor_si256(b, _mm256_set1_epi8(static_cast<char>(fx)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), b);
+  }
+#endif
+  for (; k < K; ++k) {
+    const float v = std::nearbyint(to_f(x[k]) * inv) + zf;
+    out[k] = static_cast<uint8_t>(static_cast<int>(std::min(std::max(v, 0.f), 255.f))) ^ fx;
+  }
+  for (; k < Kp; ++k) out[k] = 0;  // zero weights there: any value; 0 keeps the sign trick's |a| small
+  *scale = s;
+  *zero = static_cast<int32_t>(zf);
+}
+
+// ---- int32 tiles: acc[i][0..15] = sum_k a[i][k] * panel[k][0..15] ------------------------------
+#if defined(TM_W8A8_VNNI512)
+template <int MB>
+inline void tile(const uint8_t* a, int64_t lda, const int8_t* panel, int64_t Kp, int32_t* acc) {
+  __m512i c[MB];
+  for (int i = 0; i < MB; ++i) c[i] = _mm512_setzero_si512();
+  for (int64_t k = 0; k < Kp; k += kQuad) {
+    const __m512i w = _mm512_loadu_si512(panel + k * kPanel);
+    for (int i = 0; i < MB; ++i) {
+      int32_t q4;
+      std::memcpy(&q4, a + i * lda + k, 4);
+      c[i] = _mm512_dpbusd_epi32(c[i], _mm512_set1_epi32(q4), w);
+    }
+  }
+  for (int i = 0; i < MB; ++i) _mm512_storeu_si512(acc + i * kPanel, c[i]);
+}
+#elif defined(__AVX2__)
+// AVX-VNNI: a = u, acc = sum u * q. Plain AVX2: a = u - 128 (signed), acc = sum (u - 128) * q.
+// The panel's first 32 bytes hold outputs 0-7, the next 32 outputs 8-15: lane j of c0 is output j.
+template <int MB>
+inline void tile(const uint8_t* a, int64_t lda, const int8_t* panel, int64_t Kp, int32_t* acc) {
+  __m256i c0[MB], c1[MB];
+  for (int i = 0; i < MB; ++i) c0[i] = c1[i] = _mm256_setzero_si256();
+#if !defined(__AVXVNNI__)
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
+  for (int64_t k = 0; k < Kp; k += kQuad) {
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k * kPanel));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k * kPanel + 32));
+#pragma GCC unroll 8
+    for (int i = 0; i < MB; ++i) {
+      int32_t q4;
+      std::memcpy(&q4, a + i * lda + k, 4);
+      const __m256i s = _mm256_set1_epi32(q4);
+#if defined(__AVXVNNI__)
+      c0[i] = _mm256_dpbusd_avx_epi32(c0[i], s, w0);  // u8 x s8, no saturation
+      c1[i] = _mm256_dpbusd_avx_epi32(c1[i], s, w1);
+#else
+      const __m256i as = _mm256_sign_epi8(s, s);  // |a| as u8 (-128 -> 128)
+      c0[i] = _mm256_add_epi32(c0[i], _mm256_madd_epi16(_mm256_maddubs_epi16(as, _mm256_sign_epi8(w0, s)), ones));
+      c1[i] = _mm256_add_epi32(c1[i], _mm256_madd_epi16(_mm256_maddubs_epi16(as, _mm256_sign_epi8(w1, s)), ones));
+#endif
+    }
+  }
+  for (int i = 0; i < MB; ++i) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + i * kPanel), c0[i]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + i * kPanel + 8), c1[i]);
+  }
+}
+#else
+template <int MB>
+inline void tile(const uint8_t* a, int64_t lda, const int8_t* panel, int64_t Kp, int32_t* acc) {
+  for (int i = 0; i < MB; ++i) {
+    int32_t c[kPanel] = {};
+    for (int64_t k = 0; k < Kp; k += kQuad) {
+      const int8_t* w = panel + k * kPanel;
+      for (int n = 0; n < kPanel; ++n)
+        for (int j = 0; j < kQuad; ++j) c[n] += static_cast<int32_t>(a[i * lda + k + j]) * w[n * kQuad + j];
+    }
+    std::memcpy(acc + i * kPanel, c, sizeof(c));
+  }
+}
+#endif
+
+// The float epilogue of one row of a panel, the same code for every row (noinline: however the
+// tiles around it are compiled, fast-math cannot make a row's rounding depend on its tile).
+template <typename OT>
+__attribute__((noinline)) void finish_row(const int32_t* acc, int nb, int32_t shift, float sx, const float* sw,
+                                          const int32_t* rowsum, const float* bias, OT* out) {
+  for (int n = 0; n < nb; ++n) {
+    const float v = static_cast<float>(acc[n] - shift * rowsum[n]) * (sx * sw[n]);
+    tm_cpu::from_f(bias != nullptr ? v + bias[n] : v, out + n);
+  }
+}
+
+template <int MB>
+void tile_dispatch(int mb, const uint8_t* a, int64_t lda, const int8_t* panel, int64_t Kp, int32_t* acc) {
+  if constexpr (MB > 1) {
+    if (mb < MB) return tile_dispatch<MB - 1>(mb, a, lda, panel, Kp, acc);
+  }
+  tile<MB>(a, lda, panel, Kp, acc);
+}
+
+struct Problem {
+  const uint8_t* a;  // [M][Kp] quantized activations (u, or u - 128 with kSignedActs)
+  const float* sx;
+  const int32_t* zx;
+  const int8_t* packed;  // [Np/16][Kp/4][16][4]
+  const float* sw;       // [N]
+  const int32_t* rowsum; // [N]
+  const float* bias;     // [N] or null
+  int64_t M, N, Kp;
+};
+
+#if defined(TM_W8A8_VNNI512) && defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#define TM_W8A8_AMX 1
+// AMX-INT8: tdpbusd multiplies a 16-row x 64-byte tile of u8 activations by a 16 x 64 tile of the
+// panel (16 groups of 4 inputs for 16 outputs: the packed layout as it is) into 16 x 16 int32.
+// Used for whole blocks of 16 rows when K is a multiple of 64 (the other rows take the VNNI tiles:
+// the same integers). Linux gives a process the tile state only when asked (arch_prctl); the path
+// is checked once against the VNNI tiles on random data and not used if it differs.
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+inline void amx_configure() {  // every call: other libraries (oneDNN) load their own configurations
+  TileConfig cfg;
+  for (int t = 0; t < 3; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// acc[16][16] = sum over Kp of a's 16 rows times one panel.
+inline void amx_block(const uint8_t* a, int64_t lda, const int8_t* panel, int64_t Kp, int32_t* acc) {
+  _tile_zero(0);
+  for (int64_t k = 0; k < Kp; k += 64) {
+    _tile_loadd(1, a + k, lda);
+    _tile_loadd(2, panel + k * kPanel, kQuad * kPanel);
+    _tile_dpbusd(0, 1, 2);
+  }
+  _tile_stored(0, acc, kPanel * sizeof(int32_t));
+}
+
+bool amx_usable() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    if (syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) != 0) return false;
+    constexpr int64_t Kp = 128;
+    std::vector<uint8_t> a(16 * Kp);
+    std::vector<int8_t> w(Kp * kPanel);
+    uint32_t r = 12345;
+    for (auto& v : a) v = static_cast<uint8_t>((r = r * 1103515245 + 12345) >> 16);
+    for (auto& v : w) v = static_cast<int8_t>(static_cast<int>((r = r * 1103515245 + 12345) >> 16) % 255 - 127);
+    alignas(64) int32_t got[16 * kPanel], want[16 * kPanel];
+    amx_configure();
+    amx_block(a.data(), Kp, w.data(), Kp, got);
+    _tile_release();
+    for (int m = 0; m < 16; m += kTileRows) tile<kTileRows>(a.data() + m * Kp, Kp, w.data(), Kp, want + m * kPanel);
+    return std::memcmp(got, want, sizeof(got)) == 0;
+  }();
+  return ok;
+}
+#endif
+
+// Panels [p0, p1) for all M rows, in blocks of kRowBlock rows.
+template <typename OT>
+void run_panels(const Problem& P, int64_t p0, int64_t p1, OT* out) {
+  alignas(64) int32_t acc[16 * kPanel];
+#if defined(TM_W8A8_AMX)
+  const bool amx = P.Kp % 64 == 0 && P.M >= 16 && amx_usable();
+  if (amx) amx_configure();
+#endif
+  for (int64_t r0 = 0; r0 < P.M; r0 += kRowBlock) {
+    const int64_t r1 = std::min(P.M, r0 + kRowBlock);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int8_t* panel = P.packed + p * P.Kp * kPanel;
+      const int64_t n0 = p * kPanel;
+      const int nb = static_cast<int>(std::min<int64_t>(kPanel, P.N - n0));
+      auto finish = [&](int64_t m, int rows) {
+        for (int i = 0; i < rows; ++i) {
+          // acc = sum a * q with a = u (- 128 when signed): y needs sum u * q - z * rowsum.
+          const int32_t shift = P.zx[m + i] - (kSignedActs ? 128 : 0);
+          finish_row(acc + i * kPanel, nb, shift, P.sx[m + i], P.sw + n0, P.rowsum + n0,
+                     P.bias == nullptr ? nullptr : P.bias + n0, out + (m + i) * P.N + n0);
+        }
+      };
+      int64_t m = r0;
+#if defined(TM_W8A8_AMX)
+      for (; amx && m + 16 <= r1; m += 16) {
+        amx_block(P.a + m * P.Kp, P.Kp, panel, P.Kp, acc);
+        finish(m, 16);
+      }
+#endif
+      for (; m < r1; m += kTileRows) {
+        const int mb = static_cast<int>(std::min<int64_t>(kTileRows, r1 - m));
+        tile_dispatch<kTileRows>(mb, P.a + m * P.Kp, P.Kp, panel, P.Kp, acc);
+        finish(m, mb);
+      }
+    }
+  }
+#if defined(TM_W8A8_AMX)
+  if (amx) _tile_release();
+#endif
+}
+
+void check_weights(const torch::Tensor& packed, const torch::Tensor& sw, const torch::Tensor& rowsum, int64_t N,
+                   int64_t K) {
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.dim() == 4 &&
+                  packed.size(0) == round_up(N, kPanel) / kPanel && packed.size(1) == round_up(K, kQuad) / kQuad &&
+                  packed.size(2) == kPanel && packed.size(3) == kQuad,
+              "w8a8: packed weight must be int8 [ceil(N/16), ceil(K/4), 16, 4]");
+  TORCH_CHECK(sw.scalar_type() == at::kFloat && sw.is_contiguous() && sw.numel() == N, "w8a8: float32 scales [N]");
+  TORCH_CHECK(rowsum.scalar_type() == at::kInt && rowsum.is_contiguous() && rowsum.numel() == N,
+              "w8a8: int32 row sums [N]");
+  // |sum u * q - z * rowsum| <= 2 * 255 * 127 * K must fit int32
+  TORCH_CHECK(K <= 32768, "w8a8: at most 32768 inputs");
+}
+
+// x [M, K] float32 / bfloat16 -> quantized rows [M, Kp] (u or u - 128), scales [M], zero points [M].
+void quantize_all(const torch::Tensor& x, int64_t Kp, bool flip, uint8_t* q, float* sx, int32_t* zx) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1));
+  AT_DISPATCH_SWITCH(x.scalar_type(), "w8a8_quantize",
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      const float* xp = x.data_ptr<float>();
+      at::parallel_for(0, M, grain, [&](int64_t b, int64_t e) {
+        for (int64_t m = b; m < e; ++m) quantize_row(xp + m * K, K, Kp, q + m * Kp, sx + m, zx + m, flip);
+      });
+    })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+      at::parallel_for(0, M, grain, [&](int64_t b, int64_t e) {
+        for (int64_t m = b; m < e; ++m) quantize_row(xp + m * K, K, Kp, q + m * Kp, sx + m, zx + m, flip);
+      });
+    }));
+}
+
+}  // namespace
+
+// y = x @ dequant(W)^T (+ bias), activations quantized per token inside. x: [M, K] float32 or
+// bfloat16 (contiguous); packed: int8 [ceil(N/16), ceil(K/4), 16, 4]; w_scale float32 [N]; rowsum
+// int32 [N] (sum of each row's q); bias float32 [N] or None. Returns [M, N] in x's dtype.
+torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale, torch::Tensor rowsum,
+                          c10::optional<torch::Tensor> bias, int64_t N) {
+  TORCH_CHECK(x.dim() == 2, "w8a8_linear: x [M, K]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "w8a8_linear: float32 or bfloat16 x");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), Kp = round_up(K, kQuad);
+  check_weights(packed, w_scale, rowsum, N, K);
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "w8a8_linear: float32 bias [N]");
+    bp = bias->data_ptr<float>();
+  }
+  auto out = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  auto q = torch::empty({M, Kp}, torch::dtype(at::kByte));
+  auto sx = torch::empty({M}, torch::dtype(at::kFloat));
+  auto zx = torch::empty({M}, torch::dtype(at::kInt));
+  quantize_all(x, Kp, kSignedActs, q.data_ptr<uint8_t>(), sx.data_ptr<float>(), zx.data_ptr<int32_t>());
+  const Problem P{q.data_ptr<uint8_t>(), sx.data_ptr<float>(), zx.data_ptr<int32_t>(), packed.data_ptr<int8_t>(),
+                  w_scale.data_ptr<float>(), rowsum.data_ptr<int32_t>(), bp, M, N, Kp};
+  const int64_t panels = packed.size(0);
+  // Enough panels per task that a thread streams a long run of weights (2 per task at least).
+  const int64_t grain = std::max<int64_t>(2, panels / (4 * at::get_num_threads()));
+  if (x.scalar_type() == at::kFloat) {
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, panels, grain, [&](int64_t b, int64_t e) { run_panels(P, b, e, op); });
+  } else {
+    c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+    at::parallel_for(0, panels, grain, [&](int64_t b, int64_t e) { run_panels(P, b, e, op); });
+  }
+  return out;
+}
+
+// The activation quantization alone (tests): (u uint8 [M, K], scale float32 [M], zero point int32 [M]).
+std::vector<torch::Tensor> w8a8_quantize_activations(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "w8a8_quantize_activations: float32 or bfloat16 [M, K]");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  auto q = torch::empty({M, K}, torch::dtype(at::kByte));
+  auto sx = torch::empty({M}, torch::dtype(at::kFloat));
+  auto zx = torch::empty({M}, torch::dtype(at::kInt));
+  quantize_all(x, K, false, q.data_ptr<uint8_t>(), sx.data_ptr<float>(), zx.data_ptr<int32_t>());
+  return {q, sx, zx};
+}
+
+// Which instruction path this build runs (logged, and named in tests).
+std::string w8a8_isa() {
+#if defined(TM_W8A8_AMX)
+  return amx_usable() ? "amx-int8" : "avx512-vnni";
+#elif defined(TM_W8A8_VNNI512)
+  return "avx512-vnni";
+#elif defined(__AVX2__) && defined(__AVXVNNI__)
+  return "avx-vnni";
+#elif defined(__AVX2__)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}

@@ -1,0 +1,108 @@
+"""W8A8 linear layers (`--quantization w8a8`): int8 weights and int8 activations, int32 sums.
+
+Weights: int8 per output row (symmetric: w ~ q * sw[n], q in -127..127, sw = max|w[n]| / 127),
+packed once in panels of 16 rows for the C++ kernel (csrc/w8a8.cpp). Activations: quantized
+per token at every call (asymmetric 8 bits: x ~ (u - z) * sx, u in 0..255, the zero point z
+placing 0 exactly), inside the kernel in one pass over the row. The matmul sums u * q in int32,
+exactly, and rescales in float32:
+
+    y[m, n] = float(sum_k u[m, k] q[n, k] - z[m] * sum_k q[n, k]) * (sx[m] * sw[n]) + bias[n]
+
+Integer sums are exact, so a row's result never depends on the rest of the batch or on the
+instruction set that computed it. SmoothQuant's factors (model/smoothquant.py) are folded into
+the weights before they are quantized here. Without the C++ kernels a pure-torch path computes
+the same integers (in float64, exact) and the same epilogue.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.model.layers import cpu_kernels
+
+PANEL, QUAD = 16, 4  # the packed layout: panels of 16 output rows, inputs in groups of 4
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (int8 q [N, K], float32 scales [N]): symmetric per output row."""
+    wf = w.detach().float()
+    amax = wf.abs().amax(1)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    q = (wf / scale.unsqueeze(1)).round_().clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[M, K] -> (uint8 u [M, K], float32 scale [M], int32 zero point [M]), the float32 operations
+    of the C++ kernel's quantize_row one for one: lo = min(x, 0), hi = max(x, 0), d = hi - lo,
+    s = d * c, inv = (1 / c) / d with c = 1 / 255 (all in float32: 1 / c is 254.99998; the kernel's 1 / s
+    as g++ -ffast-math compiles it), z = round(-lo * inv),
+    u = clamp(round(x * inv) + z, 0, 255), rounding half to even; s = inv = 1 for an all-zero row."""
+    xf = x.float()
+    lo, hi = xf.amin(1).clamp_max(0), xf.amax(1).clamp_min(0)
+    d = hi - lo
+    c = torch.tensor(1 / 255, dtype=torch.float32)
+    s = d * c
+    ok = (s > 0) & torch.isfinite(s)
+    s, inv = torch.where(ok, s, torch.ones_like(s)), torch.where(ok, (1 / c) / d, torch.ones_like(s))
+    z = (-lo * inv).round()
+    u = ((xf * inv.unsqueeze(1)).round() + z.unsqueeze(1)).clamp_(0, 255)
+    return u.to(torch.uint8), s, z.to(torch.int32)
+
+
+def pack(q: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> [ceil(N/16), ceil(K/4), 16, 4] (zero-padded): the kernel's panels."""
+    N, K = q.shape
+    Np, Kp = -(-N // PANEL) * PANEL, -(-K // QUAD) * QUAD
+    padded = F.pad(q, (0, Kp - K, 0, Np - N))
+    return padded.view(Np // PANEL, PANEL, Kp // QUAD, QUAD).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack(packed: torch.Tensor, N: int, K: int) -> torch.Tensor:
+    """The int8 [N, K] weight a pack() result holds."""
+    P, KQ = packed.shape[:2]
+    return packed.permute(0, 2, 1, 3).reshape(P * PANEL, KQ * QUAD)[:N, :K]
+
+
+def reference(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """What the kernel computes, in torch: the integer sums exactly (float64), the same epilogue."""
+    u, sx, zx = quantize_activations(x)
+    acc = (u.double() @ q.double().T).to(torch.int64) - zx.long().unsqueeze(1) * q.long().sum(1).unsqueeze(0)
+    y = acc.float() * (sx.unsqueeze(1) * w_scale.unsqueeze(0))
+    if bias is not None:
+        y = y + bias
+    return y.to(x.dtype)
+
+
+class W8A8Linear(nn.Module):
+    """A linear layer with int8 weights (per output row) run on per-token int8 activations."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        q, scale = quantize_weight(weight)
+        self.register_buffer("packed", pack(q), persistent=False)
+        self.register_buffer("w_scale", scale.contiguous(), persistent=False)
+        self.register_buffer("rowsum", q.sum(1, dtype=torch.int32), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "W8A8Linear":
+        return cls(linear.weight, linear.bias)
+
+    def weight_int8(self) -> torch.Tensor:
+        return unpack(self.packed, self.out_features, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        ops = cpu_kernels.ops_for(x2)
+        if ops is not None:
+            y = ops.w8a8_linear(x2, self.packed, self.w_scale, self.rowsum, self.bias, self.out_features)
+        else:  # no C++ kernels: the same integers and epilogue in torch (slow)
+            y = reference(x2, self.weight_int8(), self.w_scale, self.bias)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, w8a8"

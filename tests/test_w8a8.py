@@ -1,0 +1,223 @@
+"""--quantization w8a8: the int8 x int8 kernel against a dequantized float reference (ragged shapes,
+rows batch-invariant), SmoothQuant's folding (function-preserving), the calibration cache, and the
+w8a8 model's greedy tokens against a float model with the same fake-quantized weights and
+activations. Quality figures are the benchmark's (benchmarks/w8a8.py), not asserted here."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import PROMPTS
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.model import smoothquant
+from tokenmill.model.layers import cpu_kernels
+from tokenmill.model.layers.w8a8 import W8A8Linear, pack, quantize_activations, quantize_weight, reference, unpack
+
+SHAPES = [(1, 1, 4), (1, 16, 64), (3, 17, 37), (4, 40, 100), (5, 15, 576), (9, 33, 128), (17, 64, 64), (33, 7, 20)]
+
+
+def _model(llm: LLM) -> nn.Module:
+    return llm.engine.core.runner.model
+
+
+def _fake_quant_x(x: torch.Tensor) -> torch.Tensor:
+    """The oracle's activations: per token, 8-bit asymmetric over [min(x, 0), max(x, 0)], dequantized
+    in float64 (the integers of quantize_activations, whose error bound the first test checks)."""
+    shape = x.shape
+    u, s, z = quantize_activations(x.reshape(-1, shape[-1]))
+    return ((u.double() - z.double().unsqueeze(1)) * s.double().unsqueeze(1)).reshape(shape)
+
+
+def _dequantized(w: torch.Tensor) -> torch.Tensor:
+    q, s = quantize_weight(w)
+    return q.double() * s.double().unsqueeze(1)
+
+
+def test_weight_and_activation_quantization_round_trip() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(37, 70)
+    q, s = quantize_weight(w)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127 and s.shape == (37,)
+    assert ((q.float() * s.unsqueeze(1) - w).abs() <= s.unsqueeze(1) / 2 + 1e-6).all()
+    assert torch.equal(unpack(pack(q), 37, 70), q)
+    x = torch.randn(5, 70) * torch.tensor([3.0, 0.1, 1.0, 10.0, 0.0]).unsqueeze(1)
+    u, sx, z = quantize_activations(x)
+    back = (u.float() - z.float().unsqueeze(1)) * sx.unsqueeze(1)
+    assert ((back - x).abs() <= sx.unsqueeze(1) / 2 + 1e-6).all()
+    assert torch.equal(back[4], torch.zeros(70))  # an all-zero row stays zero
+    assert (z >= 0).all() and (z <= 255).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_quantizes_activations_like_torch(kernels, dtype: torch.dtype) -> None:
+    torch.manual_seed(1)
+    for M, K in [(1, 1), (3, 37), (7, 64), (2, 100), (4, 576)]:
+        x = (torch.randn(M, K) * torch.rand(M, 1) * 4 + torch.randn(M, 1)).to(dtype)
+        for a, b in zip(kernels.w8a8_quantize_activations(x), quantize_activations(x)):
+            assert torch.equal(a, b), (M, K)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_matches_dequantized_reference(kernels, dtype: torch.dtype, bias: bool) -> None:
+    """y = fakequant(x) @ dequant(W)^T (+ bias) in float64, on ragged M, N and K."""
+    torch.manual_seed(2)
+    for M, N, K in SHAPES:
+        w, x = torch.randn(N, K) * 0.1, (torch.randn(M, K) * 2).to(dtype)
+        b = torch.randn(N) if bias else None
+        layer = W8A8Linear(w, b)
+        out = layer(x)
+        assert out.dtype == dtype and out.shape == (M, N)
+        ref = _fake_quant_x(x) @ _dequantized(w).T + (b.double() if bias else 0)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+        # and the torch path (no C++ kernels) computes the same integers and epilogue
+        torch.testing.assert_close(out, reference(x, layer.weight_int8(), layer.w_scale, layer.bias), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_gives_each_row_the_bits_it_has_alone(kernels, dtype: torch.dtype) -> None:
+    """Rows alone vs in batches of every size and offset (tails of the row tiles), outputs not a
+    multiple of the 16-row panels: bit-equal."""
+    torch.manual_seed(3)
+    N, K = 1541, 576
+    layer = W8A8Linear(torch.randn(N, K) * 0.05, torch.randn(N))
+    x = torch.randn(40, K).to(dtype)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
+    for M in (2, 3, 4, 5, 7, 8, 9, 16, 40):
+        for start in (0, 1, 3):
+            out = layer(x[start : start + M])
+            assert torch.equal(out, alone[start : start + len(out)]), (M, start)
+
+
+def test_torch_fallback_matches_kernel(kernels, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(4)
+    layer = W8A8Linear(torch.randn(24, 64), torch.randn(24))
+    x = torch.randn(10, 64)
+    with_kernel = layer(x)
+    monkeypatch.setattr(cpu_kernels, "ops_for", lambda x: None)
+    torch.testing.assert_close(layer(x), with_kernel, rtol=1e-6, atol=1e-6)
+
+
+# ---- smoothing and the model ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        path = tmp_path_factory.mktemp("tm-w8a8-cache")
+        mp.setenv("TOKENMILL_CACHE_DIR", str(path))
+        yield path
+
+
+def _logits(llm: LLM, prompts=PROMPTS) -> list[torch.Tensor]:
+    outs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0), use_tqdm=False)
+    return [torch.tensor([next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]]) for o in outs]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_smoothing_preserves_the_function(arch: str, request: pytest.FixtureRequest, cache_dir) -> None:
+    """Folding the factors (into the norms, v's rows for o_proj, up's rows for down_proj) changes the
+    weights but not the model: GQA (llama: 4 heads on 2 kv heads), q/k/v biases (qwen2)."""
+    path = request.getfixturevalue(f"tiny_{arch}_dir")
+    llm = LLM(path, dtype="float32", kv_cache_memory=0.02)
+    before = _logits(llm)
+    model = _model(llm)
+    maxima = smoothquant.cached_input_maxima(model, path, None)
+    assert len(maxima) == 4 * len(model.layers)
+    old = model.layers[0].self_attn.o_proj.weight.clone()
+    smoothquant.smooth(model, maxima, 0.5)
+    assert not torch.allclose(model.layers[0].self_attn.o_proj.weight, old)
+    for a, b in zip(before, _logits(llm)):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=0)
+
+
+class _FakeQuantLinear(nn.Module):
+    """The oracle: the same int8 weights dequantized, activations fake-quantized per token, float64."""
+
+    def __init__(self, layer: W8A8Linear):
+        super().__init__()
+        self.w = layer.weight_int8().double() * layer.w_scale.double().unsqueeze(1)
+        self.b = None if layer.bias is None else layer.bias.double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(_fake_quant_x(x), self.w, self.b).to(x.dtype)
+
+
+def _greedy(llm: LLM, n: int = 12):
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=n, temperature=0, logprobs=0), use_tqdm=False)
+    return [o.outputs[0] for o in outs]
+
+
+@pytest.fixture(scope="module")
+def w8a8_llama(tiny_llama_dir, cache_dir):
+    return LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.02, quantization="w8a8")
+
+
+def test_w8a8_model_matches_a_fake_quantized_float_model(tiny_llama_dir, w8a8_llama, cache_dir) -> None:
+    """Greedy tokens equal token for token (and their logprobs close) against the same model with
+    every W8A8Linear replaced by float64 fake quantization; also with prompts chunked over steps."""
+    model = _model(w8a8_llama)
+    layers = [m for m in model.modules() if isinstance(m, W8A8Linear)]
+    assert len(layers) == 4 * len(model.layers) and isinstance(model.lm_head, nn.Linear)
+    oracle = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.02, quantization="w8a8")
+    for parent in list(_model(oracle).modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, W8A8Linear):
+                setattr(parent, name, _FakeQuantLinear(child))
+    chunked = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.02, quantization="w8a8",
+                  max_num_batched_tokens=8, enable_prefix_caching=False)
+    want = _greedy(oracle)
+    assert max(len(p) for p in PROMPTS) > 8  # the long prompt is split over steps
+    for llm in (w8a8_llama, chunked):
+        for a, b in zip(_greedy(llm), want):
+            assert a.token_ids == b.token_ids
+            got = torch.tensor([lp[t].logprob for lp, t in zip(a.logprobs, a.token_ids)])
+            ref = torch.tensor([lp[t].logprob for lp, t in zip(b.logprobs, b.token_ids)])
+            torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+
+
+def test_w8a8_is_close_to_the_float_model(tiny_llama_dir, w8a8_llama) -> None:
+    """A sanity bound only (int8 everywhere on a random tiny model): the quality figures are the benchmark's."""
+    base = _logits(LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.02))
+    diff = torch.cat([(a - b).abs() for a, b in zip(base, _logits(w8a8_llama))]).mean().item()
+    assert diff < 0.1, diff
+
+
+def test_calibration_is_cached_and_user_files_are_read(tiny_llama_dir, w8a8_llama, cache_dir, tmp_path) -> None:
+    files = sorted((cache_dir / "w8a8").glob("*.safetensors"))
+    assert files  # the fixture's load calibrated and cached
+    LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.02, quantization="w8a8")
+    assert sorted((cache_dir / "w8a8").glob("*.safetensors")) == files  # the same statistics reused
+    user = tmp_path / "calib.jsonl"
+    user.write_text("\n".join(json.dumps(d) for d in (
+        {"prompt": "def add(a, b):\n    return a + b"}, "The quick brown fox jumps over the lazy dog.",
+        {"messages": [{"role": "user", "content": "Hello world!"}]})))
+    llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.02, quantization="w8a8",
+              quantization_calibration=str(user))
+    assert len(sorted((cache_dir / "w8a8").glob("*.safetensors"))) == len(files) + 1
+    assert llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0))[0].outputs[0].token_ids
+    text = tmp_path / "calib.txt"
+    text.write_text("Paged attention keeps the KV cache in fixed-size blocks. " * 20)
+    docs = smoothquant.read_calibration(text)
+    assert docs == [{"text": text.read_text()}]
+
+
+def test_bad_w8a8_combinations_refused(tiny_llama_dir, tmp_path) -> None:
+    with pytest.raises(ValueError, match="--quantization-calibration is for --quantization w8a8"):
+        LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.02, quantization_calibration="x.txt")
+    with pytest.raises(ValueError, match="--enable-lora is not supported with --quantization w8a8"):
+        LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.02, quantization="w8a8", enable_lora=True)
+    with pytest.raises(ValueError, match="w8a8 is not supported with --tensor-parallel-size"):
+        LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.02, quantization="w8a8", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.02, quantization="w8a8",
+            quantization_calibration=str(tmp_path / "missing.jsonl"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"oops": 1}\n')
+    with pytest.raises(ValueError, match="line 2"):
+        smoothquant.read_calibration(bad)
