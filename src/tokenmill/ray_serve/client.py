@@ -39,6 +39,18 @@ def replica_gone(e: BaseException) -> bool:
     return isinstance(e, RayTaskError) and isinstance(getattr(e, "cause", None), _REPLICA_GONE)
 
 
+def _resendable(e: Exception, what: str, attempt: int) -> Exception:
+    """`e` back when the call may be sent again (its replica died); otherwise raises what the
+    caller must see (QueueFullError for Serve's back-pressure, anything else as it came)."""
+    if isinstance(e, BackPressureError):
+        raise QueueFullError(f"every engine replica is at its queue limit; retry later ({e})") from None
+    if not replica_gone(e):
+        raise e
+    logger.warning("%s: its engine replica died (%s); sending it again (attempt %d of %d)", what,
+                   type(e).__name__, attempt + 2, MAX_SEND_ATTEMPTS)
+    return e
+
+
 @dataclass
 class _InFlight:
     response: Any = None  # the DeploymentResponseGenerator of the current attempt
@@ -114,17 +126,11 @@ class ReplicaEngineClient:
                 if state.error is not None:  # abort_all
                     raise state.error from None
                 raise
-            except BackPressureError as e:
-                raise QueueFullError(f"every engine replica is at its queue limit; retry later ({e})") from None
-            except Exception as e:  # noqa: BLE001 - sorted below
-                if not replica_gone(e):
-                    raise
-                if started:
+            except Exception as e:  # noqa: BLE001 - sorted by _resendable
+                if started and replica_gone(e):
                     raise EngineDeadError(f"the engine replica serving this request died ({type(e).__name__}); "
                                           f"the request was aborted") from None
-                last_error = e
-                logger.warning("request %s: its engine replica died before it started (%s); sending it again "
-                               "(attempt %d of %d)", rid, type(e).__name__, attempt + 2, MAX_SEND_ATTEMPTS)
+                last_error = _resendable(e, f"request {rid}", attempt)
         raise EngineDeadError(f"no engine replica could take the request: {last_error!r}")
 
     async def encode(self, prompts: list[str | list[int]], params: PoolingParams | None = None,
@@ -140,14 +146,8 @@ class ReplicaEngineClient:
             except asyncio.CancelledError:
                 response.cancel()  # the replica aborts what is still running
                 raise
-            except BackPressureError as e:
-                raise QueueFullError(f"every engine replica is at its queue limit; retry later ({e})") from None
-            except Exception as e:  # noqa: BLE001 - sorted below
-                if not replica_gone(e):
-                    raise
-                last_error = e
-                logger.warning("embeddings %s: the engine replica died (%s); sending them again (attempt %d of %d)",
-                               rid, type(e).__name__, attempt + 2, MAX_SEND_ATTEMPTS)
+            except Exception as e:  # noqa: BLE001 - sorted by _resendable
+                last_error = _resendable(e, f"embeddings {rid}", attempt)
                 continue
             if isinstance(result, ReplicaError):
                 raise result.to_exception()
