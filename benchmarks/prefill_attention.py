@@ -51,7 +51,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from tokenmill.model.layers import cpu_kernels
-    from tokenmill.model.layers.attention import quantize_int8
+    from tokenmill.model.layers.attention import quantize_kv
 
     mod = cpu_kernels.load()
     assert mod is not None, "C++ kernels failed to build"
@@ -75,8 +75,8 @@ def main() -> None:
         slots = table[pos // bs] * bs + pos % bs
         scales = None
         if args.cache == "int8":
-            kc, ks = quantize_int8(k_all)
-            vc, vs = quantize_int8(v_all)
+            kc, ks = quantize_kv(k_all)
+            vc, vs = quantize_kv(v_all)
             scales = (ks, vs)
         else:
             kc, vc = k_all.to(dt), v_all.to(dt)

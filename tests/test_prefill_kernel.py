@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata, PrefillChunk, quantize_int8
+from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata, PrefillChunk, quantize_kv
 
 
 def reference_paged_prefill(q, k_cache, v_cache, table, context_len: int, bs: int, scale: float):
@@ -46,8 +46,8 @@ def test_paged_prefill_matches_reference(kernels, heads, block_size, cache):
         k = torch.randn(pool * block_size, Hkv, D, generator=gen) * 2
         v = torch.randn(pool * block_size, Hkv, D, generator=gen)
         if cache.startswith("int8"):
-            kq, ks = quantize_int8(k)
-            vq, vs = quantize_int8(v)
+            kq, ks = quantize_kv(k)
+            vq, vs = quantize_kv(v)
             out = kernels.paged_prefill(q, kq, vq, table, ctx, block_size, scale, ks, vs)
             ref = reference_paged_prefill(q, kq.float() * ks.unsqueeze(-1), vq.float() * vs.unsqueeze(-1), table, ctx,
                                           block_size, scale)

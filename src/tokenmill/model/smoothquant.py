@@ -42,12 +42,15 @@ DEFAULT_CALIBRATION = Path(__file__).parent / "data" / "w8a8_calibration.jsonl"
 DEFAULT_ALPHA = 0.5
 SEGMENT_TOKENS = 512  # longer calibration documents are cut into prompts of this many tokens
 STATS_VERSION = 1  # part of the cache key: bump when what is collected changes
-SITES = ("qkv", "o", "gate_up", "down")  # the input of each layer's four linears
+
+
+# Each site's linear: (the layer's submodule, its attribute).
+_SITE_LINEARS = {"qkv": ("self_attn", "qkv_proj"), "o": ("self_attn", "o_proj"), "gate_up": ("mlp", "gate_up_proj"),
+                 "down": ("mlp", "down_proj")}
 
 
 def _site_modules(layer: nn.Module) -> dict[str, nn.Module]:
-    attn, mlp = layer.self_attn, layer.mlp
-    return {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
+    return {site: getattr(getattr(layer, sub), name) for site, (sub, name) in _SITE_LINEARS.items()}
 
 
 def check_model(model: nn.Module) -> None:
@@ -229,8 +232,8 @@ def quantize_model_w8a8(model: nn.Module, path: str, calibration: str | None = N
     smooth(model, cached_input_maxima(model, path, calibration), alpha)
     count = 0
     for layer in model.layers:
-        for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"), (layer.mlp, "gate_up_proj"),
-                             (layer.mlp, "down_proj")):
+        for sub, name in _SITE_LINEARS.values():
+            parent = getattr(layer, sub)
             setattr(parent, name, W8A8Linear.from_linear(getattr(parent, name)))
             count += 1
     return count

@@ -91,10 +91,6 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype = torch.int8) -> tuple[torch
     return (y.round_() if dtype == torch.int8 else y).to(dtype), scale
 
 
-def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantize_kv(x, torch.int8)
-
-
 def write_quantized(cache: torch.Tensor, scale_cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> None:
     """x [T, Hkv, D] quantized into an int8 / fp8 cache [slots, Hkv, D] and its scales at `slots` (torch ops)."""
     xq, xs = quantize_kv(x, cache.dtype)
@@ -192,8 +188,8 @@ class AttentionBackend:
                 for cache, scale_cache, x in ((k_cache, scales[0], k), (v_cache, scales[1], v)):
                     if self.kernels is not None:
                         self.kernels.write_scaled_cache(x, cache, scale_cache, meta.slot_mapping)
-                        continue
-                    write_quantized(cache, scale_cache, x, meta.slot_mapping)
+                    else:
+                        write_quantized(cache, scale_cache, x, meta.slot_mapping)
             else:
                 k_cache.index_copy_(0, meta.slot_mapping, k)
                 v_cache.index_copy_(0, meta.slot_mapping, v)
