@@ -3,6 +3,7 @@
 
     python benchmarks/profile_throughput.py                     # 64 x 256 in x 128 out, bf16
     python benchmarks/profile_throughput.py --dtype float32
+    python benchmarks/profile_throughput.py --quantization w8a8
     python benchmarks/profile_throughput.py --trace /tmp/decode-trace.json
     python benchmarks/profile_throughput.py --num-prompts 128 --concurrency 32   # a serving client's closed loop
 
@@ -99,6 +100,7 @@ def main(argv=None) -> None:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=None, help="HF folder or .gguf file; default: built-in SmolLM2")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--quantization", default=None, help="int4 | int8 | gguf | w8a8 (default: none)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--num-prompts", "-n", type=int, default=64)
     p.add_argument("--input-len", type=int, default=256)
@@ -131,7 +133,7 @@ def main(argv=None) -> None:
     prompts = make_prompts(args.num_prompts, args.input_len, vocab, special_token_ids(tok), args.seed)
     llm = LLM(path, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-              num_threads=threads, enable_prefix_caching=False)  # pass 2 repeats pass 1's prompts
+              num_threads=threads, enable_prefix_caching=False, quantization=args.quantization)  # pass 2 repeats pass 1's prompts
     torch.set_num_threads(threads)
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompt_token_ids=prompts[:4], sampling_params=SamplingParams(temperature=0.0, max_tokens=4,

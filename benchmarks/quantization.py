@@ -40,7 +40,9 @@ VARIANTS = {"bf16": ("bfloat16", None), "gguf": ("bfloat16", "gguf"), "int8": ("
 def weight_bytes(llm: LLM) -> int:
     model = llm.engine.core.runner.model
     seen, total = set(), 0
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+    # bf16 panels (PackedLinear.panels) live in the weight arena, not among parameters or buffers
+    panels = [(n, m.panels) for n, m in model.named_modules() if isinstance(getattr(m, "panels", None), torch.Tensor)]
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()) + panels:
         key = t.data_ptr() if t.layout == torch.strided else id(t)  # oneDNN-packed weights are opaque
         if name.startswith("rope") or key in seen:
             continue

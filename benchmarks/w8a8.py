@@ -35,7 +35,7 @@ VARIANTS = {"bf16": ("bfloat16", None), "int8": ("bfloat16", "int8"), "int4": ("
             "gguf": ("bfloat16", "gguf"), "w8a8": ("bfloat16", "w8a8"), "fp32": ("float32", None),
             "w8a8-fp32": ("float32", "w8a8")}  # w8a8 with float32 activations (norms, attention, lm_head)
 ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8")
-PPL_MODULES = ("argparse", "subprocess", "logging", "pathlib", "shutil", "tarfile")
+PPL_MODULES = ("argparse", "subprocess", "logging", "json", "csv", "difflib")
 
 
 def machine() -> str:
@@ -52,7 +52,8 @@ def machine() -> str:
 def perplexity_text() -> str:
     import importlib
 
-    return "\n\n".join(inspect.cleandoc(importlib.import_module(m).__doc__) for m in PPL_MODULES)
+    docs = (importlib.import_module(m).__doc__ for m in PPL_MODULES)  # a module may have none on some Pythons
+    return "\n\n".join(inspect.cleandoc(d) for d in docs if d)
 
 
 def perplexity(llm: LLM, ids: list[int], segment: int) -> float:
