@@ -129,18 +129,28 @@ def wait_engine_idle(aengine, timeout: float = 30.0) -> bool:
     return True
 
 
-def reference_paged_decode(q, k_cache, v_cache, tables, lens, bs: int):
-    """Decode attention in float32 through block tables, the way SDPA computes it: [B, H, D]."""
+def reference_paged_decode(q, k_cache, v_cache, tables, lens, bs: int, scale: float | None = None, window: int = 0,
+                           softcap: float = 0.0):
+    """Decode attention in float32 through block tables, the way SDPA computes it: [B, H, D].
+    window > 0: each query reads its last `window` keys only; softcap > 0: scores soft-capped."""
     import torch
     import torch.nn.functional as F
 
     out = []
     for b in range(q.shape[0]):
-        pos = torch.arange(int(lens[b]))
+        L = int(lens[b])
+        pos = torch.arange(max(0, L - window) if window else 0, L)
         slots = tables[b, pos // bs] * bs + pos % bs
         k = k_cache[slots].float().transpose(0, 1)
         v = v_cache[slots].float().transpose(0, 1)
-        out.append(F.scaled_dot_product_attention(q[b].float().unsqueeze(1), k, v, enable_gqa=True).squeeze(1))
+        qb = q[b].float().unsqueeze(1)
+        if softcap:
+            rep = qb.shape[0] // k.shape[0]
+            s = qb @ k.repeat_interleave(rep, 0).transpose(1, 2) * (scale or qb.shape[-1] ** -0.5)
+            p = (torch.tanh(s / softcap) * softcap).softmax(-1)
+            out.append((p @ v.repeat_interleave(rep, 0)).squeeze(1))
+        else:
+            out.append(F.scaled_dot_product_attention(qb, k, v, scale=scale, enable_gqa=True).squeeze(1))
     return torch.stack(out)
 
 

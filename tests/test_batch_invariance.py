@@ -164,6 +164,48 @@ def test_rows_kernel_long_context_rows_equal_alone(rows_kernels, cache):
             torch.testing.assert_close(out[rows.start : rows.stop].float(), ref, atol=1e-2, rtol=1e-2)
 
 
+def test_windows_and_softcaps_in_the_rows_and_decode_kernels(rows_kernels):
+    """A sliding window (a row sees its last W keys) and a soft-cap: paged_rows still gives each row
+    the bits it has alone, and the reference's values, as paged_decode does for decode rows (split
+    over keys or not); neither reads a key before its window: those blocks point at a null block
+    full of NaN, as a freed block's table entry does."""
+    from conftest import reference_paged_decode
+
+    g = torch.Generator().manual_seed(3)
+    for H, Hkv, D, bs, dtype, window, cap in [(4, 2, 16, 16, torch.bfloat16, 13, 5.0), (9, 3, 64, 16, torch.bfloat16, 40, 0.0),
+                                               (8, 8, 128, 32, torch.bfloat16, 21, 30.0), (6, 2, 80, 16, torch.float32, 7, 2.0)]:
+        kc = torch.randn(4096, Hkv, D, generator=g).to(dtype)
+        vc = torch.randn(4096, Hkv, D, generator=g).to(dtype)
+        kc[:bs], vc[:bs] = float("nan"), float("nan")  # the null block
+        seqs = [(0, 1), (5, 3), (37, 8), (100, 1), (16, 16), (0, 40), (250, 5), (3, 30)]  # (cached, rows)
+        width = max(-(-(c + n) // bs) for c, n in seqs)
+        perm = torch.randperm(4096 // bs - 1, generator=g) + 1
+        tables = torch.stack([perm[i * width : (i + 1) * width] for i in range(len(seqs))]).long()
+        for b, (c, _) in enumerate(seqs):  # blocks before the first row's window: freed
+            tables[b, : max(0, c + 1 - window) // bs] = 0
+        lens = torch.tensor([c + n for c, n in seqs])
+        loc = torch.tensor([0] + [n for _, n in seqs]).cumsum(0)
+        q = torch.randn(int(loc[-1]), H, D, generator=g).to(dtype)
+        kw = dict(window=window, softcap=cap)
+        out = rows_kernels.paged_rows(q, kc, vc, tables, lens, loc, bs, 0.3, **kw)
+        tol = dict(atol=1e-2, rtol=1e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+        for b, (c, n) in enumerate(seqs):
+            for i in range(n):
+                r, length = int(loc[b]) + i, torch.tensor([c + i + 1])
+                alone = rows_kernels.paged_rows(q[r : r + 1], kc, vc, tables[b : b + 1], length, torch.tensor([0, 1]),
+                                                bs, 0.3, **kw)
+                assert torch.equal(out[r : r + 1], alone), (H, D, b, i)
+                ref = reference_paged_decode(q[r : r + 1], kc, vc, tables[b : b + 1], length, bs, 0.3, window, cap)
+                torch.testing.assert_close(alone.float(), ref, **tol)
+        # The decode kernel: each sequence's last row as a decode token, whole or split over keys.
+        last = loc[1:] - 1
+        dec = rows_kernels.paged_decode(q[last].contiguous(), kc, vc, tables, lens, bs, 0.3, **kw)
+        ref = reference_paged_decode(q[last], kc, vc, tables, lens, bs, 0.3, window, cap)
+        torch.testing.assert_close(dec.float(), ref, **tol)
+        one = rows_kernels.paged_decode(q[last[:1]].contiguous(), kc, vc, tables[:1], lens[:1], bs, 0.3, **kw)
+        torch.testing.assert_close(one.float(), ref[:1], **tol)
+
+
 @pytest.mark.parametrize("splits", [[70], [33, 37], [16, 16, 16, 16, 6], [1, 69], [69, 1], [5] * 14, [64, 6]])
 def test_prompt_chunking_changes_no_bit(tiny_bf16, splits):
     """The same prompt prefilled whole or in chunks (op by op, or fused where a step is small

@@ -1,5 +1,5 @@
-"""The C++ paged prefill kernel (csrc/paged_prefill.cpp) against a float32 reference, and the
-backend's prompt-chunk path with and without it."""
+"""The C++ paged prefill kernel (csrc/paged_prefill.cpp) against a float32 reference (sliding
+windows and soft-caps included), and the backend's prompt-chunk path with and without it."""
 
 from __future__ import annotations
 
@@ -7,20 +7,32 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata, PrefillChunk, quantize_kv
+from tokenmill.model.layers.attention import (AttentionBackend, AttentionMetadata, LayerAttention, PrefillChunk,
+                                              quantize_kv)
 
 
-def reference_paged_prefill(q, k_cache, v_cache, table, context_len: int, bs: int, scale: float):
-    """Causal chunk attention in float32 through a block table: [n, H, D]."""
+def reference_paged_prefill(q, k_cache, v_cache, table, context_len: int, bs: int, scale: float, window: int = 0,
+                            softcap: float = 0.0):
+    """Causal chunk attention in float32 through a block table: [n, H, D]. window > 0: query i sees
+    keys context_len + i - window + 1 .. context_len + i only (no other key is read); softcap > 0:
+    scores soft-capped."""
     n = q.shape[0]
     L = context_len + n
-    pos = torch.arange(L)
+    lo = max(0, context_len + 1 - window) if window else 0
+    pos = torch.arange(lo, L)
     slots = table[pos // bs] * bs + pos % bs
     k = k_cache[slots].float().transpose(0, 1)
     v = v_cache[slots].float().transpose(0, 1)
-    mask = torch.ones(n, L, dtype=torch.bool).tril_(diagonal=context_len)
-    o = F.scaled_dot_product_attention(q.float().transpose(0, 1), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    return o.transpose(0, 1)
+    q_pos = (context_len + torch.arange(n)).unsqueeze(1)
+    mask = (pos.unsqueeze(0) <= q_pos) & ((pos.unsqueeze(0) > q_pos - window) if window else True)
+    if not softcap:
+        o = F.scaled_dot_product_attention(q.float().transpose(0, 1), k, v, attn_mask=mask, scale=scale,
+                                           enable_gqa=True)
+        return o.transpose(0, 1)
+    rep = q.shape[1] // k.shape[0]
+    s = torch.einsum("nhd,hld->hnl", q.float(), k.repeat_interleave(rep, 0)) * scale
+    p = (torch.tanh(s / softcap) * softcap).masked_fill(~mask, float("-inf")).softmax(-1)
+    return torch.einsum("hnl,hld->nhd", p, v.repeat_interleave(rep, 0))
 
 
 HEADS = [(9, 3, 64), (4, 4, 128), (8, 2, 16), (6, 3, 96), (2, 1, 256), (5, 5, 80), (4, 2, 32)]
@@ -61,6 +73,38 @@ def test_paged_prefill_matches_reference(kernels, heads, block_size, cache):
         torch.testing.assert_close(out.float(), ref, atol=atol, rtol=0, msg=f"ctx={ctx} n={n}")
 
 
+@pytest.mark.parametrize("cache", ["bfloat16", "float32", "int8-fp32"])
+def test_paged_prefill_window_and_softcap(kernels, cache):
+    """A sliding window (not a multiple of the block or key-tile size) and a soft-cap: the
+    reference's values, and no key before the chunk's first window read: those blocks point at a
+    null block full of NaN, as a freed block's entry does."""
+    H, Hkv, D, bs = 8, 2, 64, 16
+    q_dtype = torch.float32 if cache != "bfloat16" else torch.bfloat16
+    gen = torch.Generator().manual_seed(7)
+    for ctx, n, window, softcap in [(0, 40, 13, 5.0), (70, 33, 21, 0.0), (100, 5, 50, 2.0), (37, 64, 7, 30.0),
+                                    (5, 3, 100, 0.0)]:
+        L = ctx + n
+        nb = -(-L // bs)
+        table = torch.randperm(nb + 4, generator=gen)[:nb].long() + 1  # block 0: the null block
+        table[: max(0, ctx + 1 - window) // bs] = 0  # wholly before every query's window: freed
+        k = torch.randn((nb + 5) * bs, Hkv, D, generator=gen) * 2
+        v = torch.randn((nb + 5) * bs, Hkv, D, generator=gen)
+        k[:bs], v[:bs] = float("nan"), float("nan")
+        q = torch.randn(n, H, D, generator=gen).to(q_dtype)
+        if cache.startswith("int8"):
+            (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+            ks[:bs], vs[:bs] = float("nan"), float("nan")
+            out = kernels.paged_prefill(q, kq, vq, table, ctx, bs, 0.2, ks, vs, window=window, softcap=softcap)
+            ref = reference_paged_prefill(q, kq.float() * ks.unsqueeze(-1), vq.float() * vs.unsqueeze(-1), table, ctx,
+                                          bs, 0.2, window, softcap)
+        else:
+            kc, vc = k.to(q_dtype), v.to(q_dtype)
+            out = kernels.paged_prefill(q, kc, vc, table, ctx, bs, 0.2, window=window, softcap=softcap)
+            ref = reference_paged_prefill(q, kc, vc, table, ctx, bs, 0.2, window, softcap)
+        atol = 2e-2 if q_dtype == torch.bfloat16 else 1e-4
+        torch.testing.assert_close(out.float(), ref, atol=atol, rtol=0, msg=f"ctx={ctx} n={n} window={window}")
+
+
 def test_paged_prefill_noncontiguous_q_and_long_table(kernels):
     """q may be a strided view; the block table may hold more blocks than the chunk needs."""
     H, Hkv, D, bs, ctx, n = 4, 2, 64, 16, 20, 30
@@ -73,10 +117,11 @@ def test_paged_prefill_noncontiguous_q_and_long_table(kernels):
     torch.testing.assert_close(out, reference_paged_prefill(q, k, v, table, ctx, bs, 0.125), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("layer", [None, LayerAttention(11, 5.0, 0.2)], ids=["plain", "window-softcap"])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn])
-def test_backend_prompt_chunks_kernel_vs_torch(kernels, cache_dtype):
+def test_backend_prompt_chunks_kernel_vs_torch(kernels, cache_dtype, layer):
     """Two prompt chunks (one fresh, one after a cached prefix) and a decode row in one batch:
-    the kernel path and the pure-torch path agree."""
+    the kernel path and the pure-torch path agree (with a layer's window, soft-cap and scale too)."""
     H, Hkv, D, bs, layers = 9, 3, 64, 16, 1
     dtype = torch.bfloat16 if cache_dtype == torch.bfloat16 else torch.float32
     slots_n = 64 * bs
@@ -85,7 +130,8 @@ def test_backend_prompt_chunks_kernel_vs_torch(kernels, cache_dtype):
         gen = torch.Generator().manual_seed(2)
         kv = torch.zeros(layers, 2, slots_n, Hkv, D, dtype=cache_dtype)
         scales = torch.zeros(layers, 2, slots_n, Hkv) if cache_dtype in (torch.int8, torch.float8_e4m3fn) else None
-        backend = AttentionBackend(kv, H, Hkv, D, use_cpp_kernels=use_kernels, kv_scales=scales)
+        backend = AttentionBackend(kv, H, Hkv, D, use_cpp_kernels=use_kernels, kv_scales=scales,
+                                   layers=[layer] if layer else None)
         assert (backend.kernels is not None) == use_kernels
         # Sequence A: blocks [3, 7, 1], 40 cached tokens then a 5-token chunk; sequence B: fresh
         # 19-token prompt in blocks [10, 11]; sequence C: decode at position 8 in block [20].

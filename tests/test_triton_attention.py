@@ -112,13 +112,19 @@ class PagedCache:
         return dev[0], dev[1], dev[2], dev[3]
 
 
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, scale: float) -> torch.Tensor:
-    """q [n, H, D] at positions context_len.., k/v [L, Hkv, D] float32 -> [n, H, D] float32, causal."""
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, scale: float, window: int = 0,
+              softcap: float = 0.0) -> torch.Tensor:
+    """q [n, H, D] at positions context_len.., k/v [L, Hkv, D] float32 -> [n, H, D] float32, causal
+    (window > 0: each query sees its last `window` keys; softcap > 0: scores soft-capped)."""
     n, H, _ = q.shape
     rep = H // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     s = torch.einsum("nhd,lhd->hnl", q.float(), k) * scale
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
     mask = torch.ones(n, k.shape[0], dtype=torch.bool).tril_(diagonal=context_len)
+    if window:
+        mask &= ~torch.ones(n, k.shape[0], dtype=torch.bool).tril_(diagonal=context_len - window)
     p = s.masked_fill(~mask, float("-inf")).softmax(-1)
     return torch.einsum("hnl,lhd->nhd", p, v)
 
@@ -209,6 +215,50 @@ def test_prefill(dtype, heads, kv_heads, d, context_len, quant):
     torch.testing.assert_close(out.float(), reference(q, k, v, context_len, scale), **tolerance(dtype))
 
 
+def _free_before(blocks: torch.Tensor, first_pos: int, window: int) -> torch.Tensor:
+    """The table with the blocks wholly before first_pos's window pointing at the (NaN) null block,
+    as the KV manager leaves a request's freed blocks."""
+    blocks = blocks.clone()
+    blocks[: max(0, first_pos + 1 - window) // BS] = 0
+    return blocks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("num_splits", [1, 4], ids=["nosplit", "split4"])
+def test_decode_window_and_softcap(dtype, num_splits):
+    lens, window, cap, scale = [37, 1, 16, 70, 90], 13, 5.0, 0.3
+    cache = PagedCache(64, 2, 64, dtype, None, 4)
+    reqs = [cache.add(n) for n in lens]
+    q = torch.randn(len(lens), 8, 64, generator=cache.g).to(dtype)
+    tables = block_table_rows([_free_before(r[0], n - 1, window) for r, n in zip(reqs, lens)], 6)
+    out = ta.paged_decode(q.to(DEVICE), *cache.args()[:2], tables.to(DEVICE), torch.tensor(lens).to(DEVICE), BS,
+                          scale, num_splits=num_splits, window=window, softcap=cap).cpu()
+    for i, (_, k, v) in enumerate(reqs):
+        torch.testing.assert_close(out[i].float(), reference(q[i : i + 1], k, v, lens[i] - 1, scale, window, cap)[0],
+                                   **tolerance(dtype))
+
+
+@pytest.mark.parametrize("quant", [None, torch.int8], ids=["kv", "kv-int8"])
+def test_prefill_window_and_softcap(quant):
+    # A fresh prompt longer than the window, chunks after cached prefixes, a single token; query
+    # tiles of 16 rows (8 tokens x 2 heads), so later tiles start past the first one's window.
+    chunks, window, cap, scale = [(0, 30), (30, 9), (44, 1), (5, 40)], 11, 3.0, 0.25
+    heads, kv_heads, d, dtype = 4, 2, 64, torch.float32
+    cache = PagedCache(32, kv_heads, d, dtype, quant, 5)
+    reqs = [cache.add(c + n) for c, n in chunks]
+    q = torch.randn(sum(n for _, n in chunks), heads, d, generator=cache.g).to(dtype)
+    loc = torch.tensor([0] + [n for _, n in chunks]).cumsum(0).to(torch.int32)
+    seq_lens = torch.tensor([c + n for c, n in chunks], dtype=torch.int32)
+    tables = block_table_rows([_free_before(r[0], c, window) for r, (c, _) in zip(reqs, chunks)], 4)
+    kc, vc, ks, vs = cache.args()
+    out = ta.paged_prefill_varlen(q.to(DEVICE), kc, vc, loc.to(DEVICE), seq_lens.to(DEVICE), tables.to(DEVICE),
+                                  40, BS, scale, ks, vs, block_m=16, window=window, softcap=cap).cpu()
+    for i, ((c, n), (_, k, v)) in enumerate(zip(chunks, reqs)):
+        rows = slice(loc[i], loc[i + 1])
+        torch.testing.assert_close(out[rows].float(), reference(q[rows], k, v, c, scale, window, cap),
+                                   **tolerance(dtype))
+
+
 @pytest.mark.parametrize("quant", [None, *QUANT], ids=["kv", *QUANT_IDS])
 def test_prefill_varlen(quant):
     # Three requests in one launch: a fresh prompt, a chunk over a cached prefix, a single-token chunk;
@@ -229,7 +279,6 @@ def test_prefill_varlen(quant):
         torch.testing.assert_close(out[rows].float(), reference(q[rows], k, v, c, d**-0.5), **tolerance(dtype))
 
 
-
 COMPILE_SCRIPT = r"""
 import sys
 import triton
@@ -247,16 +296,17 @@ def compile_(fn, dtype, kv_dtype, consts):
         elif name.endswith("_ptr"):
             sig[name] = PTRS.get(name, "*" + (kv_dtype if name in ("k_ptr", "v_ptr") else dtype))
         else:
-            sig[name] = "fp32" if name == "qk_scale" else "i32"
+            sig[name] = "fp32" if name in ("qk_scale", "softcap") else "i32"
     triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
 
 for dtype, kv_dtype, prec in (("bf16", "bf16", "tf32"), ("fp32", "i8", "ieee"), ("bf16", "fp8e4nv", "tf32")):
     int8 = kv_dtype != dtype
     for splits in (1, 4):
         compile_(ta._decode_kernel, dtype, kv_dtype, dict(GROUP=3, BLOCK_H=16, BLOCK_N=32, HEAD_DIM=128,
-                 NUM_SPLITS=splits, INT8=int8, PRECISION=prec, DOT_F32=False))
-    compile_(ta._prefill_kernel, dtype, kv_dtype, dict(GROUP=3, BLOCK_Q=21, BLOCK_M=64, BLOCK_N=32, HEAD_DIM=64,
-             INT8=int8, PRECISION=prec, DOT_F32=False))
+                 NUM_SPLITS=splits, INT8=int8, PRECISION=prec, DOT_F32=False, SOFTCAP=splits == 4))
+    for softcap in (False, True):
+        compile_(ta._prefill_kernel, dtype, kv_dtype, dict(GROUP=3, BLOCK_Q=21, BLOCK_M=64, BLOCK_N=32, HEAD_DIM=64,
+                 INT8=int8, PRECISION=prec, DOT_F32=False, SOFTCAP=softcap))
 compile_(ta._merge_kernel, "bf16", "bf16", dict(NUM_SPLITS=4, HEAD_DIM=128))
 print("compiled")
 """

@@ -10,6 +10,7 @@ from tokenmill.distributed.comm import NO_TP
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler
+from tokenmill.model.layers.attention import kv_window
 from tokenmill.model.layers.sampler import SampleLogprobs
 from tokenmill.model.runner import ModelRunner
 from tokenmill.spec_decode.drafter import Drafter
@@ -44,7 +45,9 @@ class EngineCore:
                 workers.stop()
             raise
         cache.num_blocks = self.runner.num_blocks  # sized on the GPU when it was 0
-        self.kv = KVCacheManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
+        # Blocks every layer's sliding window has left go back to the pool as requests proceed.
+        window = kv_window(getattr(self.runner.model, "attention_layers", None))
+        self.kv = KVCacheManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching, window)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.drafter = Drafter.build(config) if config.speculative else None
 

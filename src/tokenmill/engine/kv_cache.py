@@ -5,6 +5,17 @@ Automatic prefix caching (vLLM's design): every full block is named by a hash ch
 keep their hash after their request frees them and sit in an LRU free queue until a new
 allocation evicts them; a later request whose prompt starts with the same blocks takes a
 reference on them instead of recomputing.
+
+Sliding windows: when every layer of the model attends only to its last W keys (Mistral-style
+configs), a request's blocks wholly before the window of its next query are read by no layer
+again. They go back to the pool as the request proceeds (its table keeps the null block in their
+place, so positions stay where they were; no kernel reads a key before its window), still named by
+their hash: their K/V is a function of the prefix their hash chains over, so a later request with
+that prefix may take them again. A hit needs only the blocks its first query's window reads: the
+longest prefix whose blocks from there on are all cached counts, the blocks before it become null
+entries (vLLM's sliding-window manager). When some layer attends to every key (Gemma 2 / 3
+interleave global layers with local ones) every block stays needed and nothing is freed early:
+that would take a block table per group of layers (vLLM's hybrid allocator).
 """
 
 from __future__ import annotations
@@ -81,8 +92,11 @@ class BlockPool:
         return out
 
     def touch(self, blocks: list[KVBlock]) -> None:
-        """Take a reference on blocks that may sit in the free queue (a prefix-cache hit)."""
+        """Take a reference on blocks that may sit in the free queue (a prefix-cache hit); null
+        entries (blocks a sliding window skips) take none."""
         for b in blocks:
+            if b is self.null_block:
+                continue
             if b.ref_cnt == 0:
                 del self.free_queue[b.block_id]
             b.ref_cnt += 1
@@ -91,6 +105,8 @@ class BlockPool:
         """Drop one reference each; blocks reaching zero join the free queue's tail in the given
         order (callers pass a request's blocks tail-first, so its last blocks are evicted first)."""
         for b in blocks:
+            if b is self.null_block:  # a table's placeholder for a block out of every window
+                continue
             b.ref_cnt -= 1
             assert b.ref_cnt >= 0, f"block {b.block_id} freed twice"
             if b.ref_cnt == 0:
@@ -111,7 +127,7 @@ class BlockPool:
 
     def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
         """Name a full block by its content; the first block with a given content stays the one."""
-        if block.block_hash is None and block_hash not in self.cached:
+        if block is not self.null_block and block.block_hash is None and block_hash not in self.cached:
             block.block_hash = block_hash
             self.cached[block_hash] = block
 
@@ -119,11 +135,16 @@ class BlockPool:
 class KVCacheManager:
     """The scheduler's only view of KV memory: per-request block tables over a BlockPool."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
+        """sliding_window: the window every layer's keys leave (attention.kv_window); None: some
+        layer reads every key."""
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.num_skipped: dict[str, int] = {}  # leading blocks of a request out of every window (null now)
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks of a request already hashed
         self.block_hashes: dict[str, list[bytes]] = {}  # per request, chained, one per full block
         self.stats = PrefixCacheStats()
@@ -156,6 +177,8 @@ class KVCacheManager:
         if not self.enable_prefix_caching or request.prompt_logprobs is not None or request.pooling_params is not None:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
+        if self.sliding_window is not None:
+            return self._window_hits(self._hashes(request, max_blocks))
         hits = []
         for h in self._hashes(request, max_blocks):
             block = self.pool.cached.get(h)
@@ -164,11 +187,42 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
+    def skippable(self, first_pos: int) -> int:
+        """How many leading blocks no query at first_pos or later reads (all of them before its window)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, (first_pos - self.sliding_window + 1) // self.block_size)
+
+    def _window_hits(self, hashes: list[bytes]) -> list[KVBlock]:
+        """The longest k whose blocks skippable(k * block_size) .. k - 1 are all cached (what a first
+        query at k * block_size reads); those blocks, after null entries for the ones it skips."""
+        found = [self.pool.cached.get(h) for h in hashes]
+        misses = [0]  # misses[i]: uncached blocks among the first i
+        for b in found:
+            misses.append(misses[-1] + (b is None))
+        for k in range(len(found), 0, -1):
+            skip = self.skippable(k * self.block_size)
+            if misses[k] == misses[skip]:
+                return [self.pool.null_block] * skip + found[skip:k]
+        return []
+
+    def _free_skipped(self, request_id: str, blocks: list[KVBlock], first_pos: int) -> None:
+        """Return the request's blocks that left every layer's window (the next query is at
+        first_pos) to the pool, tail first; the null block takes their places in its table."""
+        done, n = self.num_skipped.get(request_id, 0), self.skippable(first_pos)
+        if n <= done:
+            return
+        self.pool.free_blocks(list(reversed(blocks[done:n])))
+        blocks[done:n] = [self.pool.null_block] * (n - done)
+        self.num_skipped[request_id] = n
+
     def allocate_slots(self, request: Request, num_new_tokens: int, computed: list[KVBlock] = ()) -> bool:
         """Make room for the request's K/V up to num_computed_tokens + num_new_tokens, after the
         prefix-cache hits `computed` (which the caller counts as computed once this succeeds).
         Returns False (and allocates nothing) when the pool cannot give that many blocks."""
         blocks = self.req_blocks.setdefault(request.request_id, [])
+        if blocks:
+            self._free_skipped(request.request_id, blocks, request.num_computed_tokens)
         total = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
         need = self.blocks_needed(total) - len(blocks) - len(computed)
         # Hits that sit in the free queue stop being free once taken.
@@ -178,6 +232,7 @@ class KVCacheManager:
             self.pool.touch(computed)
             blocks.extend(computed)
             self.num_cached_blocks[request.request_id] = len(blocks)
+            self.num_skipped[request.request_id] = sum(b is self.pool.null_block for b in computed)
         if need > 0:
             blocks.extend(self.pool.get_new_blocks(need))
         return True
@@ -222,6 +277,7 @@ class KVCacheManager:
         while the request lives on (a preempted request comes back with the same tokens)."""
         rid = request.request_id
         self.num_cached_blocks.pop(rid, None)
+        self.num_skipped.pop(rid, None)
         blocks = self.req_blocks.pop(rid, None)
         if blocks:
             self.pool.free_blocks(list(reversed(blocks)))

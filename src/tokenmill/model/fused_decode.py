@@ -77,6 +77,8 @@ class FusedDecode:
             reason = "needs the C++ kernels built with AVX512-BF16 or AVX2 + FMA"
         elif dtype != torch.bfloat16 or attn.kernels is None or attn.kv_scales is not None:
             reason = "needs bfloat16 activations and a bfloat16 KV cache"
+        elif not attn.plain:
+            reason = "sliding-window or soft-capped attention"
         elif tp.size > 1 and (tp.shm is None or tp.shm.kernel is None):
             reason = "tensor parallel without the shared-memory all-reduce kernel"
         if reason is None:

@@ -131,11 +131,14 @@ class ModelRunner:
         # int8 / fp8: one float32 scale per (layer, K/V, slot, kv head).
         self.kv_scales = torch.zeros(*shape, dtype=torch.float32, device=self.device) if scaled else None
         heads = cfg.hf_config.num_attention_heads // tp.size
+        layers = getattr(self.model, "attention_layers", None)  # per-layer windows, soft-caps, scales
         if self.backend is AttentionBackend:
             self.attn = AttentionBackend(self.kv_cache, heads, kv_heads, cfg.head_dim,
-                                         use_cpp_kernels=cpu_kernels.enabled(), kv_scales=self.kv_scales)
+                                         use_cpp_kernels=cpu_kernels.enabled(), kv_scales=self.kv_scales,
+                                         layers=layers)
         else:
-            self.attn = self.backend(self.kv_cache, heads, kv_heads, cfg.head_dim, kv_scales=self.kv_scales)
+            self.attn = self.backend(self.kv_cache, heads, kv_heads, cfg.head_dim, kv_scales=self.kv_scales,
+                                     layers=layers)
 
     # ---- batch preparation ------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput) -> StepInputs:

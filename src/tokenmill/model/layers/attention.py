@@ -20,6 +20,11 @@ prompts), or one SDPA call each without the kernels.
 With an int8 or fp8 cache (`--kv-cache-dtype int8 | fp8`) each token's K and V are stored per kv
 head as int8 (absmax / 127) or float8 e4m3 (absmax / 448) with one float32 scale, and dequantized
 where they are read (in the kernels, a row at a time).
+
+Each layer may attend its own way (`LayerAttention`, from the model): a sliding window (a query
+sees only its last `sliding_window` keys, and no kernel reads a key before that, so the KV manager
+may free those blocks: engine/kv_cache.py), tanh soft-capping of the scores and its own scale
+(Gemma). Every path, C++, Triton and torch, takes them.
 """
 
 from __future__ import annotations
@@ -31,6 +36,33 @@ import torch.nn.functional as F
 
 
 KERNEL_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # compiled in csrc/paged_attention.cpp
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """How one layer attends beyond causal softmax(q k^T * scale) v: each query sees its last
+    `sliding_window` keys, itself included (transformers' sliding_window_overlay; None: all keys),
+    scores become softcap * tanh(score / softcap) (Gemma 2; None: not capped), and `scale` (None:
+    head_dim ** -0.5)."""
+
+    sliding_window: int | None = None
+    softcap: float | None = None
+    scale: float | None = None
+
+
+def layer_params(layers: list[LayerAttention] | None, num_layers: int, head_dim: int) -> list[tuple[int, float, float]]:
+    """Per layer (window, softcap, scale) as the kernels take them: 0 for no window / no cap."""
+    layers = layers or [LayerAttention()] * num_layers
+    assert len(layers) == num_layers, f"{len(layers)} attention specs for {num_layers} layers"
+    return [(spec.sliding_window or 0, float(spec.softcap or 0.0), spec.scale or head_dim**-0.5) for spec in layers]
+
+
+def kv_window(layers: list[LayerAttention] | None) -> int | None:
+    """The window beyond which no layer reads a key (the largest), or None when some layer reads
+    every key: what the KV manager may free blocks by."""
+    if not layers or any(spec.sliding_window is None for spec in layers):
+        return None
+    return max(spec.sliding_window for spec in layers)
 
 
 @dataclass
@@ -104,9 +136,10 @@ class AttentionBackend:
 
     def __init__(self, kv_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                  use_cpp_kernels: bool = True, kv_scales: torch.Tensor | None = None,
-                 batch_invariant: bool | None = None):
+                 batch_invariant: bool | None = None, layers: list[LayerAttention] | None = None):
         # kv_cache: [num_layers, 2, num_slots, num_kv_heads, head_dim]; kv_scales (int8 / fp8 cache
-        # only): [num_layers, 2, num_slots, num_kv_heads] float32.
+        # only): [num_layers, 2, num_slots, num_kv_heads] float32. layers: how each layer attends
+        # (None: all plain causal).
         self.kv_cache = kv_cache
         self.kv_scales = kv_scales
         # Each layer's K and V views, made once (indexing the cache costs a few us per call).
@@ -115,6 +148,8 @@ class AttentionBackend:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
+        self.params = layer_params(layers, kv_cache.shape[0], head_dim)  # per layer (window, softcap, scale)
+        self.plain = all(p == (0, 0.0, self.scale) for p in self.params)  # what the fused step computes
         self.gqa = num_heads != num_kv_heads
         self.kernels = None
         if (use_cpp_kernels and kv_cache.device.type == "cpu"
@@ -182,6 +217,7 @@ class AttentionBackend:
                 meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D], or None when rope_and_cache has written them. Returns [T, H * D]."""
         k_cache, v_cache = self.layer_caches[layer]
+        window, softcap, scale = self.params[layer]
         scales = None if self.kv_scales is None else (self.kv_scales[layer, 0], self.kv_scales[layer, 1])
         if k is not None:  # else rope_and_cache wrote them (never with an int8 / fp8 cache)
             if scales is not None:
@@ -197,12 +233,12 @@ class AttentionBackend:
         if self.batch_invariant and q.dtype == torch.bfloat16 and meta.query_start_loc is not None:
             # Each row decode-style, the same bits whatever the batch and however its prompt is chunked.
             return self.kernels.paged_rows(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                           meta.block_size, self.scale).reshape(T, -1)
+                                           meta.block_size, scale, window=window, softcap=softcap).reshape(T, -1)
         if meta.all_decode:
-            return self._decode(q, k_cache, v_cache, meta, scales).reshape(T, -1)
+            return self._decode(q, k_cache, v_cache, meta, scales, layer).reshape(T, -1)
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
-            out[meta.decode_rows] = self._decode(q[meta.decode_rows], k_cache, v_cache, meta, scales)
+            out[meta.decode_rows] = self._decode(q[meta.decode_rows], k_cache, v_cache, meta, scales, layer)
         for c in meta.prefills or ():
             # The kernel reads all keys (prefix and this chunk's, just written) in place through the
             # block table. Not for a fresh prompt with an int8 / fp8 cache: the torch path attends its
@@ -211,22 +247,25 @@ class AttentionBackend:
                     and (k_cache.dtype == q.dtype or (scales is not None and c.context_len > 0))):
                 out[c.q_start : c.q_end] = self.kernels.paged_prefill(
                     q[c.q_start : c.q_end], k_cache, v_cache, c.block_table, c.context_len, meta.block_size,
-                    self.scale, *(scales or ()),
+                    scale, *(scales or ()), window=window, softcap=softcap,
                 )
                 continue
             qc = q[c.q_start : c.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            n = c.q_end - c.q_start
             if c.context_len == 0:  # whole prompt in this chunk: attend to the fresh K/V
                 assert k is not None, "a prompt chunk without a block table needs its fresh K/V"
                 kc = k[c.q_start : c.q_end].transpose(0, 1).unsqueeze(0)
                 vc = v[c.q_start : c.q_end].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=self.scale, enable_gqa=self.gqa)
-            else:
+                if not window and not softcap:
+                    o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=self.gqa)
+                    out[c.q_start : c.q_end] = o.squeeze(0).transpose(0, 1)
+                    continue
+            else:  # keys before the window may sit in freed blocks (the null block): masked out
                 kc = self._read(k_cache, c.kv_slots, scales, 0, q.dtype).transpose(0, 1).unsqueeze(0)
                 vc = self._read(v_cache, c.kv_slots, scales, 1, q.dtype).transpose(0, 1).unsqueeze(0)
-                n, L = c.q_end - c.q_start, c.kv_slots.shape[0]
-                # Query i sits at position context_len + i and sees keys 0..context_len + i.
-                mask = torch.ones(n, L, dtype=torch.bool).tril_(diagonal=c.context_len)
-                o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=self.scale, enable_gqa=self.gqa)
+            # Query i sits at position context_len + i and sees keys 0..context_len + i (the last `window`).
+            mask = _causal_mask(c.context_len + torch.arange(n), kc.shape[2], window)
+            o = _attend(qc, kc, vc, mask, scale, softcap, self.gqa)
             out[c.q_start : c.q_end] = o.squeeze(0).transpose(0, 1)
         return out.reshape(T, -1)
 
@@ -239,25 +278,46 @@ class AttentionBackend:
         return (x.float() * scales[kv][slots].unsqueeze(-1)).to(dtype)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scales=None) -> torch.Tensor:
+                scales=None, layer: int = 0) -> torch.Tensor:
         """q: [Bd, H, D] -> [Bd, H, D], keys read through the block tables."""
+        window, softcap, scale = self.params[layer]
         if self.kernels is not None:  # in place, no gathered copy of the cache
             return self.kernels.paged_decode(
                 q.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                meta.block_size, self.scale, *(scales or ()),
+                meta.block_size, scale, *(scales or ()), window=window, softcap=softcap,
             )
         # Pure-torch fallback: gather each request's keys [Bd, Hkv, Lmax, D] and mask the padding.
         bs = meta.block_size
         L = meta.decode_block_tables.shape[1] * bs
         pos = torch.arange(L)
-        valid = pos.unsqueeze(0) < meta.decode_seq_lens.unsqueeze(1)
+        lens = meta.decode_seq_lens.unsqueeze(1)
+        valid = (pos.unsqueeze(0) < lens) & (pos.unsqueeze(0) >= lens - window if window else True)
         # Slots past a request's length may hold stale (even NaN) data: read the null block instead.
         slots = torch.where(valid, meta.decode_block_tables[:, pos // bs] * bs + pos % bs, 0)
         mask = valid.view(-1, 1, 1, L)
         kc = self._read(k_cache, slots, scales, 0, q.dtype).transpose(1, 2)
         vc = self._read(v_cache, slots, scales, 1, q.dtype).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), kc, vc, attn_mask=mask, scale=self.scale, enable_gqa=self.gqa)
-        return o.squeeze(2)
+        return _attend(q.unsqueeze(2), kc, vc, mask, scale, softcap, self.gqa).squeeze(2)
+
+
+def _causal_mask(q_pos: torch.Tensor, num_keys: int, window: int) -> torch.Tensor:
+    """[n, num_keys]: query at q_pos[i] sees keys q_pos[i] - window + 1 .. q_pos[i] (window 0: from 0)."""
+    k_pos = torch.arange(num_keys).unsqueeze(0)
+    mask = k_pos <= q_pos.unsqueeze(1)
+    return mask & (k_pos > q_pos.unsqueeze(1) - window) if window else mask
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float,
+            gqa: bool) -> torch.Tensor:
+    """SDPA over [.., H, n, D] queries and [.., Hkv, L, D] keys; with soft-capping (which SDPA has
+    not) the same written out, scores and softmax in float32 as transformers' eager attention."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    rep = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
+    s = torch.tanh(q.float() @ k.float().transpose(-1, -2) * scale / softcap) * softcap
+    p = s.masked_fill(~mask, float("-inf")).softmax(-1)
+    return (p @ v.float()).to(q.dtype)
 
 
 def _slots_for(table: list[int], length: int, bs: int) -> torch.Tensor:

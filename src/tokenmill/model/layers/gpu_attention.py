@@ -15,20 +15,22 @@ from __future__ import annotations
 import torch
 
 from tokenmill.model.layers import triton_attention as kernels
-from tokenmill.model.layers.attention import AttentionMetadata, SeqChunk, write_quantized
+from tokenmill.model.layers.attention import AttentionMetadata, LayerAttention, SeqChunk, layer_params, write_quantized
 
 
 class TritonAttentionBackend:
     name = "triton"
 
     def __init__(self, kv_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                 kv_scales: torch.Tensor | None = None):
+                 kv_scales: torch.Tensor | None = None, layers: list[LayerAttention] | None = None):
         # kv_cache: [num_layers, 2, num_slots, num_kv_heads, head_dim]; kv_scales (int8 / fp8 cache
-        # only): [num_layers, 2, num_slots, num_kv_heads] float32.
+        # only): [num_layers, 2, num_slots, num_kv_heads] float32. layers: how each layer attends.
         self.kv_cache, self.kv_scales = kv_cache, kv_scales
         self.layer_caches = [(kv_cache[i, 0], kv_cache[i, 1]) for i in range(kv_cache.shape[0])]
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
+        self.params = layer_params(layers, kv_cache.shape[0], head_dim)  # per layer (window, softcap, scale)
+        self.plain = all(p == (0, 0.0, self.scale) for p in self.params)
         self.kernels = None  # no C++ kernels: the model and the fused CPU step see a torch-only backend
 
     @staticmethod
@@ -64,11 +66,12 @@ class TritonAttentionBackend:
             k_cache.index_copy_(0, meta.slot_mapping, k)
             v_cache.index_copy_(0, meta.slot_mapping, v)
         T = q.shape[0]
+        window, softcap, scale = self.params[layer]
         if meta.all_decode:
             out = kernels.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.block_size,
-                                       self.scale, *scales)
+                                       scale, *scales, window=window, softcap=softcap)
         else:
             out = kernels.paged_prefill_varlen(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
-                                               meta.block_tables, meta.max_query_len, meta.block_size, self.scale,
-                                               *scales)
+                                               meta.block_tables, meta.max_query_len, meta.block_size, scale,
+                                               *scales, window=window, softcap=softcap)
         return out.reshape(T, -1)

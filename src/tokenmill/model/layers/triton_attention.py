@@ -17,7 +17,10 @@ dequantized here.
 
 Softmax runs in base 2 (the scale premultiplied by log2(e)) with float32 statistics and
 accumulators. Keys past a request's length are never loaded: slots there (and the null block
-that padding points at) may hold stale, even NaN, data.
+that padding points at) may hold stale, even NaN, data. With a sliding window (`window` > 0) a
+query at position p sees keys p - window + 1 .. p, and no key before the first query's window is
+loaded (the KV manager may have freed those blocks); `softcap` > 0 caps the scores at
+softcap * tanh(score / softcap) (Gemma 2).
 
 Tested on CPU under TRITON_INTERPRET=1 (tests/test_triton_attention.py); whether triton interprets
 is fixed when jit functions are defined, its own included, so set it before triton is first imported.
@@ -29,17 +32,28 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+LOG2E = 1.4426950408889634  # (jit functions spell it out: they read no plain globals)
 DEFAULT_PARTITION = 512  # keys per decode split when the wrapper picks the number of splits
 MAX_SPLITS = 16
 
 
 @triton.jit
-def _attend_tiles(acc, m_i, l_i, q, row_limit, kv_lo, kv_hi, bt_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kv_head,
+def _softcap(s, softcap):
+    """softcap * tanh(s / softcap), tanh(|t|) = (1 - e) / (1 + e) with e = exp(-2|t|) <= 1."""
+    t = s / softcap
+    e = tl.math.exp2(-2.8853900817779268 * tl.abs(t))  # exp(-2|t|)
+    th = (1.0 - e) / (1.0 + e)
+    return tl.where(t < 0, -th, th) * softcap
+
+
+@triton.jit
+def _attend_tiles(acc, m_i, l_i, q, row_lo, row_limit, kv_lo, kv_hi, bt_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kv_head,
                   stride_kslot, stride_khead, stride_vslot, stride_vhead, stride_sslot, stride_shead,
-                  qk_scale, head_dim, block_size,
-                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, INT8: tl.constexpr, PRECISION: tl.constexpr):
-    """Online softmax of q [M, HEAD_DIM] over keys kv_lo..kv_hi-1; row r sees keys <= row_limit[r]."""
+                  qk_scale, softcap, head_dim, block_size,
+                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, INT8: tl.constexpr, PRECISION: tl.constexpr,
+                  SOFTCAP: tl.constexpr):
+    """Online softmax of q [M, HEAD_DIM] over keys kv_lo..kv_hi-1; row r sees keys row_lo[r] ..
+    row_limit[r]. qk_scale: the scale times log2(e), or (SOFTCAP) the scale alone."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     d_mask = offs_d < head_dim
@@ -63,7 +77,9 @@ def _attend_tiles(acc, m_i, l_i, q, row_limit, kv_lo, kv_hi, bt_ptr, k_ptr, v_pt
             k_scale = tl.load(ks_ptr + slot * stride_sslot + kv_head * stride_shead, mask=n_mask, other=0.0)
             s = s * k_scale[None, :]
         s = s * qk_scale
-        visible = n_mask[None, :] & (pos[None, :] <= row_limit[:, None])
+        if SOFTCAP:
+            s = _softcap(s, softcap) * 1.4426950408889634  # LOG2E
+        visible = n_mask[None, :] & (pos[None, :] <= row_limit[:, None]) & (pos[None, :] >= row_lo[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # Rows that have seen no key yet (padding rows) keep m = -inf: subtract 0 instead of NaN.
@@ -83,16 +99,18 @@ def _attend_tiles(acc, m_i, l_i, q, row_limit, kv_lo, kv_hi, bt_ptr, k_ptr, v_pt
 def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_ptr, stats_ptr,
                    stride_qb, stride_qh, stride_kslot, stride_khead, stride_vslot, stride_vhead,
                    stride_sslot, stride_shead, stride_bt, stride_ob, stride_oh,
-                   qk_scale, head_dim, block_size, num_heads,
+                   qk_scale, softcap, window, head_dim, block_size, num_heads,
                    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, INT8: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+                   NUM_SPLITS: tl.constexpr, INT8: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+                   SOFTCAP: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    win_lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)  # the first key the query sees
     # Each split takes a whole number of tiles, so only the last split of a request is ragged.
-    split_len = ((seq_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    kv_lo = split * split_len
+    split_len = ((seq_len - win_lo + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    kv_lo = win_lo + split * split_len
     kv_hi = tl.minimum(kv_lo + split_len, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -107,10 +125,11 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr, ou
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     row_limit = tl.where(h_mask, seq_len - 1, -1)  # padding rows of the head group see nothing
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, row_limit, kv_lo, kv_hi, bt_ptr + b * stride_bt, k_ptr, v_ptr,
-                                  ks_ptr, vs_ptr, kv_head, stride_kslot, stride_khead, stride_vslot, stride_vhead,
-                                  stride_sslot, stride_shead, qk_scale, head_dim, block_size,
-                                  BLOCK_N, HEAD_DIM, INT8, PRECISION)
+    row_lo = tl.zeros([BLOCK_H], dtype=tl.int32) + win_lo
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, row_lo, row_limit, kv_lo, kv_hi, bt_ptr + b * stride_bt, k_ptr,
+                                  v_ptr, ks_ptr, vs_ptr, kv_head, stride_kslot, stride_khead, stride_vslot,
+                                  stride_vhead, stride_sslot, stride_shead, qk_scale, softcap, head_dim, block_size,
+                                  BLOCK_N, HEAD_DIM, INT8, PRECISION, SOFTCAP)
     if NUM_SPLITS == 1:
         # seq_len 0 (a padded batch row) gives zeros, not 0 / 0.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -147,9 +166,10 @@ def _merge_kernel(part_ptr, stats_ptr, out_ptr, stride_ob, stride_oh, head_dim, 
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, q_start_ptr, seq_lens_ptr, out_ptr,
                     stride_qt, stride_qh, stride_kslot, stride_khead, stride_vslot, stride_vhead,
                     stride_sslot, stride_shead, stride_bt, stride_ot, stride_oh,
-                    qk_scale, head_dim, block_size,
+                    qk_scale, softcap, window, head_dim, block_size,
                     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, INT8: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+                    HEAD_DIM: tl.constexpr, INT8: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+                    SOFTCAP: tl.constexpr):
     req = tl.program_id(0)
     q_block = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -176,10 +196,13 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, q_start_ptr, se
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     row_limit = tl.where(m_mask, context_len + tok, -1)  # causal: token i sits at context_len + i
     kv_hi = tl.minimum(context_len + (q_block + 1) * BLOCK_Q, seq_len)  # the tile's last token's keys
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, row_limit, 0, kv_hi, bt_ptr + req * stride_bt, k_ptr, v_ptr,
-                                  ks_ptr, vs_ptr, kv_head, stride_kslot, stride_khead, stride_vslot, stride_vhead,
-                                  stride_sslot, stride_shead, qk_scale, head_dim, block_size,
-                                  BLOCK_N, HEAD_DIM, INT8, PRECISION)
+    # With a window, token i sees keys from context_len + i - window + 1: none before the tile's first token's.
+    row_lo = tl.where(window > 0, context_len + tok - window + 1, 0)
+    kv_lo = tl.where(window > 0, tl.maximum(context_len + q_block * BLOCK_Q - window + 1, 0), 0)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, row_lo, row_limit, kv_lo, kv_hi, bt_ptr + req * stride_bt, k_ptr,
+                                  v_ptr, ks_ptr, vs_ptr, kv_head, stride_kslot, stride_khead, stride_vslot,
+                                  stride_vhead, stride_sslot, stride_shead, qk_scale, softcap, head_dim, block_size,
+                                  BLOCK_N, HEAD_DIM, INT8, PRECISION, SOFTCAP)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_off = (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=qd_mask)
@@ -221,25 +244,34 @@ def _pow2(n: int, at_least: int = 1) -> int:
     return max(at_least, triton.next_power_of_2(n))
 
 
+def _scores(scale: float, softcap: float) -> tuple[float, float, bool]:
+    """(qk_scale, softcap, SOFTCAP) as _attend_tiles takes them."""
+    return (scale, float(softcap), True) if softcap else (scale * LOG2E, 0.0, False)
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, block_size: int, scale: float, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None, *, num_splits: int | None = None,
-                 block_n: int = 32) -> torch.Tensor:
+                 block_n: int = 32, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q [B, H, D], one token per request -> [B, H, D]. seq_lens [B]: keys per request, the new one included.
 
     num_splits: key-sequence splits per request (None: from the block table's width, so no host
-    sync and the same launch for any lengths, as CUDA graphs need)."""
+    sync and the same launch for any lengths, as CUDA graphs need). window > 0: each query sees
+    its last `window` keys; softcap > 0: scores soft-capped."""
     B, H, D = q.shape
     group, int8, precision = _check(q, k_cache, v_cache, k_scale, v_scale)
     Hkv = k_cache.shape[1]
     if num_splits is None:
         max_keys = block_tables.shape[1] * block_size
+        if window:
+            max_keys = min(max_keys, window + block_n)
         num_splits = min(MAX_SPLITS, triton.cdiv(max_keys, DEFAULT_PARTITION))
     num_splits = _pow2(num_splits)  # the merge kernel loads all splits as one tile
     out = torch.empty_like(q)
     if B == 0:
         return out
     ks, vs, s0, s1 = _scale_args(k_scale, v_scale, q)
+    qk_scale, cap, capped = _scores(scale, softcap)
     head_dim_p = _pow2(D, 16)
     if num_splits > 1:
         part = torch.empty(B, H, num_splits, head_dim_p, dtype=torch.float32, device=q.device)
@@ -250,9 +282,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q, k_cache, v_cache, ks, vs, block_tables, seq_lens, out, part, stats,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         s0, s1, block_tables.stride(0), out.stride(0), out.stride(1),
-        scale * LOG2E, D, block_size, H,
+        qk_scale, cap, window, D, block_size, H,
         GROUP=group, BLOCK_H=_pow2(group, 16), BLOCK_N=block_n, HEAD_DIM=head_dim_p,
-        NUM_SPLITS=num_splits, INT8=int8, PRECISION=precision, DOT_F32=_interpreted(q),
+        NUM_SPLITS=num_splits, INT8=int8, PRECISION=precision, DOT_F32=_interpreted(q), SOFTCAP=capped,
     )
     if num_splits > 1:
         _merge_kernel[(B, H)](part, stats, out, out.stride(0), out.stride(1), D, H,
@@ -264,10 +296,11 @@ def paged_prefill_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                          max_query_len: int, block_size: int, scale: float, k_scale: torch.Tensor | None = None,
                          v_scale: torch.Tensor | None = None, *, block_m: int = 64,
-                         block_n: int = 32) -> torch.Tensor:
+                         block_n: int = 32, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Several requests' chunks at once: q [T, H, D] flat, request i's rows at
     query_start_loc[i]:query_start_loc[i+1]; seq_lens [B] its keys (cached context + chunk);
-    block_tables [B, max_blocks]; max_query_len sizes the grid. Causal within each request."""
+    block_tables [B, max_blocks]; max_query_len sizes the grid. Causal within each request
+    (window > 0: each query sees its last `window` keys; softcap > 0: scores soft-capped)."""
     T, H, D = q.shape
     group, int8, precision = _check(q, k_cache, v_cache, k_scale, v_scale)
     out = torch.empty_like(q)
@@ -275,6 +308,7 @@ def paged_prefill_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if B == 0 or T == 0:
         return out
     ks, vs, s0, s1 = _scale_args(k_scale, v_scale, q)
+    qk_scale, cap, capped = _scores(scale, softcap)
     block_m = _pow2(max(block_m, group))  # a tile holds at least one token's whole head group
     block_q = block_m // group
     grid = (B, triton.cdiv(max_query_len, block_q), k_cache.shape[1])
@@ -282,16 +316,16 @@ def paged_prefill_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         q, k_cache, v_cache, ks, vs, block_tables, query_start_loc, seq_lens, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         s0, s1, block_tables.stride(0), out.stride(0), out.stride(1),
-        scale * LOG2E, D, block_size,
+        qk_scale, cap, window, D, block_size,
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=_pow2(D, 16),
-        INT8=int8, PRECISION=precision, DOT_F32=_interpreted(q),
+        INT8=int8, PRECISION=precision, DOT_F32=_interpreted(q), SOFTCAP=capped,
     )
     return out
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                   context_len: int, block_size: int, scale: float, k_scale: torch.Tensor | None = None,
-                  v_scale: torch.Tensor | None = None, **tiles: int) -> torch.Tensor:
+                  v_scale: torch.Tensor | None = None, **tiles) -> torch.Tensor:
     """One request's chunk: q [n, H, D] at positions context_len..context_len+n-1, its K/V already
     in the cache; block_table [num_blocks] covers all context_len + n keys. Returns [n, H, D]."""
     n = q.shape[0]

@@ -20,7 +20,7 @@ from torch import nn
 from tokenmill.distributed.comm import NO_TP, TPGroup
 from tokenmill.distributed.sharding import lm_head_rows
 from tokenmill.model.layers import cpu_kernels
-from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata
+from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata, LayerAttention
 from tokenmill.model.layers.norm import RMSNorm
 from tokenmill.model.layers.quantization import GROUP, QuantEmbedding, QuantLinear
 from tokenmill.model.layers.rotary import RotaryEmbedding
@@ -133,6 +133,11 @@ class LlamaForCausalLM(nn.Module):
         self.max_position = max_position
         self.rope = self.make_rope(dtype)
 
+    @property
+    def attention_layers(self) -> list[LayerAttention]:
+        """How each layer attends (the attention backend's per-layer windows)."""
+        return [LayerAttention(sliding_window=w) for w in sliding_windows(self.cfg)]
+
     def make_rope(self, dtype: torch.dtype) -> RotaryEmbedding:
         """Rotary tables; the loader calls this again after materialising a meta-device model."""
         cfg = self.cfg
@@ -236,6 +241,19 @@ class LlamaForCausalLM(nn.Module):
     def fused_target(self, name: str) -> tuple[str, tuple[int, int] | None]:
         """(our parameter, (row offset, rows) or None) of an HF name; families extend it."""
         return _fused_target(name, self)
+
+
+def sliding_windows(cfg) -> list[int | None]:
+    """Each layer's sliding window (None: it attends to every key), read as transformers reads
+    the config: the "sliding_attention" entries of layer_types (Qwen2, Gemma), else every layer
+    when the config has a sliding_window (Mistral)."""
+    window = getattr(cfg, "sliding_window", None)
+    if not window or getattr(cfg, "use_sliding_window", True) is False:
+        return [None] * cfg.num_hidden_layers
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        return [window] * cfg.num_hidden_layers
+    return [window if t == "sliding_attention" else None for t in types]
 
 
 def _fused_target(name: str, model: LlamaForCausalLM) -> tuple[str, tuple[int, int] | None]:

@@ -5,16 +5,18 @@
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, int64_t block_size,
                            double scale, c10::optional<torch::Tensor> k_scale,
-                           c10::optional<torch::Tensor> v_scale);
+                           c10::optional<torch::Tensor> v_scale, int64_t window, double softcap);
 
 torch::Tensor paged_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                          torch::Tensor seq_lens, torch::Tensor query_start_loc, int64_t block_size, double scale,
-                         c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale);
+                         c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale, int64_t window,
+                         double softcap);
 
 // fused_ops.cpp
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
+torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up);
 torch::Tensor argmax_rows(torch::Tensor logits);
 torch::Tensor rope_and_cache(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                              torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping,
@@ -28,7 +30,8 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10
 // paged_prefill.cpp
 torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
                             int64_t context_len, int64_t block_size, double scale,
-                            c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale);
+                            c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale,
+                            int64_t window, double softcap);
 
 // quant_linear.cpp
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, int64_t bits);
@@ -60,17 +63,21 @@ void bind_fused_decoder(pybind11::module_& m);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)", py::arg("q"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("block_size"), py::arg("scale"),
-        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), py::arg("window") = 0,
+        py::arg("softcap") = 0.0);
   m.def("paged_rows", &paged_rows, "every query row of a flat batch, decode-style and batch-invariant (CPU)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("query_start_loc"), py::arg("block_size"), py::arg("scale"), py::arg("k_scale") = py::none(),
-        py::arg("v_scale") = py::none());
+        py::arg("v_scale") = py::none(), py::arg("window") = 0, py::arg("softcap") = 0.0);
   m.def("paged_prefill", &paged_prefill, "paged causal prefill attention (CPU)", py::arg("q"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("block_table"), py::arg("context_len"), py::arg("block_size"), py::arg("scale"),
-        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
-  m.def("rms_norm", &rms_norm, "RMSNorm, float32 inside");
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), py::arg("window") = 0,
+        py::arg("softcap") = 0.0);
+  m.def("rms_norm", &rms_norm, "RMSNorm, float32 inside (a float32 weight on bf16 x: scaled in float32, "
+        "rounded once, as Gemma's (1 + w) norm)");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = RMSNorm(residual), both in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu_tanh(gate) * up (GeGLU)");
   m.def("argmax_rows", &argmax_rows, "each row's first largest value's index (greedy sampling)");
   m.def("rope_and_cache", &rope_and_cache, "rotary embedding of q and k, k and v written to the paged cache; "
         "returns q", py::arg("qkv"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"),

@@ -4,6 +4,7 @@
 
 #include <torch/extension.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -70,6 +71,9 @@ inline void with_cache(const torch::Tensor& k_cache, const torch::Tensor& v_cach
 inline void from_f(float v, float* dst) { *dst = v; }
 inline void from_f(float v, c10::BFloat16* dst) { *dst = c10::BFloat16(v); }
 
+// Attention-logit soft-capping (Gemma 2): cap * tanh(s / cap); cap <= 0: none.
+inline float softcap1(float s, float cap) { return cap > 0.f ? cap * std::tanh(s / cap) : s; }
+
 #if defined(__AVX512F__)
 // exp(x) for x <= 0 (arguments below ~-87 give ~0), float32 accuracy (a few ulp).
 inline __m512 exp16(__m512 x) {
@@ -86,6 +90,17 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_scalef_ps(p, n);
+}
+
+// cap * tanh(x / cap) on 16 lanes: tanh(|t|) = (1 - e) / (1 + e) with e = exp(-2|t|) <= 1 (exp16's
+// domain), the sign put back after.
+inline __m512 softcap16(__m512 x, float cap) {
+  const __m512 t = _mm512_div_ps(x, _mm512_set1_ps(cap));
+  const __m512 a = _mm512_abs_ps(t);
+  const __m512 e = exp16(_mm512_mul_ps(a, _mm512_set1_ps(-2.f)));
+  const __m512 th = _mm512_div_ps(_mm512_sub_ps(_mm512_set1_ps(1.f), e), _mm512_add_ps(_mm512_set1_ps(1.f), e));
+  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(t), _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(th), sign)), _mm512_set1_ps(cap));
 }
 
 // 16 bf16 values (their bits) widened to float32: a bf16 is the upper half of a float.

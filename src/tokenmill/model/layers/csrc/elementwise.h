@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "cpu_common.h"
 #if defined(__AVX512F__)
@@ -39,11 +40,25 @@ inline void rms_norm_row(const T* x, const T* w, T* o, int64_t dim, float eps) {
   for (int64_t i = 0; i < dim; ++i) from_f(to_f(w[i]) * rnd<T>(to_f(x[i]) * inv), o + i);
 }
 
-// residual += x (rounded to T, as `residual + x` is); out = rms_norm(residual) (out may be x).
+// One row with a float32 weight: out = T(x * rsqrt(mean(x^2) + eps) * w), rounded once (Gemma's
+// norm: w holds 1 + its weight, in float32 as Hugging Face computes it).
 template <typename T>
-inline void add_rms_norm_row(const T* x, T* residual, const T* w, T* out, int64_t dim, float eps) {
+inline void rms_norm_row_w32(const T* x, const float* w, T* o, int64_t dim, float eps) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < dim; ++i) {
+    const float v = to_f(x[i]);
+    ss += v * v;
+  }
+  const float inv = 1.f / std::sqrt(ss / dim + eps);
+  for (int64_t i = 0; i < dim; ++i) from_f(to_f(x[i]) * inv * w[i], o + i);
+}
+
+// residual += x (rounded to T, as `residual + x` is); out = rms_norm(residual) (out may be x).
+template <typename T, typename W>
+inline void add_rms_norm_row(const T* x, T* residual, const W* w, T* out, int64_t dim, float eps) {
   for (int64_t i = 0; i < dim; ++i) from_f(to_f(residual[i]) + to_f(x[i]), residual + i);
-  rms_norm_row(residual, w, out, dim, eps);
+  if constexpr (std::is_same_v<W, T>) rms_norm_row(residual, w, out, dim, eps);
+  else rms_norm_row_w32(residual, w, out, dim, eps);
 }
 
 // o = silu(g) * u over n elements (silu rounded to T first, as F.silu(gate) * up is).
@@ -52,6 +67,17 @@ inline void silu_mul_row(const T* g, const T* u, T* o, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const float gv = to_f(g[i]);
     from_f(rnd<T>(gv / (1.f + std::exp(-gv))) * to_f(u[i]), o + i);
+  }
+}
+
+// o = gelu_tanh(g) * u over n elements (gelu rounded to T first, as F.gelu(gate, approximate="tanh")
+// * up is): GeGLU.
+template <typename T>
+inline void gelu_tanh_mul_row(const T* g, const T* u, T* o, int64_t n) {
+  constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;  // sqrt(2 / pi)
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = to_f(g[i]);
+    from_f(rnd<T>(0.5f * x * (1.f + std::tanh(kBeta * (x + kKappa * x * x * x)))) * to_f(u[i]), o + i);
   }
 }
 

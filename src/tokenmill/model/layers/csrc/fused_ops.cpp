@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "elementwise.h"
@@ -16,15 +17,18 @@ namespace {
 
 using namespace tm_cpu;
 
-template <typename T>
-void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t dim, float eps) {
+template <typename T, typename W>
+void rms_norm_rows(const T* x, const W* w, T* out, int64_t rows, int64_t dim, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) rms_norm_row(x + r * dim, w, out + r * dim, dim, eps);
+    for (int64_t r = begin; r < end; ++r) {
+      if constexpr (std::is_same_v<W, T>) rms_norm_row(x + r * dim, w, out + r * dim, dim, eps);
+      else rms_norm_row_w32(x + r * dim, w, out + r * dim, dim, eps);
+    }
   });
 }
 
-template <typename T>
-void add_rms_norm_rows(T* x, T* residual, const T* w, int64_t rows, int64_t dim, float eps) {
+template <typename T, typename W>
+void add_rms_norm_rows(T* x, T* residual, const W* w, int64_t rows, int64_t dim, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) add_rms_norm_row(x + r * dim, residual + r * dim, w, x + r * dim, dim, eps);
   });
@@ -52,6 +56,16 @@ void rope_and_cache_rows(const T* qkv, const int64_t* positions, const T* cos, c
   });
 }
 
+template <typename T>
+void gelu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gu + r * 2 * inter;
+      gelu_tanh_mul_row(g, g + inter, out + r * inter, inter);
+    }
+  });
+}
+
 template <typename F>
 void dispatch_float(const torch::Tensor& t, const char* name, F&& f) {
   if (t.scalar_type() == at::kFloat) {
@@ -64,25 +78,34 @@ void dispatch_float(const torch::Tensor& t, const char* name, F&& f) {
 
 }  // namespace
 
+// w: x's dtype (Llama: w * T(normalized x)), or float32 (Gemma's 1 + w: T(normalized x * w)).
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.scalar_type() == w.scalar_type(), "rms_norm inputs");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && w.numel() == x.size(-1) &&
+                  (x.scalar_type() == w.scalar_type() || w.scalar_type() == at::kFloat), "rms_norm inputs");
   auto out = torch::empty_like(x);
   const int64_t dim = x.size(-1), rows = x.numel() / dim;
   dispatch_float(x, "rms_norm", [&](auto t) {
     using T = decltype(t);
-    rms_norm_rows<T>(x.data_ptr<T>(), w.data_ptr<T>(), out.data_ptr<T>(), rows, dim, eps);
+    if (w.scalar_type() == at::kFloat)
+      rms_norm_rows<T, float>(x.data_ptr<T>(), w.data_ptr<float>(), out.data_ptr<T>(), rows, dim, eps);
+    else
+      rms_norm_rows<T, T>(x.data_ptr<T>(), w.data_ptr<T>(), out.data_ptr<T>(), rows, dim, eps);
   });
   return out;
 }
 
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps) {
   TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && w.is_contiguous() && x.sizes() == residual.sizes() &&
-                  x.scalar_type() == residual.scalar_type() && x.scalar_type() == w.scalar_type(),
+                  x.scalar_type() == residual.scalar_type() && w.numel() == x.size(-1) &&
+                  (x.scalar_type() == w.scalar_type() || w.scalar_type() == at::kFloat),
               "fused_add_rms_norm inputs");
   const int64_t dim = x.size(-1), rows = x.numel() / dim;
   dispatch_float(x, "fused_add_rms_norm", [&](auto t) {
     using T = decltype(t);
-    add_rms_norm_rows<T>(x.data_ptr<T>(), residual.data_ptr<T>(), w.data_ptr<T>(), rows, dim, eps);
+    if (w.scalar_type() == at::kFloat)
+      add_rms_norm_rows<T, float>(x.data_ptr<T>(), residual.data_ptr<T>(), w.data_ptr<float>(), rows, dim, eps);
+    else
+      add_rms_norm_rows<T, T>(x.data_ptr<T>(), residual.data_ptr<T>(), w.data_ptr<T>(), rows, dim, eps);
   });
 }
 
@@ -94,6 +117,18 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   dispatch_float(gate_up, "silu_and_mul", [&](auto t) {
     using T = decltype(t);
     silu_mul_rows<T>(gate_up.data_ptr<T>(), out.data_ptr<T>(), rows, inter);
+  });
+  return out;
+}
+
+// gate_up: [T, 2 * I] (gate first) -> gelu_tanh(gate) * up: [T, I]
+torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.is_contiguous() && gate_up.dim() == 2, "gelu_tanh_and_mul input");
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  auto out = torch::empty({rows, inter}, gate_up.options());
+  dispatch_float(gate_up, "gelu_tanh_and_mul", [&](auto t) {
+    using T = decltype(t);
+    gelu_mul_rows<T>(gate_up.data_ptr<T>(), out.data_ptr<T>(), rows, inter);
   });
   return out;
 }

@@ -96,11 +96,12 @@ inline void load_row(const C* r, __m512* v) {
 
 // One tile of n (1..16) keys at kp / vp (rows `row` elements apart) for GB query heads.
 // qf: the GB heads' queries (float32, D each); qb: the same as raw bf16 (vdpbf16ps path).
-// ksv / vsv: per-key scales (int8 / float8 cache) or null; m, l, acc: the heads' softmax state.
+// ksv / vsv: per-key scales (int8 / float8 cache) or null; m, l, acc: the heads' softmax state;
+// softcap > 0: scores soft-capped (softcap16).
 template <typename T, typename C, int D, int GB>
 inline void attend_tile(const float* qf, const T* qb, const C* kp, const C* vp, int64_t row, int n,
-                        const float* ksv, const float* vsv, float scale, float* m, float* l, float* acc,
-                        const char* pfk, const char* pfv, int pf_step) {
+                        const float* ksv, const float* vsv, float scale, float softcap, float* m, float* l,
+                        float* acc, const char* pfk, const char* pfv, int pf_step) {
   constexpr int NV = D / 16;
   const __mmask16 valid = n >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
   __m512 s[GB];
@@ -152,9 +153,11 @@ inline void attend_tile(const float* qf, const T* qb, const C* kp, const C* vp, 
     __m512 sc = _mm512_set1_ps(scale);
     if (ksv != nullptr) sc = _mm512_mul_ps(sc, _mm512_maskz_loadu_ps(valid, ksv));
 #pragma GCC unroll 4
-    for (int g = 0; g < GB; ++g)
-      s[g] = _mm512_mask_mov_ps(_mm512_set1_ps(kNoScore), valid,
-                                _mm512_mul_ps(hsum_lanes(u[g][0], u[g][1], u[g][2], u[g][3]), sc));
+    for (int g = 0; g < GB; ++g) {
+      __m512 raw = _mm512_mul_ps(hsum_lanes(u[g][0], u[g][1], u[g][2], u[g][3]), sc);
+      if (softcap > 0.f) raw = softcap16(raw, softcap);
+      s[g] = _mm512_mask_mov_ps(_mm512_set1_ps(kNoScore), valid, raw);
+    }
   }
   alignas(64) float p[GB][kTile];
   alignas(64) uint32_t pw[GB][kTile / 2];  // kBf16Dot: the weights in bf16, pairs of keys per word
@@ -256,17 +259,18 @@ void decode_items_d(const DecodeArgs<T, C>& a, int64_t begin, int64_t end) {
   const C* v_cache = a.v_cache;
   const float* k_scale = a.k_scale;
   const float* v_scale = a.v_scale;
-  const float scale = a.scale;
+  const float scale = a.scale, softcap = a.softcap;
   const int64_t G = H / Hkv;
   const int64_t row = Hkv * D;  // elements per cache slot
   std::vector<float> qf(H * D), acc(H * D), m(H), l(H), ksv(Hkv * kTile), vsv(Hkv * kTile);
   for (int64_t i = begin; i < end; ++i) {
     const int64_t b = i / S, s = i % S;
     const int64_t L = a.seq_lens[b];
+    const int64_t lo = a.window > 0 ? std::max<int64_t>(0, L - a.window) : 0;  // the first key in the window
     const int64_t* table = a.tables + b * a.max_blocks;
-    const int64_t nblocks = (L + block_size - 1) / block_size;
-    const int64_t per_split = (nblocks + S - 1) / S;
-    const int64_t bi0 = std::min(nblocks, s * per_split), bi1 = std::min(nblocks, bi0 + per_split);
+    const int64_t nblocks = (L + block_size - 1) / block_size, blo = lo / block_size;
+    const int64_t per_split = (nblocks - blo + S - 1) / S;
+    const int64_t bi0 = std::min(nblocks, blo + s * per_split), bi1 = std::min(nblocks, bi0 + per_split);
     const T* qb = a.q + b * H * D;
     for (int64_t g = 0; g < H; ++g)
       for (int64_t d = 0; d < D; ++d) qf[g * D + Layout::slot(d)] = to_f(qb[g * D + d]);
@@ -298,8 +302,11 @@ void decode_items_d(const DecodeArgs<T, C>& a, int64_t begin, int64_t end) {
       int64_t pf_done = 0;
       const int64_t nb = std::min(block_size, L - bi * block_size);
       const int64_t base = table[bi] * block_size;
-      for (int64_t j0 = 0; j0 < nb; j0 += kTile) {
-        const int n = static_cast<int>(std::min<int64_t>(kTile, nb - j0));
+      const int64_t jlo = bi == blo ? lo % block_size : 0;  // keys before the window are never read
+      for (int64_t t0 = jlo / kTile * kTile; t0 < nb; t0 += kTile) {
+        // The block's kTile-aligned tiles clipped to the window (the rows kernel cuts them the same way).
+        const int64_t j0 = std::max(t0, jlo);
+        const int n = static_cast<int>(std::min<int64_t>(t0 + kTile, nb) - j0);
         if constexpr (quantized) {
           for (int j = 0; j < n; ++j)
             for (int64_t h = 0; h < Hkv; ++h) {
@@ -307,7 +314,7 @@ void decode_items_d(const DecodeArgs<T, C>& a, int64_t begin, int64_t end) {
               vsv[h * kTile + j] = v_scale[(base + j0 + j) * Hkv + h];
             }
         }
-        const int64_t calls = ((nb - j0 + kTile - 1) / kTile) * Hkv;  // tile x head calls left
+        const int64_t calls = ((nb - t0 + kTile - 1) / kTile) * Hkv;  // tile x head calls left
         for (int64_t h = 0; h < Hkv; ++h) {
           // This call's share of the next block, in 64-byte lines per key row.
           const int64_t left = next_bytes - pf_done;
@@ -328,15 +335,15 @@ void decode_items_d(const DecodeArgs<T, C>& a, int64_t begin, int64_t end) {
             float* ag = acc.data() + g0 * D;
             const int pstep = g0 == h * G ? step : 0;
             switch (gb) {
-              case 1: attend_tile<T, C, D, 1>(qg, qbg, kp, vp, row, n, ks, vs, scale, mg, lg, ag, pfk, pfv, pstep); break;
+              case 1: attend_tile<T, C, D, 1>(qg, qbg, kp, vp, row, n, ks, vs, scale, softcap, mg, lg, ag, pfk, pfv, pstep); break;
               case 2:
-                if constexpr (kMaxGB >= 2) attend_tile<T, C, D, 2>(qg, qbg, kp, vp, row, n, ks, vs, scale, mg, lg, ag, pfk, pfv, pstep);
+                if constexpr (kMaxGB >= 2) attend_tile<T, C, D, 2>(qg, qbg, kp, vp, row, n, ks, vs, scale, softcap, mg, lg, ag, pfk, pfv, pstep);
                 break;
               case 3:
-                if constexpr (kMaxGB >= 3) attend_tile<T, C, D, 3>(qg, qbg, kp, vp, row, n, ks, vs, scale, mg, lg, ag, pfk, pfv, pstep);
+                if constexpr (kMaxGB >= 3) attend_tile<T, C, D, 3>(qg, qbg, kp, vp, row, n, ks, vs, scale, softcap, mg, lg, ag, pfk, pfv, pstep);
                 break;
               default:
-                if constexpr (kMaxGB >= 4) attend_tile<T, C, D, 4>(qg, qbg, kp, vp, row, n, ks, vs, scale, mg, lg, ag, pfk, pfv, pstep);
+                if constexpr (kMaxGB >= 4) attend_tile<T, C, D, 4>(qg, qbg, kp, vp, row, n, ks, vs, scale, softcap, mg, lg, ag, pfk, pfv, pstep);
                 break;
             }
           }
@@ -407,18 +414,22 @@ void rows_item_d(const RowsArgs<T, C>& a, const RowsItem& it) {
         for (int64_t d = 0; d < D; ++d) qf[x * D + Layout::slot(d)] = to_f(src[d]);
         std::copy(src, src + D, qb.data() + x * D);
       }
-  const int64_t nblocks = (L + bs - 1) / bs;
+  // With a sliding window W row i sees keys lo(i) = first + i + 1 - W .. first + i only: the blocks
+  // before row 0's window are never read (they may be freed).
+  const int64_t W = a.window;
+  const int64_t lo0 = W > 0 ? std::max<int64_t>(0, first + 1 - W) : 0;
+  const int64_t nblocks = (L + bs - 1) / bs, blo = lo0 / bs;
   // The next block's K and V are prefetched while this one is computed: with every kv head in the
   // item (its slots' rows whole, contiguous) a share at each (tile, head) as decode_items_d does,
   // else (one head's slice of each row) all at once.
   const bool all_heads = NH == Hkv;
   const int64_t row_bytes = row * static_cast<int64_t>(sizeof(C));
   if (all_heads) {
-    const int64_t first_bytes = std::min(bs, L) * row_bytes;
-    prefetch_rows(reinterpret_cast<const char*>(a.k_cache + table[0] * bs * row), 0, 1, first_bytes);
-    prefetch_rows(reinterpret_cast<const char*>(a.v_cache + table[0] * bs * row), 0, 1, first_bytes);
+    const int64_t first_bytes = std::min(bs, L - blo * bs) * row_bytes;
+    prefetch_rows(reinterpret_cast<const char*>(a.k_cache + table[blo] * bs * row), 0, 1, first_bytes);
+    prefetch_rows(reinterpret_cast<const char*>(a.v_cache + table[blo] * bs * row), 0, 1, first_bytes);
   }
-  for (int64_t bi = 0; bi < nblocks; ++bi) {
+  for (int64_t bi = blo; bi < nblocks; ++bi) {
     const int64_t nb = std::min(bs, L - bi * bs);
     const int64_t base = table[bi] * bs;
     const char* nk = nullptr;
@@ -440,18 +451,38 @@ void rows_item_d(const RowsArgs<T, C>& a, const RowsItem& it) {
         prefetch_rows(a.v_scale + nbase * Hkv, 0, 1, bs * Hkv * 4);
       }
     }
-    for (int64_t j0 = 0; j0 < nb; j0 += kTile) {
+    for (int64_t j0 = bi == blo ? lo0 % bs / kTile * kTile : 0; j0 < nb; j0 += kTile) {
       const int nt = static_cast<int>(std::min<int64_t>(kTile, nb - j0));
-      const int64_t k0 = bi * bs + j0;
-      // Row i sees keys 0 .. first + i: none of this tile below i_vis, all of it from i_full.
+      const int64_t k0 = bi * bs + j0, k1 = k0 + nt - 1;  // the tile's first and last key
+      // Causally row i sees none of this tile below i_vis, all of it from i_full; its window
+      // starts at or before k0 below i_wfull, at or before k1 below i_wvis. Rows [i_full, i_wfull)
+      // see the whole tile; the others in [i_vis, i_wvis) see part of it (the causal diagonal, the
+      // window's edge): a row alone, only its keys, as the decode kernel clips the tile for it.
       const int64_t i_vis = std::max<int64_t>(0, k0 - first);
-      const int64_t i_full = std::min<int64_t>(R, std::max<int64_t>(i_vis, k0 + nt - 1 - first));
+      const int64_t i_full = std::min<int64_t>(R, std::max<int64_t>(i_vis, k1 - first));
+      const int64_t i_wfull = W > 0 ? std::clamp<int64_t>(k0 + W - first, 0, R) : R;
+      const int64_t i_wvis = W > 0 ? std::clamp<int64_t>(k1 + W - first, 0, R) : R;
+      auto visible = [&](int64_t i, int64_t& off, int& keys) {  // row i's keys in the tile: [k0 + off, + keys)
+        const int64_t a0 = W > 0 ? std::max(k0, first + i + 1 - W) : k0, a1 = std::min(k1, first + i);
+        off = a0 - k0;
+        keys = static_cast<int>(a1 - a0 + 1);
+        return a1 >= a0 && !(i >= i_full && i < i_wfull);
+      };
       if constexpr (quantized) {
         for (int j = 0; j < nt; ++j)
           for (int64_t hh = 0; hh < NH; ++hh) {
             ksv[hh * kTile + j] = a.k_scale[(base + j0 + j) * Hkv + it.h0 + hh];
             vsv[hh * kTile + j] = a.v_scale[(base + j0 + j) * Hkv + it.h0 + hh];
           }
+      }
+      // The keys of the first call at each (tile, head), which sizes its share of the prefetch.
+      int first_keys = nt;
+      for (int64_t i = i_vis, off; i < i_wvis; ++i) {
+        int keys;
+        if (visible(i, off, keys)) {
+          first_keys = keys;
+          break;
+        }
       }
       const int64_t calls = ((nb - j0 + kTile - 1) / kTile) * NH;  // (tile, head) pairs left in the block
       for (int64_t hh = 0; hh < NH; ++hh) {
@@ -461,38 +492,43 @@ void rows_item_d(const RowsArgs<T, C>& a, const RowsItem& it) {
         const float* ks = quantized ? ksv.data() + hh * kTile : nullptr;
         const float* vs = quantized ? vsv.data() + hh * kTile : nullptr;
         // This (tile, head)'s share of the next block, in 64-byte lines per key row of its first call.
-        const int first_keys = static_cast<int>(i_vis < i_full ? first + i_vis + 1 - k0 : nt);
         const int64_t left = next_bytes - pf_done;
         int pstep = left > 0 ? static_cast<int>((left / (calls - hh) + first_keys * 64 - 1) / (first_keys * 64) * 64) : 0;
         const char* pfk = nk + pf_done;
         const char* pfv = nv + pf_done;
         pf_done += static_cast<int64_t>(pstep) * first_keys;
-        auto attend = [&](int64_t x, int64_t gb, int keys) {
+        auto attend = [&](int64_t x, int64_t gb, int64_t off, int keys) {
           float* qg = qf.data() + x * D;
           const T* qbg = qb.data() + x * D;
           float* mg = m.data() + x;
           float* lg = l.data() + x;
           float* ag = acc.data() + x * D;
+          const C* kq = kp + off * row;
+          const C* vq = vp + off * row;
+          const float* ksq = quantized ? ks + off : nullptr;
+          const float* vsq = quantized ? vs + off : nullptr;
           const int ps = pstep;
           pstep = 0;  // the first call of the (tile, head) prefetches
           switch (gb) {
-            case 1: attend_tile<T, C, D, 1>(qg, qbg, kp, vp, row, keys, ks, vs, a.scale, mg, lg, ag, pfk, pfv, ps); break;
+            case 1: attend_tile<T, C, D, 1>(qg, qbg, kq, vq, row, keys, ksq, vsq, a.scale, a.softcap, mg, lg, ag, pfk, pfv, ps); break;
             case 2:
-              if constexpr (kMaxGB >= 2) attend_tile<T, C, D, 2>(qg, qbg, kp, vp, row, keys, ks, vs, a.scale, mg, lg, ag, pfk, pfv, ps);
+              if constexpr (kMaxGB >= 2) attend_tile<T, C, D, 2>(qg, qbg, kq, vq, row, keys, ksq, vsq, a.scale, a.softcap, mg, lg, ag, pfk, pfv, ps);
               break;
             case 3:
-              if constexpr (kMaxGB >= 3) attend_tile<T, C, D, 3>(qg, qbg, kp, vp, row, keys, ks, vs, a.scale, mg, lg, ag, pfk, pfv, ps);
+              if constexpr (kMaxGB >= 3) attend_tile<T, C, D, 3>(qg, qbg, kq, vq, row, keys, ksq, vsq, a.scale, a.softcap, mg, lg, ag, pfk, pfv, ps);
               break;
             default:
-              if constexpr (kMaxGB >= 4) attend_tile<T, C, D, 4>(qg, qbg, kp, vp, row, keys, ks, vs, a.scale, mg, lg, ag, pfk, pfv, ps);
+              if constexpr (kMaxGB >= 4) attend_tile<T, C, D, 4>(qg, qbg, kq, vq, row, keys, ksq, vsq, a.scale, a.softcap, mg, lg, ag, pfk, pfv, ps);
               break;
           }
         };
-        for (int64_t i = i_vis; i < i_full; ++i) {  // the causal diagonal: rows seeing part of the tile
-          const int keys = static_cast<int>(first + i + 1 - k0);
-          for (int64_t g0 = 0; g0 < G; g0 += kMaxGB) attend((hh * R + i) * G + g0, std::min<int64_t>(kMaxGB, G - g0), keys);
+        for (int64_t i = i_vis, off; i < i_wvis; ++i) {  // rows seeing part of the tile
+          int keys;
+          if (visible(i, off, keys))
+            for (int64_t g0 = 0; g0 < G; g0 += kMaxGB) attend((hh * R + i) * G + g0, std::min<int64_t>(kMaxGB, G - g0), off, keys);
         }
-        for (int64_t x = i_full * G; x < RG; x += kMaxGB) attend(hh * RG + x, std::min<int64_t>(kMaxGB, RG - x), nt);
+        for (int64_t x = i_full * G; x < i_wfull * G; x += kMaxGB)  // rows seeing all of it
+          attend(hh * RG + x, std::min<int64_t>(kMaxGB, i_wfull * G - x), 0, nt);
       }
     }
   }
@@ -511,12 +547,12 @@ void rows_item_d(const RowsArgs<T, C>& a, const RowsItem& it) {
 
 #else  // portable path
 
-// One query row's G heads of kv head h (q_row, out_row: [H, D]) over L keys: one pass over each
-// block (online softmax, rescaled once per block), K and V rows read straight from the cache.
+// One query row's G heads of kv head h (q_row, out_row: [H, D]) over keys lo .. L - 1: one pass
+// over each block (online softmax, rescaled once per block), K and V rows read straight from the cache.
 template <typename T, typename C, int D>
-void portable_heads(const T* q_row, T* out_row, int64_t L, const int64_t* table, int64_t h, const C* k_cache,
-                    const C* v_cache, const float* k_scale, const float* v_scale, int64_t H, int64_t Hkv,
-                    int64_t block_size, float scale) {
+void portable_heads(const T* q_row, T* out_row, int64_t lo, int64_t L, const int64_t* table, int64_t h,
+                    const C* k_cache, const C* v_cache, const float* k_scale, const float* v_scale, int64_t H,
+                    int64_t Hkv, int64_t block_size, float scale, float softcap) {
   constexpr bool quantized = kScaledCache<C>;
   const int64_t G = H / Hkv;
   const int64_t row = Hkv * D;  // elements per cache slot
@@ -524,9 +560,10 @@ void portable_heads(const T* q_row, T* out_row, int64_t L, const int64_t* table,
   alignas(64) float kv[D];
   for (int64_t g = 0; g < G; ++g)
     for (int d = 0; d < D; ++d) qf[g * D + d] = to_f(q_row[(h * G + g) * D + d]) * scale;
-  for (int64_t t0 = 0; t0 < L; t0 += block_size) {
-    const int64_t n = std::min(block_size, L - t0);
-    const int64_t base = table[t0 / block_size] * block_size;
+  for (int64_t b0 = lo / block_size * block_size; b0 < L; b0 += block_size) {
+    const int64_t t0 = std::max(b0, lo);  // this block's first key in the window
+    const int64_t n = std::min(b0 + block_size, L) - t0;
+    const int64_t base = table[b0 / block_size] * block_size + (t0 - b0);
     const C* kb = k_cache + base * row + h * D;
     const C* vb = v_cache + base * row + h * D;
     for (int64_t j = 0; j < n; ++j) {
@@ -537,7 +574,7 @@ void portable_heads(const T* q_row, T* out_row, int64_t L, const int64_t* table,
         const float* qg = qf.data() + g * D;
         float dot = 0.f;
         for (int d = 0; d < D; ++d) dot += qg[d] * kv[d];
-        s[g * block_size + j] = dot * ks;
+        s[g * block_size + j] = softcap1(dot * ks, softcap);
       }
     }
     for (int64_t g = 0; g < G; ++g) {
@@ -576,10 +613,13 @@ void portable_heads(const T* q_row, T* out_row, int64_t L, const int64_t* table,
 // Work items are sequences (never split).
 template <typename T, typename C, int D>
 void decode_items_d(const DecodeArgs<T, C>& a, int64_t begin, int64_t end) {
-  for (int64_t b = begin; b < end; ++b)
+  for (int64_t b = begin; b < end; ++b) {
+    const int64_t L = a.seq_lens[b], lo = a.window > 0 ? std::max<int64_t>(0, L - a.window) : 0;
     for (int64_t h = 0; h < a.Hkv; ++h)
-      portable_heads<T, C, D>(a.q + b * a.H * D, a.out + b * a.H * D, a.seq_lens[b], a.tables + b * a.max_blocks, h,
-                              a.k_cache, a.v_cache, a.k_scale, a.v_scale, a.H, a.Hkv, a.block_size, a.scale);
+      portable_heads<T, C, D>(a.q + b * a.H * D, a.out + b * a.H * D, lo, L, a.tables + b * a.max_blocks, h,
+                              a.k_cache, a.v_cache, a.k_scale, a.v_scale, a.H, a.Hkv, a.block_size, a.scale,
+                              a.softcap);
+  }
 }
 
 // Each row as a lone decode row at its length (with AVX2: paged_rows_avx2.h, rows sharing tiles).
@@ -589,11 +629,13 @@ void rows_item_d(const RowsArgs<T, C>& a, const RowsItem& it) {
   avx2::rows_item<T, C, D>(a, it);
 #else
   const int64_t q0 = a.q_start[it.b], n = a.q_start[it.b + 1] - q0;
-  for (int64_t i = it.r0; i < it.r1; ++i)
+  for (int64_t i = it.r0; i < it.r1; ++i) {
+    const int64_t L = a.seq_lens[it.b] - n + i + 1, lo = a.window > 0 ? std::max<int64_t>(0, L - a.window) : 0;
     for (int64_t h = it.h0; h < it.h1; ++h)
-      portable_heads<T, C, D>(a.q + (q0 + i) * a.H * D, a.out + (q0 + i) * a.H * D, a.seq_lens[it.b] - n + i + 1,
+      portable_heads<T, C, D>(a.q + (q0 + i) * a.H * D, a.out + (q0 + i) * a.H * D, lo, L,
                               a.tables + it.b * a.max_blocks, h, a.k_cache, a.v_cache, a.k_scale, a.v_scale, a.H,
-                              a.Hkv, a.block_size, a.scale);
+                              a.Hkv, a.block_size, a.scale, a.softcap);
+  }
 #endif
 }
 
@@ -603,11 +645,11 @@ void rows_item_d(const RowsArgs<T, C>& a, const RowsItem& it) {
 
 namespace tm_cpu {
 
-int64_t decode_splits(const int64_t* seq_lens, int64_t B, int64_t block_size, int64_t threads) {
+int64_t decode_splits(const int64_t* seq_lens, int64_t B, int64_t block_size, int64_t threads, int64_t window) {
 #if defined(__AVX512F__)
   if (B >= 4 * threads) return 1;
   int64_t longest = 0;
-  for (int64_t b = 0; b < B; ++b) longest = std::max(longest, seq_lens[b]);
+  for (int64_t b = 0; b < B; ++b) longest = std::max(longest, window > 0 ? std::min(seq_lens[b], window + block_size) : seq_lens[b]);
   const int64_t most_blocks = (longest + block_size - 1) / block_size;
   return std::max<int64_t>(1, std::min<int64_t>((4 * threads + B - 1) / B, most_blocks / 2));
 #else
@@ -725,11 +767,12 @@ TM_INSTANTIATE(c10::BFloat16, c10::Float8_e4m3fn)
 
 // q: [B, H, D]; k_cache, v_cache: [slots, Hkv, D] (q's dtype, or int8 / float8 e4m3 with k_scale / v_scale:
 // [slots, Hkv] float32); block_tables: [B, max_blocks] int64; seq_lens: [B] int64 (keys per
-// sequence, the new token included). Returns [B, H, D].
+// sequence, the new token included); window > 0: each query sees its last `window` keys only;
+// softcap > 0: scores soft-capped. Returns [B, H, D].
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, int64_t block_size,
                            double scale, c10::optional<torch::Tensor> k_scale,
-                           c10::optional<torch::Tensor> v_scale) {
+                           c10::optional<torch::Tensor> v_scale, int64_t window, double softcap) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "int64 tables");
   TORCH_CHECK(scaled_cache(k_cache) || q.scalar_type() == k_cache.scalar_type(), "q and cache dtype differ");
@@ -741,13 +784,15 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   TORCH_CHECK(H % Hkv == 0, "heads not a multiple of kv heads");
   auto out = torch::empty_like(q);
   const int64_t* lp = sl.data_ptr<int64_t>();
-  const int64_t S = decode_splits(lp, B, block_size, at::get_num_threads());
+  TORCH_CHECK(window >= 0 && softcap >= 0, "paged_decode: window and softcap must be >= 0 (0: none)");
+  const int64_t S = decode_splits(lp, B, block_size, at::get_num_threads(), window);
   std::vector<float> part_ml(S > 1 ? B * S * H * 2 : 0), part_acc(S > 1 ? B * S * H * D : 0);
   auto run = [&](auto* qp, auto* kp, auto* vp, auto* op) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(qp)>>;
     using C = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
     const DecodeArgs<T, C> a{qp, kp, vp, ks, vs, bt.data_ptr<int64_t>(), lp, op, B, H, Hkv, D, block_size,
-                             bt.size(1), static_cast<float>(scale), S, part_ml.data(), part_acc.data()};
+                             bt.size(1), static_cast<float>(scale), S, part_ml.data(), part_acc.data(), window,
+                             static_cast<float>(softcap)};
     at::parallel_for(0, B * S, 1, [&](int64_t begin, int64_t end) { decode_items(a, begin, end); });
     if (S > 1) at::parallel_for(0, B * H, 16, [&](int64_t begin, int64_t end) { decode_merge(a, begin, end); });
   };
@@ -773,7 +818,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 // seq_lens[b] - 1, their K/V already in the cache. Returns [T, H, D].
 torch::Tensor paged_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                          torch::Tensor seq_lens, torch::Tensor query_start_loc, int64_t block_size, double scale,
-                         c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale) {
+                         c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale, int64_t window,
+                         double softcap) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged_rows: q [T, H, D], contiguous caches [slots, Hkv, D]");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
@@ -792,6 +838,7 @@ torch::Tensor paged_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v
   const int64_t* qsp = qs.data_ptr<int64_t>();
   const int64_t* lp = sl.data_ptr<int64_t>();
   TORCH_CHECK(qsp[0] == 0 && qsp[B] == T, "paged_rows: query_start_loc must run from 0 to the number of rows");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "paged_rows: window and softcap must be >= 0 (0: none)");
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(qsp[b + 1] >= qsp[b] && lp[b] >= qsp[b + 1] - qsp[b] && lp[b] <= bt.size(1) * block_size,
                 "paged_rows: sequence lengths / query starts / block tables");
@@ -801,7 +848,7 @@ torch::Tensor paged_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v
     using TT = std::remove_const_t<std::remove_pointer_t<decltype(qp)>>;
     using CC = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
     const RowsArgs<TT, CC> a{qp, kp, vp, ks, vs, bt.data_ptr<int64_t>(), lp, qsp, op, B, H, Hkv, D, block_size,
-                             bt.size(1), static_cast<float>(scale)};
+                             bt.size(1), static_cast<float>(scale), window, static_cast<float>(softcap)};
     std::atomic<int64_t> next{0};
     const int64_t n = static_cast<int64_t>(items.size());
     const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));

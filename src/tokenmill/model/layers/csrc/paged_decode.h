@@ -10,7 +10,10 @@
 namespace tm_cpu {
 
 // One decode attention call: q [B, H, D] -> out [B, H, D], keys read through block tables from
-// caches [slots, Hkv, D] (T, or int8 with float32 scales [slots, Hkv]).
+// caches [slots, Hkv, D] (T, or int8 with float32 scales [slots, Hkv]). With a sliding window W
+// the query at position p sees keys p - W + 1 .. p only, and keys before those are never read
+// (their blocks may be freed: the null block in the table); softcap > 0: scores become
+// softcap * tanh(score / softcap) (Gemma 2).
 template <typename T, typename C>
 struct DecodeArgs {
   const T* q;
@@ -26,13 +29,16 @@ struct DecodeArgs {
   int64_t splits = 1;         // per sequence: decode_splits(...)
   float* part_ml = nullptr;   // splits > 1: [B * splits, 2, H] softmax max and sum
   float* part_acc = nullptr;  //             [B * splits, H, D] unnormalised outputs
+  int64_t window = 0;         // sliding window in keys (0: none)
+  float softcap = 0.f;        // attention-logit soft-cap (0: none)
 };
 
 // Whether the kernel is compiled for this head_dim.
 bool decode_head_dim_supported(int64_t D);
 
-// How many pieces each sequence's keys are split into so that `threads` threads all get work.
-int64_t decode_splits(const int64_t* seq_lens, int64_t B, int64_t block_size, int64_t threads);
+// How many pieces each sequence's keys (the last `window` of them, if > 0) are split into so
+// that `threads` threads all get work.
+int64_t decode_splits(const int64_t* seq_lens, int64_t B, int64_t block_size, int64_t threads, int64_t window = 0);
 
 // Run work items [begin, end) of B * splits; then, when splits > 1 (after every item is done),
 // merge items [begin, end) of B * H.
@@ -66,6 +72,8 @@ struct RowsArgs {
   T* out;                   // [rows, H, D]
   int64_t B, H, Hkv, D, block_size, max_blocks;
   float scale;
+  int64_t window = 0;  // as DecodeArgs
+  float softcap = 0.f;
 };
 
 // A work item: query rows [r0, r1) of sequence b (counted from its first row), kv heads [h0, h1).

@@ -162,7 +162,7 @@ struct Blocking {
 template <typename T, typename C, int D, bool BF>
 void prefill_kernel(const T* q, const C* k_cache, const C* v_cache, const float* k_scale, const float* v_scale,
                     const int64_t* table, int64_t n, int64_t ctx, int64_t H, int64_t Hkv, int64_t block_size,
-                    float scale, T* out) {
+                    float scale, int64_t window, float softcap, T* out) {
   static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
   constexpr bool quantized = kScaledCache<C>;
   constexpr int E = Cmp<BF>::E;
@@ -174,6 +174,10 @@ void prefill_kernel(const T* q, const C* k_cache, const C* v_cache, const float*
   const int64_t L = ctx + n;
   const int64_t ntiles = (L + kNK - 1) / kNK;
   const int64_t row = Hkv * D;  // cache elements per slot
+
+  // The first key any query of the chunk sees (its first query's window start).
+  const int64_t kmin = window > 0 ? std::max<int64_t>(0, ctx + 1 - window) : 0;
+  static const C zero_row[256] = {};  // D <= 256
 
   // ---- packing of K / V tiles (and per-key score / weight factors) ----
   std::unique_ptr<uint32_t[]> kp(new uint32_t[Hkv * ntiles * KT]);
@@ -192,6 +196,12 @@ void prefill_kernel(const T* q, const C* k_cache, const C* v_cache, const float*
       const C* vrow[kNK];
       for (int j = 0; j < nk; ++j) {
         const int64_t p = k0 + j;
+        if (p < kmin) {  // before every query's window: never read (its block may be freed), packed as zeros
+          krow[j] = vrow[j] = zero_row;
+          KF[j] = 0.f;
+          if constexpr (quantized) vf[it * kNK + j] = 0.f;
+          continue;
+        }
         const int64_t slot = table[p / block_size] * block_size + p % block_size;
         krow[j] = k_cache + slot * row + h * D;
         vrow[j] = v_cache + slot * row + h * D;
@@ -287,7 +297,7 @@ void prefill_kernel(const T* q, const C* k_cache, const C* v_cache, const float*
     std::unique_ptr<float[]> m(new float[M_max]), corr(new float[M_max]);
     // Softmax denominators: 16 lane-wise partial sums per row, reduced once at the end.
     std::unique_ptr<float[]> l(new float[M_max * 16]);
-    std::unique_ptr<int64_t[]> pos(new int64_t[M_max]);
+    std::unique_ptr<int64_t[]> pos(new int64_t[M_max]), lo(new int64_t[M_max]);
     for (;;) {
       const int64_t it = next.fetch_add(1);
       if (it >= items) break;
@@ -307,17 +317,20 @@ void prefill_kernel(const T* q, const C* k_cache, const C* v_cache, const float*
             for (int d = 0; d < D; ++d) dst[d] = f_bits(to_f(src[d]));
           }
           pos[r] = ctx + q0 + qi;
+          lo[r] = window > 0 ? std::max<int64_t>(0, pos[r] + 1 - window) : 0;  // its first key
           m[r] = kNoScore;
           std::fill(l.get() + r * 16, l.get() + r * 16 + 16, 0.f);
         }
       std::fill(O.get(), O.get() + M * D, 0.f);
       const int64_t kend = ctx + q0 + nq;  // keys seen by the last row
       const int64_t tiles = (kend + kNK - 1) / kNK;
-      int64_t r0 = 0;  // first row that sees the current tile
-      for (int64_t t = 0; t < tiles; ++t) {
+      // Rows [r0, r1) see some of the current tile: causally from r0, within their window below r1.
+      // Tiles before the first row's window are never read (their blocks may be freed).
+      int64_t r0 = 0, r1 = 0;
+      for (int64_t t = lo[0] / kNK; t < tiles; ++t) {
         const int64_t k0 = t * kNK;
         while (r0 < M && pos[r0] < k0) ++r0;
-        const int64_t rows = M - r0;
+        while (r1 < M && lo[r1] < k0 + kNK) ++r1;
         ensure_packed(h * ntiles + t);
         const uint32_t* K = kp.get() + (h * ntiles + t) * KT;
         const uint32_t* V = vp.get() + (h * ntiles + t) * VT;
@@ -327,20 +340,28 @@ void prefill_kernel(const T* q, const C* k_cache, const C* v_cache, const float*
         {
           constexpr int NR = Blocking<D>::QK;
           int64_t r = r0;
-          for (; r + NR <= M; r += NR) qk_rows<BF, NR>(Q.get() + r * W, W, K, W, S.get() + r * kNK);
-          for (; r < M; ++r) qk_rows<BF, 1>(Q.get() + r * W, W, K, W, S.get() + r * kNK);
+          for (; r + NR <= r1; r += NR) qk_rows<BF, NR>(Q.get() + r * W, W, K, W, S.get() + r * kNK);
+          for (; r < r1; ++r) qk_rows<BF, 1>(Q.get() + r * W, W, K, W, S.get() + r * kNK);
         }
         // Online softmax per row.
-        for (int64_t r = r0; r < M; ++r) {
-          const int nv = static_cast<int>(std::min<int64_t>(kNK, pos[r] + 1 - k0));  // visible keys
+        for (int64_t r = r0; r < r1; ++r) {
+          // Visible keys: j0 .. nv - 1 of the tile (the window's start, the causal end).
+          const int nv = static_cast<int>(std::min<int64_t>(kNK, pos[r] + 1 - k0));
+          const int j0 = static_cast<int>(std::max<int64_t>(0, lo[r] - k0));
           float* s = S.get() + r * kNK;
           uint32_t* pr = P.get() + r * PW;
 #if defined(__AVX512F__)
-          const __mmask16 v0 = nv >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << nv) - 1);
-          const __mmask16 v1 = nv >= 32 ? __mmask16(0xFFFF) : nv <= 16 ? __mmask16(0) : __mmask16((1u << (nv - 16)) - 1);
+          const uint32_t vis = (nv >= 32 ? 0xFFFFFFFFu : (1u << nv) - 1) & ~((1u << j0) - 1);  // j0 < nv <= 32
+          const __mmask16 v0 = static_cast<__mmask16>(vis), v1 = static_cast<__mmask16>(vis >> 16);
           const __m512 none = _mm512_set1_ps(kNoScore);
-          const __m512 s0 = _mm512_mask_mul_ps(none, v0, _mm512_loadu_ps(s), _mm512_loadu_ps(KF));
-          const __m512 s1 = _mm512_mask_mul_ps(none, v1, _mm512_loadu_ps(s + 16), _mm512_loadu_ps(KF + 16));
+          __m512 c0 = _mm512_mul_ps(_mm512_loadu_ps(s), _mm512_loadu_ps(KF));
+          __m512 c1 = _mm512_mul_ps(_mm512_loadu_ps(s + 16), _mm512_loadu_ps(KF + 16));
+          if (softcap > 0.f) {
+            c0 = softcap16(c0, softcap);
+            c1 = softcap16(c1, softcap);
+          }
+          const __m512 s0 = _mm512_mask_mov_ps(none, v0, c0);
+          const __m512 s1 = _mm512_mask_mov_ps(none, v1, c1);
           const float bm = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
           const __m512 bmv = _mm512_set1_ps(bm);
           __m512 e0 = _mm512_maskz_mov_ps(v0, exp16(_mm512_sub_ps(s0, bmv)));
@@ -363,14 +384,14 @@ void prefill_kernel(const T* q, const C* k_cache, const C* v_cache, const float*
           }
 #else
           float bm = m[r];
-          for (int j = 0; j < nv; ++j) {
-            s[j] *= KF[j];
+          for (int j = j0; j < nv; ++j) {
+            s[j] = softcap1(s[j] * KF[j], softcap);
             bm = std::max(bm, s[j]);
           }
           float sum = 0.f;
           float* pf = reinterpret_cast<float*>(pr);
           for (int j = 0; j < kNK; ++j) {
-            const float e = j < nv ? std::exp(s[j] - bm) : 0.f;
+            const float e = j >= j0 && j < nv ? std::exp(s[j] - bm) : 0.f;
             sum += e;
             pf[j] = quantized ? e * VF[j] : e;
           }
@@ -384,8 +405,8 @@ void prefill_kernel(const T* q, const C* k_cache, const C* v_cache, const float*
           constexpr int NR = Blocking<D>::PV;
           const int J = static_cast<int>((std::min<int64_t>(kNK, kend - k0) + E - 1) / E);
           int64_t r = r0;
-          for (; r + NR <= M; r += NR) pv_rows<BF, D, NR>(P.get() + r * PW, V, J, O.get() + r * D, corr.get() + r);
-          for (; r < M; ++r) pv_rows<BF, D, 1>(P.get() + r * PW, V, J, O.get() + r * D, corr.get() + r);
+          for (; r + NR <= r1; r += NR) pv_rows<BF, D, NR>(P.get() + r * PW, V, J, O.get() + r * D, corr.get() + r);
+          for (; r < r1; ++r) pv_rows<BF, D, 1>(P.get() + r * PW, V, J, O.get() + r * D, corr.get() + r);
         }
       }
       for (int64_t qi = 0; qi < nq; ++qi)
@@ -405,9 +426,9 @@ void prefill_kernel(const T* q, const C* k_cache, const C* v_cache, const float*
 template <typename T, typename C, bool BF>
 void prefill_dispatch(int64_t D, const T* q, const C* k, const C* v, const float* ks, const float* vs,
                       const int64_t* table, int64_t n, int64_t ctx, int64_t H, int64_t Hkv, int64_t bs, float scale,
-                      T* out) {
+                      int64_t window, float softcap, T* out) {
 #define TM_CASE(DIM) \
-  case DIM: return prefill_kernel<T, C, DIM, BF>(q, k, v, ks, vs, table, n, ctx, H, Hkv, bs, scale, out);
+  case DIM: return prefill_kernel<T, C, DIM, BF>(q, k, v, ks, vs, table, n, ctx, H, Hkv, bs, scale, window, softcap, out);
   switch (D) {
     TM_CASE(16) TM_CASE(32) TM_CASE(64) TM_CASE(80) TM_CASE(96) TM_CASE(128) TM_CASE(256)
     default: TORCH_CHECK(false, "paged_prefill: unsupported head_dim ", D);
@@ -420,10 +441,12 @@ void prefill_dispatch(int64_t D, const T* q, const C* k, const C* v, const float
 // q: [n, H, D] (the chunk's queries, query i at position context_len + i); k_cache, v_cache:
 // [slots, Hkv, D] (q's dtype, or int8 / float8 e4m3 with k_scale / v_scale: [slots, Hkv] float32), already
 // holding the chunk's own K/V; block_table: [>= ceil((context_len + n) / block_size)] int64.
-// Returns [n, H, D]: query i attends to keys 0 .. context_len + i.
+// Returns [n, H, D]: query i attends to keys 0 .. context_len + i (window > 0: the last `window`
+// of them; softcap > 0: scores soft-capped).
 torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
                             int64_t context_len, int64_t block_size, double scale,
-                            c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale) {
+                            c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale,
+                            int64_t window, double softcap) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q [n, H, D], caches [slots, Hkv, D]");
   TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 1, "int64 block table");
@@ -435,6 +458,8 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
   TORCH_CHECK(k_cache.size(2) == D && H % Hkv == 0, "head shapes");
   TORCH_CHECK(context_len >= 0 && block_size > 0, "context_len / block_size");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "paged_prefill: window and softcap must be >= 0 (0: none)");
+  const float cap = static_cast<float>(softcap);
   TORCH_CHECK(bt.size(0) * block_size >= context_len + n, "block table too short");
   auto out = torch::empty_like(q);
   if (n == 0) return out;
@@ -444,7 +469,7 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
     with_cache<float>(k_cache, v_cache, [&](auto* kp, auto* vp) {
       using C = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
       prefill_dispatch<float, C, false>(D, q.data_ptr<float>(), kp, vp, ks, vs, tp, n, context_len, H, Hkv, block_size,
-                                        sc, out.data_ptr<float>());
+                                        sc, window, cap, out.data_ptr<float>());
     });
   } else if (q.scalar_type() == at::kBFloat16) {
     using BF = c10::BFloat16;
@@ -456,7 +481,7 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
     with_cache<BF>(k_cache, v_cache, [&](auto* kp, auto* vp) {
       using C = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
       prefill_dispatch<BF, C, kBF>(D, q.data_ptr<BF>(), kp, vp, ks, vs, tp, n, context_len, H, Hkv, block_size, sc,
-                                   out.data_ptr<BF>());
+                                   window, cap, out.data_ptr<BF>());
     });
   } else {
     TORCH_CHECK(false, "paged_prefill: float32 or bfloat16 queries only");

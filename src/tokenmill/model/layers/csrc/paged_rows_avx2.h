@@ -3,9 +3,15 @@
 // instead of every row reading its sequence's whole K/V alone (a verification chunk of 13 rows,
 // or a prompt chunk, used to stream it 13 times or more).
 //
-// Batch invariance: every (row, query head) takes one call of tile_step per tile, the same
-// instructions whatever else is in the item (not inlined, so no caller can compile it another
-// way): its bits depend only on its query, its position and its sequence's K/V.
+// Batch invariance: every (row, query head) takes one call of tile_step per tile it sees (tiles
+// cut at the same places for every row: kTile-aligned within each block), the same instructions
+// whatever else is in the item (not inlined, so no caller can compile it another way): its bits
+// depend only on its query, its position and its sequence's K/V.
+//
+// Sliding window W (RowsArgs::window): row p sees keys p - W + 1 .. p, its tile's lanes before
+// that masked; tiles before the item's first row's window are never read (their blocks may be
+// freed, the null block in the table). Soft-cap: the scaled scores become cap * tanh(s / cap)
+// before the softmax (softcap8), as the portable and AVX-512 paths do.
 #pragma once
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
@@ -42,6 +48,17 @@ inline __m256 exp8(__m256 x) {
   // times 2^n, n in [-126, 0]: a normal float built from its exponent bits
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// cap * tanh(x / cap) on 8 lanes (as softcap16 in cpu_common.h): tanh(|t|) = (1 - e) / (1 + e)
+// with e = exp(-2|t|) <= 1 (exp8's domain), the sign put back after.
+inline __m256 softcap8(__m256 x, float cap) {
+  const __m256 t = _mm256_div_ps(x, _mm256_set1_ps(cap));
+  const __m256 sign = _mm256_and_ps(t, _mm256_set1_ps(-0.f));
+  const __m256 e = exp8(_mm256_mul_ps(_mm256_andnot_ps(sign, t), _mm256_set1_ps(-2.f)));
+  const __m256 one = _mm256_set1_ps(1.f);
+  const __m256 th = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+  return _mm256_mul_ps(_mm256_or_ps(th, sign), _mm256_set1_ps(cap));
 }
 
 // Lane j of the result: the sum of v[j]'s 8 lanes (one fixed hadd tree).
@@ -84,10 +101,11 @@ inline __m256 load8(const c10::Float8_e4m3fn* p) {  // as to_f (cpu_common.h) wi
 
 // One (row, query head)'s online-softmax step over a tile. qx: its query (float32, scale folded
 // in); kf, vf: the tile's K and V rows (float32, zero past the sequence); ks: per-key K scales
-// (int8 / float8 cache) or null; vis: how many of the tile's keys the row sees (>= 1); m, l, acc: its state.
+// (int8 / float8 cache) or null; the row sees the tile's keys from .. vis - 1 (0 <= from < vis; the
+// others masked, never summed); cap > 0: scores soft-capped; m, l, acc: its state.
 template <int D>
 __attribute__((noinline)) void tile_step(const float* qx, const float (*kf)[D], const float (*vf)[D], const float* ks,
-                                         int vis, float& m, float& l, float* acc) {
+                                         int from, int vis, float cap, float& m, float& l, float* acc) {
   static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
   constexpr int NV = D / 8;
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -108,10 +126,13 @@ __attribute__((noinline)) void tile_step(const float* qx, const float (*kf)[D], 
     }
     s[half] = hsum8(dots);
     if (ks != nullptr) s[half] = _mm256_mul_ps(s[half], _mm256_loadu_ps(ks + 8 * half));
+    if (cap > 0.f) s[half] = softcap8(s[half], cap);
   }
   __m256 valid[2];
   for (int half = 0; half < 2; ++half) {
-    valid[half] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(vis - 8 * half), lane));
+    const __m256i j = _mm256_add_epi32(lane, _mm256_set1_epi32(8 * half));  // from <= j < vis
+    valid[half] = _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(from), j),
+                                                          _mm256_cmpgt_epi32(_mm256_set1_epi32(vis), j)));
     s[half] = _mm256_blendv_ps(_mm256_set1_ps(kNoScore), s[half], valid[half]);
   }
   const float bm = std::max(m, hmax8(_mm256_max_ps(s[0], s[1])));
@@ -131,7 +152,7 @@ __attribute__((noinline)) void tile_step(const float* qx, const float (*kf)[D], 
   for (int v0 = 0; v0 < NV; v0 += W) {
     __m256 a[W];
     for (int v = 0; v < W; ++v) a[v] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * (v0 + v)), c);
-    for (int j = 0; j < vis; ++j) {
+    for (int j = from; j < vis; ++j) {
       const __m256 p = _mm256_set1_ps(e[j]);
       for (int v = 0; v < W; ++v) a[v] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vf[j] + 8 * (v0 + v)), a[v]);
     }
@@ -150,6 +171,8 @@ void rows_item(const RowsArgs<T, C>& a, const RowsItem& it) {
   const int64_t R = it.r1 - it.r0, RG = R * G;
   const int64_t first = a.seq_lens[it.b] - n + it.r0;  // position of the item's first row
   const int64_t L = first + R;                         // keys its last row sees
+  const int64_t W = a.window;
+  const int64_t lo0 = W > 0 ? std::max<int64_t>(0, first + 1 - W) : 0;  // the first row's first key
   const int64_t* table = a.tables + it.b * a.max_blocks;
   thread_local std::vector<float> qf, acc, m, l;
   qf.resize(RG * D);
@@ -166,7 +189,8 @@ void rows_item(const RowsArgs<T, C>& a, const RowsItem& it) {
     std::fill(acc.begin(), acc.end(), 0.f);
     std::fill(m.begin(), m.end(), kNoScore);
     std::fill(l.begin(), l.end(), 0.f);
-    for (int64_t k0 = 0; k0 < L;) {
+    // From the tile holding lo0 (tiles start at multiples of kTile in their block).
+    for (int64_t k0 = lo0 / bs * bs + lo0 % bs / kTile * kTile; k0 < L;) {
       const int64_t base = table[k0 / bs] * bs + k0 % bs;  // the tile's first slot
       const int nt = static_cast<int>(std::min<int64_t>({kTile, bs - k0 % bs, L - k0}));
       const int64_t next = k0 + nt;
@@ -179,7 +203,13 @@ void rows_item(const RowsArgs<T, C>& a, const RowsItem& it) {
             _mm_prefetch(reinterpret_cast<const char*>(a.v_cache + (nbase + j) * row + h * D) + o, _MM_HINT_T0);
           }
       }
-      for (int j = 0; j < nt; ++j) {
+      const int j0 = static_cast<int>(std::max<int64_t>(0, lo0 - k0));  // keys before it: not read
+      for (int j = 0; j < j0; ++j) {
+        ks[j] = 0.f;
+        std::fill(kf[j], kf[j] + D, 0.f);
+        std::fill(vf[j], vf[j] + D, 0.f);
+      }
+      for (int j = j0; j < nt; ++j) {
         const C* kr = a.k_cache + (base + j) * row + h * D;
         const C* vr = a.v_cache + (base + j) * row + h * D;
         const __m256 vs = _mm256_set1_ps(quantized ? a.v_scale[(base + j) * Hkv + h] : 1.f);
@@ -194,11 +224,15 @@ void rows_item(const RowsArgs<T, C>& a, const RowsItem& it) {
         std::fill(kf[j], kf[j] + D, 0.f);
         std::fill(vf[j], vf[j] + D, 0.f);
       }
-      // Row i sees keys 0 .. first + i: none of this tile below i_vis.
-      for (int64_t i = std::max<int64_t>(0, k0 - first); i < R; ++i) {
+      // Row i sees keys lo(i) = first + i + 1 - W .. first + i: none of this tile below i_vis (causal)
+      // or from i_end on (its window starts past the tile).
+      const int64_t i_end = W > 0 ? std::min<int64_t>(R, k0 + nt - 1 + W - first) : R;
+      for (int64_t i = std::max<int64_t>(0, k0 - first); i < i_end; ++i) {
         const int vis = static_cast<int>(std::min<int64_t>(nt, first + i + 1 - k0));
+        const int from = W > 0 ? static_cast<int>(std::max<int64_t>(0, first + i + 1 - W - k0)) : 0;
         for (int64_t x = i * G; x < (i + 1) * G; ++x)
-          tile_step<D>(qf.data() + x * D, kf, vf, quantized ? ks : nullptr, vis, m[x], l[x], acc.data() + x * D);
+          tile_step<D>(qf.data() + x * D, kf, vf, quantized ? ks : nullptr, from, vis, a.softcap, m[x], l[x],
+                       acc.data() + x * D);
       }
       k0 = next;
     }
