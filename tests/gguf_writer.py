@@ -1,4 +1,4 @@
-"""Test utility: write a GGUF from a tiny Hugging Face llama / qwen2 / qwen3 / phi3 folder, the way
+"""Test utility: write a GGUF from a tiny Hugging Face llama / qwen2 / qwen3 / phi3 / gemma2 / gemma3 folder, the way
 llama.cpp's convert_hf_to_gguf.py does (same metadata keys, Q/K permutation for llama, llama3 rope
 as a `rope_freqs` tensor, Phi-3's LongRoPE factors as `rope_factors_long` / `rope_factors_short`,
 byte-level BPE vocabulary as tokenizer.ggml.model "gpt2"). Mixtures of experts (mixtral as
@@ -32,18 +32,21 @@ _NAMES = {
 }  # fmt: skip
 # model_type -> llama.cpp architecture (Mixtral is "llama" with experts)
 ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "mixtral": "llama",
-         "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+         "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gemma2": "gemma2", "gemma3_text": "gemma3"}
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight$")
 _EXPERT_PART = {"w1": "ffn_gate_exps", "gate_proj": "ffn_gate_exps", "w3": "ffn_up_exps", "up_proj": "ffn_up_exps",
                 "w2": "ffn_down_exps", "down_proj": "ffn_down_exps"}
+# Gemma's four norms a layer (convert_hf_to_gguf.py stores every Gemma norm weight as 1 + w).
+_GEMMA_NAMES = {**_NAMES, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                "post_feedforward_layernorm": "post_ffw_norm"}  # fmt: skip
 
 
-def _gguf_name(hf: str) -> str:
+def _gguf_name(hf: str, names: dict[str, str] = _NAMES) -> str:
     stem, kind = hf.rsplit(".", 1)
     if stem.startswith("model.layers."):
         _, _, layer, rest = stem.split(".", 3)
-        return f"blk.{layer}.{_NAMES[rest]}.{kind}"
-    return f"{_NAMES[stem]}.{kind}"
+        return f"blk.{layer}.{names[rest]}.{kind}"
+    return f"{names[stem]}.{kind}"
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -128,9 +131,13 @@ def write_gguf_from_hf(hf_dir: str | Path, out_path: str | Path, qtype: str | di
     if cfg["model_type"] not in ARCHS:
         raise ValueError(f"write_gguf_from_hf supports {sorted(ARCHS)}, not {cfg['model_type']}")
     arch = ARCHS[cfg["model_type"]]
+    gemma = arch.startswith("gemma")
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if arch == "gemma3":  # the global layers' rope; llama.cpp fixes the local layers' base at 10000
+        assert rope["sliding_attention"]["rope_theta"] == 10000.0
+        rope = rope["full_attention"]
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     kinds = qtype if isinstance(qtype, dict) else None
@@ -166,6 +173,13 @@ def write_gguf_from_hf(hf_dir: str | Path, out_path: str | Path, qtype: str | di
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     if cfg.get("shared_expert_intermediate_size"):
         w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    if gemma:  # Gemma2Model / Gemma3Model.set_gguf_parameters; llama.cpp fixes the layer pattern itself
+        assert cfg["layer_types"] == ["sliding_attention" if (i + 1) % (2 if arch == "gemma2" else 6) else "full_attention"
+                                      for i in range(cfg["num_hidden_layers"])], "llama.cpp's sliding pattern"
+        w.add_sliding_window(cfg["sliding_window"])
+        if arch == "gemma2":
+            w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+            w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
     if rope_type == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
@@ -201,7 +215,9 @@ def write_gguf_from_hf(hf_dir: str | Path, out_path: str | Path, qtype: str | di
             t = _permute(t, heads)
         elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             t = _permute(t, kv_heads)
-        gname = _gguf_name(name)
+        elif gemma and name.endswith("norm.weight"):
+            t = t + np.float32(1)
+        gname = _gguf_name(name, _GEMMA_NAMES if gemma else _NAMES)
         qt = gguf.GGMLQuantizationType[kinds.get(gname.split(".")[-2], "F32") if kinds else qtype]
         block = gguf.GGML_QUANT_SIZES[qt][0]
         if t.ndim == 2 and qt != gguf.GGMLQuantizationType.F32 and t.shape[-1] % block == 0:

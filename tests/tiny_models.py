@@ -69,24 +69,29 @@ MOE = {  # arch -> (transformers class prefix, config beyond `common`)
 }
 
 
+def _tokenizer_ids(out: Path) -> tuple[int, int, int, int]:
+    """Builds the tiny tokenizer in `out`; (vocab size, bos id, eos id, pad id)."""
+    from tokenizers import Tokenizer
+
+    vocab = build_tokenizer(out)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    return vocab, *(tok.token_to_id(t) for t in ("<|im_start|>", "<|im_end|>", "<|endoftext|>"))
+
+
 def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """arch: 'llama' (GQA, llama3 rope scaling, untied), 'qwen2' (qkv bias, tied embeddings) or
     'qwen3' (q/k norms, head_dim 32 != hidden / heads, tied embeddings) or 'phi3' (fused qkv and
-    gate_up; pass partial_rotary_factor / rope_scaling for Phi-4-mini-like rope), or a mixture of
-    experts with 4 experts, top 2: 'mixtral', 'qwen2_moe' (shared expert, a dense layer by
-    mlp_only_layers), 'qwen3_moe' (q/k norms, norm_topk_prob, dense layers by decoder_sparse_step)."""
+    gate_up; pass partial_rotary_factor / rope_scaling for Phi-4-mini-like rope), 'mistral'
+    (untied; give it a sliding_window), or a mixture of experts with 4 experts, top 2: 'mixtral',
+    'qwen2_moe' (shared expert, a dense layer by mlp_only_layers), 'qwen3_moe' (q/k norms,
+    norm_topk_prob, dense layers by decoder_sparse_step)."""
     import torch
     import transformers
-    from transformers import (LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config,
+                              Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     out.mkdir(parents=True, exist_ok=True)
-    vocab = build_tokenizer(out)
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
-    eos = tok.token_to_id("<|im_end|>")
-    bos = tok.token_to_id("<|im_start|>")
+    vocab, bos, eos, pad = _tokenizer_ids(out)
     common = dict(
         vocab_size=vocab,
         hidden_size=64,
@@ -123,9 +128,13 @@ def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0, **overrides)
         common.update(overrides)
         cfg, cls = Qwen3Config(**common), Qwen3ForCausalLM
     elif arch == "phi3":
-        common.update(tie_word_embeddings=False, pad_token_id=tok.token_to_id("<|endoftext|>"))
+        common.update(tie_word_embeddings=False, pad_token_id=pad)
         common.update(overrides)
         cfg, cls = Phi3Config(**common), Phi3ForCausalLM
+    elif arch == "mistral":
+        common.update(tie_word_embeddings=False, head_dim=16)
+        common.update(overrides)
+        cfg, cls = MistralConfig(**common), MistralForCausalLM
     elif arch in MOE:
         name, extra = MOE[arch]
         common.update(extra)
@@ -147,3 +156,43 @@ def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0, **overrides)
                     norm.weight.uniform_(0.5, 1.5)
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+def build_tiny_gemma(out: Path, version: int = 2, seed: int = 0, **overrides) -> Path:
+    """A tiny Gemma 2 or 3 (text) with 4 layers, sliding ones (window 8) among global ones, query
+    pre-scaling other than head_dim, Gemma 2's soft-caps set low enough to bite, Gemma 3's rope
+    bases apart (global: linear scaling), and random norm weights (transformers zero-inits them)."""
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
+
+    out.mkdir(parents=True, exist_ok=True)
+    vocab, bos, eos, pad = _tokenizer_ids(out)
+    common = dict(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.2,
+        bos_token_id=bos, eos_token_id=eos, pad_token_id=pad, query_pre_attn_scalar=24, sliding_window=8,
+        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+    )  # fmt: skip
+    if version == 2:
+        common.update(attn_logit_softcapping=2.0, final_logit_softcapping=4.0)
+        common.update(overrides)
+        cfg, cls = Gemma2Config(**common), Gemma2ForCausalLM
+    elif version == 3:
+        common.update(
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        )  # fmt: skip
+        common.update(overrides)
+        cfg, cls = Gemma3TextConfig(**common), Gemma3ForCausalLM
+    else:
+        raise ValueError(version)
+    torch.manual_seed(seed)
+    model = cls(cfg).to(torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0, 0.2)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+

@@ -139,6 +139,45 @@ class GgufArch:
     tensors: dict[str, str] = field(default_factory=dict)  # llama.cpp tensor -> HF module, beyond _TENSOR_NAMES
     # (reader, metadata, "<arch>.") -> config.json fields beyond the common ones (may override them)
     config: Callable[[_Gguf, dict[str, Any], str], dict[str, Any]] = lambda g, m, p: {}
+    # (HF tensor name, float32 values) -> the values the Hugging Face checkpoint holds; for float
+    # tensors only (quantized ones load as the file has them)
+    dense: Callable[[str, np.ndarray], np.ndarray] = lambda name, w: w
+
+
+def _gemma_config(g: _Gguf, m: dict[str, Any], p: str) -> dict[str, Any]:
+    """Gemma 2 / 3: what llama.cpp's graph fixes itself rather than reads from the file, fixed the same way."""
+    gemma2 = p == "gemma2."
+    n, heads, hidden = int(m[p + "block_count"]), int(m[p + "attention.head_count"]), int(m[p + "embedding_length"])
+    head_dim = int(m.get(p + "attention.key_length", hidden // heads))
+    # Queries scaled as llama.cpp does: 1/sqrt(hidden / heads) in the 27B models (46 / 62 layers), else 1/sqrt(head_dim).
+    scalar = hidden // heads if n == (46 if gemma2 else 62) else head_dim
+    # Sliding layers: llama.cpp's pattern (every 2nd / 6th layer global), or the file's, as a period or per layer.
+    pattern = m.get(p + "attention.sliding_window_pattern", 2 if gemma2 else 6)
+    sliding = [(i + 1) % int(pattern) != 0 for i in range(n)] if np.ndim(pattern) == 0 else [bool(x) for x in pattern]
+    config = dict(
+        model_type="gemma2" if gemma2 else "gemma3_text", hidden_act="gelu_pytorch_tanh",
+        hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=scalar,
+        sliding_window=int(m.get(p + "attention.sliding_window", 4096)),
+        layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+    )  # fmt: skip
+    if gemma2:  # absent: transformers' defaults, which are llama.cpp's (50, 30)
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if p + key in m:
+                config[key] = _f32(m[p + key])
+    else:
+        config["rope_local_base_freq"] = 10000.0  # llama.cpp's rope_freq_base_train_swa
+    return config
+
+
+def _gemma_norms(name: str, w: np.ndarray) -> np.ndarray:
+    """convert_hf_to_gguf.py stores Gemma's norm weights w as 1 + w (its RMSNorm scales by 1 + w)."""
+    return w - np.float32(1) if name.endswith("norm.weight") else w
+
+
+_GEMMA_TENSORS = {
+    "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+}  # fmt: skip
 
 
 # Keyed by llama.cpp's architecture name; a family adds its entry here.
@@ -155,6 +194,8 @@ ARCHS: dict[str, GgufArch] = {
     "qwen2moe": GgufArch("Qwen2MoeForCausalLM", tensors=_QWEN_MOE_TENSORS, config=_qwen2moe_config),
     "qwen3moe": GgufArch("Qwen3MoeForCausalLM", tensors={**_QWEN_MOE_TENSORS, "attn_q_norm": "self_attn.q_norm",
                                                           "attn_k_norm": "self_attn.k_norm"}, config=_qwen3moe_config),
+    "gemma2": GgufArch("Gemma2ForCausalLM", tensors=_GEMMA_TENSORS, config=_gemma_config, dense=_gemma_norms),
+    "gemma3": GgufArch("Gemma3ForCausalLM", tensors=_GEMMA_TENSORS, config=_gemma_config, dense=_gemma_norms),
 }
 
 # tokenizer.ggml.pre -> split regex run before byte-level BPE (llama.cpp's llama-vocab.cpp).
@@ -526,7 +567,8 @@ def _convert(gguf_path: str, out: Path, dense_dtype: str = "float32") -> str:
         if (i := m.get(f"tokenizer.ggml.{key}_token_id")) is not None and int(i) < n_tokens:
             tok_ids[k] = int(i)
     heads, kv_heads = int(m[f"{arch}.attention.head_count"]), int(m.get(f"{arch}.attention.head_count_kv", 0))
-    permute, hf_names = ARCHS[arch].permute_qk, {**_TENSOR_NAMES, **ARCHS[arch].tensors}
+    spec = ARCHS[arch]
+    permute, hf_names = spec.permute_qk, {**_TENSOR_NAMES, **spec.tensors}
 
     weights: dict[str, torch.Tensor] = {}
     quantized: dict[str, torch.Tensor] = {}
@@ -544,7 +586,10 @@ def _convert(gguf_path: str, out: Path, dense_dtype: str = "float32") -> str:
         if permute and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k"):
             n_head = heads if parts[2] == "attn_q" else (kv_heads or heads)
             fix = (lambda w: _unpermute(w, n_head))  # a permutation of rows: applies to blocks alike
-        dense = torch.from_numpy(np.require(fix(g.tensor(name)), requirements="CW"))  # W: not the read-only mmap
+        values = fix(g.tensor(name))
+        if g.raw_rows(name) is None:  # a float tensor (norms, biases): the values the HF checkpoint holds
+            values = spec.dense(hf, values)
+        dense = torch.from_numpy(np.require(values, requirements="CW"))  # W: not the read-only mmap
         if "{e}" in hf:  # stacked experts [E, rows, cols]: the Hub's one tensor per expert, in float32
             weights.update((hf.format(e=e), w.clone()) for e, w in enumerate(dense.unbind(0)))
             if (qtype := g.tensors[name][1]) not in _FLOAT_TYPES:

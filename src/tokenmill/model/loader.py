@@ -16,6 +16,7 @@ from tokenmill.model.gguf_loader import QUANTIZED_FILE, dequantize_rows
 from tokenmill.model.layers import cpu_kernels
 from tokenmill.model.layers.quantization import BITS, GROUP, dequantize, quantize_model
 from tokenmill.model.models.bert import BertModel
+from tokenmill.model.models.gemma import GemmaForCausalLM
 from tokenmill.model.models.llama import LlamaForCausalLM
 from tokenmill.model.models.mixtral import MixtralForCausalLM
 from tokenmill.model.models.phi3 import Phi3ForCausalLM
@@ -32,6 +33,7 @@ _MODEL_CLASSES = (
     MixtralForCausalLM,
     Qwen2MoeForCausalLM,
     Qwen3MoeForCausalLM,
+    GemmaForCausalLM,
     BertModel,  # an encoder: embeddings only
 )
 MODEL_REGISTRY = {arch: cls for cls in _MODEL_CLASSES for arch in cls.ARCHITECTURES}
