@@ -149,7 +149,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
         # transformers' Gemma 3 attention never passes attn_logit_softcapping on: neither do we.
         softcap = None if self.gemma3 else getattr(cfg, "attn_logit_softcapping", None)
         scale = cfg.query_pre_attn_scalar**-0.5
-        return [LayerAttention(w, softcap, scale) for w in sliding_windows(cfg)]
+        return [LayerAttention(w, softcap, scale) for w in sliding_windows(cfg, self.max_position)]
 
     def make_rope(self, dtype: torch.dtype) -> nn.ModuleDict:
         """A rotary table per layer type: Gemma 3 keeps rope parameters per type, Gemma 2 one set."""

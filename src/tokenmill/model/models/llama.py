@@ -136,7 +136,7 @@ class LlamaForCausalLM(nn.Module):
     @property
     def attention_layers(self) -> list[LayerAttention]:
         """How each layer attends (the attention backend's per-layer windows)."""
-        return [LayerAttention(sliding_window=w) for w in sliding_windows(self.cfg)]
+        return [LayerAttention(sliding_window=w) for w in sliding_windows(self.cfg, self.max_position)]
 
     def make_rope(self, dtype: torch.dtype) -> RotaryEmbedding:
         """Rotary tables; the loader calls this again after materialising a meta-device model."""
@@ -243,12 +243,13 @@ class LlamaForCausalLM(nn.Module):
         return _fused_target(name, self)
 
 
-def sliding_windows(cfg) -> list[int | None]:
+def sliding_windows(cfg, max_position: int) -> list[int | None]:
     """Each layer's sliding window (None: it attends to every key), read as transformers reads
     the config: the "sliding_attention" entries of layer_types (Qwen2, Gemma), else every layer
-    when the config has a sliding_window (Mistral)."""
+    when the config has a sliding_window (Mistral). A window of max_position keys or more never
+    bites: None."""
     window = getattr(cfg, "sliding_window", None)
-    if not window or getattr(cfg, "use_sliding_window", True) is False:
+    if not window or window >= max_position or getattr(cfg, "use_sliding_window", True) is False:
         return [None] * cfg.num_hidden_layers
     types = getattr(cfg, "layer_types", None)
     if types is None:
