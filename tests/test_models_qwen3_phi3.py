@@ -118,10 +118,14 @@ def test_phi3_longrope_partial_rotary_matches_hf(phi3_longrope_dir: str) -> None
     check_against_hf(long, phi3_longrope_dir, LONG_PROMPTS)
 
 
-def test_phi3_sliding_window_refused_past_the_window(tmp_path) -> None:
-    hf_dir = build_tiny_model(tmp_path / "hf", "phi3", sliding_window=64)
-    with pytest.raises(ValueError, match="sliding window of 64 tokens.*--max-model-len 64"):
-        LLM(str(hf_dir), dtype="float32", kv_cache_memory=0.01)
+def test_phi3_sliding_window_shorter_than_the_prompts_matches_hf(tmp_path) -> None:
+    """Every layer attends its last 8 keys (transformers' Phi-3 masks the rest), prompts longer than that."""
+    hf_dir = str(build_tiny_model(tmp_path / "hf", "phi3", sliding_window=8))
+    llm = LLM(hf_dir, **{**TIGHT, "num_gpu_blocks_override": 10})  # preempts though the window frees blocks
+    prompts = [PROMPTS[5], CORPUS[4], CORPUS[6]]
+    assert min(len(llm.get_tokenizer().encode(p)) for p in prompts) > 8
+    assert [p[0] for p in llm.engine.core.runner.attn.params] == [8, 8]
+    check_against_hf(llm, hf_dir, prompts)
 
 
 @pytest.mark.parametrize("which", ["qwen3", "phi3_longrope"])

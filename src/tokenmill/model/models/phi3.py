@@ -4,7 +4,8 @@ The checkpoint stores qkv_proj and gate_up_proj fused, in the row order our Llam
 (q, k, v; gate, up). load_weights splits them into Llama's q/k/v and gate/up, so that under
 tensor parallelism each rank keeps its own heads and rows of each. What differs is the rotary
 embedding, which layers/rotary.py handles from the config: partial rotary (partial_rotary_factor: Phi-4-mini turns
-the first 3/4 of each head) and LongRoPE scaling (short / long factors, attention factor).
+the first 3/4 of each head) and LongRoPE scaling (short / long factors, attention factor). A
+config's sliding_window is every layer's, as Mistral's (models/llama.py sliding_windows).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from typing import Iterable
 
 import torch
 
-from tokenmill.distributed.comm import NO_TP, TPGroup
 from tokenmill.model.models.llama import LlamaForCausalLM
 
 
@@ -22,15 +22,6 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     SUPPORTS_FUSED_DECODE = False  # op by op: the fused step turns whole heads (Phi-4-mini turns 3/4)
     SUPPORTS_TENSOR_PARALLEL = True
     SUPPORTS_LORA = True  # PEFT adapts the fused qkv_proj / gate_up_proj whole (lora/adapter.py)
-
-    def __init__(self, cfg, dtype: torch.dtype, max_position: int, tp: TPGroup = NO_TP):
-        window = getattr(cfg, "sliding_window", None)
-        if window and max_position > window:
-            # transformers masks keys more than `window` back; our attention does not, so a longer
-            # context would diverge from the model's own outputs.
-            raise ValueError(f"{cfg.architectures[0]} attends a sliding window of {window} tokens, which this engine "
-                             f"does not implement for it yet; serve it with --max-model-len {window} or less")
-        super().__init__(cfg, dtype, max_position, tp)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._split_fused(weights))
