@@ -123,6 +123,25 @@ def test_rows_kernel_gives_each_row_the_bits_it_has_alone(rows_kernels):
         rows_kernels.paged_rows(q, kc, vc, tables, lens, loc[:-1], bs, 1.0)
 
 
+def random_cache(cache: str, slots: int, Hkv: int, D: int, g, null: int = 0):
+    """Random K and V caches ("bf16", "int8" or "fp8", the latter two with float32 scales) and
+    their float32 values: (k, v, scales, k_f32, v_f32). null > 0: the first `null` slots (the null
+    block) hold NaN, in the values where the dtype has one and in the scales."""
+    if cache == "bf16":
+        kc, vc = (torch.randn(slots, Hkv, D, generator=g).to(torch.bfloat16) for _ in range(2))
+        kc[:null], vc[:null] = float("nan"), float("nan")
+        return kc, vc, (), kc, vc
+    if cache == "int8":
+        kc, vc = (torch.randint(-127, 128, (slots, Hkv, D), generator=g, dtype=torch.int8) for _ in range(2))
+    else:
+        kc, vc = ((torch.randn(slots, Hkv, D, generator=g) * 64).clamp(-440, 440).to(torch.float8_e4m3fn)
+                  for _ in range(2))
+        kc[:null], vc[:null] = float("nan"), float("nan")
+    ks, vs = (torch.rand(slots, Hkv, generator=g) * 0.02 + 0.001 for _ in range(2))
+    ks[:null], vs[:null] = float("nan"), float("nan")
+    return kc, vc, (ks, vs), kc.float() * ks.unsqueeze(-1), vc.float() * vs.unsqueeze(-1)
+
+
 @pytest.mark.parametrize("cache", ["bf16", "int8", "fp8"])
 def test_rows_kernel_long_context_rows_equal_alone(rows_kernels, cache):
     """Verification chunks at long context (~60-125 key tiles; a lone request's rows split over
@@ -134,18 +153,7 @@ def test_rows_kernel_long_context_rows_equal_alone(rows_kernels, cache):
     H, Hkv, D = 9, 3, 64
     for bs, seqs in [(16, [(1500, 13)]), (16, [(1000, 9), (37, 1)]), (32, [(2000, 5), (700, 16), (250, 20)])]:
         slots = 4096 * 2
-        if cache != "bf16":
-            if cache == "int8":
-                kc, vc = (torch.randint(-127, 128, (slots, Hkv, D), generator=g, dtype=torch.int8) for _ in range(2))
-            else:
-                kc, vc = ((torch.randn(slots, Hkv, D, generator=g) * 64).clamp(-440, 440).to(torch.float8_e4m3fn)
-                          for _ in range(2))
-            ks, vs = (torch.rand(slots, Hkv, generator=g) * 0.02 + 0.001 for _ in range(2))
-            scales = (ks, vs)
-            kf, vf = kc.float() * ks.unsqueeze(-1), vc.float() * vs.unsqueeze(-1)
-        else:
-            kc, vc = (torch.randn(slots, Hkv, D, generator=g).to(torch.bfloat16) for _ in range(2))
-            scales, kf, vf = (), kc, vc
+        kc, vc, scales, kf, vf = random_cache(cache, slots, Hkv, D, g)
         width = max(-(-(c + n) // bs) for c, n in seqs)
         perm = torch.randperm(slots // bs - 1, generator=g) + 1
         tables = torch.stack([perm[i * width : (i + 1) * width] for i in range(len(seqs))]).long()
@@ -204,6 +212,42 @@ def test_windows_and_softcaps_in_the_rows_and_decode_kernels(rows_kernels):
         torch.testing.assert_close(dec.float(), ref, **tol)
         one = rows_kernels.paged_decode(q[last[:1]].contiguous(), kc, vc, tables[:1], lens[:1], bs, 0.3, **kw)
         torch.testing.assert_close(one.float(), ref[:1], **tol)
+
+
+@pytest.mark.parametrize("cache", ["bf16", "int8", "fp8"])
+def test_rows_kernel_window_and_softcap_long_context(rows_kernels, cache):
+    """Windowed, soft-capped rows at long context (Gemma-like heads; verification chunks of up to 20
+    rows and a lone request's rows split over work items; windows shorter than the chunk, not a
+    multiple of the tile, and past a block edge): each row's bits equal the row alone, its values
+    the float32 reference's; blocks before the first row's window point at a null block of NaN
+    (values and scales), so reading one would show."""
+    from conftest import reference_paged_decode
+
+    g = torch.Generator().manual_seed(5)
+    H, Hkv, D, slots = 8, 2, 128, 4096 * 2
+    for bs, window, cap, seqs in [(16, 300, 50.0, [(1500, 13)]), (16, 7, 20.0, [(900, 20), (37, 1)]),
+                                  (32, 45, 0.0, [(2000, 5), (700, 16), (250, 20)]), (32, 1, 30.0, [(64, 9)])]:
+        kc, vc, scales, kf, vf = random_cache(cache, slots, Hkv, D, g, null=bs)
+        width = max(-(-(c + n) // bs) for c, n in seqs)
+        perm = torch.randperm(slots // bs - 1, generator=g) + 1
+        tables = torch.stack([perm[i * width : (i + 1) * width] for i in range(len(seqs))]).long()
+        for b, (c, _) in enumerate(seqs):
+            tables[b, : max(0, c + 1 - window) // bs] = 0
+        lens = torch.tensor([c + n for c, n in seqs])
+        loc = torch.tensor([0] + [n for _, n in seqs]).cumsum(0)
+        q = torch.randn(int(loc[-1]), H, D, generator=g).to(torch.bfloat16)
+        kw = dict(window=window, softcap=cap)
+        out = rows_kernels.paged_rows(q, kc, vc, tables, lens, loc, bs, D**-0.5, *scales, **kw)
+        assert not out.isnan().any(), (bs, window)
+        for b, (c, n) in enumerate(seqs):
+            rows = range(int(loc[b]), int(loc[b + 1]))
+            for i, r in enumerate(rows):
+                alone = rows_kernels.paged_rows(q[r : r + 1], kc, vc, tables[b : b + 1], torch.tensor([c + i + 1]),
+                                                torch.tensor([0, 1]), bs, D**-0.5, *scales, **kw)
+                assert torch.equal(out[r : r + 1], alone), (bs, window, b, i)
+            ref = torch.cat([reference_paged_decode(q[r : r + 1], kf, vf, tables[b : b + 1], torch.tensor([c + i + 1]),
+                                                    bs, D**-0.5, window, cap) for i, r in enumerate(rows)])
+            torch.testing.assert_close(out[rows.start : rows.stop].float(), ref, atol=1e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("splits", [[70], [33, 37], [16, 16, 16, 16, 6], [1, 69], [69, 1], [5] * 14, [64, 6]])
