@@ -23,6 +23,16 @@ def kernels():
 
 
 @pytest.fixture(scope="session")
+def triton_interpreter():
+    """For tests that run the Triton kernels under TRITON_INTERPRET=1 in a child process: the
+    interpreter of triton < 3.7 (torch 2.11's bundled 3.6) turns a scalar load into a 1-element
+    array that `range` refuses; pyproject's `gpu` extra asks for >= 3.7."""
+    triton = pytest.importorskip("triton")
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7):
+        pytest.skip(f"triton {triton.__version__}'s interpreter cannot run the kernels (>= 3.7 can)")
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama"))
 

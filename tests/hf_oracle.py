@@ -11,7 +11,17 @@ import torch
 def load_hf(model_dir: str, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **hf_attention(model_dir)).eval()
+
+
+def hf_attention(model_dir: str) -> dict:
+    """Gemma 2 needs transformers' eager attention (SDPA has no soft-capping): some transformers
+    versions pick it themselves (5.24), others SDPA (5.17, which then drops the cap)."""
+    import json
+    import os
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return {"attn_implementation": "eager"} if json.load(f).get("model_type") == "gemma2" else {}
 
 
 def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float], list[float]]:

@@ -62,7 +62,8 @@ def _graph_buckets(model_dir: str) -> dict[str, list]:
 
     llm = LLM(model_dir, dtype="float32", kv_cache_memory=0.02)
     runner = llm.engine.core.runner
-    graphs = CudaGraphDecode(runner, 8, graphs=runner.device.type == "cuda")
+    cuda = runner.device.type == "cuda"
+    graphs = CudaGraphDecode.capture(runner, 8) if cuda else CudaGraphDecode(runner, 8, graphs=False)
     rows: list[int] = []
 
     class Counting:
@@ -86,7 +87,7 @@ if __name__ == "__main__":  # the child: the Triton backend on the CPU (TRITON_I
     print("RESULT " + json.dumps(result))
 
 
-def test_triton_backend_in_the_engine_equals_cpu_backend(tiny_llama_dir, kernels):
+def test_triton_backend_in_the_engine_equals_cpu_backend(tiny_llama_dir, kernels, triton_interpreter):
     env = {**os.environ, "TRITON_INTERPRET": "1", "TOKENMILL_ATTENTION_BACKEND": "triton"}
     r = subprocess.run([sys.executable, __file__, tiny_llama_dir], env=env, capture_output=True, text=True,
                        timeout=600)

@@ -46,8 +46,8 @@ class CudaGraphDecode:
 
     @classmethod
     @torch.inference_mode()
-    def capture(cls, runner) -> CudaGraphDecode:
-        self = cls(runner, runner.scheduler_config.max_num_seqs)
+    def capture(cls, runner, max_num_seqs: int | None = None) -> CudaGraphDecode:
+        self = cls(runner, max_num_seqs or runner.scheduler_config.max_num_seqs)
         t0 = time.perf_counter()
         free0 = torch.cuda.mem_get_info()[0]
         pool = None

@@ -82,6 +82,8 @@ class ModelRunner:
         # Index tensors go to a GPU in one pinned copy per step; on the CPU they are used as built.
         self.staging = PinnedStaging(self.device) if self.device.type == "cuda" else None
         self.fast_decode = None  # a decode-only step's fast path: the fused C++ step, or CUDA graphs
+        self.lora = None  # the adapters' slots beside the linears (lora/layers.py), with --enable-lora;
+        # set before the GPU's memory-profiling step and graph capture, which run the model
         # Not under tensor parallelism: NCCL calls inside captured graphs are left for when they can be tested.
         self.cuda_graphs = (self.device.type == "cuda" and not self.device_config.enforce_eager and tp.size == 1
                             and not self.encoder)
@@ -98,7 +100,6 @@ class ModelRunner:
             self.fast_decode = FusedDecode.build(self.model, self.attn, model_config.dtype, block_size, tp)
         elif self.cuda_graphs:
             self.fast_decode = CudaGraphDecode.capture(self)
-        self.lora = None  # the adapters' slots beside the linears (lora/layers.py), with --enable-lora
         if lora_config is not None:
             self._add_lora_slots(lora_config)
 

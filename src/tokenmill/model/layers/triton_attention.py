@@ -35,6 +35,7 @@ import triton.language as tl
 LOG2E = 1.4426950408889634  # (jit functions spell it out: they read no plain globals)
 DEFAULT_PARTITION = 512  # keys per decode split when the wrapper picks the number of splits
 MAX_SPLITS = 16
+NO_WINDOW = 1 << 30  # keys a query without a sliding window may see: more than any sequence has
 
 
 @triton.jit
@@ -107,7 +108,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr, ou
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    win_lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)  # the first key the query sees
+    win_lo = tl.maximum(seq_len - window, 0)  # the first key the query sees (window: _window's)
     # Each split takes a whole number of tiles, so only the last split of a request is ragged.
     split_len = ((seq_len - win_lo + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     kv_lo = win_lo + split * split_len
@@ -197,8 +198,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, q_start_ptr, se
     row_limit = tl.where(m_mask, context_len + tok, -1)  # causal: token i sits at context_len + i
     kv_hi = tl.minimum(context_len + (q_block + 1) * BLOCK_Q, seq_len)  # the tile's last token's keys
     # With a window, token i sees keys from context_len + i - window + 1: none before the tile's first token's.
-    row_lo = tl.where(window > 0, context_len + tok - window + 1, 0)
-    kv_lo = tl.where(window > 0, tl.maximum(context_len + q_block * BLOCK_Q - window + 1, 0), 0)
+    row_lo = context_len + tok - window + 1
+    kv_lo = tl.maximum(context_len + q_block * BLOCK_Q - window + 1, 0)
     acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, row_lo, row_limit, kv_lo, kv_hi, bt_ptr + req * stride_bt, k_ptr,
                                   v_ptr, ks_ptr, vs_ptr, kv_head, stride_kslot, stride_khead, stride_vslot,
                                   stride_vhead, stride_sslot, stride_shead, qk_scale, softcap, head_dim, block_size,
@@ -244,6 +245,12 @@ def _pow2(n: int, at_least: int = 1) -> int:
     return max(at_least, triton.next_power_of_2(n))
 
 
+def _window(window: int) -> int:
+    """The kernels' window: no window is one longer than any sequence, so they need no branch on it
+    (a branch on a scalar argument also trips triton 3.6's interpreter)."""
+    return window if window > 0 else NO_WINDOW
+
+
 def _scores(scale: float, softcap: float) -> tuple[float, float, bool]:
     """(qk_scale, softcap, SOFTCAP) as _attend_tiles takes them."""
     return (scale, float(softcap), True) if softcap else (scale * LOG2E, 0.0, False)
@@ -282,7 +289,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q, k_cache, v_cache, ks, vs, block_tables, seq_lens, out, part, stats,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         s0, s1, block_tables.stride(0), out.stride(0), out.stride(1),
-        qk_scale, cap, window, D, block_size, H,
+        qk_scale, cap, _window(window), D, block_size, H,
         GROUP=group, BLOCK_H=_pow2(group, 16), BLOCK_N=block_n, HEAD_DIM=head_dim_p,
         NUM_SPLITS=num_splits, INT8=int8, PRECISION=precision, DOT_F32=_interpreted(q), SOFTCAP=capped,
     )
@@ -316,7 +323,7 @@ def paged_prefill_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         q, k_cache, v_cache, ks, vs, block_tables, query_start_loc, seq_lens, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         s0, s1, block_tables.stride(0), out.stride(0), out.stride(1),
-        qk_scale, cap, window, D, block_size,
+        qk_scale, cap, _window(window), D, block_size,
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=_pow2(D, 16),
         INT8=int8, PRECISION=precision, DOT_F32=_interpreted(q), SOFTCAP=capped,
     )
