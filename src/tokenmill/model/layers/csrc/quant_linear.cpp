@@ -33,9 +33,15 @@ using namespace tm_cpu;
 #else
 #define TM_QUANT_AVX2 1
 #endif
+// AVX2 + FMA + F16C (every AVX2 CPU in practice): weights dequantized in registers (below).
+#if TM_QUANT_AVX2 && defined(__FMA__) && defined(__F16C__)
+#define TM_QUANT_AVX2_FMA 1
+#else
+#define TM_QUANT_AVX2_FMA 0
+#endif
 
 constexpr int kRows = kTileRows;  // weight rows dequantized and multiplied together
-constexpr int kBatch = TM_QUANT_AVX2 ? 3 : 4;  // input rows per micro-tile (AVX2: 3 x 4 accumulators of 16 ymm)
+constexpr int kBatch = TM_QUANT_AVX2 ? 2 : 4;  // input rows per micro-tile (AVX2: 2 x 4 accumulators of 16 ymm)
 
 inline float half_to_f(at::Half h) {
 #if defined(__F16C__)
@@ -45,9 +51,61 @@ inline float half_to_f(at::Half h) {
 #endif
 }
 
+#if TM_QUANT_AVX2_FMA
+// n float16 scales as float32, 8 at a time (F16C).
+inline void halves_to_f32(const at::Half* s, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
+  for (; i < n; ++i) out[i] = _cvtsh_ss(s[i].x);
+}
+
+// Group g of a row, dequantized in registers: w[v] = its elements 8v .. 8v + 7. int4: w = q * d + m
+// in one FMA (q: a byte's low nibble for elements 0..15, its high nibble for 16..31); int8:
+// w = q * d, an FMA with 0 (exact, and opaque to -ffast-math's reassociation like every FMA here).
+// dm: the row's scales as float32 ((d, m) pairs for int4).
+template <int BITS>
+inline void dequant_group(const uint8_t* q, const float* dm, int64_t g, __m256 (&w)[4]) {
+  if constexpr (BITS == 4) {
+    const uint8_t* qg = q + g * kGroup / 2;
+    const __m256 d = _mm256_broadcast_ss(dm + 2 * g), m = _mm256_broadcast_ss(dm + 2 * g + 1);
+    const __m256i low4 = _mm256_set1_epi32(0xF);
+    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qg)));
+    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qg + 8)));
+    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b0, low4)), d, m);
+    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b1, low4)), d, m);
+    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), d, m);
+    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), d, m);
+  } else {
+    const int8_t* qg = reinterpret_cast<const int8_t*>(q) + g * kGroup;
+    const __m256 d = _mm256_broadcast_ss(dm + g), zero = _mm256_setzero_ps();
+    for (int v = 0; v < 4; ++v) {
+      const __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qg + 8 * v)));
+      w[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b), d, zero);
+    }
+  }
+}
+
+// One row of K weights dequantized to float32, its scales already float32.
+template <int BITS>
+inline void dequant_row_dm(const uint8_t* q, const float* dm, float* w, int64_t K) {
+  for (int64_t g = 0; g < K / kGroup; ++g) {
+    __m256 v[4];
+    dequant_group<BITS>(q, dm, g, v);
+    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(w + g * kGroup + 8 * i, v[i]);
+  }
+}
+#endif
+
 // Dequantize one row of K weights to float32.
 template <int BITS>
 void dequant_row_f32(const uint8_t* q, const at::Half* s, float* w, int64_t K) {
+#if TM_QUANT_AVX2_FMA
+  thread_local std::vector<float> dm;
+  dm.resize(K / kGroup * (BITS == 4 ? 2 : 1));
+  halves_to_f32(s, dm.size(), dm.data());
+  dequant_row_dm<BITS>(q, dm.data(), w, K);
+#else
   const int64_t groups = K / kGroup;
   for (int64_t g = 0; g < groups; ++g) {
     float* wg = w + g * kGroup;
@@ -81,6 +139,7 @@ void dequant_row_f32(const uint8_t* q, const at::Half* s, float* w, int64_t K) {
 #endif
     }
   }
+#endif
 }
 
 #if defined(__AVX512F__)
@@ -205,6 +264,41 @@ inline void tile_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, i
 #endif
 }
 
+#if TM_QUANT_AVX2_FMA
+// Input rows up to which a tile's weights are dequantized in registers (tile_packed) rather than
+// into the L1 buffer that tile_f32 reads: each weight is then dequantized once per row.
+#ifndef TM_PACKED_ROWS
+#define TM_PACKED_ROWS 4
+#endif
+constexpr int kPackedRows = TM_PACKED_ROWS;
+
+// tile_f32's products and sums, bit for bit, on weights dequantized in registers straight from the
+// packed rows (no store and reload through L1; what batch-1 decode runs): group by group, each
+// weight row's 32 values are dequantized once and FMA'd with every input row, the lanes
+// accumulating in k order as tile_f32's do. q / dm: NB rows ldq bytes / lds scales apart.
+template <int BITS, int MB, int NB>
+inline void tile_packed(const float* x, int64_t ldx, const uint8_t* q, int64_t ldq, const float* dm, int64_t lds,
+                        int64_t K, float* out, int64_t ldo) {
+  __m256 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < K / kGroup; ++g) {
+    const float* xg = x + g * kGroup;
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) {
+      __m256 w[4];
+      dequant_group<BITS>(q + j * ldq, dm + j * lds, g, w);
+#pragma GCC unroll 4
+      for (int i = 0; i < MB; ++i)
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v) acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + i * ldx + 8 * v), w[v], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) out[i * ldo + j] = hsum8(acc[i][j]);
+}
+#endif
+
 // Runs tile<MB, NB> with MB, NB in 1..4 chosen at run time (tails of M and N).
 template <typename Fn>
 inline void dispatch_tile(int mb, int nb, Fn&& fn) {
@@ -246,10 +340,36 @@ void tiles_4x4(const XT* x, int64_t M, const LinearWeights& lw, int64_t t0, int6
   thread_local std::vector<WT> buf;
   buf.resize(kRows * K);
   alignas(64) float acc[kBatch * kRows];
+#if TM_QUANT_AVX2_FMA
+  thread_local std::vector<float> dm;  // the tile's scales as float32
+  dm.resize(kRows * row_scales);
+#endif
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t n0 = t * kRows;
     const int nb = static_cast<int>(std::min<int64_t>(kRows, N - n0));
     const WT* w = buf.data();  // this tile's weight rows, dequantized
+#if TM_QUANT_AVX2_FMA  // (WT is float here)
+    halves_to_f32(sc + n0 * row_scales, nb * row_scales, dm.data());
+    const uint8_t* qt = qw + n0 * row_bytes;
+    if (M <= kPackedRows) {  // few rows: dequantized in registers, no L1 buffer
+      // MB x NB <= 8 accumulators: up to 2 rows x 4 weight rows, or 3-4 rows x 2 weight rows twice
+      const int step = M <= 2 ? nb : 2;
+      for (int j0 = 0; j0 < nb; j0 += step) {
+        dispatch_tile(static_cast<int>(M), std::min(step, nb - j0), [&](auto MB, auto NB) {
+          constexpr int mb_ = decltype(MB)::value, nb_ = decltype(NB)::value;
+          if constexpr (mb_ <= kPackedRows && mb_ * nb_ <= 8)
+            tile_packed<BITS, mb_, nb_>(reinterpret_cast<const float*>(x), K, qt + j0 * row_bytes, row_bytes,
+                                        dm.data() + j0 * row_scales, row_scales, K, acc + j0, kRows);
+        });
+      }
+      for (int i = 0; i < M; ++i)
+        for (int j = 0; j < nb; ++j)
+          store(acc[i * kRows + j], out + i * ldo + n0 + j, bias == nullptr ? nullptr : bias + n0 + j);
+      continue;
+    }
+    for (int j = 0; j < nb; ++j)
+      dequant_row_dm<BITS>(qt + j * row_bytes, dm.data() + j * row_scales, reinterpret_cast<float*>(buf.data()) + j * K, K);
+#else
     for (int j = 0; j < nb; ++j) {
       const uint8_t* q = qw + (n0 + j) * row_bytes;
       const at::Half* s = sc + (n0 + j) * row_scales;
@@ -263,6 +383,7 @@ void tiles_4x4(const XT* x, int64_t M, const LinearWeights& lw, int64_t t0, int6
 #endif
       if constexpr (std::is_same_v<WT, float>) dequant_row_f32<BITS>(q, s, buf.data() + j * K, K);
     }
+#endif
     for (int64_t m0 = 0; m0 < M; m0 += kBatch) {
       const int mb = static_cast<int>(std::min<int64_t>(kBatch, M - m0));
       dispatch_tile(mb, nb, [&](auto MB, auto NB) {

@@ -1,0 +1,89 @@
+#!/usr/bin/env python
+"""The int4 / int8 linear kernel (csrc/quant_linear.cpp) alone, against the bf16 panel kernel and
+the memory-bandwidth bound of its weight bytes, at SmolLM2's shapes.
+
+    python benchmarks/quant_kernel.py                        # rows 1 8 32, all shapes
+    python benchmarks/quant_kernel.py --rows 1 --threads 1 --repeats 5
+
+For each of SmolLM2-135M's linears as the engine runs them (q/k/v and gate/up fused; 30 copies of
+each, so that the weights come from memory as in a decode step; the LM head: one copy, int8 as
+`--quantization int4` keeps it) and each batch size, the int4 (LM head: int8) kernel and the bf16
+panel kernel run interleaved, bf16 activations; prints the median time per layer of each, their
+ratio, and the weight bytes each streamed per second against `--bandwidth` (default: measured
+here, as `tokenmill bench roofline` does): at 1 row the quantized kernel's bound is its bytes at
+that bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+# name -> (out_features N, in_features K, bits of the quantized variant)
+SHAPES = {"qkv": (960, 576, 4), "o": (576, 576, 4), "gate_up": (3072, 576, 4), "down": (576, 1536, 4),
+          "lm_head": (49152, 576, 8)}
+
+
+def quant_bytes(N: int, K: int, bits: int) -> int:
+    """Weight bytes of an [N, K] quantized linear: codes plus float16 scales (and offsets)."""
+    return N * K * bits // 8 + N * (K // 32) * (4 if bits == 4 else 2)
+
+
+def time_interleaved(runs: dict, repeats: int, copies: int) -> dict[str, float]:
+    """Median seconds per layer of each function, interleaved so a noisy moment hits all alike."""
+    times: dict[str, list[float]] = {n: [] for n in runs}
+    for f in runs.values():
+        f()
+    for _ in range(repeats):
+        for n, f in runs.items():
+            t0 = time.perf_counter()
+            f()
+            times[n].append((time.perf_counter() - t0) / copies)
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", default="1,8,32", help="batch sizes (comma-separated)")
+    p.add_argument("--repeats", type=int, default=11)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--shapes", default=",".join(SHAPES), help="which linears (comma-separated)")
+    p.add_argument("--bandwidth", type=float, default=0.0, help="GB/s (0: measure)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from tokenmill.bench.offline import measure_bandwidth
+    from tokenmill.model.layers import cpu_kernels
+    from tokenmill.model.layers.quantization import quantize
+
+    k = cpu_kernels.load()
+    if k is None or not hasattr(k, "panel_linear"):
+        raise SystemExit("the C++ kernels (with the panel kernel) are unavailable")
+    bw = args.bandwidth * 1e9 or measure_bandwidth(0.5, 3)
+    print(f"{torch.get_num_threads()} threads, bandwidth {bw / 1e9:.1f} GB/s; median us per layer of "
+          f"{args.repeats} interleaved runs; GB/s = weight bytes / time")
+    for name in args.shapes.split(","):
+        N, K, bits = SHAPES[name]
+        copies = 1 if name == "lm_head" else 30
+        torch.manual_seed(0)
+        ws = [torch.randn(N, K).bfloat16() * 0.05 for _ in range(copies)]
+        panels = [k.pack_panels(w) for w in ws]
+        quant = [quantize(w, bits) for w in ws]
+        del ws
+        qb = quant_bytes(N, K, bits)
+        for M in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(M, K).bfloat16()
+            runs = {"quant": lambda: [k.quant_linear(x, q, s, bits) for q, s in quant],
+                    "bf16": lambda: [k.panel_linear(x, w, N) for w in panels]}
+            t = time_interleaved(runs, args.repeats, copies)
+            tq, tb = t["quant"], t["bf16"]
+            print(f"{name:8s} int{bits} rows {M:3d}: {tq * 1e6:8.1f} us ({qb / tq / 1e9:5.1f} GB/s, "
+                  f"{qb / bw / tq:4.0%} of the bound)  bf16 panels {tb * 1e6:8.1f} us ({N * K * 2 / tb / 1e9:5.1f} GB/s)"
+                  f"  bf16 / int{bits} {tb / tq:5.2f}x  {2 * M * N * K / tq / 1e9:5.1f} GFLOP/s")
+
+
+if __name__ == "__main__":
+    main()
