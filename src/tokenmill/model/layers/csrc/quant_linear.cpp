@@ -41,7 +41,7 @@ using namespace tm_cpu;
 #endif
 
 constexpr int kRows = kTileRows;  // weight rows dequantized and multiplied together
-constexpr int kBatch = TM_QUANT_AVX2 ? 2 : 4;  // input rows per micro-tile (AVX2: 2 x 4 accumulators of 16 ymm)
+constexpr int kBatch = TM_QUANT_AVX2 ? 2 : 4;  // input rows per micro-tile (AVX2: 2 x 4 accumulators + 4 weights of 16 ymm)
 
 inline float half_to_f(at::Half h) {
 #if defined(__F16C__)
@@ -232,11 +232,16 @@ inline void tile_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, i
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; k += 8) {
+    __m256 wv[NB];
+    for (int j = 0; j < NB; ++j) {
+      wv[j] = _mm256_loadu_ps(w + j * ldw + k);
+      asm("" : "+x"(wv[j]));  // kept in a register: GCC would fold the load into each row's FMA, a load per FMA
+    }
 #pragma GCC unroll 4
     for (int i = 0; i < MB; ++i) {
       const __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
 #pragma GCC unroll 4
-      for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(w + j * ldw + k), acc[i][j]);
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
     }
   }
   for (int i = 0; i < MB; ++i)
@@ -267,10 +272,7 @@ inline void tile_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, i
 #if TM_QUANT_AVX2_FMA
 // Input rows up to which a tile's weights are dequantized in registers (tile_packed) rather than
 // into the L1 buffer that tile_f32 reads: each weight is then dequantized once per row.
-#ifndef TM_PACKED_ROWS
-#define TM_PACKED_ROWS 4
-#endif
-constexpr int kPackedRows = TM_PACKED_ROWS;
+constexpr int kPackedRows = 4;
 
 // tile_f32's products and sums, bit for bit, on weights dequantized in registers straight from the
 // packed rows (no store and reload through L1; what batch-1 decode runs): group by group, each
