@@ -7,7 +7,8 @@ only, as the scale of bf16's own rounding), gguf (--quantization gguf: the
 file's Q4_1 linear blocks and Q8_0 embedding kept as they are), int8 and int4 (--quantization
 int8|int4: the bf16 weights quantized at load time, groups of 32; the lm_head stays int8).
 Quality: the 32 chat prompts of benchmarks/variants.py, greedy, against bf16. Speed: batch-1
-TPOT and offline output throughput (64 x 256 in x 128 out), variants alternating, medians.
+TPOT and offline output throughput (64 x 256 in x 128 out; `--concurrency 8,32`: 8 and 32
+requests at once instead), variants alternating, medians.
 Note: SmolLM2's weights ship as Q4_1, so bf16 here is already 4-bit-derived; re-quantizing them
 costs less than quantizing an original bf16 checkpoint would.
 """
@@ -55,6 +56,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(ap, "benchmarks/results/quantization.json")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--concurrency", default=None,
+                    help="comma-separated request counts for the throughput runs (default: --num-prompts)")
     args = ap.parse_args(argv)
     names = args.variants.split(",")
     llms = {n: LLM(args.model, dtype=VARIANTS[n][0], quantization=VARIANTS[n][1], kv_cache_memory=2.0,
@@ -74,16 +77,19 @@ def main(argv=None) -> int:
         for rep in range(args.repeats):
             for n in names:
                 tpot[n].append(measure_latency(llms[n], 256, 64, 1, seed=rep)["tpot_s"])
-        thr = alternating_throughput({n: llms[n] for n in names}, args.num_prompts, args.input_len, args.output_len,
-                                     args.repeats)
         med_tpot = {n: statistics.median(v) for n, v in tpot.items()}
-        med_thr = {n: statistics.median(v) for n, v in thr.items()}
-        result["speed"] = {"batch1_tpot_s": tpot, "median_batch1_tpot_s": med_tpot, "throughput_tok_s": thr,
-                           "median_throughput_tok_s": med_thr}
+        result["speed"] = {"batch1_tpot_s": tpot, "median_batch1_tpot_s": med_tpot, "throughput": {}}
         for n in names:
             print(f"speed {n:5}: batch-1 TPOT {med_tpot[n] * 1e3:6.2f} ms ({med_tpot[names[0]] / med_tpot[n]:.2f}x), "
-                  f"{args.num_prompts} x {args.input_len} in x {args.output_len} out {med_thr[n]:7.1f} tok/s "
-                  f"({med_thr[n] / med_thr[names[0]]:.2f}x), medians of {args.repeats}")
+                  f"median of {args.repeats}", flush=True)
+        for count in (int(c) for c in (args.concurrency or str(args.num_prompts)).split(",")):
+            thr = alternating_throughput({n: llms[n] for n in names}, count, args.input_len, args.output_len,
+                                         args.repeats)
+            med_thr = {n: statistics.median(v) for n, v in thr.items()}
+            result["speed"]["throughput"][count] = {"tok_s": thr, "median_tok_s": med_thr}
+            for n in names:
+                print(f"speed {n:5}: {count} x {args.input_len} in x {args.output_len} out {med_thr[n]:7.1f} "
+                      f"output tok/s ({med_thr[n] / med_thr[names[0]]:.2f}x), median of {args.repeats}", flush=True)
     write_result(args.out, result)
     return 0
 
