@@ -91,6 +91,18 @@ def test_batch_invariant(kernels, dtype):
     assert torch.equal(more[:48], full)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_alone_or_in_a_full_expert(kernels, dtype):
+    """Every row routed to the same two experts, in batches whose sizes leave every register tile
+    shape (1-4 rows, column tails: H and I not multiples of 24) in use: each row's result is the
+    same bits as that row alone."""
+    x, w13, w2, _, weights = make(31, 4, 2, 88, 56, dtype, seed=11)
+    ids = torch.tensor([[2, 0]] * 31, dtype=torch.int32)
+    alone = torch.cat([kernels.moe_experts(x[t : t + 1], w13, w2, ids[:1], weights[t : t + 1]) for t in range(31)])
+    for n in (2, 3, 5, 6, 7, 13, 31):
+        assert torch.equal(kernels.moe_experts(x[:n], w13, w2, ids[:n], weights[:n]), alone[:n]), n
+
+
 def test_thread_count_does_not_change_results(kernels):
     x, w13, w2, ids, weights = make(40, 8, 2, 256, 128, torch.bfloat16, seed=3)
     before = torch.get_num_threads()

@@ -5,7 +5,7 @@
 //
 // The (token, slot) assignments are grouped by expert with a counting sort (stable: each
 // expert's rows stay in token order), the rows gathered once into float32, then two passes on
-// ATen's thread pool, each over work units of (expert, 16 output columns):
+// ATen's thread pool, each over work units of (expert, 24 output columns):
 //   1. gate and up columns of a unit against every row of its expert, silu(gate) * up written to
 //      the expert's rows of an activation buffer;
 //   2. down's columns against those rows, each result written to its assignment's row of Y.
@@ -15,9 +15,18 @@
 // read), so a busy expert does not leave the other threads idle. Last, each token sums its k
 // results in slot order (the weighted scatter-add, in float32) and rounds once to the output dtype.
 //
+// Inner loop: a unit's columns against its expert's rows in register tiles of up to 4 rows x C
+// columns (dot_tile): R x C vector accumulators, each step loading R row vectors and C weight
+// vectors once for R x C FMAs (a dot product at a time loads two vectors per FMA and is bound by
+// the loads). C is what the registers hold: 3 for 4 rows with AVX2's 16 (12 accumulators), up to
+// 6 for a single row; 6 for 4 rows with AVX-512's 32. Leftover rows and columns take narrower
+// tiles. The first row tile prefetches the next tile's weight rows (read from memory; the later
+// row tiles find them in cache).
+//
 // Batch-invariant: each dot product is summed in one fixed order (vector lanes over the input
 // dimension, then a fixed tree over the lanes), whatever the number of rows sharing its expert,
-// the tile it falls in or the thread count, so a row's result does not depend on the other rows.
+// the size of the tile it falls in or the thread count, so a row's result does not depend on the
+// other rows (each accumulator of a tile is one dot product, summed as it would be alone).
 // bf16: the gate/up and down outputs and silu(gate) * up are rounded to bf16 as torch's bf16
 // ops round them (the reference in tests/test_moe_kernel.py); the products sum in float32.
 // Portable C++ with GCC vector types: 8-float vectors with AVX2, 16 with AVX-512.
@@ -42,8 +51,7 @@ typedef float vec8 __attribute__((vector_size(8 * sizeof(float))));
 typedef float vec4 __attribute__((vector_size(4 * sizeof(float))));
 
 constexpr int kR = 4;                        // input rows per register tile
-constexpr int kC = 2;                        // weight rows per register tile
-constexpr int64_t kCols = 16;                // output columns per work unit
+constexpr int64_t kCols = 24;                // output columns per work unit
 constexpr int64_t kReadCost = 4;             // reading a unit's weights costs as much as this many rows
 constexpr int64_t kParallelMacs = 1 << 16;   // below this much work a call runs in the calling thread
 constexpr int64_t kBufferBytes = 64 << 20;   // the float32 buffers' budget: larger batches run in chunks
@@ -66,48 +74,82 @@ inline float hsum(vec v) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-// out[r * ldo + c] = x_r . w_c over K (a multiple of kW) for R rows of x and C rows of w.
+// out[r * ldo + c] = x_r . w_c over K (a multiple of kW) for R rows of x and C rows of w: R x C
+// accumulators in registers, each vector of x and of w loaded once per step and used C or R times.
 template <int R, int C>
-inline void dot_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* out, int64_t ldo) {
+inline void dot_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* out, int64_t ldo,
+                     bool prefetch) {
   vec acc[R][C];
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
     for (int c = 0; c < C; ++c) acc[r][c] = vec{};
   for (int64_t k = 0; k < K; k += kW) {
     vec wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = loadv(w + c * ldw + k);
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) {
+      wv[c] = loadv(w + c * ldw + k);
+      asm("" : "+v"(wv[c]));  // held in a register: GCC would rather fold a load into every FMA
+    }
+    if (prefetch && k % 16 == 0)  // the next tile's weight rows, a cache line each, while this one computes
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) __builtin_prefetch(w + (C + c) * ldw + k);
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const vec xv = loadv(x + r * ldx + k);
+      vec xv = loadv(x + r * ldx + k);
+      asm("" : "+v"(xv));  // likewise: R + C loads a step, not R + R C
+#pragma GCC unroll 16
       for (int c = 0; c < C; ++c) acc[r][c] += xv * wv[c];
     }
   }
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
     for (int c = 0; c < C; ++c) out[r * ldo + c] = hsum(acc[r][c]);
 }
 
-// dot_tile with R in 1..kR and C in 1..kC chosen at run time (the tails).
-inline void dot_any(int R, int C, const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* out,
-                    int64_t ldo) {
-#define TM_TILE(RR)                                                        \
-  if (C == kC) dot_tile<RR, kC>(x, ldx, w, ldw, K, out, ldo);               \
-  else dot_tile<RR, 1>(x, ldx, w, ldw, K, out, ldo);
-  switch (R) {
-    case 1: TM_TILE(1) break;
-    case 2: TM_TILE(2) break;
-    case 3: TM_TILE(3) break;
-    default: TM_TILE(4) break;
-  }
-#undef TM_TILE
+// Columns per tile for R rows: as many as the vector registers hold (R * C accumulators, C weight
+// vectors and one row vector; 16 registers with AVX2, 32 with AVX-512), fewer rows taking more
+// columns so that a tile always has enough independent sums to keep the FMA units busy.
+template <int R>
+constexpr int tile_cols() {
+#if defined(__AVX512F__)
+  constexpr int table[kR + 1] = {0, 12, 8, 6, 6};  // 25 .. 31 of 32 registers
+#else
+  constexpr int table[kR + 1] = {0, 6, 4, 3, 3};  // 13 .. 16 of 16 registers
+#endif
+  return table[R];
 }
-static_assert(kR == 4 && kC == 2, "dot_any's cases");
 
-// out [rows, ldo] = x [rows, K] @ w [cols, K]^T, register tiles of kR x kC.
+// out [R, ldo] = R rows of x against w's cols rows: tiles of C columns, the last cols % C in one
+// narrower tile.
+template <int R, int C>
+inline void dot_rows(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t cols, int64_t K, float* out,
+                     int64_t ldo, bool prefetch) {
+  int64_t c0 = 0;
+  for (; c0 + C <= cols; c0 += C) dot_tile<R, C>(x, ldx, w + c0 * ldw, ldw, K, out + c0, ldo, prefetch);
+  if constexpr (C > 1)
+    if (c0 < cols) dot_rows<R, C - 1>(x, ldx, w + c0 * ldw, ldw, cols - c0, K, out + c0, ldo, prefetch);
+}
+
+// out [rows, ldo] = x [rows, K] @ w [cols, K]^T in tiles of kR rows, the last rows % kR in one tile.
+// Every dot product is summed the same way in any tile (see the header), so the tiling is free to
+// follow the row count.
 inline void dots(const float* x, int64_t ldx, int64_t rows, const float* w, int64_t ldw, int64_t cols, int64_t K,
                  float* out, int64_t ldo) {
-  for (int64_t r0 = 0; r0 < rows; r0 += kR)
-    for (int64_t c0 = 0; c0 < cols; c0 += kC)
-      dot_any(static_cast<int>(std::min<int64_t>(kR, rows - r0)), static_cast<int>(std::min<int64_t>(kC, cols - c0)),
-              x + r0 * ldx, ldx, w + c0 * ldw, ldw, K, out + r0 * ldo + c0, ldo);
+  for (int64_t r0 = 0; r0 < rows; r0 += kR) {
+    const float* xr = x + r0 * ldx;
+    float* o = out + r0 * ldo;
+    const bool first = r0 == 0;  // the first row tile reads the weights from memory, the others from cache
+    switch (std::min<int64_t>(kR, rows - r0)) {
+      case 1: dot_rows<1, tile_cols<1>()>(xr, ldx, w, ldw, cols, K, o, ldo, first); break;
+      case 2: dot_rows<2, tile_cols<2>()>(xr, ldx, w, ldw, cols, K, o, ldo, first); break;
+      case 3: dot_rows<3, tile_cols<3>()>(xr, ldx, w, ldw, cols, K, o, ldo, first); break;
+      default: dot_rows<4, tile_cols<4>()>(xr, ldx, w, ldw, cols, K, o, ldo, first); break;
+    }
+  }
 }
+static_assert(kR == 4, "dots' cases");
 
 template <typename T>
 inline float rnd(float v) {  // rounded as a torch op with T output rounds
