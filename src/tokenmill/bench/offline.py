@@ -133,7 +133,11 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
         if mname.startswith("rope"):
             continue
         embedding = "embed_tokens" in mname
-        for t in list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False)):
+        tensors = list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False))
+        panels = getattr(mod, "panels", None)  # PackedLinear: small steps read its panels (in the weight
+        if isinstance(panels, torch.Tensor):  # arena, no buffer), not oneDNN's packed copy
+            tensors = [panels] + ([mod.bias] if getattr(mod, "bias", None) is not None else [])
+        for t in tensors:
             nbytes = t.numel() * t.element_size()
             if embedding:
                 total += nbytes // t.shape[0]
