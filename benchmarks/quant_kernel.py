@@ -17,10 +17,9 @@ that bandwidth.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from panel_linear import time_interleaved  # benchmarks/ is on the path when run as a script
 
 # name -> (out_features N, in_features K, bits of the quantized variant)
 SHAPES = {"qkv": (960, 576, 4), "o": (576, 576, 4), "gate_up": (3072, 576, 4), "down": (576, 1536, 4),
@@ -30,19 +29,6 @@ SHAPES = {"qkv": (960, 576, 4), "o": (576, 576, 4), "gate_up": (3072, 576, 4), "
 def quant_bytes(N: int, K: int, bits: int) -> int:
     """Weight bytes of an [N, K] quantized linear: codes plus float16 scales (and offsets)."""
     return N * K * bits // 8 + N * (K // 32) * (4 if bits == 4 else 2)
-
-
-def time_interleaved(runs: dict, repeats: int, copies: int) -> dict[str, float]:
-    """Median seconds per layer of each function, interleaved so a noisy moment hits all alike."""
-    times: dict[str, list[float]] = {n: [] for n in runs}
-    for f in runs.values():
-        f()
-    for _ in range(repeats):
-        for n, f in runs.items():
-            t0 = time.perf_counter()
-            f()
-            times[n].append((time.perf_counter() - t0) / copies)
-    return {n: statistics.median(t) for n, t in times.items()}
 
 
 def main(argv=None) -> None:
