@@ -18,6 +18,8 @@ import time
 import torch
 from tqdm import tqdm
 
+from tokenmill.model.layers.linear import onednn_bf16_fast
+
 
 def add_workload_args(p: argparse.ArgumentParser, input_len: int, output_len: int) -> None:
     g = p.add_argument_group("workload")
@@ -166,7 +168,10 @@ def run_roofline(llm, ns: argparse.Namespace) -> int:
     bw = statistics.median(r[0] for r in rounds)
     tpot = statistics.median(r[1] for r in rounds)
     fraction = statistics.median(weight_bytes / r[1] / r[0] for r in rounds)
-    peak = measure_matmul(dtype)
+    # Without a bf16 GEMM (AVX2 CPUs) the engine computes bf16 linears with float32 FMAs, so
+    # float32's GEMM is the compute peak to compare with (torch's bf16 matmul there is ~10x slower).
+    mm_dtype = torch.float32 if dtype == torch.bfloat16 and not onednn_bf16_fast() else dtype
+    peak = measure_matmul(mm_dtype)
     prefill_tokens = ns.prefill_len
     thr_prompts = _random_prompts(llm, 1, prefill_tokens, ns.bench_seed + 1)
     t0 = time.perf_counter()
@@ -175,6 +180,7 @@ def run_roofline(llm, ns: argparse.Namespace) -> int:
     prefill_flops = 2 * matmul_params * prefill_tokens / prefill_s
     res = {
         "memory_bandwidth_gb_s": bw / 1e9, "matmul_gflop_s": peak / 1e9, "dtype": str(dtype),
+        "matmul_dtype": str(mm_dtype),
         "weight_bytes_per_decode_step": weight_bytes, "batch1_tpot_s": tpot,
         "batch1_decode_gb_s": weight_bytes / tpot / 1e9, "batch1_decode_fraction_of_bandwidth": fraction,
         "rounds": [{"memory_bandwidth_gb_s": b / 1e9, "batch1_tpot_s": t} for b, t in rounds],
@@ -183,7 +189,7 @@ def run_roofline(llm, ns: argparse.Namespace) -> int:
         "prefill_gflop_s": prefill_flops / 1e9, "prefill_fraction_of_matmul_peak": prefill_flops / peak,
     }
     print(f"machine: memory bandwidth {res['memory_bandwidth_gb_s']:.1f} GB/s (median of {len(rounds)} rounds), "
-          f"{dtype} matmul {res['matmul_gflop_s']:.0f} GFLOP/s ({torch.get_num_threads()} threads)")
+          f"{mm_dtype} matmul {res['matmul_gflop_s']:.0f} GFLOP/s ({torch.get_num_threads()} threads)")
     print(f"batch-1 decode: {weight_bytes / 1e6:.0f} MB of weights per token, TPOT {tpot * 1e3:.2f} ms "
           f"-> {res['batch1_decode_gb_s']:.1f} GB/s = {100 * fraction:.0f}% of bandwidth (median of the rounds' "
           f"ratios; roofline {res['decode_roofline_tokens_per_s']:.0f} tokens/s, measured {1 / tpot:.1f})")
