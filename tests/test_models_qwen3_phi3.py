@@ -66,7 +66,7 @@ def test_qwen3_matches_hf(qwen3_dir: str) -> None:
 
 def test_qwen3_tensor_parallel_matches_hf(qwen3_dir: str) -> None:
     """TP=2: each rank one kv head and two query heads, the q/k norms replicated."""
-    llm = LLM(qwen3_dir, tensor_parallel_size=2, **TIGHT)
+    llm = LLM(qwen3_dir, tensor_parallel_size=2, device="cpu", **TIGHT)  # gloo ranks
     try:
         check_against_hf(llm, qwen3_dir, PROMPTS[:3])
     finally:
@@ -102,7 +102,7 @@ def test_phi3_matches_hf(phi3_dir: str) -> None:
 
 def test_phi3_tensor_parallel_matches_hf(phi3_longrope_dir: str) -> None:
     """TP=2: each rank's heads and MLP rows cut out of the checkpoint's fused qkv_proj / gate_up_proj."""
-    llm = LLM(phi3_longrope_dir, tensor_parallel_size=2, max_model_len=32, **TIGHT)
+    llm = LLM(phi3_longrope_dir, tensor_parallel_size=2, max_model_len=32, device="cpu", **TIGHT)
     try:
         check_against_hf(llm, phi3_longrope_dir, PROMPTS[:3])
     finally:
@@ -198,8 +198,8 @@ def test_q4_k_runs_as_int4_groups_under_quantization_gguf(qwen3_256_dir: str, tm
 
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
     path = str(write_gguf_from_hf(qwen3_256_dir, tmp_path / "m.Q4_K_M.gguf", qtype=Q4_K_M))
-    dense = LLM(path, dtype="float32", kv_cache_memory=0.02)
-    quant = LLM(path, dtype="float32", kv_cache_memory=0.02, quantization="gguf")
+    dense = LLM(path, dtype="float32", kv_cache_memory=0.02, device="cpu")  # QuantLinear: the CPU's kernels
+    quant = LLM(path, dtype="float32", kv_cache_memory=0.02, quantization="gguf", device="cpu")
     qmodel, dense_params = quant.engine.core.runner.model, dict(dense.engine.core.runner.model.named_parameters())
     layer = qmodel.layers[0]
     assert isinstance(layer.self_attn.o_proj, QuantLinear) and isinstance(layer.mlp.gate_up_proj, QuantLinear)

