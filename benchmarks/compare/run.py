@@ -66,9 +66,10 @@ MODES = {"tokenmill-int4": ["--quantization", "int4"], "tokenmill-w8a8": ["--qua
          "tokenmill-fp8kv": ["--kv-cache-dtype", "fp8"]}
 SYSTEMS = ("tokenmill", "tokenmill-q4_1", *MODES, "tokenmill-base", "vllm", "llamaserver-q4_1", "llamaserver-bf16",
            "llamacpp-q4_1", "llamacpp-bf16", "hf-static")
-# (system, peer) pairs of the ratio table: tokenmill against everything, its quantized run against
-# llama.cpp on the same Q4_1 file, and tokenmill against its own --base-ref (after / before).
-PAIRS = [("tokenmill", s) for s in SYSTEMS if s != "tokenmill"] + [
+# (system, peer) pairs of the ratio table: tokenmill against every peer and its own --base-ref (after /
+# before), each of its modes against bf16, and its Q4_1 run against llama.cpp on the same file.
+PAIRS = [("tokenmill", s) for s in SYSTEMS if s not in ("tokenmill", "tokenmill-q4_1", *MODES)] + [
+    (s, "tokenmill") for s in ("tokenmill-q4_1", *MODES)] + [
     ("tokenmill-q4_1", "llamaserver-q4_1"), ("tokenmill-q4_1", "llamacpp-q4_1")]
 LABELS = {
     "tokenmill": "tokenmill",
@@ -375,7 +376,7 @@ def write_markdown(path: Path, doc: dict, fig: list[str], rat: list[str]) -> Non
         f"EOS ignored, greedy, seed {cfg['seed']}; concurrency {', '.join(map(str, cfg['concurrency']))} "
         f"(closed loop, `--max-concurrency`) with {', '.join(str(cfg['prompts'][str(c)]) for c in cfg['concurrency'])} "
         f"prompts; the same prompts for every system; one warm-up request per level.",
-        f"- Machine: {m.get('cpu_model')}, {m.get('cpu_affinity')} cores (AMX {m.get('amx')}), "
+        f"- Machine: {m.get('cpu_model')}, {m.get('cpu_affinity')} cores (AVX-512 {m.get('avx512')}, AMX {m.get('amx')}), "
         f"{m.get('memory_gib')} GiB; torch {m.get('torch')}, transformers {m.get('transformers')}; "
         f"{cfg['threads']} threads for every system. The client runs on the same cores as the server.",
         "",
