@@ -75,8 +75,8 @@ class FusedDecode:
             reason = f"{type(model).__name__} has no fused step"
         elif kernels is None or not hasattr(kernels, "FusedDecoder"):
             reason = "needs the C++ kernels built with AVX512-BF16 or AVX2 + FMA"
-        elif dtype != torch.bfloat16 or attn.kernels is None or attn.kv_scales is not None:
-            reason = "needs bfloat16 activations and a bfloat16 KV cache"
+        elif dtype != torch.bfloat16 or attn.kernels is None:
+            reason = "needs bfloat16 activations"
         elif not attn.plain:
             reason = "sliding-window or soft-capped attention"
         elif tp.size > 1 and (tp.shm is None or tp.shm.kernel is None):
@@ -99,12 +99,15 @@ class FusedDecode:
         norms = [n.weight.detach() for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         norms.append(model.norm.weight.detach())
         caches = [c for pair in attn.layer_caches for c in pair]
+        # int8 / fp8 caches: each layer's K and V scales ([slots, kv_heads] float32) beside them
+        scales = [] if attn.kv_scales is None else [attn.kv_scales[layer, i] for layer in range(len(layers))
+                                                    for i in (0, 1)]
         a0 = layers[0].self_attn
         try:
             decoder = kernels.FusedDecoder(
                 *table, norms, specs, caches, model.rope.cos, model.rope.sin, a0.num_heads, a0.num_kv_heads,
                 a0.head_dim, layers[0].mlp.intermediate, model.lm_head.out_features, model.norm.eps, block_size,
-                attn.scale,
+                attn.scale, scales,
             )
         except RuntimeError as e:  # a shape or dtype the C++ decoder does not take
             logger.info("fused decode step off: %s", e)

@@ -4,6 +4,7 @@
 
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -70,6 +71,25 @@ inline void with_cache(const torch::Tensor& k_cache, const torch::Tensor& v_cach
 }
 inline void from_f(float v, float* dst) { *dst = v; }
 inline void from_f(float v, c10::BFloat16* dst) { *dst = c10::BFloat16(v); }
+
+// One (token, kv head) row of D values into an int8 / float8 e4m3 cache row, symmetric with one
+// float32 scale (absmax / 127 or / 448), as attention.quantize_kv does it: x times the scale's
+// reciprocal, int8 rounded half to even, e4m3 to the nearest (ties to even) by c10's conversion.
+template <typename T>
+inline void quantize_kv_row(const T* x, int64_t D, bool fp8, void* out, float* scale) {
+  const float top = fp8 ? 448.f : 127.f;
+  float amax = 0.f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::abs(to_f(x[d])));
+  const float s = std::max(amax, 1e-8f) / top, inv = 1.f / s;
+  *scale = s;
+  if (fp8) {
+    auto* o = static_cast<c10::Float8_e4m3fn*>(out);
+    for (int64_t d = 0; d < D; ++d) o[d] = c10::Float8_e4m3fn(std::clamp(to_f(x[d]) * inv, -top, top));
+  } else {
+    auto* o = static_cast<int8_t*>(out);
+    for (int64_t d = 0; d < D; ++d) o[d] = static_cast<int8_t>(std::clamp(std::nearbyint(to_f(x[d]) * inv), -top, top));
+  }
+}
 
 // Attention-logit soft-capping (Gemma 2): cap * tanh(s / cap); cap <= 0: none.
 inline float softcap1(float s, float cap) { return cap > 0.f ? cap * std::tanh(s / cap) : s; }

@@ -19,7 +19,8 @@
 // on its own copy of the residual stream (cheaper than a barrier). Every stage calls the same
 // row / tile kernels as the separate ops (linear.h, elementwise.h, paged_decode.h) and splits
 // its work the same way, so logits equal the unfused model's bit for bit. bfloat16 activations,
-// bf16 weights in panels or int4 / int8 weights, a bf16 KV cache.
+// bf16 weights in panels or int4 / int8 weights, a bf16, int8 or float8 e4m3 KV cache (the quantized
+// ones written row by row as write_scaled_cache writes them, read by the same attention kernels).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -279,8 +280,10 @@ class FusedDecoder {
   FusedDecoder(torch::Tensor embed, c10::optional<torch::Tensor> embed_scales, int64_t embed_bits,
                std::vector<torch::Tensor> norms, std::vector<LinearSpec> linears, std::vector<torch::Tensor> kv_caches,
                torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t kv_heads, int64_t head_dim,
-               int64_t intermediate, int64_t vocab_size, double eps, int64_t block_size, double scale)
-      : norms_(std::move(norms)), kv_caches_(std::move(kv_caches)), cos_(cos), sin_(sin), heads_(heads),
+               int64_t intermediate, int64_t vocab_size, double eps, int64_t block_size, double scale,
+               std::vector<torch::Tensor> kv_scales)
+      : norms_(std::move(norms)), kv_caches_(std::move(kv_caches)), kv_scales_(std::move(kv_scales)), cos_(cos),
+        sin_(sin), heads_(heads),
         kv_heads_(kv_heads), head_dim_(head_dim), inter_(intermediate), eps_(static_cast<float>(eps)),
         block_size_(block_size), scale_(static_cast<float>(scale)) {
     layers_ = static_cast<int64_t>(kv_caches_.size()) / 2;
@@ -293,9 +296,18 @@ class FusedDecoder {
     TORCH_CHECK(intermediate % kPanelRows == 0, "FusedDecoder: intermediate size must be a multiple of 32");
     for (const auto& n : norms_)
       TORCH_CHECK(n.scalar_type() == at::kBFloat16 && n.is_contiguous() && n.numel() == hidden_, "FusedDecoder: norms");
+    scaled_ = scaled_cache(kv_caches_[0]);
+    fp8_ = kv_caches_[0].scalar_type() == at::kFloat8_e4m3fn;
     for (const auto& c : kv_caches_)
-      TORCH_CHECK(c.scalar_type() == at::kBFloat16 && c.is_contiguous() && c.dim() == 3 && c.size(1) == kv_heads &&
-                      c.size(2) == head_dim, "FusedDecoder: bf16 caches [slots, kv_heads, head_dim]");
+      TORCH_CHECK(c.scalar_type() == kv_caches_[0].scalar_type() && (scaled_ || c.scalar_type() == at::kBFloat16) &&
+                      c.is_contiguous() && c.dim() == 3 && c.size(1) == kv_heads && c.size(2) == head_dim,
+                  "FusedDecoder: bf16, int8 or float8_e4m3fn caches [slots, kv_heads, head_dim], all alike");
+    TORCH_CHECK(kv_scales_.size() == (scaled_ ? kv_caches_.size() : 0),
+                "FusedDecoder: an int8 / float8 cache needs one scale tensor per cache (none for bf16)");
+    for (const auto& sc : kv_scales_)
+      TORCH_CHECK(sc.scalar_type() == at::kFloat && sc.is_contiguous() && sc.dim() == 2 &&
+                      sc.size(0) == kv_caches_[0].size(0) && sc.size(1) == kv_heads,
+                  "FusedDecoder: float32 cache scales [slots, kv_heads]");
     TORCH_CHECK(cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16 && cos.is_contiguous() &&
                     sin.is_contiguous() && cos.size(-1) == head_dim, "FusedDecoder: bf16 cos / sin tables");
     const int64_t q_size = heads * head_dim, qkv_size = q_size + 2 * kv_heads * head_dim;
@@ -433,38 +445,39 @@ class FusedDecoder {
         }
         linear(qkv_[l], xn.data(), M, qkv_p, qkv_w, 4 * l);
         barrier.wait(t, n_t, stats);
-        BF16* k_cache = kv_caches_[2 * l].data_ptr<BF16>();
-        BF16* v_cache = kv_caches_[2 * l + 1].data_ptr<BF16>();
         {
           const auto [r0, r1] = share(M, t, n_t);
-          for (int64_t r = r0; r < r1; ++r)
-            rope_and_cache_row(qkv_p + r * qkv_w, pos[r], cos, sin, k_cache, v_cache, slot[r], q_p + r * H * D, H,
-                               Hkv, D);
+          for (int64_t r = r0; r < r1; ++r) cache_row(l, qkv_p + r * qkv_w, pos[r], cos, sin, slot[r], q_p + r * H * D);
         }
-        if (by_rows) {
-          // A row attends the K/V its sequence's earlier rows wrote (any thread's): wait for all.
-          barrier.wait(t, n_t, stats);
-          const RowsArgs<BF16, BF16> ra{q_p, k_cache, v_cache, nullptr, nullptr, block_tables.data_ptr<int64_t>(), lens,
-                                        qsl, attn_p, B, H, Hkv, D, block_size_, block_tables.size(1), scale_};
-          for (int64_t i; (i = next_item[l].fetch_add(1, std::memory_order_relaxed)) < n_items;) rows_item(ra, items[i]);
-          barrier.wait(t, n_t, stats);
-        } else {
-          // (unsplit, a thread attends exactly the rows it just rotated: no wait needed)
-          if (S > 1) barrier.wait(t, n_t, stats);
-          const DecodeArgs<BF16, BF16> a{q_p, k_cache, v_cache, nullptr, nullptr, block_tables.data_ptr<int64_t>(), lens,
-                                         attn_p, M, H, Hkv, D, block_size_, block_tables.size(1), scale_, S,
-                                         part_ml.data(), part_acc.data()};
-          {
-            const auto [i0, i1] = share(M * S, t, n_t);
-            decode_items(a, i0, i1);
-          }
-          barrier.wait(t, n_t, stats);
-          if (S > 1) {
-            const auto [i0, i1] = share(M * H, t, n_t);
-            decode_merge(a, i0, i1);
+        const float* k_scale = scaled_ ? kv_scales_[2 * l].data_ptr<float>() : nullptr;
+        const float* v_scale = scaled_ ? kv_scales_[2 * l + 1].data_ptr<float>() : nullptr;
+        with_cache<BF16>(kv_caches_[2 * l], kv_caches_[2 * l + 1], [&](const auto* k_cache, const auto* v_cache) {
+          using C = std::remove_const_t<std::remove_pointer_t<decltype(k_cache)>>;
+          if (by_rows) {
+            // A row attends the K/V its sequence's earlier rows wrote (any thread's): wait for all.
             barrier.wait(t, n_t, stats);
+            const RowsArgs<BF16, C> ra{q_p, k_cache, v_cache, k_scale, v_scale, block_tables.data_ptr<int64_t>(), lens,
+                                       qsl, attn_p, B, H, Hkv, D, block_size_, block_tables.size(1), scale_};
+            for (int64_t i; (i = next_item[l].fetch_add(1, std::memory_order_relaxed)) < n_items;) rows_item(ra, items[i]);
+            barrier.wait(t, n_t, stats);
+          } else {
+            // (unsplit, a thread attends exactly the rows it just rotated: no wait needed)
+            if (S > 1) barrier.wait(t, n_t, stats);
+            const DecodeArgs<BF16, C> a{q_p, k_cache, v_cache, k_scale, v_scale, block_tables.data_ptr<int64_t>(), lens,
+                                        attn_p, M, H, Hkv, D, block_size_, block_tables.size(1), scale_, S,
+                                        part_ml.data(), part_acc.data()};
+            {
+              const auto [i0, i1] = share(M * S, t, n_t);
+              decode_items(a, i0, i1);
+            }
+            barrier.wait(t, n_t, stats);
+            if (S > 1) {
+              const auto [i0, i1] = share(M * H, t, n_t);
+              decode_merge(a, i0, i1);
+              barrier.wait(t, n_t, stats);
+            }
           }
-        }
+        });
         linear(o_[l], attn_p, M, o_p, hid, 4 * l + 1);
         barrier.wait(t, n_t, stats);
         if (tp_ && !all_reduce(o_p, M * hid, t, n_t, seq, aborted, barrier, stats)) break;
@@ -564,7 +577,8 @@ class FusedDecoder {
   }
 
  private:
-  std::vector<torch::Tensor> norms_, kv_caches_;
+  std::vector<torch::Tensor> norms_, kv_caches_, kv_scales_;  // kv_scales_: int8 / float8 caches only
+  bool scaled_ = false, fp8_ = false;
   torch::Tensor cos_, sin_;
   std::vector<Linear> qkv_, o_, gate_up_, down_;
   Linear lm_head_, embed_;
@@ -579,6 +593,32 @@ class FusedDecoder {
   torch::Tensor tp_slots_, tp_words_;  // keep the shared buffers alive
   std::vector<std::unique_ptr<LoraTarget>> lora_;  // set_lora: 4 per layer (null: none), or empty
   int64_t lora_slots_ = 0, lora_h_size_ = 1;        // the fewest slots of any target; the most h floats of a row
+
+  // Row `row` of the qkv projection: q rotated into q_out, k rotated and v written at `slot` of
+  // layer l's caches (an int8 / float8 cache: each kv head's row quantized with its scale, as
+  // write_scaled_cache does after the unfused model's rotary embedding).
+  void cache_row(int64_t l, const BF16* row, int64_t position, const BF16* cos, const BF16* sin, int64_t slot,
+                 BF16* q_out) const {
+    const int64_t H = heads_, Hkv = kv_heads_, D = head_dim_;
+    if (!scaled_) {
+      rope_and_cache_row(row, position, cos, sin, kv_caches_[2 * l].data_ptr<BF16>(),
+                         kv_caches_[2 * l + 1].data_ptr<BF16>(), slot, q_out, H, Hkv, D);
+      return;
+    }
+    const BF16* c = cos + position * D;
+    const BF16* s = sin + position * D;
+    for (int64_t h = 0; h < H; ++h) rope_head(row + h * D, c, s, q_out + h * D, D / 2);
+    auto* kc = static_cast<uint8_t*>(kv_caches_[2 * l].data_ptr()) + slot * Hkv * D;  // one byte per value
+    auto* vc = static_cast<uint8_t*>(kv_caches_[2 * l + 1].data_ptr()) + slot * Hkv * D;
+    float* ks = kv_scales_[2 * l].data_ptr<float>() + slot * Hkv;
+    float* vs = kv_scales_[2 * l + 1].data_ptr<float>() + slot * Hkv;
+    BF16 k[256];  // the largest head_dim the attention kernels take
+    for (int64_t h = 0; h < Hkv; ++h) {
+      rope_head(row + (H + h) * D, c, s, k, D / 2);
+      quantize_kv_row(k, D, fp8_, kc + h * D, ks + h);
+      quantize_kv_row(row + (H + Hkv + h) * D, D, fp8_, vc + h * D, vs + h);
+    }
+  }
 
   // The adapted rows of row_slots (int32 [M]), checked here: nothing inside the step may throw.
   LoraBatch lora_batch_of(const torch::Tensor& row_slots, int64_t M) const {
@@ -614,11 +654,11 @@ void bind_fused_decoder(pybind11::module_& m) {
   py::class_<FusedDecoder>(m, "FusedDecoder", "A whole decode step of a Llama-family model in one parallel region")
       .def(py::init<torch::Tensor, c10::optional<torch::Tensor>, int64_t, std::vector<torch::Tensor>,
                     std::vector<LinearSpec>, std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, int64_t,
-                    int64_t, int64_t, int64_t, int64_t, double, int64_t, double>(),
+                    int64_t, int64_t, int64_t, int64_t, double, int64_t, double, std::vector<torch::Tensor>>(),
            py::arg("embed"), py::arg("embed_scales"), py::arg("embed_bits"), py::arg("norms"), py::arg("linears"),
            py::arg("kv_caches"), py::arg("cos"), py::arg("sin"), py::arg("heads"), py::arg("kv_heads"),
            py::arg("head_dim"), py::arg("intermediate"), py::arg("vocab_size"), py::arg("eps"), py::arg("block_size"),
-           py::arg("scale"))
+           py::arg("scale"), py::arg("kv_scales") = std::vector<torch::Tensor>{})
       .def("forward", &FusedDecoder::forward, py::arg("ids"), py::arg("positions"), py::arg("slots"),
            py::arg("block_tables"), py::arg("seq_lens"), py::arg("logits_rows"), py::arg("query_start_loc") = py::none(),
            py::arg("row_slots") = py::none(), py::call_guard<py::gil_scoped_release>())

@@ -179,30 +179,15 @@ void write_scaled_cache(torch::Tensor x, torch::Tensor cache, torch::Tensor scal
   const int64_t T = xc.size(0), Hkv = xc.size(1), D = xc.size(2), num_slots = cache.size(0);
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "write_scaled_cache: slot out of range");
-  const float top = fp8 ? 448.f : 127.f;
   float* sc = scales.data_ptr<float>();
+  auto* base = static_cast<uint8_t*>(cache.data_ptr());  // one byte per value, int8 or e4m3
   dispatch_float(xc, "write_scaled_cache", [&](auto tag) {
     using T_ = decltype(tag);
     const T_* xp = xc.data_ptr<T_>();
     at::parallel_for(0, T * Hkv, 16, [&](int64_t begin, int64_t end) {
-      std::vector<float> row(D);
       for (int64_t i = begin; i < end; ++i) {
-        const T_* src = xp + i * D;
-        float amax = 0.f;
-        for (int64_t d = 0; d < D; ++d) {
-          row[d] = to_f(src[d]);
-          amax = std::max(amax, std::abs(row[d]));
-        }
-        const float s = std::max(amax, 1e-8f) / top, inv = 1.f / s;
         const int64_t dst = sp[i / Hkv] * Hkv + i % Hkv;
-        sc[dst] = s;
-        if (fp8) {
-          auto* out = reinterpret_cast<c10::Float8_e4m3fn*>(cache.data_ptr()) + dst * D;
-          for (int64_t d = 0; d < D; ++d) out[d] = c10::Float8_e4m3fn(std::clamp(row[d] * inv, -top, top));
-        } else {
-          int8_t* out = cache.data_ptr<int8_t>() + dst * D;
-          for (int64_t d = 0; d < D; ++d) out[d] = static_cast<int8_t>(std::clamp(std::nearbyint(row[d] * inv), -top, top));
-        }
+        quantize_kv_row(xp + i * D, D, fp8, base + dst * D, sc + dst);
       }
     });
   });
