@@ -65,7 +65,21 @@ def test_fused_logits_equal_the_model_run_op_by_op(arch, quantization, rows, inv
     tied table is a quantized embedding shared with the lm_head). Batch-invariant (attention by
     the rows kernel) or not (the decode kernel)."""
     monkeypatch.setenv("TOKENMILL_BATCH_INVARIANT", "1" if invariant else "0")
-    llm = LLM(request.getfixturevalue(f"tiny_{arch}_dir"), quantization=quantization, **KW)
+    _check_fused_equals_op_by_op(LLM(request.getfixturevalue(f"tiny_{arch}_dir"), quantization=quantization, **KW), rows)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_w8a8_fused_logits_equal_the_model_run_op_by_op(arch, rows, request, monkeypatch, tmp_path):
+    """W8A8 linears in the step: each thread quantizes a linear's input rows per token as
+    w8a8_linear does, then runs its panels (qwen2: float32 q/k/v biases)."""
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))  # the calibration statistics
+    llm = LLM(request.getfixturevalue(f"tiny_{arch}_dir"), quantization="w8a8", **KW)
+    assert type(_runner(llm).model.layers[0].mlp.down_proj).__name__ == "W8A8Linear"
+    _check_fused_equals_op_by_op(llm, rows)
+
+
+def _check_fused_equals_op_by_op(llm, rows: int) -> None:
     fd = _fused_or_skip(llm)
     runner = _runner(llm)
     ids, pos, meta, rows_, kv = _decode_steps(llm, _prompts(rows, llm.engine.config.model.vocab_size))[0]

@@ -13,7 +13,9 @@ at most MAX_Q query rows each: decode tokens, speculative verification chunks (k
 at positions start .. start + k, logits for each), short prompt chunks, in any mix. Such steps
 take the varlen view of the metadata (query_start_loc, seq_lens, block_tables) and attend with the
 rows kernel, each row exactly as the op-by-op model (and a lone decode step) computes it. On bf16
-models whose linears are bf16 panels or int4 / int8 blocks, with a bf16 KV cache.
+models whose linears are bf16 panels, int4 / int8 blocks or W8A8 (each thread quantizes a linear's
+input rows itself, as the op does), with a bf16, int8 or fp8 KV cache (int8 / fp8: all-decode
+steps only, since those caches are not batch-invariant).
 TOKENMILL_FUSED_DECODE=0 turns it off. Under tensor parallelism each rank runs its shard this
 way, with the all-reduces after o_proj and down_proj inside the step (the shared-memory
 all-reduce, called from C++), and the vocab slices of the logits gathered on rank 0 after it.
@@ -37,8 +39,12 @@ from tokenmill.model.layers import cpu_kernels, cpu_threads
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata
 from tokenmill.model.layers.linear import SMALL_BATCH, PackedLinear
 from tokenmill.model.layers.quantization import QuantEmbedding, QuantLinear
+from tokenmill.model.layers.w8a8 import W8A8Linear
 
 logger = logging.getLogger("tokenmill")
+
+
+W8A8_BITS = 88  # decode_step.cpp's kBitsW8A8: a W8A8Linear in the spec
 
 
 def _linear_spec(layer: nn.Module) -> tuple | None:
@@ -48,6 +54,8 @@ def _linear_spec(layer: nn.Module) -> tuple | None:
     if isinstance(layer, QuantLinear):
         bias = layer.bias.detach() if layer.bias is not None else None
         return layer.qweight, layer.scales, layer.bits, bias
+    if isinstance(layer, W8A8Linear):  # its per-token activation quantization runs inside the step
+        return layer.packed, layer.w_scale, W8A8_BITS, layer.bias
     return None
 
 
@@ -87,7 +95,7 @@ class FusedDecode:
                                                      layer.mlp.gate_up_proj, layer.mlp.down_proj)]
             specs = [_linear_spec(p) for p in parts + [model.lm_head]]
             if any(s is None for s in specs):
-                reason = "needs every linear as bf16 panels or int4 / int8 blocks"
+                reason = "needs every linear as bf16 panels, int4 / int8 blocks or W8A8"
         if reason is not None:
             logger.info("fused decode step off: %s", reason)
             return None

@@ -19,7 +19,7 @@
 // on its own copy of the residual stream (cheaper than a barrier). Every stage calls the same
 // row / tile kernels as the separate ops (linear.h, elementwise.h, paged_decode.h) and splits
 // its work the same way, so logits equal the unfused model's bit for bit. bfloat16 activations,
-// bf16 weights in panels or int4 / int8 weights, a bf16, int8 or float8 e4m3 KV cache (the quantized
+// bf16 weights in panels, int4 / int8 weights or W8A8 (int8 weights on per-token int8 activations), a bf16, int8 or float8 e4m3 KV cache (the quantized
 // ones written row by row as write_scaled_cache writes them, read by the same attention kernels).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -50,6 +50,7 @@
 #include "lora.h"
 #include "paged_decode.h"
 #include "shm_allreduce.h"
+#include "w8a8.h"
 
 #if TM_PANEL_KERNEL
 
@@ -59,18 +60,70 @@ using namespace tm_cpu;
 using BF16 = c10::BFloat16;
 
 // A linear layer as Python hands it over: (weight, scales or None, bits, bias or None).
+// bits kBitsW8A8: a W8A8Linear's (packed, w_scale, kBitsW8A8, float32 bias or None).
 using LinearSpec = std::tuple<torch::Tensor, c10::optional<torch::Tensor>, int64_t, c10::optional<torch::Tensor>>;
+constexpr int64_t kBitsW8A8 = 88;  // fused_decode.py's W8A8_BITS
 
 struct Linear {
   LinearWeights w;
   const BF16* bias = nullptr;
+  bool w8a8 = false;
+  W8A8Weights w8;  // w8a8: int8 panels of 16 outputs on per-token int8 activations (w8a8.h)
   std::vector<torch::Tensor> keep;  // the tensors the pointers point into
+  int64_t unit_rows() const { return w8a8 ? kW8A8Panel : w.unit_rows(); }
+  int64_t units() const { return w8a8 ? w8.units() : w.units(); }
 };
+
+// A thread's quantized activation rows for the W8A8 linears, sized once per step (nothing inside
+// the parallel region allocates).
+struct W8A8Acts {
+  std::vector<uint8_t> q;
+  std::vector<float> sx;
+  std::vector<int32_t> zx;
+};
+
+// Units [u0, u1) of a linear for M input rows. A W8A8 linear's output rows are N apart (every
+// linear of the step writes whole rows); each thread quantizes the rows itself, as the op does.
+inline void run_units(const Linear& lin, const BF16* x, int64_t M, int64_t u0, int64_t u1, BF16* out, int64_t ldo,
+                      W8A8Acts& acts) {
+  if (!lin.w8a8) return linear_units(x, M, lin.w, u0, u1, out, ldo, lin.bias);
+  w8a8_quantize_rows(x, M, lin.w8.K, acts.q.data(), acts.sx.data(), acts.zx.data());
+  w8a8_units(lin.w8, acts.q.data(), acts.sx.data(), acts.zx.data(), M, u0, u1, out);
+}
+
+Linear make_w8a8_linear(const LinearSpec& spec, int64_t in_features, int64_t out_features, const char* name) {
+  const auto& [packed, scales, bits, bias] = spec;
+  const int64_t N = out_features, K = in_features, Kp = w8a8_padded_k(K);
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.dim() == 4 &&
+                  packed.size(0) == (N + kW8A8Panel - 1) / kW8A8Panel && packed.size(1) * 4 == Kp &&
+                  packed.size(2) == kW8A8Panel && packed.size(3) == 4,
+              name, ": W8A8 weight packed int8 [ceil(out / 16), ceil(in / 4), 16, 4]");
+  TORCH_CHECK(scales.has_value() && scales->scalar_type() == at::kFloat && scales->is_contiguous() &&
+                  scales->numel() == N, name, ": W8A8 float32 scales [out]");
+  Linear lin;
+  lin.w8a8 = true;
+  lin.w.bits = static_cast<int>(bits);
+  lin.w.N = N;
+  lin.w.K = K;
+  // sum of each row's q (the zero point's correction), from the packed panels
+  auto rowsum = packed.view({packed.size(0), packed.size(1), kW8A8Panel, 4}).sum({1, 3}).to(at::kInt)
+                    .reshape({-1}).slice(0, 0, N).contiguous();
+  lin.w8 = W8A8Weights{packed.data_ptr<int8_t>(), scales->data_ptr<float>(), rowsum.data_ptr<int32_t>(), nullptr, N, K};
+  lin.keep = {packed, *scales, rowsum};
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, name,
+                ": W8A8 float32 bias");
+    lin.w8.bias = bias->data_ptr<float>();
+    lin.keep.push_back(*bias);
+  }
+  return lin;
+}
 
 // bf16 weights are panels, except a plain [rows, hidden] embedding table (`plain_ok`).
 Linear make_linear(const LinearSpec& spec, int64_t in_features, int64_t out_features, const char* name,
                    bool plain_ok = false) {
   const auto& [weight, scales, bits, bias] = spec;
+  if (bits == kBitsW8A8) return make_w8a8_linear(spec, in_features, out_features, name);
   TORCH_CHECK(bits != 16 || weight.dim() == 4 || plain_ok, name, ": bf16 linears must be panels");
   if (bits == 16 && weight.dim() == 4) {  // panels
     TORCH_CHECK(weight.is_contiguous() && weight.size(0) * kPanelRows >= out_features && weight.size(1) * 2 == in_features &&
@@ -318,6 +371,9 @@ class FusedDecoder {
       down_.push_back(make_linear(linears[4 * l + 3], intermediate, hidden_, "down_proj"));
     }
     lm_head_ = make_linear(linears.back(), hidden_, vocab_, "lm_head");
+    for (const auto* group : {&qkv_, &o_, &gate_up_, &down_})
+      for (const auto& lin : *group)
+        if (lin.w8a8) w8a8_max_k_ = std::max(w8a8_max_k_, w8a8_padded_k(lin.w8.K));
     TORCH_CHECK(embed.is_contiguous() && embed.dim() == 2, "FusedDecoder: a [rows, hidden] (or quantized) embedding table");
     embed_rows_ = embed.size(0);
     const LinearSpec table{embed, embed_scales, embed_bits, c10::nullopt};
@@ -408,6 +464,7 @@ class FusedDecoder {
       const int t = omp_get_thread_num(), n_t = omp_get_num_threads();
       // This thread's copy of the residual stream and of the normalised rows.
       std::vector<BF16> resid(M * hid), xn(M * hid);
+      W8A8Acts acts{std::vector<uint8_t>(M * w8a8_max_k_), std::vector<float>(M), std::vector<int32_t>(M)};
       for (int64_t m = 0; m < M; ++m) embedding_row(embed_.w, id[m], resid.data() + m * hid);
       // Multi-LoRA (row_slots): a linear's adapted rows get their deltas with no barrier of their
       // own. Each thread computes h (the shrink, x . A) of every adapted row itself, into its own
@@ -432,10 +489,10 @@ class FusedDecoder {
         }
       };
       auto linear = [&](const Linear& lin, const BF16* x, int64_t rows, BF16* out, int64_t ldo, int64_t lora_k = -1) {
-        const auto [u0, u1] = share(lin.w.units(), t, n_t);
-        linear_units(x, rows, lin.w, u0, u1, out, ldo, lin.bias);
+        const auto [u0, u1] = share(lin.units(), t, n_t);
+        run_units(lin, x, rows, u0, u1, out, ldo, acts);
         if (lora_k >= 0)
-          add_lora(lora_k, x, out, ldo, u0 * lin.w.unit_rows(), std::min(lin.w.N, u1 * lin.w.unit_rows()));
+          add_lora(lora_k, x, out, ldo, u0 * lin.unit_rows(), std::min(lin.w.N, u1 * lin.unit_rows()));
       };
       for (int64_t l = 0; l < layers_; ++l) {
         const BF16* in_norm = norms_[2 * l].data_ptr<BF16>();
@@ -488,11 +545,11 @@ class FusedDecoder {
           // gate rows and the matching up rows (one grid of units: I is a multiple of 32), then
           // silu(gate) * up on the same columns.
           const Linear& gl = gate_up_[l];
-          const int64_t rows_per = gl.w.unit_rows(), half = I / rows_per;
+          const int64_t rows_per = gl.unit_rows(), half = I / rows_per;
           const auto [u0, u1] = share(half, t, n_t);
           const int64_t c0 = u0 * rows_per, c1 = u1 * rows_per;
-          linear_units(xn.data(), M, gl.w, u0, u1, gu_p, 2 * I, gl.bias);
-          linear_units(xn.data(), M, gl.w, half + u0, half + u1, gu_p, 2 * I, gl.bias);
+          run_units(gl, xn.data(), M, u0, u1, gu_p, 2 * I, acts);
+          run_units(gl, xn.data(), M, half + u0, half + u1, gu_p, 2 * I, acts);
           add_lora(4 * l + 2, xn.data(), gu_p, 2 * I, c0, c1, I + c0, I + c1);
           for (int64_t m = 0; m < M; ++m)
             silu_mul_row(gu_p + m * 2 * I + c0, gu_p + m * 2 * I + I + c0, act_p + m * I + c0, c1 - c0);
@@ -511,8 +568,8 @@ class FusedDecoder {
       if (R > 0 && !aborted.load()) {
         linear(lm_head_, rows.data(), R, logits_b, vocab_);
         // float32 logits of this thread's columns, while they are in its cache (= `.float()`)
-        const auto [u0, u1] = share(lm_head_.w.units(), t, n_t);
-        const int64_t c0 = u0 * lm_head_.w.unit_rows(), c1 = std::min(vocab_, u1 * lm_head_.w.unit_rows());
+        const auto [u0, u1] = share(lm_head_.units(), t, n_t);
+        const int64_t c0 = u0 * lm_head_.unit_rows(), c1 = std::min(vocab_, u1 * lm_head_.unit_rows());
         for (int64_t r = 0; r < R; ++r)
           for (int64_t c = c0; c < c1; ++c) logits_f[r * vocab_ + c] = static_cast<float>(logits_b[r * vocab_ + c]);
       }
@@ -582,6 +639,7 @@ class FusedDecoder {
   torch::Tensor cos_, sin_;
   std::vector<Linear> qkv_, o_, gate_up_, down_;
   Linear lm_head_, embed_;
+  int64_t w8a8_max_k_ = 0;  // the widest W8A8 linear's padded inputs (0: none)
   int64_t layers_ = 0, hidden_ = 0, vocab_ = 0, embed_rows_ = 0;
   int64_t heads_, kv_heads_, head_dim_, inter_;
   float eps_;

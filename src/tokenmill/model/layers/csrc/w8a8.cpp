@@ -41,12 +41,13 @@
 #endif
 
 #include "cpu_common.h"
+#include "w8a8.h"
 
 namespace {
 
 using tm_cpu::to_f;
 
-constexpr int kPanel = 16;  // output rows per packed panel
+constexpr int kPanel = tm_cpu::kW8A8Panel;  // output rows per packed panel
 constexpr int kQuad = 4;    // inputs per packed group
 constexpr int64_t kRowBlock = 128;  // input rows whose activations stay in L2 while a thread walks its panels
 
@@ -342,6 +343,25 @@ void quantize_all(const torch::Tensor& x, int64_t Kp, bool flip, uint8_t* q, flo
 }
 
 }  // namespace
+
+namespace tm_cpu {
+
+// The fused decode step's entry points (w8a8.h): the same quantize_row and run_panels as the op,
+// so its outputs equal w8a8_linear's bit for bit.
+int64_t w8a8_padded_k(int64_t K) { return round_up(K, kQuad); }
+
+void w8a8_quantize_rows(const c10::BFloat16* x, int64_t M, int64_t K, uint8_t* q, float* sx, int32_t* zx) {
+  const int64_t Kp = w8a8_padded_k(K);
+  for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, K, Kp, q + m * Kp, sx + m, zx + m, kSignedActs);
+}
+
+void w8a8_units(const W8A8Weights& w, const uint8_t* q, const float* sx, const int32_t* zx, int64_t M, int64_t p0,
+                int64_t p1, c10::BFloat16* out) {
+  const Problem P{q, sx, zx, w.packed, w.sw, w.rowsum, w.bias, M, w.N, w8a8_padded_k(w.K)};
+  run_panels(P, p0, p1, out);
+}
+
+}  // namespace tm_cpu
 
 // y = x @ dequant(W)^T (+ bias), activations quantized per token inside. x: [M, K] float32 or
 // bfloat16 (contiguous); packed: int8 [ceil(N/16), ceil(K/4), 16, 4]; w_scale float32 [N]; rowsum
