@@ -1,6 +1,8 @@
 #!/usr/bin/env python
-"""The int4 / int8 linear kernel (csrc/quant_linear.cpp) alone, against the bf16 panel kernel and
-the memory-bandwidth bound of its weight bytes, at SmolLM2's shapes.
+"""The int4 / int8 linear kernel alone, against the bf16 panel kernel and the memory-bandwidth
+bound of its weight bytes, at SmolLM2's shapes: the kernel the engine runs (on AVX2 builds the
+output-panel one, csrc/quant_panels.cpp, else csrc/quant_linear.cpp's row tiles), and where the
+panels exist, the row-tile kernel beside it ("rows").
 
     python benchmarks/quant_kernel.py                        # rows 1 8 32, all shapes
     python benchmarks/quant_kernel.py --rows 1 --threads 1 --repeats 5
@@ -43,7 +45,7 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     from tokenmill.bench.offline import measure_bandwidth
     from tokenmill.model.layers import cpu_kernels
-    from tokenmill.model.layers.quantization import quantize
+    from tokenmill.model.layers.quantization import quantize, to_panels
 
     k = cpu_kernels.load()
     if k is None or not hasattr(k, "panel_linear"):
@@ -59,16 +61,21 @@ def main(argv=None) -> None:
         panels = [k.pack_panels(w) for w in ws]
         quant = [quantize(w, bits) for w in ws]
         del ws
+        qpanels = [to_panels(q, s, bits) for q, s in quant] if hasattr(k, "quant_panel_linear") else None
         qb = quant_bytes(N, K, bits)
         for M in (int(r) for r in args.rows.split(",")):
             x = torch.randn(M, K).bfloat16()
             runs = {"quant": lambda: [k.quant_linear(x, q, s, bits) for q, s in quant],
                     "bf16": lambda: [k.panel_linear(x, w, N) for w in panels]}
+            if qpanels is not None:  # the engine's kernel here; the row tiles beside it
+                runs["rows"] = runs["quant"]
+                runs["quant"] = lambda: [k.quant_panel_linear(x, q, s, bits, N) for q, s in qpanels]
             t = time_interleaved(runs, args.repeats, copies)
             tq, tb = t["quant"], t["bf16"]
+            rows = f"  rows {t['rows'] * 1e6:8.1f} us ({t['rows'] / tq:4.2f}x)" if "rows" in t else ""
             print(f"{name:8s} int{bits} rows {M:3d}: {tq * 1e6:8.1f} us ({qb / tq / 1e9:5.1f} GB/s, "
                   f"{qb / bw / tq:4.0%} of the bound)  bf16 panels {tb * 1e6:8.1f} us ({N * K * 2 / tb / 1e9:5.1f} GB/s)"
-                  f"  bf16 / int{bits} {tb / tq:5.2f}x  {2 * M * N * K / tq / 1e9:5.1f} GFLOP/s")
+                  f"  bf16 / int{bits} {tb / tq:5.2f}x  {2 * M * N * K / tq / 1e9:5.1f} GFLOP/s{rows}")
 
 
 if __name__ == "__main__":

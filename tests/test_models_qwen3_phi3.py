@@ -194,7 +194,7 @@ def test_kquant_gguf_loads_dequantized(qwen3_256_dir: str, tmp_path, monkeypatch
 def test_q4_k_runs_as_int4_groups_under_quantization_gguf(qwen3_256_dir: str, tmp_path, monkeypatch) -> None:
     """--quantization gguf keeps Q4_K tensors quantized (int4 groups of 32, the sub-block scale and
     min rounded to float16), next to the Q6_K ones running dense: the same greedy tokens."""
-    from tokenmill.model.layers.quantization import QuantEmbedding, QuantLinear, dequantize
+    from tokenmill.model.layers.quantization import QuantEmbedding, QuantLinear
 
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
     path = str(write_gguf_from_hf(qwen3_256_dir, tmp_path / "m.Q4_K_M.gguf", qtype=Q4_K_M))
@@ -210,7 +210,7 @@ def test_q4_k_runs_as_int4_groups_under_quantization_gguf(qwen3_256_dir: str, tm
     assert len(kept) == 2 * 2 + 2
     for name, m in kept.items():
         want = dense_params.get(name + ".weight", dense_params["embed_tokens.weight"])
-        got = dequantize(m.qweight, m.scales, m.bits)
+        got = m.dequantized()
         torch.testing.assert_close(got, want, rtol=0, atol=float(want.abs().max()) * 2**-10)
         assert not torch.equal(got, want)  # float16 scales: close, not exact
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)

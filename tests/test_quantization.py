@@ -12,7 +12,8 @@ from gguf_writer import write_gguf_from_hf
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.model.layers import cpu_kernels
-from tokenmill.model.layers.quantization import QuantEmbedding, QuantLinear, dequantize, quantize
+from tokenmill.model.layers.quantization import (QuantEmbedding, QuantLinear, dequantize, from_panels, pack_quantized,
+                                                 quantize, to_panels)
 
 
 def _model(llm: LLM) -> torch.nn.Module:
@@ -98,6 +99,81 @@ def test_kernel_on_random_shapes_matches_reference_and_is_row_invariant(bits: in
         assert torch.equal(out, alone), (M, N, K)
 
 
+def _panel_kernels():
+    kernels = cpu_kernels.load()
+    if kernels is None or not hasattr(kernels, "quant_panel_linear"):
+        pytest.skip("no output-panel kernel here (AVX2 builds without AVX-512 only)")
+    return kernels
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_panels_are_the_same_codes_reordered(bits: int) -> None:
+    gen = torch.Generator().manual_seed(7)
+    for N in (1, 31, 32, 45, 70):
+        qweight, scales = quantize(torch.randn(N, 96, generator=gen), bits)
+        qp, sp = to_panels(qweight, scales, bits)
+        assert qp.shape[:3] == (-(-N // 32), 3, 32) and qp.numel() * qp.element_size() <= 32 * qp.shape[0] * 96
+        back = from_panels(qp, sp, bits, N)
+        assert torch.equal(back[0], qweight) and torch.equal(back[1], scales)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_panel_kernel_on_random_shapes_matches_reference_and_is_invariant(bits: int) -> None:
+    """The output-panel kernel: random shapes (K a multiple of 32, N ragged, 1..40 rows), bf16 and
+    float32 inputs, close to the dequantized float matmul; each row the bits it has alone, in any
+    batch and at any thread count; its dequantized copy (prompt steps) and embedding rows exact."""
+    kernels = _panel_kernels()
+    gen = torch.Generator().manual_seed(11)
+    threads = torch.get_num_threads()
+    for _ in range(6):
+        N = int(torch.randint(1, 100, (1,), generator=gen))
+        K = 32 * int(torch.randint(1, 50, (1,), generator=gen))
+        M = int(torch.randint(1, 41, (1,), generator=gen))
+        qweight, scales = quantize(torch.randn(N, K, generator=gen) * 0.1, bits)
+        qp, sp = to_panels(qweight, scales, bits)
+        w = dequantize(qweight, scales, bits)
+        for dtype, tol in ((torch.bfloat16, 1e-2), (torch.float32, 1e-5)):
+            x = torch.randn(M, K, generator=gen).to(dtype)
+            out = kernels.quant_panel_linear(x, qp, sp, bits, N)
+            ref = F.linear(x.float(), w)
+            assert out.dtype == dtype and out.shape == (M, N)
+            torch.testing.assert_close(out.float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
+            alone = torch.cat([kernels.quant_panel_linear(x[i : i + 1], qp, sp, bits, N) for i in range(M)])
+            assert torch.equal(out, alone), (M, N, K, dtype)
+            for start in (0, 1):
+                part = kernels.quant_panel_linear(x[start : start + 7], qp, sp, bits, N)
+                assert torch.equal(part, alone[start : start + len(part)])
+            try:
+                torch.set_num_threads(1)
+                assert torch.equal(kernels.quant_panel_linear(x, qp, sp, bits, N), out)
+            finally:
+                torch.set_num_threads(threads)
+        assert torch.equal(kernels.dequantize_quant_panels(qp, sp, bits, N, torch.float32), w)
+        ids = torch.randint(0, N, (5,), generator=gen)
+        assert torch.equal(kernels.quant_embedding(ids, qp, sp, bits, torch.bfloat16, N), w[ids].bfloat16())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_packed_layer_computes_the_layer_it_was(bits: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pack_quantized: the layer in panels gives what it gave in rows (small batches closely: the
+    factorized sums round differently; prompt batches' dequantized copy exactly), a tied table
+    reads the LM head's panels."""
+    _panel_kernels()
+    torch.manual_seed(4)
+    model = torch.nn.Module()
+    model.lm_head = QuantLinear.from_linear(torch.nn.Linear(64, 45, bias=True), bits)
+    model.embed_tokens = QuantEmbedding(model.lm_head.qweight, model.lm_head.scales, bits, torch.float32)
+    x, ids = torch.randn(200, 64), torch.tensor([0, 44, 7])
+    small, large, rows = model.lm_head(x[:9]), model.lm_head(x), model.embed_tokens(ids)
+    w = model.lm_head.dequantized()
+    assert pack_quantized(model) == 1 and model.lm_head.panels and model.embed_tokens.qweight is model.lm_head.qweight
+    assert torch.equal(model.lm_head.dequantized(), w) and torch.equal(model.embed_tokens(ids), rows)
+    torch.testing.assert_close(model.lm_head(x[:9]), small, atol=1e-5, rtol=1e-5)
+    assert torch.equal(model.lm_head(x), large)
+    monkeypatch.setattr(cpu_kernels, "ops_for", lambda x: None)  # the pure-torch fallback reads panels too
+    torch.testing.assert_close(model.lm_head(x[:9]), small, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_torch_fallback_matches_kernel(bits: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Small batches (the tile kernel), large ones (a dequantized copy through oneDNN) and the
@@ -127,7 +203,7 @@ def test_gguf_blocks_load_without_dequantizing(arch: str, qtype: str, bits: int,
     for name, m in linears.items():
         assert m.bits == bits
         dense_w = dense_params.get(name + ".weight", dense_params.get("embed_tokens.weight"))  # tied lm_head
-        torch.testing.assert_close(dequantize(m.qweight, m.scales, bits), dense_w, rtol=0, atol=0)
+        torch.testing.assert_close(m.dequantized(), dense_w, rtol=0, atol=0)
     if arch == "qwen2":  # tied: the embedding table and the lm_head share one set of Q8_0 blocks
         assert isinstance(_model(quant).embed_tokens, QuantEmbedding)
         assert _model(quant).lm_head.qweight is _model(quant).embed_tokens.qweight

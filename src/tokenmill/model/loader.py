@@ -204,6 +204,10 @@ def load_model(path: str, hf_config, dtype: torch.dtype, max_position: int, devi
         from tokenmill.model.layers.linear import pack_linears
 
         pack_linears(model, dtype)
+    if on_cpu and cpu_kernels.enabled():
+        from tokenmill.model.layers.quantization import pack_quantized
+
+        pack_quantized(model)
     if on_cpu:
         from tokenmill.model.layers.weight_arena import place_decode_weights
 

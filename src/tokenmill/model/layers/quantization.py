@@ -6,14 +6,17 @@ nibble) and j + 16 (high nibble); int8 stores w = q * d (Q8_0). llama.cpp files 
 as they are (gguf_loader), and `--quantization int4|int8` quantizes an HF checkpoint at load
 time the way llama.cpp's quantizer would (min/max for int4, absmax for int8).
 
-Activations stay in the model's dtype (weight-only quantization): the kernel dequantizes a few
-weight rows at a time into L1 and multiplies every input row by them, so each weight byte is
-read once per step: a quarter (int4) or half (int8) of the bfloat16 traffic.
+Activations stay in the model's dtype (weight-only quantization): each weight byte is read once
+per step, a quarter (int4) or half (int8) of the bfloat16 traffic. On AVX2 CPUs without AVX-512
+the loader repacks the codes once into output panels of 32 rows (pack_quantized: the same bytes
+reordered, csrc/quant_panels.cpp), which the kernel unpacks once per weight for all input rows;
+elsewhere the kernel dequantizes a few weight rows at a time into L1 (csrc/quant_linear.cpp).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +66,45 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.
     return (q * s[..., :1] + s[..., 1:]).reshape(N, K)
 
 
+PANEL = 32  # output rows per panel
+
+
+def to_panels(qweight: torch.Tensor, scales: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(qweight, scales) in rows -> the same codes and scales in output panels of 32 rows (rows
+    past N zero): codes [P, K/32, 32 inputs, 16 bytes] (int4: byte 8h + j holds output 16h + j in
+    its low nibble, 16h + 8 + j in its high one) or [P, K/32, 32, 32] (int8), scales float16
+    [P, K/32, 2, 32] (d row, m row) or [P, K/32, 32]. The layout of csrc/quant_panels.cpp."""
+    N = qweight.shape[0]
+    P = -(-N // PANEL)
+    pad = P * PANEL - N
+    if bits == 8:
+        K = qweight.shape[1]
+        q = F.pad(qweight, (0, 0, 0, pad)).view(P, PANEL, K // GROUP, GROUP).permute(0, 2, 3, 1)
+        s = F.pad(scales, (0, 0, 0, pad)).view(P, PANEL, K // GROUP).permute(0, 2, 1)
+        return q.contiguous(), s.contiguous()
+    K = qweight.shape[1] * 2
+    b = qweight.view(N, K // GROUP, GROUP // 2)
+    codes = F.pad(torch.cat([b & 0xF, b >> 4], -1), (0, 0, 0, 0, 0, pad))  # [P * 32, G, 32 inputs]
+    codes = codes.view(P, 2, 2, 8, K // GROUP, GROUP).permute(0, 4, 5, 1, 2, 3)  # [P, G, k, h, high, j]
+    q = codes[..., 0, :] | (codes[..., 1, :] << 4)
+    s = F.pad(scales, (0, 0, 0, 0, 0, pad)).view(P, PANEL, K // GROUP, 2).permute(0, 2, 3, 1)
+    return q.reshape(P, K // GROUP, GROUP, 16).contiguous(), s.contiguous()
+
+
+def from_panels(qpanels: torch.Tensor, spanels: torch.Tensor, bits: int, N: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """to_panels' inverse: (qweight, scales) in rows for the first N outputs."""
+    P, G = qpanels.shape[:2]
+    if bits == 8:
+        q = qpanels.permute(0, 3, 1, 2).reshape(P * PANEL, G * GROUP)[:N]
+        return q.contiguous(), spanels.permute(0, 2, 1).reshape(P * PANEL, G)[:N].contiguous()
+    b = qpanels.view(P, G, GROUP, 2, 1, 8)
+    codes = torch.cat([b & 0xF, b >> 4], 4)  # [P, G, k, h, high, j]: output 16h + 8 high + j
+    codes = codes.permute(0, 3, 4, 5, 1, 2).reshape(P * PANEL, G, GROUP)[:N]
+    q = codes[..., :16] | (codes[..., 16:] << 4)
+    s = spanels.permute(0, 3, 1, 2).reshape(P * PANEL, G, 2)[:N]
+    return q.reshape(N, G * GROUP // 2).contiguous(), s.contiguous()
+
+
 class QuantLinear(nn.Module):
     """A linear layer with int4 / int8 weights; bias (if any) stays a float parameter."""
 
@@ -74,6 +116,17 @@ class QuantLinear(nn.Module):
         self.register_buffer("qweight", qweight, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.panels = False  # qweight / scales in output panels (to_panels), see pack_quantized
+
+    def to_panels(self) -> None:
+        self.qweight, self.scales = to_panels(self.qweight, self.scales, self.bits)
+        self.panels = True
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 [out, in] weight this layer stands for (pure torch)."""
+        if self.panels:
+            return dequantize(*from_panels(self.qweight, self.scales, self.bits, self.out_features), self.bits)
+        return dequantize(self.qweight, self.scales, self.bits)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, bits: int) -> "QuantLinear":
@@ -86,20 +139,27 @@ class QuantLinear(nn.Module):
         ops = cpu_kernels.ops_for(x2)
         if ops is not None and x2.shape[0] >= LARGE_BATCH:  # prompt steps: oneDNN on a dequantized copy
             if x2.dtype == torch.bfloat16 and not onednn_bf16_fast():  # AVX2: its float32 GEMM, not its slow bf16
-                y = F.linear(x2.float(), ops.dequantize_weight(self.qweight, self.scales, self.bits, torch.float32))
-                y = y.to(x2.dtype)
+                y = F.linear(x2.float(), self._dequantize(ops, torch.float32)).to(x2.dtype)
             else:
-                y = F.linear(x2, ops.dequantize_weight(self.qweight, self.scales, self.bits, x2.dtype))
+                y = F.linear(x2, self._dequantize(ops, x2.dtype))
+        elif ops is not None and self.panels:
+            y = ops.quant_panel_linear(x2, self.qweight, self.scales, self.bits, self.out_features)
         elif ops is not None:
             y = ops.quant_linear(x2, self.qweight, self.scales, self.bits)
         else:  # no C++ kernels: dequantize on the fly (slow, but the same numbers)
-            y = F.linear(x2, dequantize(self.qweight, self.scales, self.bits).to(x.dtype))
+            y = F.linear(x2, self.dequantized().to(x.dtype))
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
 
+    def _dequantize(self, ops, dtype: torch.dtype) -> torch.Tensor:
+        if self.panels:
+            return ops.dequantize_quant_panels(self.qweight, self.scales, self.bits, self.out_features, dtype)
+        return ops.dequantize_weight(self.qweight, self.scales, self.bits, dtype)
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}"
+                + (", panels" if self.panels else ""))
 
 
 class QuantEmbedding(nn.Module):
@@ -110,12 +170,24 @@ class QuantEmbedding(nn.Module):
         self.bits, self.dtype = bits, dtype
         self.register_buffer("qweight", qweight, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
+        self.rows = qweight.shape[0]
+        self.panels = False  # the tied lm_head's panels (pack_quantized): rows read across them
+
+    def share_panels(self, head: QuantLinear) -> None:
+        self.qweight, self.scales, self.panels = head.qweight, head.scales, True
+
+    def dequantized(self) -> torch.Tensor:
+        if self.panels:
+            return dequantize(*from_panels(self.qweight, self.scales, self.bits, self.rows), self.bits)
+        return dequantize(self.qweight, self.scales, self.bits)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         kernels = cpu_kernels.load() if cpu_kernels.enabled() and ids.device.type == "cpu" else None
         if kernels is not None:
-            return kernels.quant_embedding(ids.reshape(-1), self.qweight, self.scales, self.bits, self.dtype).reshape(
-                *ids.shape, -1)
+            return kernels.quant_embedding(ids.reshape(-1), self.qweight, self.scales, self.bits, self.dtype,
+                                           self.rows if self.panels else -1).reshape(*ids.shape, -1)
+        if self.panels:  # (kernels turned off after packing: slow, but the same numbers)
+            return self.dequantized()[ids].to(self.dtype)
         rows = dequantize(self.qweight[ids.reshape(-1)], self.scales[ids.reshape(-1)], self.bits)
         return rows.to(self.dtype).reshape(*ids.shape, -1)
 
@@ -140,6 +212,27 @@ def quantize_model(model: nn.Module, bits: int) -> int:
         head = model.lm_head
         model.embed_tokens = QuantEmbedding(head.qweight, head.scales, head.bits, model.embed_tokens.weight.dtype)
     return count
+
+
+def pack_quantized(model: nn.Module) -> int:
+    """Repack every QuantLinear's codes into output panels where the kernels run them that way
+    (AVX2 builds without AVX-512: csrc/quant_panels.cpp); a tied embedding table then reads the
+    LM head's panels (one copy). TOKENMILL_QUANT_PANELS=0 keeps the rows. Returns the layers packed."""
+    kernels = cpu_kernels.load() if cpu_kernels.enabled() else None
+    if kernels is None or not hasattr(kernels, "quant_panel_linear") or os.environ.get("TOKENMILL_QUANT_PANELS") == "0":
+        return 0
+    packed: dict[int, tuple[torch.Tensor, QuantLinear]] = {}  # the old codes' address -> (them, the layer)
+    for m in model.modules():
+        if isinstance(m, QuantLinear) and not m.panels and m.qweight.device.type == "cpu":
+            old = m.qweight
+            m.to_panels()
+            packed[old.data_ptr()] = old, m
+    for m in model.modules():
+        if isinstance(m, QuantEmbedding) and not m.panels and m.qweight.data_ptr() in packed:
+            m.share_panels(packed[m.qweight.data_ptr()][1])
+    if packed:
+        logger.info("int4 / int8 linears: %d in output panels (AVX2 kernel)", len(packed))
+    return len(packed)
 
 
 def check_w8a8_args(method: str | None, calibration: str | None, enable_lora: bool) -> None:

@@ -1,6 +1,8 @@
 // Python bindings of the engine's CPU kernels (one extension module built from every csrc file).
 #include <torch/extension.h>
 
+#include "linear.h"  // TM_QUANT_PANELS
+
 // paged_attention.cpp
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, int64_t block_size,
@@ -37,7 +39,15 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, int64_t bits);
 torch::Tensor dequantize_weight(torch::Tensor qweight, torch::Tensor scales, int64_t bits, at::ScalarType dtype);
 torch::Tensor quant_embedding(torch::Tensor ids, torch::Tensor qweight, torch::Tensor scales, int64_t bits,
-                              at::ScalarType dtype);
+                              at::ScalarType dtype, int64_t rows);
+
+#if TM_QUANT_PANELS
+// quant_panels.cpp
+torch::Tensor quant_panel_linear(torch::Tensor x, torch::Tensor qpanels, torch::Tensor spanels, int64_t bits,
+                                 int64_t N);
+torch::Tensor dequantize_quant_panels(torch::Tensor qpanels, torch::Tensor spanels, int64_t bits, int64_t N,
+                                      at::ScalarType dtype);
+#endif
 
 // w8a8.cpp
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale, torch::Tensor rowsum,
@@ -89,7 +99,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_linear", &panel_linear, "bf16 linear on panel-packed weights (small and medium batches)",
         py::arg("x"), py::arg("panels"), py::arg("out_features"), py::arg("bias") = py::none());
   m.def("dequantize_weight", &dequantize_weight, "an int4/int8 weight, dequantized (for large batches)");
-  m.def("quant_embedding", &quant_embedding, "rows of an int4/int8 table, dequantized");
+  m.def("quant_embedding", &quant_embedding, "rows of an int4/int8 table (rows or panels: give `rows`), dequantized",
+        py::arg("ids"), py::arg("qweight"), py::arg("scales"), py::arg("bits"), py::arg("dtype"), py::arg("rows") = -1);
+#if TM_QUANT_PANELS
+  m.def("quant_panel_linear", &quant_panel_linear, "weight-only int4/int8 linear on output panels (AVX2)",
+        py::arg("x"), py::arg("qpanels"), py::arg("spanels"), py::arg("bits"), py::arg("out_features"));
+  m.def("dequantize_quant_panels", &dequantize_quant_panels, "an int4/int8 panel weight, dequantized [N, K]",
+        py::arg("qpanels"), py::arg("spanels"), py::arg("bits"), py::arg("out_features"), py::arg("dtype"));
+#endif
   m.def("w8a8_linear", &w8a8_linear, "int8 weights x per-token int8 activations, int32 sums (--quantization w8a8)",
         py::arg("x"), py::arg("packed"), py::arg("w_scale"), py::arg("rowsum"), py::arg("bias"), py::arg("N"));
   m.def("w8a8_quantize_activations", &w8a8_quantize_activations, "per-token asymmetric uint8 (u, scale, zero point)");

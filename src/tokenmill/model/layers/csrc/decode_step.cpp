@@ -125,9 +125,17 @@ Linear make_linear(const LinearSpec& spec, int64_t in_features, int64_t out_feat
   const auto& [weight, scales, bits, bias] = spec;
   if (bits == kBitsW8A8) return make_w8a8_linear(spec, in_features, out_features, name);
   TORCH_CHECK(bits != 16 || weight.dim() == 4 || plain_ok, name, ": bf16 linears must be panels");
+  const bool quant_panels = bits != 16 && weight.dim() == 4;  // quant_panels.cpp
+  TORCH_CHECK(!quant_panels || TM_QUANT_PANELS, name, ": quantized panels need the AVX2 build");
   if (bits == 16 && weight.dim() == 4) {  // panels
     TORCH_CHECK(weight.is_contiguous() && weight.size(0) * kPanelRows >= out_features && weight.size(1) * 2 == in_features &&
                     weight.size(2) == kPanelRows, name, ": bf16 panels [ceil(out / 32), in / 2, 32, 2]");
+  } else if (quant_panels) {
+    TORCH_CHECK(weight.is_contiguous() && weight.size(0) * kPanelRows >= out_features &&
+                    weight.size(1) * kGroup == in_features && weight.size(2) == kGroup &&
+                    weight.size(3) == (bits == 4 ? 16 : 32) && scales.has_value() &&
+                    scales->numel() == weight.size(0) * weight.size(1) * (bits == 4 ? 64 : 32),
+                name, ": quantized panels [ceil(out / 32), in / 32, 32, 16 or 32] and their scales");
   } else {
     TORCH_CHECK(weight.is_contiguous() && weight.dim() == 2 && weight.size(0) == out_features, name,
                 ": a contiguous [out, in] weight");
@@ -135,6 +143,7 @@ Linear make_linear(const LinearSpec& spec, int64_t in_features, int64_t out_feat
   TORCH_CHECK(in_features % kGroup == 0, name, ": in_features must be a multiple of 32");
   Linear lin;
   lin.w.bits = static_cast<int>(bits);
+  lin.w.panels = quant_panels;
   lin.w.data = weight.data_ptr();
   lin.w.N = out_features;
   lin.w.K = in_features;
@@ -144,8 +153,8 @@ Linear make_linear(const LinearSpec& spec, int64_t in_features, int64_t out_feat
   } else {
     TORCH_CHECK(bits == 4 || bits == 8, name, ": bits must be 4, 8 or 16");
     TORCH_CHECK(scales.has_value() && scales->scalar_type() == at::kHalf && scales->is_contiguous() &&
-                    scales->numel() == out_features * (in_features / kGroup) * (bits == 4 ? 2 : 1) &&
-                    weight.size(1) == (bits == 4 ? in_features / 2 : in_features),
+                    (quant_panels || (scales->numel() == out_features * (in_features / kGroup) * (bits == 4 ? 2 : 1) &&
+                                      weight.size(1) == (bits == 4 ? in_features / 2 : in_features))),
                 name, ": quantized weight / scales shapes");
     lin.w.scales = scales->data_ptr<at::Half>();
     lin.keep.push_back(*scales);
@@ -374,8 +383,9 @@ class FusedDecoder {
     for (const auto* group : {&qkv_, &o_, &gate_up_, &down_})
       for (const auto& lin : *group)
         if (lin.w8a8) w8a8_max_k_ = std::max(w8a8_max_k_, w8a8_padded_k(lin.w8.K));
-    TORCH_CHECK(embed.is_contiguous() && embed.dim() == 2, "FusedDecoder: a [rows, hidden] (or quantized) embedding table");
-    embed_rows_ = embed.size(0);
+    TORCH_CHECK(embed.is_contiguous() && (embed.dim() == 2 || (embed.dim() == 4 && embed_bits != 16)),
+                "FusedDecoder: a [rows, hidden] (or quantized) embedding table");
+    embed_rows_ = embed.dim() == 4 ? vocab_ : embed.size(0);  // quantized panels: the tied LM head's table
     const LinearSpec table{embed, embed_scales, embed_bits, c10::nullopt};
     embed_ = make_linear(table, hidden_, embed_rows_, "embed_tokens", /*plain_ok=*/true);
   }

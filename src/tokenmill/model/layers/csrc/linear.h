@@ -15,6 +15,13 @@
 #else
 #define TM_PANEL_KERNEL 0
 #endif
+// int4 / int8 weights in output panels (quant_panels.cpp): AVX2 + FMA + F16C CPUs without AVX-512
+// (the AVX-512 builds keep the row layout and their vdpbf16ps tiles, quant_linear.cpp).
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TM_QUANT_PANELS 1
+#else
+#define TM_QUANT_PANELS 0
+#endif
 
 namespace tm_cpu {
 
@@ -23,13 +30,15 @@ constexpr int kTileRows = 4;    // int4 / int8: output rows per tile (a unit of 
 constexpr int kPanelRows = 32;  // bf16: output rows per panel (a unit of work)
 
 // A linear layer's weight: bf16 packed in panels (bits 16, panel_linear.cpp), or int8 [N, K] /
-// int4 [N, K / 2] in groups of 32 with float16 scales (bits 8 / 4, quant_linear.cpp).
+// int4 [N, K / 2] in groups of 32 with float16 scales (bits 8 / 4, quant_linear.cpp), or those
+// codes and scales in output panels of 32 rows (bits 8 / 4 with `panels`, quant_panels.cpp).
 struct LinearWeights {
   int bits = 16;
+  bool panels = false;  // bits 4 / 8: in output panels
   const void* data = nullptr;
   const at::Half* scales = nullptr;  // null for bits 16
   int64_t N = 0, K = 0;
-  int64_t unit_rows() const { return bits == 16 ? kPanelRows : kTileRows; }
+  int64_t unit_rows() const { return bits == 16 || panels ? kPanelRows : kTileRows; }
   int64_t units() const { return (N + unit_rows() - 1) / unit_rows(); }
 };
 
@@ -40,6 +49,17 @@ template <typename XT, typename OT>
 void linear_tiles(const XT* x, int64_t M, const LinearWeights& w, int64_t t0, int64_t t1, OT* out, int64_t ldo,
                   const OT* bias = nullptr);
 
+#if TM_QUANT_PANELS
+// Quantized panels: the same for the output rows of panels [p0, p1) (XT / OT as linear_tiles').
+template <typename XT, typename OT>
+void quant_panel_units(const XT* x, int64_t M, const LinearWeights& w, int64_t p0, int64_t p1, OT* out, int64_t ldo,
+                       const OT* bias = nullptr);
+
+// Row `id` of a quantized panel weight (an embedding table tied to a quantized LM head), dequantized.
+template <typename T>
+void quant_panel_row(const LinearWeights& w, int64_t id, T* out);
+#endif
+
 #if TM_PANEL_KERNEL
 // bf16 panels: the same for the output rows of panels [p0, p1).
 void panel_units(const c10::BFloat16* x, int64_t M, const LinearWeights& w, int64_t p0, int64_t p1,
@@ -49,12 +69,15 @@ void panel_units(const c10::BFloat16* x, int64_t M, const LinearWeights& w, int6
 inline void linear_units(const c10::BFloat16* x, int64_t M, const LinearWeights& w, int64_t u0, int64_t u1,
                          c10::BFloat16* out, int64_t ldo, const c10::BFloat16* bias) {
   if (w.bits == 16) panel_units(x, M, w, u0, u1, out, ldo, bias);
+#if TM_QUANT_PANELS
+  else if (w.panels) quant_panel_units(x, M, w, u0, u1, out, ldo, bias);
+#endif
   else linear_tiles(x, M, w, u0, u1, out, ldo, bias);
 }
 #endif
 
 // Row `id` of an embedding table: bits 16 a plain bf16 [rows, K] table (copied), 4 / 8
-// quantized (dequantized in float32, then rounded to T, as quant_embedding(...).to(dtype) is).
+// quantized, in rows or panels (dequantized in float32, then rounded to T, as quant_embedding(...).to(dtype) is).
 template <typename T>
 void embedding_row(const LinearWeights& table, int64_t id, T* out);
 

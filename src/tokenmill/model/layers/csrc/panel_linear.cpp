@@ -177,7 +177,7 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10
 #if TM_PANEL_KERNEL
   const auto xc = x.contiguous();
   auto out = torch::empty({x.size(0), N}, x.options());
-  const tm_cpu::LinearWeights w{16, panels.data_ptr(), nullptr, N, x.size(1)};
+  const tm_cpu::LinearWeights w{16, false, panels.data_ptr(), nullptr, N, x.size(1)};
   const c10::BFloat16* b = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
   at::parallel_for(0, w.units(), 1, [&](int64_t p0, int64_t p1) {
     tm_cpu::panel_units(xc.data_ptr<c10::BFloat16>(), x.size(0), w, p0, p1, out.data_ptr<c10::BFloat16>(), N, b);

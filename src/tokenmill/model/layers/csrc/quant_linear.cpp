@@ -438,6 +438,12 @@ void linear_tiles(const XT* x, int64_t M, const LinearWeights& w, int64_t t0, in
 template <typename T>
 void embedding_row(const LinearWeights& table, int64_t id, T* out) {
   const int64_t K = table.K;
+#if TM_QUANT_PANELS
+  if (table.panels) {
+    quant_panel_row(table, id, out);
+    return;
+  }
+#endif
   if (table.bits == 16) {
     const c10::BFloat16* row = static_cast<const c10::BFloat16*>(table.data) + id * K;
     for (int64_t k = 0; k < K; ++k) out[k] = static_cast<T>(static_cast<float>(row[k]));
@@ -495,7 +501,7 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
   TORCH_CHECK(scales.numel() == N * (K / kGroup) * (bits == 4 ? 2 : 1), "quant_linear: scales shape");
   auto out = torch::empty({M, N}, x.options());
   if (M == 0) return out;
-  const LinearWeights w{static_cast<int>(bits), qweight.data_ptr(), scales.data_ptr<at::Half>(), N, K};
+  const LinearWeights w{static_cast<int>(bits), false, qweight.data_ptr(), scales.data_ptr<at::Half>(), N, K};
   if (x.scalar_type() == at::kBFloat16) {
     auto xc = x.contiguous();
 #if defined(__AVX512BF16__)
@@ -550,17 +556,21 @@ torch::Tensor dequantize_weight(torch::Tensor qweight, torch::Tensor scales, int
 }
 
 // Rows of a quantized table (an embedding), dequantized: ids [T] -> [T, K] in `dtype`.
+// Panels (a table tied to a quantized LM head, quant_panels.cpp): qweight [ceil(rows / 32), K / 32, 32, 16 or 32].
 torch::Tensor quant_embedding(torch::Tensor ids, torch::Tensor qweight, torch::Tensor scales, int64_t bits,
-                              at::ScalarType dtype) {
+                              at::ScalarType dtype, int64_t rows) {
   TORCH_CHECK(ids.scalar_type() == at::kLong && qweight.is_contiguous() && scales.is_contiguous(), "quant_embedding");
   auto idc = ids.contiguous();
-  const int64_t T = idc.numel(), N = qweight.size(0);
-  const int64_t K = bits == 4 ? qweight.size(1) * 2 : qweight.size(1);
-  TORCH_CHECK((bits == 4 || bits == 8) && scales.scalar_type() == at::kHalf &&
-                  scales.numel() == N * (K / kGroup) * (bits == 4 ? 2 : 1), "quant_embedding: bits 4 or 8, scales shape");
+  const bool panels = qweight.dim() == 4;
+  TORCH_CHECK(!panels || TM_QUANT_PANELS, "quant_embedding: quantized panels need the AVX2 build");
+  const int64_t T = idc.numel(), N = panels ? rows : qweight.size(0);
+  const int64_t K = panels ? qweight.size(1) * kGroup : bits == 4 ? qweight.size(1) * 2 : qweight.size(1);
+  const int64_t slots = panels ? qweight.size(0) * kPanelRows : N;
+  TORCH_CHECK((bits == 4 || bits == 8) && scales.scalar_type() == at::kHalf && N <= slots &&
+                  scales.numel() == slots * (K / kGroup) * (bits == 4 ? 2 : 1), "quant_embedding: bits 4 or 8, scales shape");
   auto out = torch::empty({T, K}, torch::dtype(at::kFloat));
   const int64_t* ip = idc.data_ptr<int64_t>();
-  const LinearWeights table{static_cast<int>(bits), qweight.data_ptr(), scales.data_ptr<at::Half>(), N, K};
+  const LinearWeights table{static_cast<int>(bits), panels, qweight.data_ptr(), scales.data_ptr<at::Half>(), N, K};
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(ip[t] >= 0 && ip[t] < N, "quant_embedding: token id out of range");
     embedding_row(table, ip[t], out.data_ptr<float>() + t * K);
