@@ -175,7 +175,7 @@ def spin_sweep(conditions: list[str], spins_us: list[str], rows_list: list[int],
 
     llm = LLM(enable_prefix_caching=False)
     runner = llm.engine.core.runner
-    fused = runner.fused_decode
+    fused = runner.fast_decode
     if fused is None:
         raise SystemExit("the fused decode step is off here (see the log)")
     res = {"threads": torch.get_num_threads(), "by_condition": {}}

@@ -59,7 +59,7 @@ def main(argv=None) -> None:
 
     llm = LLM(args.model, quantization=args.quantization, enable_prefix_caching=False, max_num_seqs=256)
     runner = llm.engine.core.runner
-    fused, model = runner.fused_decode, runner.model
+    fused, model = runner.fast_decode, runner.model
     if fused is None:
         raise SystemExit("the fused decode step is off here (see the log)")
     weight_bytes = decode_weight_bytes(model)
