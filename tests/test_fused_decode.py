@@ -119,8 +119,9 @@ def test_long_sequences_split_attention_across_threads(tiny_llama_dir, monkeypat
 @pytest.mark.parametrize("long", [False, True])
 def test_quantized_kv_cache_equals_the_model_run_op_by_op(tiny_llama_dir, kv_cache_dtype, long):
     """An int8 / fp8 cache: the step quantizes each new K/V row as write_scaled_cache does and
-    attends through the same kernels (keys split over the threads for a ~300-token sequence), so
-    logits, cache bytes and scales equal the op-by-op model's."""
+    attends through the same kernel as the op-by-op model (the rows kernel on CPUs without AVX-512,
+    else the decode kernel, its keys split over the threads for a ~300-token sequence), so logits,
+    cache bytes and scales equal the op-by-op model's."""
     llm = LLM(tiny_llama_dir, kv_cache_dtype=kv_cache_dtype, **KW)
     fd = _fused_or_skip(llm)
     runner = _runner(llm)

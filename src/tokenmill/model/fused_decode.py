@@ -65,11 +65,14 @@ MAX_Q = 16
 
 
 class FusedDecode:
-    def __init__(self, decoder, tp: TPGroup = NO_TP, vocab_size: int = 0, batch_invariant: bool = False):
+    def __init__(self, decoder, tp: TPGroup = NO_TP, vocab_size: int = 0, batch_invariant: bool = False,
+                 decode_by_rows: bool = False):
         self.decoder, self.tp, self.vocab_size = decoder, tp, vocab_size
         # Batch-invariant (as the attention backend is): every step's attention through the rows
         # kernel, so multi-row chunks run here too, each row as the op-by-op model computes it.
         self.batch_invariant = batch_invariant
+        # decode steps through the rows kernel too (the backend's choice for int8 / fp8 caches)
+        self.decode_by_rows = batch_invariant or decode_by_rows
 
     @classmethod
     def build(cls, model: nn.Module, attn: AttentionBackend, dtype: torch.dtype, block_size: int,
@@ -128,7 +131,7 @@ class FusedDecode:
             logger.info("fused decode step on for steps of <= %d rows, <= %d per request", SMALL_BATCH, MAX_Q)
         else:
             logger.info("fused decode step on for all-decode batches of <= %d rows", SMALL_BATCH)
-        return cls(decoder, tp, model.cfg.vocab_size, invariant)
+        return cls(decoder, tp, model.cfg.vocab_size, invariant, bool(getattr(attn, "decode_by_rows", False)))
 
     def accepts(self, meta: AttentionMetadata, rows: int) -> bool:
         """Whether this step can run here: at most SMALL_BATCH rows, and either all decode rows or
@@ -154,7 +157,7 @@ class FusedDecode:
         rows of the step: a verification wants each of its request's rows). row_slots: int32 [rows],
         each row's LoRA slot (-1: the base model), after set_lora."""
         rows = torch.as_tensor(logits_rows, dtype=torch.long)
-        if self.batch_invariant or not meta.all_decode:  # the rows kernel, over the varlen view
+        if self.decode_by_rows or not meta.all_decode:  # the rows kernel, over the varlen view
             args = (input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens, rows,
                     meta.query_start_loc)
         else:  # decode rows, split over the threads at small batches
