@@ -7,6 +7,7 @@ ranks `run` it; only rank 0 gets logits and samples.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from dataclasses import dataclass, field
@@ -249,8 +250,6 @@ class ModelRunner:
             # Give the GPU back now (KV cache, graph pools, weights), not when the engine object is
             # collected: the next engine in this process sizes its KV cache from what is free.
             self.fast_decode = self.kv_cache = self.kv_scales = self.attn = self.model = self.lora = None
-            import gc
-
             gc.collect()
             torch.cuda.empty_cache()
 

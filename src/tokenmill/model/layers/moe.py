@@ -71,11 +71,17 @@ def experts_dense(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: tor
     gate, up = torch.matmul(x.unsqueeze(0), w13.transpose(1, 2)).chunk(2, dim=-1)  # [E, T, I] each
     y = torch.matmul(F.silu(gate) * up, w2.transpose(1, 2))  # [E, T, H]
     picked = y[ids.long(), torch.arange(T, device=x.device).unsqueeze(1)]  # [T, k, H]
-    out = (picked.float() * weights.unsqueeze(-1)).unbind(1)
+    return _weighted_slot_sum(picked, weights, x.dtype)
+
+
+def _weighted_slot_sum(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """y [T, k, H] (each row's k experts' outputs) times their routing weights, summed in float32
+    in slot order, as the kernel sums."""
+    out = (y.float() * weights.unsqueeze(-1)).unbind(1)
     total = out[0]
-    for part in out[1:]:  # slot order, as the kernel sums
+    for part in out[1:]:
         total = total + part
-    return total.to(x.dtype)
+    return total.to(dtype)
 
 
 def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
@@ -95,11 +101,7 @@ def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids:
         gate, up = F.linear(x[rows // k], w13[e]).chunk(2, dim=-1)
         y[rows] = F.linear(F.silu(gate) * up, w2[e])
         start += n
-    out = (y.float().view(T, k, -1) * weights.unsqueeze(-1)).unbind(1)
-    total = out[0]
-    for part in out[1:]:  # slot order, as the kernel sums
-        total = total + part
-    return total.to(x.dtype)
+    return _weighted_slot_sum(y.view(T, k, -1), weights, x.dtype)
 
 
 class SparseMoeBlock(nn.Module):

@@ -105,6 +105,13 @@ def from_panels(qpanels: torch.Tensor, spanels: torch.Tensor, bits: int, N: int)
     return q.reshape(N, G * GROUP // 2).contiguous(), s.contiguous()
 
 
+def _dequantized(qweight: torch.Tensor, scales: torch.Tensor, bits: int, rows: int, panels: bool) -> torch.Tensor:
+    """A layer's float32 [rows, in] weight, its codes in rows or in output panels."""
+    if panels:
+        qweight, scales = from_panels(qweight, scales, bits, rows)
+    return dequantize(qweight, scales, bits)
+
+
 class QuantLinear(nn.Module):
     """A linear layer with int4 / int8 weights; bias (if any) stays a float parameter."""
 
@@ -124,9 +131,7 @@ class QuantLinear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """The float32 [out, in] weight this layer stands for (pure torch)."""
-        if self.panels:
-            return dequantize(*from_panels(self.qweight, self.scales, self.bits, self.out_features), self.bits)
-        return dequantize(self.qweight, self.scales, self.bits)
+        return _dequantized(self.qweight, self.scales, self.bits, self.out_features, self.panels)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, bits: int) -> "QuantLinear":
@@ -177,9 +182,7 @@ class QuantEmbedding(nn.Module):
         self.qweight, self.scales, self.panels = head.qweight, head.scales, True
 
     def dequantized(self) -> torch.Tensor:
-        if self.panels:
-            return dequantize(*from_panels(self.qweight, self.scales, self.bits, self.rows), self.bits)
-        return dequantize(self.qweight, self.scales, self.bits)
+        return _dequantized(self.qweight, self.scales, self.bits, self.rows, self.panels)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         kernels = cpu_kernels.load() if cpu_kernels.enabled() and ids.device.type == "cpu" else None
