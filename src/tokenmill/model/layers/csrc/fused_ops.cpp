@@ -224,6 +224,31 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
       const float m = _mm512_reduce_max_ps(vmax);
       const __mmask16 at_max = _mm512_cmp_ps_mask(vmax, _mm512_set1_ps(m), _CMP_EQ_OQ);
       best = _mm512_mask_reduce_min_epi32(at_max, vidx);
+#elif defined(__AVX2__)
+      // The same in 8 lanes (the scalar loop took ~40 us a row of 49152, a branch per element),
+      // then the tail after the last full vector, whose indices come after every lane's.
+      __m256 vmax = _mm256_set1_ps(-INFINITY);
+      __m256i vidx = _mm256_setzero_si256();
+      const __m256i step = _mm256_set1_epi32(8);
+      __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+      int64_t i = 0;
+      for (; i + 8 <= V; i += 8, idx = _mm256_add_epi32(idx, step)) {
+        const __m256 v = _mm256_loadu_ps(row + i);
+        const __m256 gt = _mm256_cmp_ps(v, vmax, _CMP_GT_OQ);
+        vmax = _mm256_blendv_ps(vmax, v, gt);
+        vidx = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(vidx), _mm256_castsi256_ps(idx), gt));
+      }
+      alignas(32) float lane_max[8];
+      alignas(32) int32_t lane_idx[8];
+      _mm256_store_ps(lane_max, vmax);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lane_idx), vidx);
+      float m = lane_max[0];
+      for (int l = 1; l < 8; ++l) m = std::max(m, lane_max[l]);
+      best = INT64_MAX;
+      for (int l = 0; l < 8; ++l)
+        if (lane_max[l] == m) best = std::min<int64_t>(best, lane_idx[l]);
+      for (; i < V; ++i)
+        if (row[i] > m) m = row[i], best = i;
 #else
       for (int64_t i = 1; i < V; ++i)
         if (row[i] > row[best]) best = i;
