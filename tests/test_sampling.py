@@ -8,7 +8,7 @@ from conftest import PROMPTS
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.request import Request
-from tokenmill.model.layers.sampler import Sampler, SamplingBatch
+from tokenmill.model.layers.sampler import Sampler, SamplingBatch, SamplingBatches
 
 
 def _batch(logits_rows, **params):
@@ -60,6 +60,27 @@ def test_min_tokens_blocks_eos_and_stop_ids():
     req = Request("r", [1], SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[2]), eos_token_ids=frozenset({0}))
     logits = torch.tensor([[5.0, 1.0, 4.0, 0.0]])
     assert Sampler()(logits, SamplingBatch.from_requests([req], 4)).token_ids == [1]
+
+
+def test_sampling_batches_reused_only_while_nothing_follows_the_output():
+    """The runner's SamplingBatches hands the last batch back for the same requests unless it
+    depends on their output so far: min_tokens bans lift, bad words and penalties follow it."""
+    cpu = torch.device("cpu")
+    plain = Request("a", [1], SamplingParams(temperature=0.7, top_p=0.9, logprobs=1, seed=3))
+    other = Request("b", [1], SamplingParams(temperature=0.0))
+    batches = SamplingBatches()
+    first = batches([plain, other], 4, cpu)
+    plain.append_output_token(2)
+    assert batches([plain, other], 4, cpu) is first
+    assert batches([other, plain], 4, cpu) is not first and batches([other], 4, cpu).all_greedy
+    banned = Request("c", [1], SamplingParams(temperature=0.0, min_tokens=1, stop_token_ids=[2]))
+    logits = torch.tensor([[0.0, 1.0, 5.0, 0.0]])
+    assert Sampler()(logits, batches([banned], 4, cpu)).token_ids == [1]
+    banned.append_output_token(1)  # min_tokens reached: 2 may be sampled now
+    assert Sampler()(logits, batches([banned], 4, cpu)).token_ids == [2]
+    for params, bad_words in (({"bad_words": ["x"]}, [[3]]), ({"repetition_penalty": 1.5}, [])):
+        req = Request("d", [1], SamplingParams(temperature=0.0, **params), bad_words_token_ids=bad_words)
+        assert batches([req], 4, cpu) is not batches([req], 4, cpu)
 
 
 def test_logprobs_topn_and_rank():

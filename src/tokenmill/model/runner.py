@@ -22,10 +22,10 @@ from tokenmill.model.cuda_graphs import CudaGraphDecode
 from tokenmill.model.fused_decode import FusedDecode
 from tokenmill.model.layers import cpu_kernels
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata, SeqChunk
-from tokenmill.model.layers.sampler import Sampler, SamplerOutput, SamplingBatch, score_tokens
+from tokenmill.model.layers.sampler import Sampler, SamplerOutput, SamplingBatches, score_tokens
 from tokenmill.model.loader import load_model
 from tokenmill.model.pooling import Pooler, PoolingMetadata
-from tokenmill.model.staging import PinnedStaging
+from tokenmill.model.staging import PinnedStaging, index_tensor
 from tokenmill.spec_decode.verify import verify_drafts
 from tokenmill.watermark import WatermarkConfig
 
@@ -97,6 +97,7 @@ class ModelRunner:
         if not self.encoder:
             self.allocate_kv_cache(num_blocks)
         self.sampler = Sampler(seed, watermark)
+        self.sampling_batches = SamplingBatches()
         if self.device.type == "cpu" and not self.encoder:
             self.fast_decode = FusedDecode.build(self.model, self.attn, model_config.dtype, block_size, tp)
         elif self.cuda_graphs:
@@ -169,8 +170,8 @@ class ModelRunner:
                 # the last prompt position predicts the first output, not a prompt token
                 prompt_rows.append((row0, row0 + min(n, req.num_prompt_tokens - 1 - start)))
         return StepInputs(
-            torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
-            self.backend.build_metadata(seqs, slots, bs), torch.tensor(logits_rows, dtype=torch.long), prompt_rows,
+            index_tensor(input_ids), index_tensor(positions), self.backend.build_metadata(seqs, slots, bs),
+            index_tensor(logits_rows), prompt_rows,
             self.lora.step_rows(sched.scheduled) if self.lora is not None else None,
             PoolingMetadata.build(sched.scheduled, row0s) if self.pooler is not None else None)
 
@@ -206,8 +207,7 @@ class ModelRunner:
         if any(s.spec_token_ids for s in sched.scheduled):
             return verify_drafts(self.sampler, logits, [s for s in sched.scheduled if s.samples])
         sampling_reqs = [s.request for s in sched.scheduled if s.samples]
-        batch = SamplingBatch.from_requests(sampling_reqs, logits.shape[-1], device=logits.device)
-        return self.sampler(logits, batch)
+        return self.sampler(logits, self.sampling_batches(sampling_reqs, logits.shape[-1], logits.device))
 
     @torch.inference_mode()
     def run(self, step: StepInputs) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tokenmill.model.staging import index_tensor
+
 
 KERNEL_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # compiled in csrc/paged_attention.cpp
 
@@ -91,7 +93,7 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
     # Decode group: rows with a single query token, attended together.
-    decode_rows: torch.Tensor | None = None  # [Bd] row of each decode token in the flat batch
+    decode_rows: torch.Tensor | None = None  # [Bd] row of each decode token in the flat batch (None: all_decode)
     decode_block_tables: torch.Tensor | None = None  # [Bd, max_blocks] (padding -> null block 0)
     decode_seq_lens: torch.Tensor | None = None  # [Bd] keys per decode request, new token included
     block_size: int = 16
@@ -177,15 +179,8 @@ class AttentionBackend:
         varlen view of every request (query_start_loc, seq_lens, block_tables, max_query_len),
         which the batch-invariant rows kernel and the fused step read. `seqs` in row order."""
         bs = block_size
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), block_size=bs)
+        meta = AttentionMetadata(slot_mapping=index_tensor(slots), block_size=bs)
         decodes = [c for c in seqs if c.n == 1]
-        if decodes:
-            max_blocks = -(-max(c.start + 1 for c in decodes) // bs)
-            meta.decode_block_tables = torch.tensor(
-                [c.table[:max_blocks] + [0] * (max_blocks - len(c.table[:max_blocks])) for c in decodes],
-                dtype=torch.long)
-            meta.decode_seq_lens = torch.tensor([c.start + 1 for c in decodes], dtype=torch.long)
-            meta.decode_rows = torch.tensor([c.row0 for c in decodes], dtype=torch.long)
         meta.prefills = []
         for c in seqs:
             if c.n > 1:
@@ -194,16 +189,19 @@ class AttentionBackend:
                 chunk_table = torch.tensor(c.table[: -(-end // bs)], dtype=torch.long)
                 meta.prefills.append(PrefillChunk(c.row0, c.row0 + c.n, c.start, kv_slots, chunk_table))
         meta.all_decode = not meta.prefills
+        if decodes:
+            meta.decode_block_tables = _block_tables(decodes, -(-max(c.start + 1 for c in decodes) // bs))
+            meta.decode_seq_lens = index_tensor([c.start + 1 for c in decodes])
+            if not meta.all_decode:  # all decode: row i is decode row i, no scatter to index
+                meta.decode_rows = index_tensor([c.row0 for c in decodes])
         meta.max_query_len = max((c.n for c in seqs), default=0)
         if meta.all_decode and decodes:  # the decode group is the varlen view already
-            meta.query_start_loc = torch.arange(len(decodes) + 1, dtype=torch.long)
+            meta.query_start_loc = index_tensor(list(range(len(decodes) + 1)))
             meta.seq_lens, meta.block_tables = meta.decode_seq_lens, meta.decode_block_tables
         elif seqs:
-            width = max(-(-(c.start + c.n) // bs) for c in seqs)
-            meta.block_tables = torch.tensor([c.table[:width] + [0] * (width - len(c.table[:width])) for c in seqs],
-                                             dtype=torch.long)
-            meta.seq_lens = torch.tensor([c.start + c.n for c in seqs], dtype=torch.long)
-            meta.query_start_loc = torch.tensor([c.row0 for c in seqs] + [seqs[-1].row0 + seqs[-1].n], dtype=torch.long)
+            meta.block_tables = _block_tables(seqs, max(-(-(c.start + c.n) // bs) for c in seqs))
+            meta.seq_lens = index_tensor([c.start + c.n for c in seqs])
+            meta.query_start_loc = index_tensor([c.row0 for c in seqs] + [seqs[-1].row0 + seqs[-1].n])
         return meta
 
     def fuses_rope(self, qkv: torch.Tensor) -> bool:
@@ -327,6 +325,12 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     s = torch.tanh(q.float() @ k.float().transpose(-1, -2) * scale / softcap) * softcap
     p = s.masked_fill(~mask, float("-inf")).softmax(-1)
     return (p @ v.float()).to(q.dtype)
+
+
+def _block_tables(seqs: list[SeqChunk], width: int) -> torch.Tensor:
+    """[len(seqs), width] int64: each chunk's block table cut or padded (null block 0) to width."""
+    return index_tensor([b for c in seqs for b in c.table[:width] + [0] * (width - len(c.table[:width]))],
+                        len(seqs), width)
 
 
 def _slots_for(table: list[int], length: int, bs: int) -> torch.Tensor:
