@@ -6,11 +6,13 @@ nibble) and j + 16 (high nibble); int8 stores w = q * d (Q8_0). llama.cpp files 
 as they are (gguf_loader), and `--quantization int4|int8` quantizes an HF checkpoint at load
 time the way llama.cpp's quantizer would (min/max for int4, absmax for int8).
 
-Activations stay in the model's dtype (weight-only quantization): each weight byte is read once
-per step, a quarter (int4) or half (int8) of the bfloat16 traffic. On AVX2 CPUs without AVX-512
-the loader repacks the codes once into output panels of 32 rows (pack_quantized: the same bytes
-reordered, csrc/quant_panels.cpp), which the kernel unpacks once per weight for all input rows;
-elsewhere the kernel dequantizes a few weight rows at a time into L1 (csrc/quant_linear.cpp).
+Each weight byte is read once per step, a quarter (int4) or half (int8) of the bfloat16 traffic.
+On AVX2 CPUs without AVX-512 the loader repacks the codes once into output panels of 32 rows
+(pack_quantized: the same bytes reordered, csrc/quant_panels.cpp), which the kernel unpacks once
+per weight for all input rows; there int4 weights multiply activations quantized per group of 32
+to int8 (W4A8, llama.cpp's Q4 x Q8 dot products: quantize_activations, int4_a8_linear) at every
+batch size, and int8 weights float activations. Elsewhere activations stay in the model's dtype
+and the kernel dequantizes a few weight rows at a time into L1 (csrc/quant_linear.cpp).
 """
 
 from __future__ import annotations
@@ -66,6 +68,30 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.
     return (q * s[..., :1] + s[..., 1:]).reshape(N, K)
 
 
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] float rows -> (int8-valued codes [M, K/32, 32], scales [M, K/32]) per group of 32:
+    codes round(x * 127 / max|x|), scale max|x| / 127, in float32 as the panel kernel computes them."""
+    xg = x.float().reshape(x.shape[0], -1, GROUP)
+    amax = xg.abs().amax(-1)
+    # The quotients correctly rounded, as the kernel's divisions are (torch's `127 / t` and `t / 127`
+    # multiply by a rounded reciprocal: one ulp off, one code off at ties).
+    inv = torch.where(amax > 0, (127 / amax.double()).float(), 0)
+    return (xg * inv.unsqueeze(-1)).round(), (amax.double() / 127).float()
+
+
+def int4_a8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """What the AVX2 panel kernel computes for int4 weights (rows format), in float64: activations
+    quantized per group (quantize_activations), y = sum_g [(d s) (xq . q) + m sum(x)]."""
+    N = qweight.shape[0]
+    xq, xs = quantize_activations(x)
+    b = qweight.view(N, xq.shape[1], GROUP // 2)
+    q = torch.cat([b & 0xF, b >> 4], -1).double()
+    d, m = scales.double().unbind(-1)
+    dots = torch.einsum("mgk,ngk->mng", xq.double(), q)
+    sums = x.double().reshape(x.shape[0], -1, GROUP).sum(-1)
+    return torch.einsum("mng,ng,mg->mn", dots, d, xs.double()) + sums @ m.T
+
+
 PANEL = 32  # output rows per panel
 
 
@@ -85,7 +111,8 @@ def to_panels(qweight: torch.Tensor, scales: torch.Tensor, bits: int) -> tuple[t
     K = qweight.shape[1] * 2
     b = qweight.view(N, K // GROUP, GROUP // 2)
     codes = F.pad(torch.cat([b & 0xF, b >> 4], -1), (0, 0, 0, 0, 0, pad))  # [P * 32, G, 32 inputs]
-    codes = codes.view(P, 2, 2, 8, K // GROUP, GROUP).permute(0, 4, 5, 1, 2, 3)  # [P, G, k, h, high, j]
+    # output 8v + i, input 8s + 4h + j -> [P, G, s, v, i, h, j]
+    codes = codes.view(P, 4, 8, K // GROUP, 4, 2, 4).permute(0, 3, 4, 1, 2, 5, 6)
     q = codes[..., 0, :] | (codes[..., 1, :] << 4)
     s = F.pad(scales, (0, 0, 0, 0, 0, pad)).view(P, PANEL, K // GROUP, 2).permute(0, 2, 3, 1)
     return q.reshape(P, K // GROUP, GROUP, 16).contiguous(), s.contiguous()
@@ -97,9 +124,9 @@ def from_panels(qpanels: torch.Tensor, spanels: torch.Tensor, bits: int, N: int)
     if bits == 8:
         q = qpanels.permute(0, 3, 1, 2).reshape(P * PANEL, G * GROUP)[:N]
         return q.contiguous(), spanels.permute(0, 2, 1).reshape(P * PANEL, G)[:N].contiguous()
-    b = qpanels.view(P, G, GROUP, 2, 1, 8)
-    codes = torch.cat([b & 0xF, b >> 4], 4)  # [P, G, k, h, high, j]: output 16h + 8 high + j
-    codes = codes.permute(0, 3, 4, 5, 1, 2).reshape(P * PANEL, G, GROUP)[:N]
+    b = qpanels.view(P, G, 4, 4, 8, 1, 4)
+    codes = torch.cat([b & 0xF, b >> 4], 5)  # [P, G, s, v, i, h, j]: output 8v + i, input 8s + 4h + j
+    codes = codes.permute(0, 3, 4, 1, 2, 5, 6).reshape(P * PANEL, G, GROUP)[:N]
     q = codes[..., :16] | (codes[..., 16:] << 4)
     s = spanels.permute(0, 3, 1, 2).reshape(P * PANEL, G, 2)[:N]
     return q.reshape(N, G * GROUP // 2).contiguous(), s.contiguous()
@@ -142,7 +169,8 @@ class QuantLinear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         ops = cpu_kernels.ops_for(x2)
-        if ops is not None and x2.shape[0] >= LARGE_BATCH:  # prompt steps: oneDNN on a dequantized copy
+        int4_panels = self.panels and self.bits == 4  # int8 activations: faster than the GEMM at any size
+        if ops is not None and x2.shape[0] >= LARGE_BATCH and not int4_panels:  # prompts: oneDNN, dequantized copy
             if x2.dtype == torch.bfloat16 and not onednn_bf16_fast():  # AVX2: its float32 GEMM, not its slow bf16
                 y = F.linear(x2.float(), self._dequantize(ops, torch.float32)).to(x2.dtype)
             else:
@@ -151,6 +179,8 @@ class QuantLinear(nn.Module):
             y = ops.quant_panel_linear(x2, self.qweight, self.scales, self.bits, self.out_features)
         elif ops is not None:
             y = ops.quant_linear(x2, self.qweight, self.scales, self.bits)
+        elif int4_panels:  # kernels turned off after packing: the panels' numbers
+            y = int4_a8_linear(x2, *from_panels(self.qweight, self.scales, 4, self.out_features)).to(x2.dtype)
         else:  # no C++ kernels: dequantize on the fly (slow, but the same numbers)
             y = F.linear(x2, self.dequantized().to(x.dtype))
         if self.bias is not None:

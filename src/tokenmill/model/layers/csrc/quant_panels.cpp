@@ -2,24 +2,35 @@
 // other CPUs without AVX-512; quantization.py packs the weights at load, pack_quant_panels).
 //
 // The groups of 32 inputs and their scales are GGUF's (quant_linear.cpp), but the bytes are laid
-// out as the bf16 panels are (panel_linear.cpp): a panel is 32 output rows; for each group, for
-// each of its 32 inputs k, the 32 outputs' codes side by side (int4: 16 bytes, byte b = 8h + j
-// holding output 16h + j in its low nibble and 16h + 8 + j in its high nibble; int8: 32 bytes,
-// one per output), then the group's scales: int4 d[32] and m[32], int8 d[32] (float16). So
-// `_mm256_cvtepu8_epi32` of 8 bytes and a mask / shift give 8 outputs' codes of input k as int32,
-// which one conversion makes float32, shared by every input row of the register tile: the
-// unpacking is paid once per weight and call, not once per row, and no horizontal sums remain.
+// out as the bf16 panels are (panel_linear.cpp): a panel is 32 output rows; for each group the
+// panel's codes, then the group's float16 scales: int4 d[32] and m[32], int8 d[32].
 //
-// Each output is factorized per group (w = q * d + m):
-//   y = sum_g [ d_g * (sum_k x_k * q_k) + m_g * (sum_k x_k) ]
-// the inner sum an FMA chain over the group's inputs in order, then acc = fma(d, inner, acc) and
-// acc = fma(m, xsum_g, acc), xsum_g summed once per row in a fixed order. Every output's
-// operations are the same whatever the number of rows in the call, their place in the register
-// tile, or how the panels are shared among threads: batch-invariant, bit for bit.
+// int8 codes (an int8 LM head): for each of the group's 32 inputs k, the 32 outputs' codes side
+// by side; `_mm256_cvtepi8_epi32` and one conversion give 8 outputs' codes of input k as float32,
+// shared by every input row of the register tile, factorized per group:
+//   y = sum_g d_g * (sum_k x_k * q_k)
+// the inner sum an FMA chain over the group's inputs in order, then acc = fma(d, inner, acc).
+//
+// int4 codes run with int8 activations (W4A8, llama.cpp's Q4_1 x Q8_1 way): each input row is
+// quantized per group of 32 to int8 (xq = round(x * 127 / max|x|), scale s = max|x| / 127), and
+// the group's products are exact integer sums from `vpmaddubsw` (unsigned nibble x signed int8
+// pairs) summed in int16 (at most 16 products of 15 * 127 per lane: no overflow) and once per
+// group `vpmaddwd` to int32:
+//   y = sum_g [ (d_g * s_g) * (sum_k xq_k * q_k) + m_g * (sum_k x_k) ]
+// the offsets' group sums of x exact in float32 (summed once per row in a fixed order). The
+// bytes of one (panel, group): for each 8 inputs s and 8 outputs v, 32 bytes at (4s + v) * 32,
+// byte 4i + j holding output 8v + i's code of input 8s + j (low nibble) and of 8s + 4 + j (high
+// nibble), so a mask and a shift give two registers of 4-input pairs ready for `vpmaddubsw`.
+// Unpacking is 3 operations per 64 weights, the products 2 per 32 weights and row: batch-1 steps
+// stream the packed weights at memory speed instead of converting every nibble to float.
+//
+// Every output's operations are the same whatever the number of rows in the call, their place in
+// the register tile, or how the panels are shared among threads: batch-invariant, bit for bit.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "linear.h"
@@ -32,106 +43,151 @@ namespace {
 using namespace tm_cpu;
 using BF16 = c10::BFloat16;
 
-constexpr int kMaxRows = 6;  // input rows per register tile (6 x 2 accumulators)
-
 template <int BITS>
-constexpr int64_t kRowBytes = BITS == 4 ? 16 : 32;  // one input's codes for the panel's 32 outputs
+constexpr int64_t kGroupBytes = BITS == 4 ? 512 : 1024;  // codes of one (panel, group)
 template <int BITS>
 constexpr int64_t kGroupScales = BITS == 4 ? 64 : 32;  // float16 scales of one (panel, group)
 
-// Codes of input k for NV vectors of 8 outputs, starting at output 8 * v0 (v0 = 0 or 2 for NV 2).
-// int4: each 8 bytes give 16 outputs (low nibbles 8, high nibbles the next 8).
-template <int BITS, int NV>
-inline void unpack(const uint8_t* row, int v0, __m256 (&q)[NV]) {
-  if constexpr (BITS == 4) {
-    const __m256i low4 = _mm256_set1_epi32(0xF);
-#pragma GCC unroll 2
-    for (int p = 0; p < NV / 2; ++p) {
-      const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 4 * v0 + 8 * p)));
-      q[2 * p] = _mm256_cvtepi32_ps(_mm256_and_si256(b, low4));
-      q[2 * p + 1] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
-    }
-  } else {
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) {
-      const __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * (v0 + v))));
-      q[v] = _mm256_cvtepi32_ps(b);
-    }
-  }
+inline __m256 load_halves(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// Groups g .. g + GB - 1 of MB input rows (float32, ldx apart; xsum: their group sums, G apart)
-// for NV vectors of 8 outputs from output 8 * v0, added to acc[m][0..32) group by group.
-// Each (group, row, vector) sums in its own register: GB x MB x NV independent FMA chains (at
-// least ~10 keep both FMA pipes busy through the FMA latency).
-template <int BITS, int MB, int NV, int GB>
-inline void groups_pass(const float* x, int64_t ldx, const float* xsum, int64_t G, const uint8_t* qp,
-                        const at::Half* sp, int64_t g, int v0, float* acc) {
-  __m256 inner[GB][MB][NV];
-  for (int b = 0; b < GB; ++b)
-    for (int m = 0; m < MB; ++m)
-      for (int v = 0; v < NV; ++v) inner[b][m][v] = _mm256_setzero_ps();
+// ---- int8 codes, float32 activations ----
+
+// Codes of input k (one 32-byte row of the group) for NV vectors of 8 outputs from output 8 * v0.
+template <int NV>
+inline void unpack8(const uint8_t* row, int v0, __m256 (&q)[NV]) {
+#pragma GCC unroll 4
+  for (int v = 0; v < NV; ++v)
+    q[v] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * (v0 + v)))));
+}
+
+// Group g of MB input rows (float32, ldx apart) for NV vectors of 8 outputs from output 8 * v0,
+// added to acc[m][0..32). Each (row, vector) sums in its own register: MB x NV independent FMA
+// chains over the group's inputs in order.
+template <int MB, int NV>
+inline void int8_group(const float* x, int64_t ldx, const uint8_t* qp, const at::Half* sp, int64_t g, int v0,
+                       float* acc) {
+  __m256 inner[MB][NV];
+  for (int m = 0; m < MB; ++m)
+    for (int v = 0; v < NV; ++v) inner[m][v] = _mm256_setzero_ps();
+  const uint8_t* qg = qp + g * kGroupBytes<8>;
 #pragma GCC unroll 2
   for (int k = 0; k < kGroup; ++k) {
-#pragma GCC unroll 2
-    for (int b = 0; b < GB; ++b) {
-      __m256 q[NV];
-      unpack<BITS, NV>(qp + ((g + b) * kGroup + k) * kRowBytes<BITS>, v0, q);
+    __m256 q[NV];
+    unpack8<NV>(qg + k * 32, v0, q);
 #pragma GCC unroll 8
-      for (int m = 0; m < MB; ++m) {
-        const __m256 xb = _mm256_broadcast_ss(x + m * ldx + (g + b) * kGroup + k);
+    for (int m = 0; m < MB; ++m) {
+      const __m256 xb = _mm256_broadcast_ss(x + m * ldx + g * kGroup + k);
 #pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) inner[b][m][v] = _mm256_fmadd_ps(xb, q[v], inner[b][m][v]);
-      }
+      for (int v = 0; v < NV; ++v) inner[m][v] = _mm256_fmadd_ps(xb, q[v], inner[m][v]);
     }
   }
-  for (int b = 0; b < GB; ++b) {  // groups in order: acc = fma(d, inner, acc), then fma(m, xsum, acc)
-    const at::Half* sg = sp + (g + b) * kGroupScales<BITS>;
+#pragma GCC unroll 4
+  for (int v = 0; v < NV; ++v) {
+    const int o = 8 * (v0 + v);
+    const __m256 d = load_halves(sp + g * kGroupScales<8> + o);
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m)
+      _mm256_store_ps(acc + m * kPanelRows + o, _mm256_fmadd_ps(d, inner[m][v], _mm256_load_ps(acc + m * kPanelRows + o)));
+  }
+}
+
+// ---- int4 codes, int8 activations ----
+
+// Input rows quantized per group of 32 (quantize_group): int8 codes (K per row), the groups'
+// scales and exact float sums (G per row).
+struct A8Rows {
+  const int8_t* q;
+  const float* scale;
+  const float* sum;
+  int64_t K, G;
+};
+
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// Group g of MB quantized rows for NV vectors of 8 outputs from output 8 * v0, added to acc[m][0..32).
+template <int MB, int NV>
+inline void int4_group(const A8Rows& xr, const uint8_t* qp, const at::Half* sp, int64_t g, int v0, float* acc) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256i sum[MB][NV];  // int16 pairs: each output's products in 2 lanes
+  for (int m = 0; m < MB; ++m)
+    for (int v = 0; v < NV; ++v) sum[m][v] = _mm256_setzero_si256();
+  const uint8_t* qg = qp + g * kGroupBytes<4>;
+  const int8_t* xg = xr.q + g * kGroup;
+#pragma GCC unroll 4
+  for (int s = 0; s < 4; ++s) {
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) {
-      const int o = 8 * (v0 + v);
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + o)));
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + (4 * s + v0 + v) * 32));
+      const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
 #pragma GCC unroll 8
       for (int m = 0; m < MB; ++m) {
-        __m256 a = _mm256_fmadd_ps(d, inner[b][m][v], _mm256_load_ps(acc + m * kPanelRows + o));
-        if constexpr (BITS == 4) {
-          const __m256 off = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + kPanelRows + o)));
-          a = _mm256_fmadd_ps(off, _mm256_broadcast_ss(xsum + m * G + g + b), a);
-        }
-        _mm256_store_ps(acc + m * kPanelRows + o, a);
+        // each 4 codes broadcast from memory (vpbroadcastd; a buffer of them broadcast ahead, 8x the
+        // bytes, fell out of L1 with 8 rows of 1536 inputs)
+        const int8_t* xc = xg + m * xr.K + 8 * s;
+        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(xc))),
+                                           _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(xc + 4))));
+        sum[m][v] = _mm256_add_epi16(sum[m][v], p);
+        // Keeps the sum in its register here: GCC would otherwise reassociate the integer adds,
+        // compute every product of the unrolled loop first and spill them to the stack.
+        asm("" : "+x"(sum[m][v]));
       }
+    }
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
+  const at::Half* sg = sp + g * kGroupScales<4>;
+#pragma GCC unroll 4
+  for (int v = 0; v < NV; ++v) {
+    const int o = 8 * (v0 + v);
+    const __m256 d = load_halves(sg + o), off = load_halves(sg + kPanelRows + o);
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) {
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[m][v], ones));  // exact: |dot| < 2^24
+      const __m256 ds = _mm256_mul_ps(d, _mm256_broadcast_ss(xr.scale + m * xr.G + g));
+      __m256 a = _mm256_fmadd_ps(ds, dot, _mm256_load_ps(acc + m * kPanelRows + o));
+      a = _mm256_fmadd_ps(off, _mm256_broadcast_ss(xr.sum + m * xr.G + g), a);
+      _mm256_store_ps(acc + m * kPanelRows + o, a);
     }
   }
 }
 
-// acc[m][0..32) = x[m] . the panel's 32 rows for MB input rows, NV output vectors and GB groups
-// at a time (the order of every output's operations is the same whatever MB, NV and GB).
-template <int BITS, int MB, int NV, int GB>
-inline void panel_rows(const float* x, int64_t ldx, const float* xsum, const uint8_t* qp, const at::Half* sp,
-                       int64_t G, float* acc) {
+// acc[m][0..32) = x[m] . the panel's 32 rows for MB input rows, NV output vectors at a time (the
+// order of every output's operations is the same whatever MB and NV).
+template <int BITS, int MB, int NV>
+inline void panel_rows(const float* x, const A8Rows& xr, const uint8_t* qp, const at::Half* sp, int64_t G, float* acc) {
   for (int i = 0; i < MB * kPanelRows; i += 8) _mm256_store_ps(acc + i, _mm256_setzero_ps());
-  int64_t g = 0;
-  for (; g + GB <= G; g += GB)
-    for (int v0 = 0; v0 < 4; v0 += NV) groups_pass<BITS, MB, NV, GB>(x, ldx, xsum, G, qp, sp, g, v0, acc);
-  for (; g < G; ++g)
-    for (int v0 = 0; v0 < 4; v0 += NV) groups_pass<BITS, MB, NV, 1>(x, ldx, xsum, G, qp, sp, g, v0, acc);
+  for (int64_t g = 0; g < G; ++g)
+    for (int v0 = 0; v0 < 4; v0 += NV) {
+      if constexpr (BITS == 4) int4_group<MB, NV>(xr, qp, sp, g, v0, acc);
+      else int8_group<MB, NV>(x, G * kGroup, qp, sp, g, v0, acc);
+    }
 }
 
-// Up to 2 rows: the panel's 4 output vectors at once (4 MB chains, 4 codes in registers); more
-// rows: the outputs in halves (2 MB chains, 2 codes). Measured on AMD EPYC (Zen, AVX2), one
-// thread, cycles per 32 weights per row: 1 row ~4.9 (int4; the 4 vcvtdq2ps per input bound it;
-// two groups at a time did not help, int8 was slower), 32 rows 2.4 (int4) / 2.2 (int8) with 6
-// rows a tile against 2.6 / 2.3 with 4 (2 FMAs a cycle bound it at 2.0), bf16 panels 2.9.
+// int8 (float FMAs): up to 2 rows the panel's 4 output vectors at once, more rows the outputs in
+// halves; measured on AMD EPYC (Zen 3, AVX2), one thread, cycles per 32 weights per row: 32 rows
+// 2.2 with 6 rows a tile against 2.3 with 4 (2 FMAs a cycle bound it at 2.0), bf16 panels 2.9.
+// int4 (int8 products): the int16 sums of MB x NV (row, vector) pairs stay in registers (at most
+// 11 beside the codes and products), up to 8 rows a tile.
 template <int BITS>
-inline void panel_tile(int mb, const float* x, int64_t ldx, const float* xsum, const uint8_t* qp, const at::Half* sp,
-                       int64_t G, float* acc) {
+constexpr int kTileRows = BITS == 4 ? 8 : 6;
+
+template <int BITS>
+inline void panel_tile(int mb, const float* x, const A8Rows& xr, const uint8_t* qp, const at::Half* sp, int64_t G,
+                       float* acc) {
   switch (mb) {
-    case 1: panel_rows<BITS, 1, 4, 1>(x, ldx, xsum, qp, sp, G, acc); break;
-    case 2: panel_rows<BITS, 2, 4, 1>(x, ldx, xsum, qp, sp, G, acc); break;
-    case 3: panel_rows<BITS, 3, 2, 1>(x, ldx, xsum, qp, sp, G, acc); break;
-    case 4: panel_rows<BITS, 4, 2, 1>(x, ldx, xsum, qp, sp, G, acc); break;
-    case 5: panel_rows<BITS, 5, 2, 1>(x, ldx, xsum, qp, sp, G, acc); break;
-    default: panel_rows<BITS, 6, 2, 1>(x, ldx, xsum, qp, sp, G, acc); break;
+    case 1: panel_rows<BITS, 1, 4>(x, xr, qp, sp, G, acc); break;
+    case 2: panel_rows<BITS, 2, 4>(x, xr, qp, sp, G, acc); break;
+    case 3: panel_rows<BITS, 3, 2>(x, xr, qp, sp, G, acc); break;
+    case 4: panel_rows<BITS, 4, 2>(x, xr, qp, sp, G, acc); break;
+    case 5: panel_rows<BITS, 5, 2>(x, xr, qp, sp, G, acc); break;
+    case 6: panel_rows<BITS, 6, BITS == 4 ? 1 : 2>(x, xr, qp, sp, G, acc); break;
+    case 7: if constexpr (BITS == 4) panel_rows<BITS, 7, 1>(x, xr, qp, sp, G, acc); break;
+    default: if constexpr (BITS == 4) panel_rows<BITS, 8, 1>(x, xr, qp, sp, G, acc); break;
   }
 }
 
@@ -141,13 +197,36 @@ inline void store(float v, T* dst, const T* bias) {
   else *dst = static_cast<T>(static_cast<float>(static_cast<T>(v)) + static_cast<float>(*bias));  // as `y + bias`
 }
 
-// The sum of a group's 32 inputs, in one fixed order.
-inline float group_sum(const float* x) {
-  const __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8)),
-                                 _mm256_add_ps(_mm256_loadu_ps(x + 16), _mm256_loadu_ps(x + 24)));
+inline float hsum(__m256 s) {
   __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
   h = _mm_add_ps(h, _mm_movehl_ps(h, h));
   return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+// One group of 32 inputs to int8: codes round(x * 127 / max|x|) (as quantization.quantize_activations
+// computes them), scale max|x| / 127 and the inputs' exact sum (one fixed order).
+inline void quantize_group(const float* x, int8_t* q, float* scale, float* sum) {
+  const __m256 x0 = _mm256_loadu_ps(x), x1 = _mm256_loadu_ps(x + 8), x2 = _mm256_loadu_ps(x + 16),
+               x3 = _mm256_loadu_ps(x + 24);
+  *sum = hsum(_mm256_add_ps(_mm256_add_ps(x0, x1), _mm256_add_ps(x2, x3)));
+  const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(x0, abs), _mm256_and_ps(x1, abs)),
+                           _mm256_max_ps(_mm256_and_ps(x2, abs), _mm256_and_ps(x3, abs)));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  // Divisions through the intrinsic: -ffast-math would turn `a / b` into a * (1 / b), one ulp
+  // off the quotient and so, at ties, one code off.
+  const __m128 a127 = _mm_set_ss(127.f), am = _mm_set_ss(amax);
+  *scale = _mm_cvtss_f32(_mm_div_ss(am, a127));
+  const __m256 inv = _mm256_set1_ps(amax > 0.f ? _mm_cvtss_f32(_mm_div_ss(a127, am)) : 0.f);
+  // round half to even (the default MXCSR mode), as torch.round
+  const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(x0, inv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(x1, inv)),
+                i2 = _mm256_cvtps_epi32(_mm256_mul_ps(x2, inv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(x3, inv));
+  // int32 lanes to bytes: the packs interleave the 128-bit lanes, a dword permutation restores the order
+  const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 
 // Group g of panel p dequantized: blk[k][o] = q * d + m (int8: q * d), rounded once as the plain
@@ -155,18 +234,32 @@ inline float group_sum(const float* x) {
 template <int BITS>
 inline void dequant_block(const LinearWeights& w, int64_t p, int64_t g, float (&blk)[kGroup][kPanelRows]) {
   const int64_t G = w.K / kGroup;
-  const uint8_t* qg = static_cast<const uint8_t*>(w.data) + (p * G + g) * kGroup * kRowBytes<BITS>;
+  const uint8_t* qg = static_cast<const uint8_t*>(w.data) + (p * G + g) * kGroupBytes<BITS>;
   const at::Half* sg = w.scales + (p * G + g) * kGroupScales<BITS>;
   __m256 d[4], m[4];
   for (int v = 0; v < 4; ++v) {
-    d[v] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + 8 * v)));
-    m[v] = BITS == 4 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + kPanelRows + 8 * v)))
-                     : _mm256_setzero_ps();
+    d[v] = load_halves(sg + 8 * v);
+    m[v] = BITS == 4 ? load_halves(sg + kPanelRows + 8 * v) : _mm256_setzero_ps();
   }
-  for (int k = 0; k < kGroup; ++k) {
-    __m256 q[4];
-    unpack<BITS, 4>(qg + k * kRowBytes<BITS>, 0, q);
-    for (int v = 0; v < 4; ++v) _mm256_store_ps(blk[k] + 8 * v, _mm256_fmadd_ps(q[v], d[v], m[v]));
+  if constexpr (BITS == 8) {
+    for (int k = 0; k < kGroup; ++k) {
+      __m256 q[4];
+      unpack8<4>(qg + k * 32, 0, q);
+      for (int v = 0; v < 4; ++v) _mm256_store_ps(blk[k] + 8 * v, _mm256_fmadd_ps(q[v], d[v], m[v]));
+    }
+  } else {
+    const __m256i low4 = _mm256_set1_epi32(0xF);
+    for (int s = 0; s < 4; ++s)
+      for (int v = 0; v < 4; ++v) {  // int32 lane i: output 8v + i, byte j: inputs 8s + j | 8s + 4 + j
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + (4 * s + v) * 32));
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+          const __m256i lo = _mm256_and_si256(_mm256_srli_epi32(raw, 8 * j), low4);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(raw, 8 * j + 4), low4);
+          _mm256_store_ps(blk[8 * s + j] + 8 * v, _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), d[v], m[v]));
+          _mm256_store_ps(blk[8 * s + 4 + j] + 8 * v, _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), d[v], m[v]));
+        }
+      }
   }
 }
 
@@ -194,19 +287,21 @@ inline void transpose_block(const float (&blk)[kGroup][kPanelRows], float* dst, 
 }
 
 template <int BITS, typename OT>
-void units(const float* x, const float* xsum, int64_t M, const LinearWeights& w, int64_t p0, int64_t p1, OT* out,
+void units(const float* x, const A8Rows& xr, int64_t M, const LinearWeights& w, int64_t p0, int64_t p1, OT* out,
            int64_t ldo, const OT* bias) {
-  const int64_t K = w.K, G = K / kGroup;
+  const int64_t G = w.K / kGroup;
   const uint8_t* qw = static_cast<const uint8_t*>(w.data);
-  alignas(32) float acc[kMaxRows * kPanelRows];
+  constexpr int kRows = kTileRows<BITS>;
+  alignas(32) float acc[kRows * kPanelRows];
   for (int64_t p = p0; p < p1; ++p) {
-    const uint8_t* qp = qw + p * G * kGroup * kRowBytes<BITS>;
+    const uint8_t* qp = qw + p * G * kGroupBytes<BITS>;
     const at::Half* sp = w.scales + p * G * kGroupScales<BITS>;
     const int64_t n0 = p * kPanelRows;
     const int nc = static_cast<int>(std::min<int64_t>(kPanelRows, w.N - n0));
-    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-      const int mb = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
-      panel_tile<BITS>(mb, x + m0 * K, K, xsum + m0 * G, qp, sp, G, acc);
+    for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+      const int mb = static_cast<int>(std::min<int64_t>(kRows, M - m0));
+      const A8Rows tile{xr.q + m0 * xr.K, xr.scale + m0 * G, xr.sum + m0 * G, xr.K, G};
+      panel_tile<BITS>(mb, x + m0 * w.K, tile, qp, sp, G, acc);
       for (int i = 0; i < mb; ++i)
         for (int c = 0; c < nc; ++c)
           store(acc[i * kPanelRows + c], out + (m0 + i) * ldo + n0 + c, bias == nullptr ? nullptr : bias + n0 + c);
@@ -223,7 +318,8 @@ void quant_panel_units(const XT* x, int64_t M, const LinearWeights& w, int64_t p
                        const OT* bias) {
   if (M == 0 || p0 >= p1) return;
   const int64_t K = w.K, G = K / kGroup;
-  thread_local std::vector<float> xf, xs;  // the rows as float32 (bf16 widened, exact), their group sums
+  thread_local std::vector<float> xf, xscale, xsum;  // the rows as float32 (bf16 widened, exact); int4: their
+  thread_local std::vector<int8_t> xq;                // groups' scales, sums and int8 codes
   const float* xp;
   if constexpr (std::is_same_v<XT, float>) {
     xp = x;
@@ -232,29 +328,33 @@ void quant_panel_units(const XT* x, int64_t M, const LinearWeights& w, int64_t p
     for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(x[i]);
     xp = xf.data();
   }
-  xs.resize(M * G);
-  if (w.bits == 4)
-    for (int64_t i = 0; i < M * G; ++i) xs[i] = group_sum(xp + i * kGroup);
-  if (w.bits == 4) units<4>(xp, xs.data(), M, w, p0, p1, out, ldo, bias);
-  else units<8>(xp, xs.data(), M, w, p0, p1, out, ldo, bias);
+  if (w.bits == 4) {
+    xq.resize(M * K);
+    xscale.resize(M * G);
+    xsum.resize(M * G);
+    for (int64_t i = 0; i < M * G; ++i) quantize_group(xp + i * kGroup, xq.data() + i * kGroup, &xscale[i], &xsum[i]);
+    units<4>(xp, A8Rows{xq.data(), xscale.data(), xsum.data(), K, G}, M, w, p0, p1, out, ldo, bias);
+  } else {
+    units<8>(xp, A8Rows{}, M, w, p0, p1, out, ldo, bias);
+  }
 }
 
 template <typename T>
 void quant_panel_row(const LinearWeights& w, int64_t id, T* out) {
   const int64_t G = w.K / kGroup, p = id / kPanelRows, o = id % kPanelRows;
-  const int64_t row_bytes = w.bits == 4 ? 16 : 32, group_scales = w.bits == 4 ? 64 : 32;
-  const uint8_t* qp = static_cast<const uint8_t*>(w.data) + p * G * kGroup * row_bytes;
+  const int64_t group_bytes = w.bits == 4 ? kGroupBytes<4> : kGroupBytes<8>;
+  const int64_t group_scales = w.bits == 4 ? kGroupScales<4> : kGroupScales<8>;
+  const uint8_t* qp = static_cast<const uint8_t*>(w.data) + p * G * group_bytes;
   const at::Half* sp = w.scales + p * G * group_scales;
-  // int4: output o's nibble: byte 8 * (o / 16) + o % 8, high nibble if o % 16 >= 8
-  const int64_t byte = w.bits == 4 ? 8 * (o / 16) + o % 8 : o;
-  const int shift = w.bits == 4 && o % 16 >= 8 ? 4 : 0;
   for (int64_t g = 0; g < G; ++g) {
     const float d = _cvtsh_ss(sp[g * group_scales + o].x);
     const float m = w.bits == 4 ? _cvtsh_ss(sp[g * group_scales + kPanelRows + o].x) : 0.f;
-    const uint8_t* qg = qp + g * kGroup * row_bytes + byte;
+    const uint8_t* qg = qp + g * group_bytes;
     for (int k = 0; k < kGroup; ++k) {
-      const float q = w.bits == 4 ? static_cast<float>((qg[k * row_bytes] >> shift) & 0xF)
-                                  : static_cast<float>(static_cast<int8_t>(qg[k * row_bytes]));
+      // int4: input k = 8s + 4h + j of output o = 8v + i: byte (4s + v) * 32 + 4i + j, nibble h
+      const float q = w.bits == 4
+                          ? static_cast<float>((qg[(4 * (k / 8) + o / 8) * 32 + 4 * (o % 8) + k % 4] >> (k % 8 >= 4 ? 4 : 0)) & 0xF)
+                          : static_cast<float>(static_cast<int8_t>(qg[k * 32 + o]));
       out[g * kGroup + k] = static_cast<T>(std::fma(q, d, m));  // q * d + m rounded once, as the plain rows are
     }
   }
