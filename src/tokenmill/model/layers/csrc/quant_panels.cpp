@@ -301,7 +301,7 @@ void units(const float* x, const A8Rows& xr, int64_t M, const LinearWeights& w, 
     for (int64_t m0 = 0; m0 < M; m0 += kRows) {
       const int mb = static_cast<int>(std::min<int64_t>(kRows, M - m0));
       const A8Rows tile{xr.q + m0 * xr.K, xr.scale + m0 * G, xr.sum + m0 * G, xr.K, G};
-      panel_tile<BITS>(mb, x + m0 * w.K, tile, qp, sp, G, acc);
+      panel_tile<BITS>(mb, BITS == 4 ? nullptr : x + m0 * w.K, tile, qp, sp, G, acc);  // int4: tile only
       for (int i = 0; i < mb; ++i)
         for (int c = 0; c < nc; ++c)
           store(acc[i * kPanelRows + c], out + (m0 + i) * ldo + n0 + c, bias == nullptr ? nullptr : bias + n0 + c);
@@ -318,8 +318,26 @@ void quant_panel_units(const XT* x, int64_t M, const LinearWeights& w, int64_t p
                        const OT* bias) {
   if (M == 0 || p0 >= p1) return;
   const int64_t K = w.K, G = K / kGroup;
-  thread_local std::vector<float> xf, xscale, xsum;  // the rows as float32 (bf16 widened, exact); int4: their
-  thread_local std::vector<int8_t> xq;                // groups' scales, sums and int8 codes
+  thread_local std::vector<float> xf, xscale, xsum;  // int8: the rows as float32 (bf16 widened, exact);
+  thread_local std::vector<int8_t> xq;                // int4: the groups' int8 codes, scales and sums
+  if (w.bits == 4) {  // quantized group by group straight from x: no float copy of a prompt's rows
+    xq.resize(M * K);
+    xscale.resize(M * G);
+    xsum.resize(M * G);
+    for (int64_t i = 0; i < M * G; ++i) {
+      const float* xg;
+      alignas(32) float buf[kGroup];
+      if constexpr (std::is_same_v<XT, float>) {
+        xg = x + i * kGroup;
+      } else {
+        for (int k = 0; k < kGroup; ++k) buf[k] = static_cast<float>(x[i * kGroup + k]);
+        xg = buf;
+      }
+      quantize_group(xg, xq.data() + i * kGroup, &xscale[i], &xsum[i]);
+    }
+    units<4>(nullptr, A8Rows{xq.data(), xscale.data(), xsum.data(), K, G}, M, w, p0, p1, out, ldo, bias);
+    return;
+  }
   const float* xp;
   if constexpr (std::is_same_v<XT, float>) {
     xp = x;
@@ -328,15 +346,7 @@ void quant_panel_units(const XT* x, int64_t M, const LinearWeights& w, int64_t p
     for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(x[i]);
     xp = xf.data();
   }
-  if (w.bits == 4) {
-    xq.resize(M * K);
-    xscale.resize(M * G);
-    xsum.resize(M * G);
-    for (int64_t i = 0; i < M * G; ++i) quantize_group(xp + i * kGroup, xq.data() + i * kGroup, &xscale[i], &xsum[i]);
-    units<4>(xp, A8Rows{xq.data(), xscale.data(), xsum.data(), K, G}, M, w, p0, p1, out, ldo, bias);
-  } else {
-    units<8>(xp, A8Rows{}, M, w, p0, p1, out, ldo, bias);
-  }
+  units<8>(xp, A8Rows{}, M, w, p0, p1, out, ldo, bias);
 }
 
 template <typename T>
