@@ -12,7 +12,7 @@ from gguf_writer import write_gguf_from_hf
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.model.layers import cpu_kernels
-from tokenmill.model.layers.quantization import (QuantEmbedding, QuantLinear, dequantize, from_panels, int4_a8_linear,
+from tokenmill.model.layers.quantization import (QuantEmbedding, QuantLinear, dequantize, a8_linear, from_panels,
                                                  pack_quantized, quantize, quantize_activations, to_panels)
 
 
@@ -120,9 +120,9 @@ def test_panels_are_the_same_codes_reordered(bits: int) -> None:
 @pytest.mark.parametrize("bits", [4, 8])
 def test_panel_kernel_on_random_shapes_matches_reference_and_is_invariant(bits: int) -> None:
     """The output-panel kernel: random shapes (K a multiple of 32, N ragged, 1..40 rows), bf16 and
-    float32 inputs, close to the dequantized float matmul (int4: with the activations quantized to
-    int8 per group, int4_a8_linear); each row the bits it has alone, in any batch and at any thread
-    count; its dequantized copy and embedding rows exact."""
+    float32 inputs, close to the float64 reference with the activations quantized to int8 per group
+    (a8_linear); each row the bits it has alone, in any batch and at any thread count; embedding
+    rows read from the panels exact."""
     kernels = _panel_kernels()
     gen = torch.Generator().manual_seed(11)
     threads = torch.get_num_threads()
@@ -136,7 +136,7 @@ def test_panel_kernel_on_random_shapes_matches_reference_and_is_invariant(bits: 
         for dtype, tol in ((torch.bfloat16, 1e-2), (torch.float32, 1e-5)):
             x = torch.randn(M, K, generator=gen).to(dtype)
             out = kernels.quant_panel_linear(x, qp, sp, bits, N)
-            ref = int4_a8_linear(x.float(), qweight, scales).float() if bits == 4 else F.linear(x.float(), w)
+            ref = a8_linear(x.float(), qweight, scales, bits).float()
             assert out.dtype == dtype and out.shape == (M, N)
             torch.testing.assert_close(out.float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
             alone = torch.cat([kernels.quant_panel_linear(x[i : i + 1], qp, sp, bits, N) for i in range(M)])
@@ -149,17 +149,16 @@ def test_panel_kernel_on_random_shapes_matches_reference_and_is_invariant(bits: 
                 assert torch.equal(kernels.quant_panel_linear(x, qp, sp, bits, N), out)
             finally:
                 torch.set_num_threads(threads)
-        assert torch.equal(kernels.dequantize_quant_panels(qp, sp, bits, N, torch.float32), w)
         ids = torch.randint(0, N, (5,), generator=gen)
         assert torch.equal(kernels.quant_embedding(ids, qp, sp, bits, torch.bfloat16, N), w[ids].bfloat16())
 
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_packed_layer_computes_the_layer_it_was(bits: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """pack_quantized: the layer in panels gives what it gave in rows (int8 small batches closely:
-    the factorized sums round differently; prompt batches' dequantized copy exactly; int4 with its
-    activations in int8 at every batch size, each row as alone), a tied table reads the LM head's
-    panels, and the pure-torch fallback computes what the panels' kernel does."""
+    """pack_quantized: the layer in panels computes its weights with the activations in int8 at
+    every batch size (the float64 reference, each row as alone; within 2% of the float activations
+    the rows computed), a tied table reads the LM head's panels, and the pure-torch fallback
+    computes what the panels' kernel does."""
     _panel_kernels()
     torch.manual_seed(4)
     model = torch.nn.Module()
@@ -170,39 +169,40 @@ def test_packed_layer_computes_the_layer_it_was(bits: int, monkeypatch: pytest.M
     w, qweight, scales = model.lm_head.dequantized(), model.lm_head.qweight, model.lm_head.scales
     assert pack_quantized(model) == 1 and model.lm_head.panels and model.embed_tokens.qweight is model.lm_head.qweight
     assert torch.equal(model.lm_head.dequantized(), w) and torch.equal(model.embed_tokens(ids), rows)
-    if bits == 8:
-        torch.testing.assert_close(model.lm_head(x[:9]), small, atol=1e-5, rtol=1e-5)
-        assert torch.equal(model.lm_head(x), large)
-        ref = small
-    else:
-        ref = (int4_a8_linear(x, qweight, scales) + model.lm_head.bias.double()).float()
-        out = model.lm_head(x)
-        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-        assert torch.equal(out[:9], model.lm_head(x[:9]))
-        # int8 activations cost little: within 2% of the largest output of the float activations' layer
-        torch.testing.assert_close(out, large, atol=0.02 * large.abs().max().item(), rtol=0.02)
-        ref = ref[:9]
+    ref = (a8_linear(x, qweight, scales, bits) + model.lm_head.bias.double()).float()
+    out = model.lm_head(x)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[:9], model.lm_head(x[:9]))
+    # int8 activations cost little: within 2% of the largest output of the float activations' layer
+    torch.testing.assert_close(out, large, atol=0.02 * large.abs().max().item(), rtol=0.02)
+    torch.testing.assert_close(out[:9], small, atol=0.02 * small.abs().max().item(), rtol=0.02)
+    ref = ref[:9]
     monkeypatch.setattr(cpu_kernels, "ops_for", lambda x: None)  # the pure-torch fallback reads panels too
     torch.testing.assert_close(model.lm_head(x[:9]), ref, atol=1e-4, rtol=1e-4)
 
 
-def test_int4_activation_codes_use_the_int8_range_without_overflow() -> None:
+def test_activation_codes_use_the_int8_range_without_overflow() -> None:
     """quantize_activations: codes in [-127, 127], the group's largest |x| at +-127, zero groups zero;
-    the panel kernel at the extremes of its int16 sums (every code 15, every activation +-max) and
-    with outliers equals the float64 reference."""
+    the panel kernel at the extremes of its integer sums (int4: every code 15; int8: every code
+    +-127 or -128, whose |w| only fits unsigned) with every activation at +-max, and with outliers,
+    equals the float64 reference."""
     kernels = _panel_kernels()
     x = torch.tensor([[1.0] * 32 + [0.0] * 32 + [-3.0] * 16 + [3.0] * 16, [0.5] * 96])
     codes, xs = quantize_activations(x)
     assert codes.abs().max() == 127 and torch.equal(codes[0, 1], torch.zeros(32)) and xs[0, 1] == 0
     assert torch.equal(codes[0, 2], torch.tensor([-127.0] * 16 + [127.0] * 16))
     N, K = 40, 96
-    qweight = torch.full((N, K // 2), 0xFF, dtype=torch.uint8)  # every code 15
-    scales = torch.stack([torch.full((N, K // 32), 0.01), torch.full((N, K // 32), -0.05)], -1).half()
-    qp, sp = to_panels(qweight, scales, 4)
     gen = torch.Generator().manual_seed(3)
-    for xx in (torch.full((3, K), 7.0), torch.full((3, K), -7.0), torch.randn(9, K, generator=gen) * torch.tensor([1e3] + [1.0] * 95)):
-        out = kernels.quant_panel_linear(xx, qp, sp, 4, N)
-        torch.testing.assert_close(out.double(), int4_a8_linear(xx, qweight, scales), atol=1e-3, rtol=1e-5)
+    xs = (torch.full((3, K), 7.0), torch.full((3, K), -7.0), torch.randn(9, K, generator=gen) * torch.tensor([1e3] + [1.0] * 95))
+    weights = [(4, torch.full((N, K // 2), 0xFF, dtype=torch.uint8),  # every code 15
+                torch.stack([torch.full((N, K // 32), 0.01), torch.full((N, K // 32), -0.05)], -1).half())]
+    for code in (127, -127, -128):
+        weights.append((8, torch.full((N, K), code, dtype=torch.int8), torch.full((N, K // 32), 0.01).half()))
+    for bits, qweight, scales in weights:
+        qp, sp = to_panels(qweight, scales, bits)
+        for xx in xs:
+            out = kernels.quant_panel_linear(xx, qp, sp, bits, N)
+            torch.testing.assert_close(out.double(), a8_linear(xx, qweight, scales, bits), atol=1e-3, rtol=1e-5)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -224,11 +224,11 @@ def test_gguf_blocks_load_without_dequantizing(arch: str, qtype: str, bits: int,
                                               tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--quantization gguf keeps the file's blocks: every QuantLinear stands for exactly the weight
     the dense (dequantized) load produces, and both models score prompts alike (float activations:
-    the row kernel; on AVX2 the int4 panels' int8 activations cost a little more)."""
+    the row kernel; on AVX2 the panels' int8 activations cost a little more)."""
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
     path = write_gguf_from_hf(request.getfixturevalue(f"tiny_{arch}_dir"), tmp_path / f"m.{qtype}.gguf", qtype)
     dense = LLM(str(path), dtype="float32", kv_cache_memory=0.02)
-    if bits == 4 and cpu_kernels.load() is not None and hasattr(cpu_kernels.load(), "quant_panel_linear"):
+    if cpu_kernels.load() is not None and hasattr(cpu_kernels.load(), "quant_panel_linear"):
         a8 = LLM(str(path), dtype="float32", kv_cache_memory=0.02, quantization="gguf")
         assert _model(a8).layers[0].mlp.down_proj.panels
         diff = torch.cat([(a - b).abs() for a, b in zip(_prompt_logprobs(dense), _prompt_logprobs(a8))])

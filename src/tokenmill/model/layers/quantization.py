@@ -9,10 +9,10 @@ time the way llama.cpp's quantizer would (min/max for int4, absmax for int8).
 Each weight byte is read once per step, a quarter (int4) or half (int8) of the bfloat16 traffic.
 On AVX2 CPUs without AVX-512 the loader repacks the codes once into output panels of 32 rows
 (pack_quantized: the same bytes reordered, csrc/quant_panels.cpp), which the kernel unpacks once
-per weight for all input rows; there int4 weights multiply activations quantized per group of 32
-to int8 (W4A8, llama.cpp's Q4 x Q8 dot products: quantize_activations, int4_a8_linear) at every
-batch size, and int8 weights float activations. Elsewhere activations stay in the model's dtype
-and the kernel dequantizes a few weight rows at a time into L1 (csrc/quant_linear.cpp).
+per weight for all input rows; there the weights multiply activations quantized per group of 32
+to int8 (W4A8 / W8A8 per group, llama.cpp's Q4 x Q8 and Q8 x Q8 dot products:
+quantize_activations, a8_linear) at every batch size. Elsewhere activations stay in the model's
+dtype and the kernel dequantizes a few weight rows at a time into L1 (csrc/quant_linear.cpp).
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ logger = logging.getLogger("tokenmill")
 GROUP = 32
 # Rows from which a step dequantizes each weight once and runs oneDNN's GEMM on it (prompt
 # steps: the GEMM is compute-bound there and oneDNN's beats the engine's tile kernel; the
-# copy costs a weight's bf16 size in memory traffic, small against 128+ rows of work).
+# copy costs a weight's bf16 size in memory traffic, small against 128+ rows of work). Not for
+# panels: their int8 products beat the copy + float32 GEMM at any size (1.4-1.9x at 64-512 rows,
+# one thread, int8 SmolLM2 shapes; int4 1.5-2.6x).
 LARGE_BATCH = 128
 QUANTIZATION_METHODS = ("int4", "int8", "gguf", "w8a8")  # w8a8: layers/w8a8.py, model/smoothquant.py
 BITS = {"int4": 4, "int8": 8}
@@ -79,17 +81,22 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (xg * inv.unsqueeze(-1)).round(), (amax.double() / 127).float()
 
 
-def int4_a8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """What the AVX2 panel kernel computes for int4 weights (rows format), in float64: activations
-    quantized per group (quantize_activations), y = sum_g [(d s) (xq . q) + m sum(x)]."""
+def a8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
+    """What the AVX2 panel kernel computes (weights in rows format), in float64: activations
+    quantized per group (quantize_activations), y = sum_g [(d s) (xq . q) + m sum(x)] (int8: m = 0)."""
     N = qweight.shape[0]
     xq, xs = quantize_activations(x)
-    b = qweight.view(N, xq.shape[1], GROUP // 2)
-    q = torch.cat([b & 0xF, b >> 4], -1).double()
-    d, m = scales.double().unbind(-1)
+    if bits == 8:
+        q, d = qweight.view(N, xq.shape[1], GROUP).double(), scales.double()
+    else:
+        b = qweight.view(N, xq.shape[1], GROUP // 2)
+        q = torch.cat([b & 0xF, b >> 4], -1).double()
+        d, m = scales.double().unbind(-1)
     dots = torch.einsum("mgk,ngk->mng", xq.double(), q)
-    sums = x.double().reshape(x.shape[0], -1, GROUP).sum(-1)
-    return torch.einsum("mng,ng,mg->mn", dots, d, xs.double()) + sums @ m.T
+    y = torch.einsum("mng,ng,mg->mn", dots, d, xs.double())
+    if bits == 4:
+        y += x.double().reshape(x.shape[0], -1, GROUP).sum(-1) @ m.T
+    return y
 
 
 PANEL = 32  # output rows per panel
@@ -97,17 +104,19 @@ PANEL = 32  # output rows per panel
 
 def to_panels(qweight: torch.Tensor, scales: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(qweight, scales) in rows -> the same codes and scales in output panels of 32 rows (rows
-    past N zero): codes [P, K/32, 32 inputs, 16 bytes] (int4: byte 8h + j holds output 16h + j in
-    its low nibble, 16h + 8 + j in its high one) or [P, K/32, 32, 32] (int8), scales float16
-    [P, K/32, 2, 32] (d row, m row) or [P, K/32, 32]. The layout of csrc/quant_panels.cpp."""
+    past N zero), the layout of csrc/quant_panels.cpp: codes [P, K/32, 32, 16] (int4) or
+    [P, K/32, 32, 32] (int8), per group 32-byte runs for 8 outputs 8v + i: int4's byte 4i + j of
+    run 4s + v holds input 8s + j (low nibble) and 8s + 4 + j (high), int8's input 4s + j; scales
+    float16 [P, K/32, 2, 32] (d row, m row) or [P, K/32, 32]."""
     N = qweight.shape[0]
     P = -(-N // PANEL)
     pad = P * PANEL - N
     if bits == 8:
         K = qweight.shape[1]
-        q = F.pad(qweight, (0, 0, 0, pad)).view(P, PANEL, K // GROUP, GROUP).permute(0, 2, 3, 1)
+        # output 8v + i, input 4s + j -> [P, G, s, v, i, j]
+        q = F.pad(qweight, (0, 0, 0, pad)).view(P, 4, 8, K // GROUP, 8, 4).permute(0, 3, 4, 1, 2, 5)
         s = F.pad(scales, (0, 0, 0, pad)).view(P, PANEL, K // GROUP).permute(0, 2, 1)
-        return q.contiguous(), s.contiguous()
+        return q.reshape(P, K // GROUP, GROUP, PANEL).contiguous(), s.contiguous()
     K = qweight.shape[1] * 2
     b = qweight.view(N, K // GROUP, GROUP // 2)
     codes = F.pad(torch.cat([b & 0xF, b >> 4], -1), (0, 0, 0, 0, 0, pad))  # [P * 32, G, 32 inputs]
@@ -122,7 +131,7 @@ def from_panels(qpanels: torch.Tensor, spanels: torch.Tensor, bits: int, N: int)
     """to_panels' inverse: (qweight, scales) in rows for the first N outputs."""
     P, G = qpanels.shape[:2]
     if bits == 8:
-        q = qpanels.permute(0, 3, 1, 2).reshape(P * PANEL, G * GROUP)[:N]
+        q = qpanels.view(P, G, 8, 4, 8, 4).permute(0, 3, 4, 1, 2, 5).reshape(P * PANEL, G * GROUP)[:N]
         return q.contiguous(), spanels.permute(0, 2, 1).reshape(P * PANEL, G)[:N].contiguous()
     b = qpanels.view(P, G, 4, 4, 8, 1, 4)
     codes = torch.cat([b & 0xF, b >> 4], 5)  # [P, G, s, v, i, h, j]: output 8v + i, input 8s + 4h + j
@@ -169,8 +178,8 @@ class QuantLinear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         ops = cpu_kernels.ops_for(x2)
-        int4_panels = self.panels and self.bits == 4  # int8 activations: faster than the GEMM at any size
-        if ops is not None and x2.shape[0] >= LARGE_BATCH and not int4_panels:  # prompts: oneDNN, dequantized copy
+        # panels (int8 activations) are faster than the GEMM at any size
+        if ops is not None and x2.shape[0] >= LARGE_BATCH and not self.panels:  # prompts: oneDNN, dequantized copy
             if x2.dtype == torch.bfloat16 and not onednn_bf16_fast():  # AVX2: its float32 GEMM, not its slow bf16
                 y = F.linear(x2.float(), self._dequantize(ops, torch.float32)).to(x2.dtype)
             else:
@@ -179,8 +188,9 @@ class QuantLinear(nn.Module):
             y = ops.quant_panel_linear(x2, self.qweight, self.scales, self.bits, self.out_features)
         elif ops is not None:
             y = ops.quant_linear(x2, self.qweight, self.scales, self.bits)
-        elif int4_panels:  # kernels turned off after packing: the panels' numbers
-            y = int4_a8_linear(x2, *from_panels(self.qweight, self.scales, 4, self.out_features)).to(x2.dtype)
+        elif self.panels:  # kernels turned off after packing: the panels' numbers
+            y = a8_linear(x2, *from_panels(self.qweight, self.scales, self.bits, self.out_features),
+                          self.bits).to(x2.dtype)
         else:  # no C++ kernels: dequantize on the fly (slow, but the same numbers)
             y = F.linear(x2, self.dequantized().to(x.dtype))
         if self.bias is not None:
@@ -188,8 +198,6 @@ class QuantLinear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
     def _dequantize(self, ops, dtype: torch.dtype) -> torch.Tensor:
-        if self.panels:
-            return ops.dequantize_quant_panels(self.qweight, self.scales, self.bits, self.out_features, dtype)
         return ops.dequantize_weight(self.qweight, self.scales, self.bits, dtype)
 
     def extra_repr(self) -> str:

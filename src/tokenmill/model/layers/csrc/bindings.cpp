@@ -45,8 +45,6 @@ torch::Tensor quant_embedding(torch::Tensor ids, torch::Tensor qweight, torch::T
 // quant_panels.cpp
 torch::Tensor quant_panel_linear(torch::Tensor x, torch::Tensor qpanels, torch::Tensor spanels, int64_t bits,
                                  int64_t N);
-torch::Tensor dequantize_quant_panels(torch::Tensor qpanels, torch::Tensor spanels, int64_t bits, int64_t N,
-                                      at::ScalarType dtype);
 #endif
 
 // w8a8.cpp
@@ -102,10 +100,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_embedding", &quant_embedding, "rows of an int4/int8 table (rows or panels: give `rows`), dequantized",
         py::arg("ids"), py::arg("qweight"), py::arg("scales"), py::arg("bits"), py::arg("dtype"), py::arg("rows") = -1);
 #if TM_QUANT_PANELS
-  m.def("quant_panel_linear", &quant_panel_linear, "weight-only int4/int8 linear on output panels (AVX2)",
+  m.def("quant_panel_linear", &quant_panel_linear, "int4/int8 weights on output panels x int8 activations (AVX2)",
         py::arg("x"), py::arg("qpanels"), py::arg("spanels"), py::arg("bits"), py::arg("out_features"));
-  m.def("dequantize_quant_panels", &dequantize_quant_panels, "an int4/int8 panel weight, dequantized [N, K]",
-        py::arg("qpanels"), py::arg("spanels"), py::arg("bits"), py::arg("out_features"), py::arg("dtype"));
 #endif
   m.def("w8a8_linear", &w8a8_linear, "int8 weights x per-token int8 activations, int32 sums (--quantization w8a8)",
         py::arg("x"), py::arg("packed"), py::arg("w_scale"), py::arg("rowsum"), py::arg("bias"), py::arg("N"));

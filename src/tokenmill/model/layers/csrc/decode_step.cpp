@@ -82,13 +82,31 @@ struct W8A8Acts {
   std::vector<int32_t> zx;
 };
 
-// Units [u0, u1) of a linear for M input rows. A W8A8 linear's output rows are N apart (every
-// linear of the step writes whole rows); each thread quantizes the rows itself, as the op does.
-inline void run_units(const Linear& lin, const BF16* x, int64_t M, int64_t u0, int64_t u1, BF16* out, int64_t ldo,
-                      W8A8Acts& acts) {
-  if (!lin.w8a8) return linear_units(x, M, lin.w, u0, u1, out, ldo, lin.bias);
-  w8a8_quantize_rows(x, M, lin.w8.K, acts.q.data(), acts.sx.data(), acts.zx.data());
-  w8a8_units(lin.w8, acts.q.data(), acts.sx.data(), acts.zx.data(), M, u0, u1, out);
+// A linear's M input rows as its kernel reads them: W8A8 and int4 / int8 panels quantize them,
+// each thread itself (as the op does), once per linear (gate_up's two halves share them).
+struct LinearInput {
+  const BF16* x;
+  int64_t M;
+  A8Rows a8;  // int4 / int8 panels: the rows in int8 per group (this thread's buffers)
+};
+
+inline LinearInput prepare_input(const Linear& lin, const BF16* x, int64_t M, W8A8Acts& acts) {
+  if (lin.w8a8) w8a8_quantize_rows(x, M, lin.w8.K, acts.q.data(), acts.sx.data(), acts.zx.data());
+#if TM_QUANT_PANELS
+  else if (lin.w.panels) return {x, M, quantize_a8_rows(x, M, lin.w.K)};
+#endif
+  return {x, M, {}};
+}
+
+// Units [u0, u1) of a linear. A W8A8 linear's output rows are N apart (every linear of the step
+// writes whole rows).
+inline void run_units(const Linear& lin, const LinearInput& in, int64_t u0, int64_t u1, BF16* out, int64_t ldo,
+                      const W8A8Acts& acts) {
+  if (lin.w8a8) return w8a8_units(lin.w8, acts.q.data(), acts.sx.data(), acts.zx.data(), in.M, u0, u1, out);
+#if TM_QUANT_PANELS
+  if (lin.w.panels) return quant_panel_units(in.a8, in.M, lin.w, u0, u1, out, ldo, lin.bias);
+#endif
+  linear_units(in.x, in.M, lin.w, u0, u1, out, ldo, lin.bias);
 }
 
 Linear make_w8a8_linear(const LinearSpec& spec, int64_t in_features, int64_t out_features, const char* name) {
@@ -500,7 +518,7 @@ class FusedDecoder {
       };
       auto linear = [&](const Linear& lin, const BF16* x, int64_t rows, BF16* out, int64_t ldo, int64_t lora_k = -1) {
         const auto [u0, u1] = share(lin.units(), t, n_t);
-        run_units(lin, x, rows, u0, u1, out, ldo, acts);
+        run_units(lin, prepare_input(lin, x, rows, acts), u0, u1, out, ldo, acts);
         if (lora_k >= 0)
           add_lora(lora_k, x, out, ldo, u0 * lin.unit_rows(), std::min(lin.w.N, u1 * lin.unit_rows()));
       };
@@ -558,8 +576,9 @@ class FusedDecoder {
           const int64_t rows_per = gl.unit_rows(), half = I / rows_per;
           const auto [u0, u1] = share(half, t, n_t);
           const int64_t c0 = u0 * rows_per, c1 = u1 * rows_per;
-          run_units(gl, xn.data(), M, u0, u1, gu_p, 2 * I, acts);
-          run_units(gl, xn.data(), M, half + u0, half + u1, gu_p, 2 * I, acts);
+          const LinearInput in = prepare_input(gl, xn.data(), M, acts);  // once for both halves
+          run_units(gl, in, u0, u1, gu_p, 2 * I, acts);
+          run_units(gl, in, half + u0, half + u1, gu_p, 2 * I, acts);
           add_lora(4 * l + 2, xn.data(), gu_p, 2 * I, c0, c1, I + c0, I + c1);
           for (int64_t m = 0; m < M; ++m)
             silu_mul_row(gu_p + m * 2 * I + c0, gu_p + m * 2 * I + I + c0, act_p + m * I + c0, c1 - c0);

@@ -49,11 +49,29 @@ template <typename XT, typename OT>
 void linear_tiles(const XT* x, int64_t M, const LinearWeights& w, int64_t t0, int64_t t1, OT* out, int64_t ldo,
                   const OT* bias = nullptr);
 
+// Input rows quantized per group of 32 to int8 (quant_panels.cpp): each row's K codes, and its
+// groups' scales and exact float sums (G = K / 32 per row).
+struct A8Rows {
+  const int8_t* q = nullptr;
+  const float* scale = nullptr;
+  const float* sum = nullptr;
+  int64_t K = 0, G = 0;
+};
+
 #if TM_QUANT_PANELS
-// Quantized panels: the same for the output rows of panels [p0, p1) (XT / OT as linear_tiles').
+// Quantized panels: the same for the output rows of panels [p0, p1) (XT / OT as linear_tiles'),
+// the rows quantized to int8 on the way in.
 template <typename XT, typename OT>
 void quant_panel_units(const XT* x, int64_t M, const LinearWeights& w, int64_t p0, int64_t p1, OT* out, int64_t ldo,
                        const OT* bias = nullptr);
+
+// The same in two steps, for a caller that runs several unit ranges on one input: M rows
+// quantized into this thread's buffers (valid until its next call), then the units.
+template <typename XT>
+A8Rows quantize_a8_rows(const XT* x, int64_t M, int64_t K);
+template <typename OT>
+void quant_panel_units(const A8Rows& x, int64_t M, const LinearWeights& w, int64_t p0, int64_t p1, OT* out,
+                       int64_t ldo, const OT* bias = nullptr);
 
 // Row `id` of a quantized panel weight (an embedding table tied to a quantized LM head), dequantized.
 template <typename T>

@@ -5,24 +5,22 @@
 // out as the bf16 panels are (panel_linear.cpp): a panel is 32 output rows; for each group the
 // panel's codes, then the group's float16 scales: int4 d[32] and m[32], int8 d[32].
 //
-// int8 codes (an int8 LM head): for each of the group's 32 inputs k, the 32 outputs' codes side
-// by side; `_mm256_cvtepi8_epi32` and one conversion give 8 outputs' codes of input k as float32,
-// shared by every input row of the register tile, factorized per group:
-//   y = sum_g d_g * (sum_k x_k * q_k)
-// the inner sum an FMA chain over the group's inputs in order, then acc = fma(d, inner, acc).
-//
-// int4 codes run with int8 activations (W4A8, llama.cpp's Q4_1 x Q8_1 way): each input row is
-// quantized per group of 32 to int8 (xq = round(x * 127 / max|x|), scale s = max|x| / 127), and
-// the group's products are exact integer sums from `vpmaddubsw` (unsigned nibble x signed int8
-// pairs) summed in int16 (at most 16 products of 15 * 127 per lane: no overflow) and once per
-// group `vpmaddwd` to int32:
-//   y = sum_g [ (d_g * s_g) * (sum_k xq_k * q_k) + m_g * (sum_k x_k) ]
-// the offsets' group sums of x exact in float32 (summed once per row in a fixed order). The
-// bytes of one (panel, group): for each 8 inputs s and 8 outputs v, 32 bytes at (4s + v) * 32,
-// byte 4i + j holding output 8v + i's code of input 8s + j (low nibble) and of 8s + 4 + j (high
-// nibble), so a mask and a shift give two registers of 4-input pairs ready for `vpmaddubsw`.
-// Unpacking is 3 operations per 64 weights, the products 2 per 32 weights and row: batch-1 steps
-// stream the packed weights at memory speed instead of converting every nibble to float.
+// Both run with int8 activations (llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0 way): each input row
+// is quantized per group of 32 to int8 (xq = round(x * 127 / max|x|), scale s = max|x| / 127),
+// and the group's products are exact integer sums from `vpmaddubsw` (unsigned x signed bytes,
+// adjacent pairs added in int16), then `vpmaddwd` to int32:
+//   y = sum_g [ (d_g * s_g) * (sum_k xq_k * q_k) + m_g * (sum_k x_k) ]   (int8: no m term)
+// the offsets' group sums of x exact in float32 (summed once per row in a fixed order).
+// int4: per 8 inputs s and 8 outputs v, 32 bytes at (4s + v) * 32 of the (panel, group), byte
+// 4i + j holding output 8v + i's code of input 8s + j (low nibble) and of 8s + 4 + j (high
+// nibble), so a mask and a shift give two registers of 4-input runs; the nibbles are unsigned
+// and the products (at most 16 of 15 * 127 per int16 lane) add up in int16 through the group.
+// int8: per 4 inputs s and 8 outputs v, 32 bytes at (4s + v) * 32, byte 4i + j holding output
+// 8v + i's code of input 4s + j; |w| times x with w's sign (`vpabsb`, `vpsignb`), each 4-input
+// run to int32 at once (a pair of products reaches 2 * 128 * 127).
+// Per 32 weights and row that is 2 (int4) or 4 (int8) integer operations, the codes unpacked once
+// for the tile's rows: batch-1 steps stream the packed weights at memory speed instead of
+// converting every code to float.
 //
 // Every output's operations are the same whatever the number of rows in the call, their place in
 // the register tile, or how the panels are shared among threads: batch-invariant, bit for bit.
@@ -52,57 +50,7 @@ inline __m256 load_halves(const at::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// ---- int8 codes, float32 activations ----
-
-// Codes of input k (one 32-byte row of the group) for NV vectors of 8 outputs from output 8 * v0.
-template <int NV>
-inline void unpack8(const uint8_t* row, int v0, __m256 (&q)[NV]) {
-#pragma GCC unroll 4
-  for (int v = 0; v < NV; ++v)
-    q[v] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * (v0 + v)))));
-}
-
-// Group g of MB input rows (float32, ldx apart) for NV vectors of 8 outputs from output 8 * v0,
-// added to acc[m][0..32). Each (row, vector) sums in its own register: MB x NV independent FMA
-// chains over the group's inputs in order.
-template <int MB, int NV>
-inline void int8_group(const float* x, int64_t ldx, const uint8_t* qp, const at::Half* sp, int64_t g, int v0,
-                       float* acc) {
-  __m256 inner[MB][NV];
-  for (int m = 0; m < MB; ++m)
-    for (int v = 0; v < NV; ++v) inner[m][v] = _mm256_setzero_ps();
-  const uint8_t* qg = qp + g * kGroupBytes<8>;
-#pragma GCC unroll 2
-  for (int k = 0; k < kGroup; ++k) {
-    __m256 q[NV];
-    unpack8<NV>(qg + k * 32, v0, q);
-#pragma GCC unroll 8
-    for (int m = 0; m < MB; ++m) {
-      const __m256 xb = _mm256_broadcast_ss(x + m * ldx + g * kGroup + k);
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) inner[m][v] = _mm256_fmadd_ps(xb, q[v], inner[m][v]);
-    }
-  }
-#pragma GCC unroll 4
-  for (int v = 0; v < NV; ++v) {
-    const int o = 8 * (v0 + v);
-    const __m256 d = load_halves(sp + g * kGroupScales<8> + o);
-#pragma GCC unroll 8
-    for (int m = 0; m < MB; ++m)
-      _mm256_store_ps(acc + m * kPanelRows + o, _mm256_fmadd_ps(d, inner[m][v], _mm256_load_ps(acc + m * kPanelRows + o)));
-  }
-}
-
-// ---- int4 codes, int8 activations ----
-
-// Input rows quantized per group of 32 (quantize_group): int8 codes (K per row), the groups'
-// scales and exact float sums (G per row).
-struct A8Rows {
-  const int8_t* q;
-  const float* scale;
-  const float* sum;
-  int64_t K, G;
-};
+// ---- int8 activations ----
 
 inline int32_t load_i32(const int8_t* p) {
   int32_t v;
@@ -156,38 +104,74 @@ inline void int4_group(const A8Rows& xr, const uint8_t* qp, const at::Half* sp, 
   }
 }
 
+// Group g of MB quantized rows for NV vectors of 8 outputs from output 8 * v0 of int8 codes, added
+// to acc[m][0..32). `vpmaddubsw` multiplies unsigned by signed bytes: |w| by x with w's sign
+// (llama.cpp's Q8_0 x Q8_0 way); pairs of products at most 2 * 128 * 127 fit int16, so each
+// 4-input run goes to int32 (`vpmaddwd`) at once.
+template <int MB, int NV>
+inline void int8_group(const A8Rows& xr, const uint8_t* qp, const at::Half* sp, int64_t g, int v0, float* acc) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i dot[MB][NV];
+  for (int m = 0; m < MB; ++m)
+    for (int v = 0; v < NV; ++v) dot[m][v] = _mm256_setzero_si256();
+  const uint8_t* qg = qp + g * kGroupBytes<8>;
+  const int8_t* xg = xr.q + g * kGroup;
+#pragma GCC unroll 8
+  for (int s = 0; s < 8; ++s) {
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + (4 * s + v0 + v) * 32));
+      const __m256i aw = _mm256_abs_epi8(w);
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) {
+        const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(xg + m * xr.K + 4 * s)), w);
+        dot[m][v] = _mm256_add_epi32(dot[m][v], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones));
+        asm("" : "+x"(dot[m][v]));  // as in int4_group: no reassociation of the unrolled adds
+      }
+    }
+  }
+  const at::Half* sg = sp + g * kGroupScales<8>;
+#pragma GCC unroll 4
+  for (int v = 0; v < NV; ++v) {
+    const int o = 8 * (v0 + v);
+    const __m256 d = load_halves(sg + o);
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) {
+      const __m256 ds = _mm256_mul_ps(d, _mm256_broadcast_ss(xr.scale + m * xr.G + g));
+      // exact: |dot| <= 32 * 128 * 127 < 2^24
+      _mm256_store_ps(acc + m * kPanelRows + o,
+                      _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(dot[m][v]), _mm256_load_ps(acc + m * kPanelRows + o)));
+    }
+  }
+}
+
 // acc[m][0..32) = x[m] . the panel's 32 rows for MB input rows, NV output vectors at a time (the
 // order of every output's operations is the same whatever MB and NV).
 template <int BITS, int MB, int NV>
-inline void panel_rows(const float* x, const A8Rows& xr, const uint8_t* qp, const at::Half* sp, int64_t G, float* acc) {
+inline void panel_rows(const A8Rows& xr, const uint8_t* qp, const at::Half* sp, int64_t G, float* acc) {
   for (int i = 0; i < MB * kPanelRows; i += 8) _mm256_store_ps(acc + i, _mm256_setzero_ps());
   for (int64_t g = 0; g < G; ++g)
     for (int v0 = 0; v0 < 4; v0 += NV) {
       if constexpr (BITS == 4) int4_group<MB, NV>(xr, qp, sp, g, v0, acc);
-      else int8_group<MB, NV>(x, G * kGroup, qp, sp, g, v0, acc);
+      else int8_group<MB, NV>(xr, qp, sp, g, v0, acc);
     }
 }
 
-// int8 (float FMAs): up to 2 rows the panel's 4 output vectors at once, more rows the outputs in
-// halves; measured on AMD EPYC (Zen 3, AVX2), one thread, cycles per 32 weights per row: 32 rows
-// 2.2 with 6 rows a tile against 2.3 with 4 (2 FMAs a cycle bound it at 2.0), bf16 panels 2.9.
-// int4 (int8 products): the int16 sums of MB x NV (row, vector) pairs stay in registers (at most
-// 11 beside the codes and products), up to 8 rows a tile.
-template <int BITS>
-constexpr int kTileRows = BITS == 4 ? 8 : 6;
+// The integer sums of MB x NV (row, vector) pairs stay in registers (at most 11 beside the codes
+// and products), up to 8 rows a tile.
+constexpr int kTileRows = 8;
 
 template <int BITS>
-inline void panel_tile(int mb, const float* x, const A8Rows& xr, const uint8_t* qp, const at::Half* sp, int64_t G,
-                       float* acc) {
+inline void panel_tile(int mb, const A8Rows& xr, const uint8_t* qp, const at::Half* sp, int64_t G, float* acc) {
   switch (mb) {
-    case 1: panel_rows<BITS, 1, 4>(x, xr, qp, sp, G, acc); break;
-    case 2: panel_rows<BITS, 2, 4>(x, xr, qp, sp, G, acc); break;
-    case 3: panel_rows<BITS, 3, 2>(x, xr, qp, sp, G, acc); break;
-    case 4: panel_rows<BITS, 4, 2>(x, xr, qp, sp, G, acc); break;
-    case 5: panel_rows<BITS, 5, 2>(x, xr, qp, sp, G, acc); break;
-    case 6: panel_rows<BITS, 6, BITS == 4 ? 1 : 2>(x, xr, qp, sp, G, acc); break;
-    case 7: if constexpr (BITS == 4) panel_rows<BITS, 7, 1>(x, xr, qp, sp, G, acc); break;
-    default: if constexpr (BITS == 4) panel_rows<BITS, 8, 1>(x, xr, qp, sp, G, acc); break;
+    case 1: panel_rows<BITS, 1, 4>(xr, qp, sp, G, acc); break;
+    case 2: panel_rows<BITS, 2, 4>(xr, qp, sp, G, acc); break;
+    case 3: panel_rows<BITS, 3, 2>(xr, qp, sp, G, acc); break;
+    case 4: panel_rows<BITS, 4, 2>(xr, qp, sp, G, acc); break;
+    case 5: panel_rows<BITS, 5, 2>(xr, qp, sp, G, acc); break;
+    case 6: panel_rows<BITS, 6, 1>(xr, qp, sp, G, acc); break;
+    case 7: panel_rows<BITS, 7, 1>(xr, qp, sp, G, acc); break;
+    default: panel_rows<BITS, 8, 1>(xr, qp, sp, G, acc); break;
   }
 }
 
@@ -229,79 +213,21 @@ inline void quantize_group(const float* x, int8_t* q, float* scale, float* sum) 
                       _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 
-// Group g of panel p dequantized: blk[k][o] = q * d + m (int8: q * d), rounded once as the plain
-// rows are (quant_linear.cpp).
-template <int BITS>
-inline void dequant_block(const LinearWeights& w, int64_t p, int64_t g, float (&blk)[kGroup][kPanelRows]) {
-  const int64_t G = w.K / kGroup;
-  const uint8_t* qg = static_cast<const uint8_t*>(w.data) + (p * G + g) * kGroupBytes<BITS>;
-  const at::Half* sg = w.scales + (p * G + g) * kGroupScales<BITS>;
-  __m256 d[4], m[4];
-  for (int v = 0; v < 4; ++v) {
-    d[v] = load_halves(sg + 8 * v);
-    m[v] = BITS == 4 ? load_halves(sg + kPanelRows + 8 * v) : _mm256_setzero_ps();
-  }
-  if constexpr (BITS == 8) {
-    for (int k = 0; k < kGroup; ++k) {
-      __m256 q[4];
-      unpack8<4>(qg + k * 32, 0, q);
-      for (int v = 0; v < 4; ++v) _mm256_store_ps(blk[k] + 8 * v, _mm256_fmadd_ps(q[v], d[v], m[v]));
-    }
-  } else {
-    const __m256i low4 = _mm256_set1_epi32(0xF);
-    for (int s = 0; s < 4; ++s)
-      for (int v = 0; v < 4; ++v) {  // int32 lane i: output 8v + i, byte j: inputs 8s + j | 8s + 4 + j
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + (4 * s + v) * 32));
-#pragma GCC unroll 4
-        for (int j = 0; j < 4; ++j) {
-          const __m256i lo = _mm256_and_si256(_mm256_srli_epi32(raw, 8 * j), low4);
-          const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(raw, 8 * j + 4), low4);
-          _mm256_store_ps(blk[8 * s + j] + 8 * v, _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), d[v], m[v]));
-          _mm256_store_ps(blk[8 * s + 4 + j] + 8 * v, _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), d[v], m[v]));
-        }
-      }
-  }
-}
-
-// dst[o * ld + k] = blk[k][o] for the block's 32 x 32 values, 8 x 8 at a time in registers.
-inline void transpose_block(const float (&blk)[kGroup][kPanelRows], float* dst, int64_t ld) {
-  for (int k0 = 0; k0 < kGroup; k0 += 8)
-    for (int o0 = 0; o0 < kPanelRows; o0 += 8) {
-      __m256 r[8], t[8];
-      for (int i = 0; i < 8; ++i) r[i] = _mm256_load_ps(blk[k0 + i] + o0);
-      for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-      }
-      for (int i = 0; i < 8; i += 4) {
-        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-      }
-      for (int i = 0; i < 4; ++i) {  // r[0..3]: columns 0, 1, 2, 3 of rows 0-3 | 4-7 (128-bit halves)
-        _mm256_storeu_ps(dst + (o0 + i) * ld + k0, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
-        _mm256_storeu_ps(dst + (o0 + i + 4) * ld + k0, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
-      }
-    }
-}
-
 template <int BITS, typename OT>
-void units(const float* x, const A8Rows& xr, int64_t M, const LinearWeights& w, int64_t p0, int64_t p1, OT* out,
-           int64_t ldo, const OT* bias) {
+void units(const A8Rows& xr, int64_t M, const LinearWeights& w, int64_t p0, int64_t p1, OT* out, int64_t ldo,
+           const OT* bias) {
   const int64_t G = w.K / kGroup;
   const uint8_t* qw = static_cast<const uint8_t*>(w.data);
-  constexpr int kRows = kTileRows<BITS>;
-  alignas(32) float acc[kRows * kPanelRows];
+  alignas(32) float acc[kTileRows * kPanelRows];
   for (int64_t p = p0; p < p1; ++p) {
     const uint8_t* qp = qw + p * G * kGroupBytes<BITS>;
     const at::Half* sp = w.scales + p * G * kGroupScales<BITS>;
     const int64_t n0 = p * kPanelRows;
     const int nc = static_cast<int>(std::min<int64_t>(kPanelRows, w.N - n0));
-    for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-      const int mb = static_cast<int>(std::min<int64_t>(kRows, M - m0));
+    for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+      const int mb = static_cast<int>(std::min<int64_t>(kTileRows, M - m0));
       const A8Rows tile{xr.q + m0 * xr.K, xr.scale + m0 * G, xr.sum + m0 * G, xr.K, G};
-      panel_tile<BITS>(mb, BITS == 4 ? nullptr : x + m0 * w.K, tile, qp, sp, G, acc);  // int4: tile only
+      panel_tile<BITS>(mb, tile, qp, sp, G, acc);
       for (int i = 0; i < mb; ++i)
         for (int c = 0; c < nc; ++c)
           store(acc[i * kPanelRows + c], out + (m0 + i) * ldo + n0 + c, bias == nullptr ? nullptr : bias + n0 + c);
@@ -313,40 +239,42 @@ void units(const float* x, const A8Rows& xr, int64_t M, const LinearWeights& w, 
 
 namespace tm_cpu {
 
+template <typename XT>
+A8Rows quantize_a8_rows(const XT* x, int64_t M, int64_t K) {
+  // Group by group straight from x (no float copy of a prompt's rows), into this thread's buffers.
+  const int64_t G = K / kGroup;
+  thread_local std::vector<float> xscale, xsum;
+  thread_local std::vector<int8_t> xq;
+  xq.resize(M * K);
+  xscale.resize(M * G);
+  xsum.resize(M * G);
+  for (int64_t i = 0; i < M * G; ++i) {
+    const float* xg;
+    alignas(32) float buf[kGroup];
+    if constexpr (std::is_same_v<XT, float>) {
+      xg = x + i * kGroup;
+    } else {
+      for (int k = 0; k < kGroup; ++k) buf[k] = static_cast<float>(x[i * kGroup + k]);
+      xg = buf;
+    }
+    quantize_group(xg, xq.data() + i * kGroup, &xscale[i], &xsum[i]);
+  }
+  return A8Rows{xq.data(), xscale.data(), xsum.data(), K, G};
+}
+
+template <typename OT>
+void quant_panel_units(const A8Rows& x, int64_t M, const LinearWeights& w, int64_t p0, int64_t p1, OT* out,
+                       int64_t ldo, const OT* bias) {
+  if (M == 0 || p0 >= p1) return;
+  if (w.bits == 4) units<4>(x, M, w, p0, p1, out, ldo, bias);
+  else units<8>(x, M, w, p0, p1, out, ldo, bias);
+}
+
 template <typename XT, typename OT>
 void quant_panel_units(const XT* x, int64_t M, const LinearWeights& w, int64_t p0, int64_t p1, OT* out, int64_t ldo,
                        const OT* bias) {
   if (M == 0 || p0 >= p1) return;
-  const int64_t K = w.K, G = K / kGroup;
-  thread_local std::vector<float> xf, xscale, xsum;  // int8: the rows as float32 (bf16 widened, exact);
-  thread_local std::vector<int8_t> xq;                // int4: the groups' int8 codes, scales and sums
-  if (w.bits == 4) {  // quantized group by group straight from x: no float copy of a prompt's rows
-    xq.resize(M * K);
-    xscale.resize(M * G);
-    xsum.resize(M * G);
-    for (int64_t i = 0; i < M * G; ++i) {
-      const float* xg;
-      alignas(32) float buf[kGroup];
-      if constexpr (std::is_same_v<XT, float>) {
-        xg = x + i * kGroup;
-      } else {
-        for (int k = 0; k < kGroup; ++k) buf[k] = static_cast<float>(x[i * kGroup + k]);
-        xg = buf;
-      }
-      quantize_group(xg, xq.data() + i * kGroup, &xscale[i], &xsum[i]);
-    }
-    units<4>(nullptr, A8Rows{xq.data(), xscale.data(), xsum.data(), K, G}, M, w, p0, p1, out, ldo, bias);
-    return;
-  }
-  const float* xp;
-  if constexpr (std::is_same_v<XT, float>) {
-    xp = x;
-  } else {
-    xf.resize(M * K);
-    for (int64_t i = 0; i < M * K; ++i) xf[i] = static_cast<float>(x[i]);
-    xp = xf.data();
-  }
-  units<8>(xp, A8Rows{}, M, w, p0, p1, out, ldo, bias);
+  quant_panel_units(quantize_a8_rows(x, M, w.K), M, w, p0, p1, out, ldo, bias);
 }
 
 template <typename T>
@@ -361,10 +289,11 @@ void quant_panel_row(const LinearWeights& w, int64_t id, T* out) {
     const float m = w.bits == 4 ? _cvtsh_ss(sp[g * group_scales + kPanelRows + o].x) : 0.f;
     const uint8_t* qg = qp + g * group_bytes;
     for (int k = 0; k < kGroup; ++k) {
-      // int4: input k = 8s + 4h + j of output o = 8v + i: byte (4s + v) * 32 + 4i + j, nibble h
+      // int4: input k = 8s + 4h + j of output o = 8v + i: byte (4s + v) * 32 + 4i + j, nibble h;
+      // int8: input k = 4s + j: byte (4s + v) * 32 + 4i + j
       const float q = w.bits == 4
                           ? static_cast<float>((qg[(4 * (k / 8) + o / 8) * 32 + 4 * (o % 8) + k % 4] >> (k % 8 >= 4 ? 4 : 0)) & 0xF)
-                          : static_cast<float>(static_cast<int8_t>(qg[k * 32 + o]));
+                          : static_cast<float>(static_cast<int8_t>(qg[(4 * (k / 4) + o / 8) * 32 + 4 * (o % 8) + k % 4]));
       out[g * kGroup + k] = static_cast<T>(std::fma(q, d, m));  // q * d + m rounded once, as the plain rows are
     }
   }
@@ -378,6 +307,9 @@ template void quant_panel_units<float, BF16>(const float*, int64_t, const Linear
                                              int64_t, const BF16*);
 template void quant_panel_units<BF16, BF16>(const BF16*, int64_t, const LinearWeights&, int64_t, int64_t, BF16*,
                                             int64_t, const BF16*);
+template A8Rows quantize_a8_rows<BF16>(const BF16*, int64_t, int64_t);
+template void quant_panel_units<BF16>(const A8Rows&, int64_t, const LinearWeights&, int64_t, int64_t, BF16*, int64_t,
+                                      const BF16*);
 
 }  // namespace tm_cpu
 
@@ -425,39 +357,4 @@ torch::Tensor quant_panel_linear(torch::Tensor x, torch::Tensor qpanels, torch::
   return out;
 }
 
-// The whole weight dequantized from its panels: [N, K] in `dtype` (prompt steps' GEMM). A
-// (panel, group) block at a time: unpacked as the kernel does, into a [k][32] block in L1, then
-// written out row by row.
-torch::Tensor dequantize_quant_panels(torch::Tensor qpanels, torch::Tensor spanels, int64_t bits, int64_t N,
-                                      at::ScalarType dtype) {
-  const tm_cpu::LinearWeights w = panel_weights(qpanels, spanels, bits, N);
-  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "dequantize_quant_panels: bfloat16 or float32");
-  const int64_t K = w.K, G = K / tm_cpu::kGroup;
-  auto out = torch::empty({N, K}, torch::dtype(dtype));
-  at::parallel_for(0, w.units(), 1, [&](int64_t p0, int64_t p1) {
-    alignas(32) float blk[tm_cpu::kGroup][tm_cpu::kPanelRows];
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n0 = p * tm_cpu::kPanelRows;
-      const int nc = static_cast<int>(std::min<int64_t>(tm_cpu::kPanelRows, N - n0));
-      for (int64_t g = 0; g < G; ++g) {
-        if (bits == 4) dequant_block<4>(w, p, g, blk);
-        else dequant_block<8>(w, p, g, blk);
-        if (dtype == at::kFloat && nc == tm_cpu::kPanelRows) {
-          transpose_block(blk, out.data_ptr<float>() + n0 * K + g * tm_cpu::kGroup, K);
-          continue;
-        }
-        for (int o = 0; o < nc; ++o) {
-          if (dtype == at::kFloat) {
-            float* dst = out.data_ptr<float>() + (n0 + o) * K + g * tm_cpu::kGroup;
-            for (int k = 0; k < tm_cpu::kGroup; ++k) dst[k] = blk[k][o];
-          } else {
-            c10::BFloat16* dst = out.data_ptr<c10::BFloat16>() + (n0 + o) * K + g * tm_cpu::kGroup;
-            for (int k = 0; k < tm_cpu::kGroup; ++k) dst[k] = c10::BFloat16(blk[k][o]);
-          }
-        }
-      }
-    }
-  });
-  return out;
-}
 #endif  // TM_QUANT_PANELS
