@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.model.layers import cpu_threads
+from tokenmill.model.layers import cpu_kernels, cpu_threads
 
 
 def fake_host(tmp_path: Path, mountinfo: list[str], cgroup: list[str], files: dict[str, str]) -> Path:
@@ -172,6 +172,25 @@ def test_fused_step_barrier_wait_modes_give_the_same_logits(tiny_llama_dir, thre
         fd.decoder.spin_ns, fd.decoder.adaptive_spin = cpu_threads.barrier_spin_ns(), True
     with pytest.raises(RuntimeError):
         fd.decoder.spin_ns = -1
+
+
+def test_barrier_spin_budget_is_cut_only_for_descheduled_threads():
+    """The fused step's adaptive barrier: a spin that sees the wait end doubles the budget (+1 us);
+    one that runs out is cut to a quarter (not below 2 us) only when the whole wait lasted 0.5 ms
+    or more (a descheduled thread), and raised to twice a shorter wait (a thread's own wake-up
+    from sleep, which the old rule cut for too, trapping every later barrier in sleeping)."""
+    kernels = cpu_kernels.load()
+    if kernels is None or not hasattr(kernels, "barrier_next_spin_budget"):
+        pytest.skip("no fused decode step here")
+    nxt, cap = kernels.barrier_next_spin_budget, 100_000
+    assert nxt(2_000, cap, -1) == 5_000 and nxt(80_000, cap, -1) == cap  # the spin saw the others come
+    assert nxt(100_000, cap, 3_000_000) == 25_000 and nxt(4_000, cap, 600_000) == 2_000  # descheduled
+    assert nxt(2_000, cap, 60_000) == 100_000 and nxt(2_000, cap, 20_000) == 40_000  # slept through a short wait
+    assert nxt(30_000, cap, 5_000) == 30_000  # (never below what it had)
+    budget = 2_000  # from the floor, waits of a sleeper's wake-up (80 us) bring spinning back at once
+    for _ in range(3):
+        budget = nxt(budget, cap, 80_000)
+    assert budget == cap
 
 
 def test_openmp_wait_defaults(monkeypatch):

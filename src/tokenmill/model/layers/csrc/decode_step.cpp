@@ -239,10 +239,15 @@ std::unique_ptr<LoraTarget> make_lora(const LoraSpec& spec, const LinearWeights&
 //   thread cannot be running, and needs this CPU (the scheduler separates them again when it
 //   wakes the sleeper, onto an idle CPU if there is one);
 // - else spins up to its budget, then sleeps. The budget (per thread, kept across steps) starts
-//   at `max_spin_ns`, is cut to a quarter (not below 2 us) each time a spin runs out (the late
-//   thread was descheduled: spinning for it only delays the scheduler from moving it here) and
-//   doubles (+1 us) each time the others come in while it spins. So a quiet machine spins as
-//   libgomp would (its waits are short), and a busy one stops spinning after a few failed waits.
+//   at `max_spin_ns`, is cut to a quarter (not below 2 us) each time a spin runs out and the
+//   whole wait then lasts 0.5 ms or more (the late thread was descheduled: spinning for it only
+//   delays the scheduler from moving it here), raised to twice the wait (up to `max_spin_ns`)
+//   when the whole wait was shorter, and doubles (+1 us) each time the others come in while it
+//   spins. So a quiet machine spins as libgomp would (its waits are short), and a busy one stops
+//   spinning after a few failed waits. (Cutting the budget on every failed spin trapped steps in
+//   sleeping: a sleeper wakes 50-100 us late, so the thread that woke it waits that long at the
+//   next barrier, fails its spin and sleeps too; int4 batch-1 steps went from ~5 to ~20 ms, and a
+//   whole `bench roofline` run stayed there.)
 //
 // Measured (benchmarks/contention.py, medians of 5 rounds, 2-core AMD EPYC, SmolLM2 bf16): batch-1
 // TPOT 8.6 ms quiet; with one busy process beside the engine, 10.3-10.8 ms when libgomp's own
@@ -291,18 +296,30 @@ class StepBarrier {
     for (int j = 0; j < n && my_cpu >= 0; ++j)
       shares_cpu |= j != t && cpu_[j].load(std::memory_order_relaxed) == my_cpu;
     if (stats) count.what = &stats->slept_at_once;
+    std::chrono::steady_clock::time_point spun_from{};
     if (!shares_cpu && budget > 0) {
+      spun_from = std::chrono::steady_clock::now();
       if (spin_until_changed(gen, budget)) {
-        if (adaptive_) budget = std::min(max_spin_ns_, 2 * budget + 1000);
+        if (adaptive_) budget = next_spin_budget(budget, max_spin_ns_, -1);
         if (stats) count.what = &stats->spun;
         return;
       }
-      if (adaptive_) budget = std::max<int64_t>(budget / 4, std::min<int64_t>(kMinSpinNs, max_spin_ns_));
       if (stats) count.what = &stats->slept_after_spin;
     }
     sleepers_.fetch_add(1, std::memory_order_seq_cst);
     while (gen_.load(std::memory_order_seq_cst) == gen) futex(FUTEX_WAIT_PRIVATE, gen);
     sleepers_.fetch_sub(1, std::memory_order_relaxed);
+    if (adaptive_ && spun_from != std::chrono::steady_clock::time_point{})
+      budget = next_spin_budget(budget, max_spin_ns_, std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                                          std::chrono::steady_clock::now() - spun_from).count());
+  }
+
+  // A thread's next spin budget after a wait that its spin saw end (waited_ns < 0), or that it
+  // spun and then slept through, waited_ns in all.
+  static int64_t next_spin_budget(int64_t budget, int64_t max_spin_ns, int64_t waited_ns) {
+    if (waited_ns < 0) return std::min(max_spin_ns, 2 * budget + 1000);
+    if (waited_ns >= kDescheduledNs) return std::max<int64_t>(budget / 4, std::min<int64_t>(kMinSpinNs, max_spin_ns));
+    return std::min(max_spin_ns, std::max(budget, 2 * waited_ns));
   }
 
  private:
@@ -339,6 +356,9 @@ class StepBarrier {
 
   static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "futex word");
   static constexpr int64_t kMinSpinNs = 2000;  // the adaptive budget's floor: room to see a short wait
+  // A wait from this long on had a thread descheduled (a scheduler's time slice is milliseconds);
+  // a shorter one was the others' work plus this thread's own wake-up (50-100 us in a VM).
+  static constexpr int64_t kDescheduledNs = 500000;
   const int64_t max_spin_ns_;
   const bool adaptive_;
   alignas(64) std::atomic<uint32_t> gen_{0};
@@ -762,6 +782,9 @@ void bind_fused_decoder(pybind11::module_& m) {
       .def_readwrite("tp_seq", &FusedDecoder::tp_seq_, "the next all-reduce's sequence number, less one")
       .def_readwrite("adaptive_spin", &FusedDecoder::adaptive_spin_,
                      "cut a thread's spin budget when its spins run out, grow it back when they succeed");
+  m.def("barrier_next_spin_budget", &StepBarrier::next_spin_budget, py::arg("budget"), py::arg("max_spin_ns"),
+        py::arg("waited_ns"), "the fused step's barrier: a thread's spin budget after a wait (waited_ns < 0: its "
+        "spin saw the wait end; else the wait's whole length, spin and sleep)");
 }
 
 #else  // neither AVX512-BF16 nor AVX2 + FMA: no panel kernel, no fused decode step (the model runs op by op)
