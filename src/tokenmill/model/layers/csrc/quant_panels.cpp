@@ -1,5 +1,5 @@
-// int4 / int8 weight-only linears in output panels, for AVX2 + FMA + F16C CPUs (AMD Zen 2/3 and
-// other CPUs without AVX-512; quantization.py packs the weights at load, pack_quant_panels).
+// int4 / int8 weights in output panels times int8 activations, for AVX2 + FMA + F16C CPUs (AMD
+// Zen 2/3 and other CPUs without AVX-512; quantization.py packs the weights at load, pack_quantized).
 //
 // The groups of 32 inputs and their scales are GGUF's (quant_linear.cpp), but the bytes are laid
 // out as the bf16 panels are (panel_linear.cpp): a panel is 32 output rows; for each group the
