@@ -25,11 +25,13 @@
 #include <ATen/Parallel.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <climits>
 #include <memory>
 #include <cstdint>
+#include <cstring>
 #include <thread>
 #if defined(__linux__)
 #include <sched.h>
@@ -485,6 +487,12 @@ class FusedDecoder {
     // The rows kernel's work items, each layer's handed out in turn (a counter per layer).
     const std::vector<RowsItem> items = by_rows ? rows_items(qsl, lens, B, kv_heads_, nt) : std::vector<RowsItem>{};
     const int64_t n_items = static_cast<int64_t>(items.size());
+    // When each item holds all of its sequence's rows (decode rows, short chunks), the item
+    // rotates and caches its own kv heads' rows before attending them: no thread waits for
+    // another's cache writes (one barrier less per layer, and those writes spread over threads).
+    const bool items_cache = by_rows && std::all_of(items.begin(), items.end(), [&](const RowsItem& it) {
+                               return it.r0 == 0 && it.r1 == qsl[it.b + 1] - qsl[it.b];
+                             });
     std::unique_ptr<std::atomic<int64_t>[]> next_item(new std::atomic<int64_t>[by_rows ? layers_ : 0]);
     for (int64_t l = 0; by_rows && l < layers_; ++l) next_item[l].store(0, std::memory_order_relaxed);
     auto bf = torch::TensorOptions().dtype(at::kBFloat16);
@@ -550,20 +558,27 @@ class FusedDecoder {
         }
         linear(qkv_[l], xn.data(), M, qkv_p, qkv_w, 4 * l);
         barrier.wait(t, n_t, stats);
-        {
+        if (!items_cache) {
           const auto [r0, r1] = share(M, t, n_t);
-          for (int64_t r = r0; r < r1; ++r) cache_row(l, qkv_p + r * qkv_w, pos[r], cos, sin, slot[r], q_p + r * H * D);
+          for (int64_t r = r0; r < r1; ++r)
+            cache_heads(l, qkv_p + r * qkv_w, pos[r], cos, sin, slot[r], q_p + r * H * D, 0, Hkv);
         }
         const float* k_scale = scaled_ ? kv_scales_[2 * l].data_ptr<float>() : nullptr;
         const float* v_scale = scaled_ ? kv_scales_[2 * l + 1].data_ptr<float>() : nullptr;
         with_cache<BF16>(kv_caches_[2 * l], kv_caches_[2 * l + 1], [&](const auto* k_cache, const auto* v_cache) {
           using C = std::remove_const_t<std::remove_pointer_t<decltype(k_cache)>>;
           if (by_rows) {
-            // A row attends the K/V its sequence's earlier rows wrote (any thread's): wait for all.
-            barrier.wait(t, n_t, stats);
+            // A row attends the K/V its sequence's earlier rows wrote: an item's own, or (items
+            // that split a sequence's rows) any thread's: then wait for all.
+            if (!items_cache) barrier.wait(t, n_t, stats);
             const RowsArgs<BF16, C> ra{q_p, k_cache, v_cache, k_scale, v_scale, block_tables.data_ptr<int64_t>(), lens,
                                        qsl, attn_p, B, H, Hkv, D, block_size_, block_tables.size(1), scale_};
-            for (int64_t i; (i = next_item[l].fetch_add(1, std::memory_order_relaxed)) < n_items;) rows_item(ra, items[i]);
+            for (int64_t i; (i = next_item[l].fetch_add(1, std::memory_order_relaxed)) < n_items;) {
+              const RowsItem& it = items[i];
+              for (int64_t r = qsl[it.b]; items_cache && r < qsl[it.b + 1]; ++r)
+                cache_heads(l, qkv_p + r * qkv_w, pos[r], cos, sin, slot[r], q_p + r * H * D, it.h0, it.h1);
+              rows_item(ra, it);
+            }
             barrier.wait(t, n_t, stats);
           } else {
             // (unsplit, a thread attends exactly the rows it just rotated: no wait needed)
@@ -704,23 +719,27 @@ class FusedDecoder {
   // Row `row` of the qkv projection: q rotated into q_out, k rotated and v written at `slot` of
   // layer l's caches (an int8 / float8 cache: each kv head's row quantized with its scale, as
   // write_scaled_cache does after the unfused model's rotary embedding).
-  void cache_row(int64_t l, const BF16* row, int64_t position, const BF16* cos, const BF16* sin, int64_t slot,
-                 BF16* q_out) const {
-    const int64_t H = heads_, Hkv = kv_heads_, D = head_dim_;
-    if (!scaled_) {
-      rope_and_cache_row(row, position, cos, sin, kv_caches_[2 * l].data_ptr<BF16>(),
-                         kv_caches_[2 * l + 1].data_ptr<BF16>(), slot, q_out, H, Hkv, D);
-      return;
-    }
+  // Rotary embedding of one row's q heads [h0 * G, h1 * G) (G = heads per kv head) into q_out,
+  // and its K/V of kv heads [h0, h1) rotated / quantized into layer l's caches at `slot`.
+  void cache_heads(int64_t l, const BF16* row, int64_t position, const BF16* cos, const BF16* sin, int64_t slot,
+                   BF16* q_out, int64_t h0, int64_t h1) const {
+    const int64_t H = heads_, Hkv = kv_heads_, D = head_dim_, G = H / Hkv;
     const BF16* c = cos + position * D;
     const BF16* s = sin + position * D;
-    for (int64_t h = 0; h < H; ++h) rope_head(row + h * D, c, s, q_out + h * D, D / 2);
+    for (int64_t h = h0 * G; h < h1 * G; ++h) rope_head(row + h * D, c, s, q_out + h * D, D / 2);
+    if (!scaled_) {
+      BF16* kc = kv_caches_[2 * l].data_ptr<BF16>() + slot * Hkv * D;
+      BF16* vc = kv_caches_[2 * l + 1].data_ptr<BF16>() + slot * Hkv * D;
+      for (int64_t h = h0; h < h1; ++h) rope_head(row + (H + h) * D, c, s, kc + h * D, D / 2);
+      std::memcpy(vc + h0 * D, row + (H + Hkv + h0) * D, (h1 - h0) * D * sizeof(BF16));
+      return;
+    }
     auto* kc = static_cast<uint8_t*>(kv_caches_[2 * l].data_ptr()) + slot * Hkv * D;  // one byte per value
     auto* vc = static_cast<uint8_t*>(kv_caches_[2 * l + 1].data_ptr()) + slot * Hkv * D;
     float* ks = kv_scales_[2 * l].data_ptr<float>() + slot * Hkv;
     float* vs = kv_scales_[2 * l + 1].data_ptr<float>() + slot * Hkv;
     BF16 k[256];  // the largest head_dim the attention kernels take
-    for (int64_t h = 0; h < Hkv; ++h) {
+    for (int64_t h = h0; h < h1; ++h) {
       rope_head(row + (H + h) * D, c, s, k, D / 2);
       quantize_kv_row(k, D, fp8_, kc + h * D, ks + h);
       quantize_kv_row(row + (H + Hkv + h) * D, D, fp8_, vc + h * D, vs + h);
