@@ -33,16 +33,17 @@ import torch
 
 BINDINGS = """#include <torch/extension.h>
 torch::Tensor paged_decode(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, double,
-                           c10::optional<torch::Tensor>, c10::optional<torch::Tensor>);
+                           c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, int64_t, double);
 torch::Tensor paged_rows(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
-                         int64_t, double, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>);
+                         int64_t, double, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, int64_t, double);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("seq_lens"), py::arg("block_size"), py::arg("scale"), py::arg("k_scale") = py::none(),
-        py::arg("v_scale") = py::none());
+        py::arg("v_scale") = py::none(), py::arg("window") = 0, py::arg("softcap") = 0.0);
   m.def("paged_rows", &paged_rows, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("block_size"), py::arg("scale"),
-        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), py::arg("window") = 0,
+        py::arg("softcap") = 0.0);
 }
 """
 

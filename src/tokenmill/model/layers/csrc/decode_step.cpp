@@ -716,11 +716,10 @@ class FusedDecoder {
   std::vector<std::unique_ptr<LoraTarget>> lora_;  // set_lora: 4 per layer (null: none), or empty
   int64_t lora_slots_ = 0, lora_h_size_ = 1;        // the fewest slots of any target; the most h floats of a row
 
-  // Row `row` of the qkv projection: q rotated into q_out, k rotated and v written at `slot` of
-  // layer l's caches (an int8 / float8 cache: each kv head's row quantized with its scale, as
-  // write_scaled_cache does after the unfused model's rotary embedding).
-  // Rotary embedding of one row's q heads [h0 * G, h1 * G) (G = heads per kv head) into q_out,
-  // and its K/V of kv heads [h0, h1) rotated / quantized into layer l's caches at `slot`.
+  // Row `row` of the qkv projection, its q heads [h0 * G, h1 * G) (G = heads per kv head) rotated
+  // into q_out, its k of kv heads [h0, h1) rotated and its v written at `slot` of layer l's caches
+  // (an int8 / float8 cache: each kv head's row quantized with its scale, as write_scaled_cache
+  // does after the unfused model's rotary embedding).
   void cache_heads(int64_t l, const BF16* row, int64_t position, const BF16* cos, const BF16* sin, int64_t slot,
                    BF16* q_out, int64_t h0, int64_t h1) const {
     const int64_t H = heads_, Hkv = kv_heads_, D = head_dim_, G = H / Hkv;
