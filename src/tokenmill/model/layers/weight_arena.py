@@ -15,6 +15,7 @@ one buffer in execution order.
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 
 import torch
@@ -39,6 +40,13 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
         except OSError as e:  # a kernel without THP: plain pages
             logger.debug("madvise(MADV_HUGEPAGE) failed: %s", e)
     return whole[offset : offset + nbytes]
+
+
+def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """torch.empty on transparent huge pages: for what a step reads all of, scattered (the paged KV
+    cache: its blocks lie anywhere in it, and on 4 KiB pages each block's read missed the TLB)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return huge_page_buffer(max(nbytes, 1))[:nbytes].view(dtype).view(shape)
 
 
 def _decode_tensors(model: nn.Module) -> list[tuple[nn.Module, str]]:
