@@ -160,6 +160,23 @@ __attribute__((noinline)) void tile_step(const float* qx, const float (*kf)[D], 
   }
 }
 
+// Keys are fetched this far ahead of the one being converted, one key (a few lines) at a time:
+// the tile's compute is shorter than memory's latency for the next blocks (scattered anywhere in
+// the cache), and a whole tile's lines asked for at once waited on each other (1.05-1.17x at
+// 256-2048 keys, one thread, bf16 cache).
+constexpr int64_t kAhead = 2 * kTile;
+
+// Key slot `slot`'s K and V of kv head h into L1.
+template <typename T, typename C>
+inline void prefetch_key(const RowsArgs<T, C>& a, int64_t slot, int64_t h) {
+  constexpr int64_t bytes = static_cast<int64_t>(sizeof(C));
+  const int64_t at = (slot * a.Hkv + h) * a.D;
+  for (int64_t o = 0; o < a.D * bytes; o += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(a.k_cache + at) + o, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(a.v_cache + at) + o, _MM_HINT_T0);
+  }
+}
+
 // The item's rows, one kv head at a time: per tile of keys, K and V (and int8 scales) converted
 // once, then every (row, query head) that sees part of the tile takes its step.
 template <typename T, typename C, int D>
@@ -190,19 +207,13 @@ void rows_item(const RowsArgs<T, C>& a, const RowsItem& it) {
     std::fill(m.begin(), m.end(), kNoScore);
     std::fill(l.begin(), l.end(), 0.f);
     // From the tile holding lo0 (tiles start at multiples of kTile in their block).
-    for (int64_t k0 = lo0 / bs * bs + lo0 % bs / kTile * kTile; k0 < L;) {
+    const int64_t start = lo0 / bs * bs + lo0 % bs / kTile * kTile;
+    for (int64_t key = start, end = std::min<int64_t>(L, start + kAhead); key < end; ++key)
+      prefetch_key(a, table[key / bs] * bs + key % bs, h);
+    for (int64_t k0 = start; k0 < L;) {
       const int64_t base = table[k0 / bs] * bs + k0 % bs;  // the tile's first slot
       const int nt = static_cast<int>(std::min<int64_t>({kTile, bs - k0 % bs, L - k0}));
       const int64_t next = k0 + nt;
-      if (next < L) {  // the next tile of this head, while this one is computed
-        const int64_t nbase = table[next / bs] * bs + next % bs;
-        const int nn = static_cast<int>(std::min<int64_t>({kTile, bs - next % bs, L - next}));
-        for (int j = 0; j < nn; ++j)
-          for (int64_t o = 0; o < D * static_cast<int64_t>(sizeof(C)); o += 64) {
-            _mm_prefetch(reinterpret_cast<const char*>(a.k_cache + (nbase + j) * row + h * D) + o, _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(a.v_cache + (nbase + j) * row + h * D) + o, _MM_HINT_T0);
-          }
-      }
       const int j0 = static_cast<int>(std::max<int64_t>(0, lo0 - k0));  // keys before it: not read
       for (int j = 0; j < j0; ++j) {
         ks[j] = 0.f;
@@ -214,6 +225,7 @@ void rows_item(const RowsArgs<T, C>& a, const RowsItem& it) {
         const C* vr = a.v_cache + (base + j) * row + h * D;
         const __m256 vs = _mm256_set1_ps(quantized ? a.v_scale[(base + j) * Hkv + h] : 1.f);
         ks[j] = quantized ? a.k_scale[(base + j) * Hkv + h] : 1.f;
+        if (const int64_t key = k0 + j + kAhead; key < L) prefetch_key(a, table[key / bs] * bs + key % bs, h);
         for (int d = 0; d < D; d += 8) {
           _mm256_store_ps(kf[j] + d, load8(kr + d));
           _mm256_store_ps(vf[j] + d, _mm256_mul_ps(load8(vr + d), vs));
