@@ -3,7 +3,7 @@
 // instead of every row reading its sequence's whole K/V alone (a verification chunk of 13 rows,
 // or a prompt chunk, used to stream it 13 times or more).
 //
-// Batch invariance: every (row, query head) takes one call of tile_step per tile it sees (tiles
+// Batch invariance: every (row, query head) takes one step of tile_steps per tile it sees (tiles
 // cut at the same places for every row: kTile-aligned within each block), the same instructions
 // whatever else is in the item (not inlined, so no caller can compile it another way): its bits
 // depend only on its query, its position and its sequence's K/V.
@@ -99,64 +99,88 @@ inline __m256 load8(const c10::Float8_e4m3fn* p) {  // as to_f (cpu_common.h) wi
   return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(f), sign));
 }
 
-// One (row, query head)'s online-softmax step over a tile. qx: its query (float32, scale folded
-// in); kf, vf: the tile's K and V rows (float32, zero past the sequence); ks: per-key K scales
-// (int8 / float8 cache) or null; the row sees the tile's keys from .. vis - 1 (0 <= from < vis; the
-// others masked, never summed); cap > 0: scores soft-capped; m, l, acc: its state.
-template <int D>
-__attribute__((noinline)) void tile_step(const float* qx, const float (*kf)[D], const float (*vf)[D], const float* ks,
-                                         int from, int vis, float cap, float& m, float& l, float* acc) {
+// NH (row, query head) pairs' online-softmax steps over a tile, pair p's query qx + p * D, its
+// state m[p], l[p], acc + p * D (the query heads of one row that share the tile's kv head). qx:
+// float32, scale folded in; kf, vf: the tile's K and V rows (float32, zero past the sequence);
+// ks: per-key K scales (int8 / float8 cache) or null; the row sees the tile's keys from .. vis - 1
+// (0 <= from < vis; the others masked, never summed); cap > 0: scores soft-capped. Each pair's
+// operations are the same whatever NH (the pairs side by side give the scheduler independent
+// chains to interleave, where one pair's horizontal sums and exponentials wait on each other).
+template <int D, int NH>
+__attribute__((noinline)) void tile_steps(const float* qx, const float (*kf)[D], const float (*vf)[D], const float* ks,
+                                          int from, int vis, float cap, float* m, float* l, float* acc) {
   static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
   constexpr int NV = D / 8;
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  // Scores, 8 keys at a time: one accumulator per key (its lanes summing d = lane mod 8 in order),
-  // QW query vectors in registers against each key's slice, then the hsum8 tree.
-  constexpr int QW = NV % 4 == 0 ? 4 : 2;
-  __m256 s[2];
-  for (int half = 0; half < 2; ++half) {
-    __m256 dots[8];
-    for (int jj = 0; jj < 8; ++jj) dots[jj] = _mm256_setzero_ps();
-    for (int c0 = 0; c0 < NV; c0 += QW) {
-      __m256 q[QW];
-      for (int u = 0; u < QW; ++u) q[u] = _mm256_loadu_ps(qx + 8 * (c0 + u));
-      for (int jj = 0; jj < 8; ++jj) {
-        const float* kr = kf[half * 8 + jj] + 8 * c0;
-        for (int u = 0; u < QW; ++u) dots[jj] = _mm256_fmadd_ps(q[u], _mm256_loadu_ps(kr + 8 * u), dots[jj]);
-      }
-    }
-    s[half] = hsum8(dots);
-    if (ks != nullptr) s[half] = _mm256_mul_ps(s[half], _mm256_loadu_ps(ks + 8 * half));
-    if (cap > 0.f) s[half] = softcap8(s[half], cap);
-  }
   __m256 valid[2];
   for (int half = 0; half < 2; ++half) {
     const __m256i j = _mm256_add_epi32(lane, _mm256_set1_epi32(8 * half));  // from <= j < vis
     valid[half] = _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(from), j),
                                                           _mm256_cmpgt_epi32(_mm256_set1_epi32(vis), j)));
-    s[half] = _mm256_blendv_ps(_mm256_set1_ps(kNoScore), s[half], valid[half]);
   }
-  const float bm = std::max(m, hmax8(_mm256_max_ps(s[0], s[1])));
-  const float corr = std::exp(m - bm);
-  alignas(32) float e[kTile];
-  __m256 esum = _mm256_setzero_ps();
-  for (int half = 0; half < 2; ++half) {
-    const __m256 ex = _mm256_and_ps(exp8(_mm256_sub_ps(s[half], _mm256_set1_ps(bm))), valid[half]);
-    _mm256_store_ps(e + 8 * half, ex);
-    esum = _mm256_add_ps(esum, ex);
+  // Scores, 8 keys at a time: one accumulator per key (its lanes summing d = lane mod 8 in order),
+  // QW query vectors in registers against each key's slice, then the hsum8 tree.
+  constexpr int QW = NV % 4 == 0 ? 4 : 2;
+  __m256 s[NH][2];
+  for (int p = 0; p < NH; ++p)
+    for (int half = 0; half < 2; ++half) {
+      __m256 dots[8];
+      for (int jj = 0; jj < 8; ++jj) dots[jj] = _mm256_setzero_ps();
+      for (int c0 = 0; c0 < NV; c0 += QW) {
+        __m256 q[QW];
+        for (int u = 0; u < QW; ++u) q[u] = _mm256_loadu_ps(qx + p * D + 8 * (c0 + u));
+        for (int jj = 0; jj < 8; ++jj) {
+          const float* kr = kf[half * 8 + jj] + 8 * c0;
+          for (int u = 0; u < QW; ++u) dots[jj] = _mm256_fmadd_ps(q[u], _mm256_loadu_ps(kr + 8 * u), dots[jj]);
+        }
+      }
+      s[p][half] = hsum8(dots);
+      if (ks != nullptr) s[p][half] = _mm256_mul_ps(s[p][half], _mm256_loadu_ps(ks + 8 * half));
+      if (cap > 0.f) s[p][half] = softcap8(s[p][half], cap);
+      s[p][half] = _mm256_blendv_ps(_mm256_set1_ps(kNoScore), s[p][half], valid[half]);
+    }
+  alignas(32) float e[NH][kTile];
+  float corr[NH];
+  for (int p = 0; p < NH; ++p) {
+    const float bm = std::max(m[p], hmax8(_mm256_max_ps(s[p][0], s[p][1])));
+    corr[p] = std::exp(m[p] - bm);
+    __m256 esum = _mm256_setzero_ps();
+    for (int half = 0; half < 2; ++half) {
+      const __m256 ex = _mm256_and_ps(exp8(_mm256_sub_ps(s[p][half], _mm256_set1_ps(bm))), valid[half]);
+      _mm256_store_ps(e[p] + 8 * half, ex);
+      esum = _mm256_add_ps(esum, ex);
+    }
+    l[p] = std::fma(l[p], corr[p], hsum1(esum));
+    m[p] = bm;
   }
-  l = std::fma(l, corr, hsum1(esum));
-  m = bm;
   // P.V, at most 8 vectors of accumulators in registers at a time (W of them, W dividing NV).
   constexpr int W = NV % 8 == 0 ? 8 : NV % 6 == 0 ? 6 : NV % 5 == 0 ? 5 : NV % 4 == 0 ? 4 : 2;
-  const __m256 c = _mm256_set1_ps(corr);
-  for (int v0 = 0; v0 < NV; v0 += W) {
-    __m256 a[W];
-    for (int v = 0; v < W; ++v) a[v] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * (v0 + v)), c);
-    for (int j = from; j < vis; ++j) {
-      const __m256 p = _mm256_set1_ps(e[j]);
-      for (int v = 0; v < W; ++v) a[v] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vf[j] + 8 * (v0 + v)), a[v]);
+  for (int p = 0; p < NH; ++p) {
+    const __m256 c = _mm256_set1_ps(corr[p]);
+    float* ap = acc + p * D;
+    for (int v0 = 0; v0 < NV; v0 += W) {
+      __m256 a[W];
+      for (int v = 0; v < W; ++v) a[v] = _mm256_mul_ps(_mm256_loadu_ps(ap + 8 * (v0 + v)), c);
+      for (int j = from; j < vis; ++j) {
+        const __m256 pj = _mm256_set1_ps(e[p][j]);
+        for (int v = 0; v < W; ++v) a[v] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vf[j] + 8 * (v0 + v)), a[v]);
+      }
+      for (int v = 0; v < W; ++v) _mm256_storeu_ps(ap + 8 * (v0 + v), a[v]);
     }
-    for (int v = 0; v < W; ++v) _mm256_storeu_ps(acc + 8 * (v0 + v), a[v]);
+  }
+}
+
+// Up to 4 query heads of a row per call (a row's G heads always cut the same way).
+constexpr int kHeadsPerStep = 4;
+
+template <int D>
+inline void row_tile_steps(int nh, const float* qx, const float (*kf)[D], const float (*vf)[D], const float* ks,
+                           int from, int vis, float cap, float* m, float* l, float* acc) {
+  switch (nh) {
+    case 1: return tile_steps<D, 1>(qx, kf, vf, ks, from, vis, cap, m, l, acc);
+    case 2: return tile_steps<D, 2>(qx, kf, vf, ks, from, vis, cap, m, l, acc);
+    case 3: return tile_steps<D, 3>(qx, kf, vf, ks, from, vis, cap, m, l, acc);
+    default: return tile_steps<D, 4>(qx, kf, vf, ks, from, vis, cap, m, l, acc);
   }
 }
 
@@ -242,9 +266,10 @@ void rows_item(const RowsArgs<T, C>& a, const RowsItem& it) {
       for (int64_t i = std::max<int64_t>(0, k0 - first); i < i_end; ++i) {
         const int vis = static_cast<int>(std::min<int64_t>(nt, first + i + 1 - k0));
         const int from = W > 0 ? static_cast<int>(std::max<int64_t>(0, first + i + 1 - W - k0)) : 0;
-        for (int64_t x = i * G; x < (i + 1) * G; ++x)
-          tile_step<D>(qf.data() + x * D, kf, vf, quantized ? ks : nullptr, from, vis, a.softcap, m[x], l[x],
-                       acc.data() + x * D);
+        for (int64_t x = i * G; x < (i + 1) * G; x += kHeadsPerStep)
+          row_tile_steps<D>(static_cast<int>(std::min<int64_t>(kHeadsPerStep, (i + 1) * G - x)), qf.data() + x * D, kf,
+                            vf, quantized ? ks : nullptr, from, vis, a.softcap, m.data() + x, l.data() + x,
+                            acc.data() + x * D);
       }
       k0 = next;
     }
