@@ -11,7 +11,8 @@ bf16 or int8 (+ float32 scales) caches, ~--context keys per sequence (jittered),
 at random from a pool (--rows: `paged_rows` on R query rows per sequence, its last R
 positions, as the batch-invariant engine runs a verification chunk). Every call reads a different part of a pool of at least --pool-mb MB,
 so that K/V come from memory as in a real decode step (a layer's cache is read once a step),
-not from the last-level cache (--hot reuses one set of tables). Prints the median time per
+not from the last-level cache (--hot reuses one set of tables), on transparent huge pages as the
+engine's cache is (--small-pages: 4 KiB pages). Prints the median time per
 call in µs and the effective bandwidth: bytes of K and V (and int8 scales) read / time; with
 two or more versions, speedup = first version's time / last version's, and the largest
 output difference between them.
@@ -83,6 +84,13 @@ def make_case(B: int, args, cache: str, gen: torch.Generator, context: int, rows
         kc = torch.randn(slots, Hkv, D, generator=gen).to(torch.bfloat16)
         vc = torch.randn(slots, Hkv, D, generator=gen).to(torch.bfloat16)
         extra = ()
+    if not args.small_pages:  # as the engine allocates its cache (runner.allocate_kv_cache)
+        from tokenmill.model.layers.weight_arena import huge_page_empty
+
+        def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
+            return huge_page_empty(tuple(t.shape), t.dtype).copy_(t)
+
+        kc, vc, extra = on_huge_pages(kc), on_huge_pages(vc), tuple(on_huge_pages(t) for t in extra)
     if args.layout == "random":
         perm = torch.randperm(num_blocks - 1, generator=gen) + 1
     else:  # each call's blocks in one run of the pool, in order
@@ -153,6 +161,8 @@ def main() -> None:
     p.add_argument("--layout", choices=["random", "contiguous"], default="random",
                    help="blocks of a call drawn at random from the pool (default) or consecutive")
     p.add_argument("--hot", action="store_true", help="one set of tables: K/V mostly from cache")
+    p.add_argument("--small-pages", action="store_true",
+                   help="the cache on 4 KiB pages (default: transparent huge pages, as the engine's)")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
