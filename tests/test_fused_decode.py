@@ -229,6 +229,21 @@ def test_decode_weights_sit_in_one_arena_in_execution_order(tiny_qwen2_dir, quan
         assert model.embed_tokens.qweight.data_ptr() == model.lm_head.qweight.data_ptr()  # tied: one copy
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_cpu_kv_cache_sits_on_huge_pages(tiny_qwen2_dir, kv_cache_dtype):
+    """The CPU KV cache (and an int8 cache's scales) is one 2 MiB-aligned buffer advised for
+    transparent huge pages (weight_arena.huge_page_empty), not torch's allocation: a step reads
+    blocks scattered over all of it, and on 4 KiB pages each block's read missed the TLB."""
+    from tokenmill.model.layers.weight_arena import HUGE_PAGE
+
+    llm = LLM(tiny_qwen2_dir, kv_cache_dtype=kv_cache_dtype, **KW)
+    runner = _runner(llm)
+    caches = [runner.kv_cache] + ([runner.kv_scales] if kv_cache_dtype == "int8" else [])
+    for t in caches:
+        assert t.device.type == "cpu" and t.is_contiguous() and t.data_ptr() % HUGE_PAGE == 0
+    assert torch.count_nonzero(runner.kv_cache[:, :, : runner.block_size]) == 0  # the null block is zeroed
+
+
 @pytest.mark.parametrize("quantization", [None, "int4", "int8"])
 def test_multi_row_steps_equal_the_model_run_op_by_op(tiny_qwen2_dir, quantization):
     """Batch-invariant: a step of requests with several query rows each (a verification chunk of 5
