@@ -4,7 +4,7 @@
     python benchmarks/step_overhead.py --quantization int4
     python benchmarks/step_overhead.py --quantization int4 --trees /tmp/base/src,src --rounds 3   # A/B of checkouts
 
-Streams `--streams` random 32-token prompts x `--output-len` greedy tokens through `LLM.stream`
+Streams `--streams` random `--input-len`-token prompts (default 32) x `--output-len` greedy tokens through `LLM.stream`
 (as `tokenmill bench latency / roofline` do) and times every decode step: the gap between two
 streamed tokens (TPOT), the fused forward inside it (or the op-by-op forward where the fused step
 is off), and the rest of the engine loop by part (scheduler, input preparation, sampling batch,
@@ -41,7 +41,7 @@ def _timed(times: dict[str, list[float]], key: str, f):
     return g
 
 
-def measure(quantization: str | None, streams: int, output_len: int) -> dict:
+def measure(quantization: str | None, streams: int, output_len: int, input_len: int = 32) -> dict:
     """Medians (s) per decode step of one engine in this process."""
     from tokenmill import LLM
     from tokenmill.bench.offline import _params, _random_prompts
@@ -63,7 +63,7 @@ def measure(quantization: str | None, streams: int, output_len: int) -> dict:
     else:  # a tree from before SamplingBatches (for --trees A/B runs)
         sampler_mod.SamplingBatch.from_requests = _timed(times, "sampling batch", from_requests)
     try:
-        prompts = _random_prompts(llm, streams + 1, 32, 0)
+        prompts = _random_prompts(llm, streams + 1, input_len, 0)
         params = _params(output_len)
         steps: dict[str, list[float]] = {p: [] for p in PARTS + ("TPOT",)}
         tpots = []
@@ -103,12 +103,13 @@ def main(argv=None) -> None:
     p.add_argument("--quantization", default=None)
     p.add_argument("--streams", type=int, default=5, help="timed streams per run (after one warm-up stream)")
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=32, help="prompt tokens (the context decode steps attend)")
     p.add_argument("--trees", default=None, help="comma-separated src folders to compare, each in its own process")
     p.add_argument("--rounds", type=int, default=3, help="with --trees: interleaved rounds")
     p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # a child's result, as JSON
     args = p.parse_args(argv)
     if not args.trees:
-        res = measure(args.quantization, args.streams, args.output_len)
+        res = measure(args.quantization, args.streams, args.output_len, args.input_len)
         if args.json:
             print("RESULT " + json.dumps(res))
         else:
@@ -116,7 +117,7 @@ def main(argv=None) -> None:
         return
     trees = [os.path.abspath(t) for t in args.trees.split(",")]
     child = [sys.executable, os.path.abspath(__file__), "--json", "--streams", str(args.streams),
-             "--output-len", str(args.output_len)] + (["--quantization", args.quantization] if args.quantization else [])
+             "--output-len", str(args.output_len), "--input-len", str(args.input_len)] + (["--quantization", args.quantization] if args.quantization else [])
     runs: dict[str, list[dict]] = {t: [] for t in trees}
     for r in range(args.rounds):
         for t in trees:
