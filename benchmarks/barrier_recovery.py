@@ -47,7 +47,7 @@ def main(argv=None) -> None:
     dec.count_waits = True
 
     def phase(n: int) -> tuple[float, float]:
-        times, slept = [], 0
+        times = []
         dec.take_wait_stats()
         for _ in range(n):
             t0 = time.perf_counter()

@@ -45,7 +45,7 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
 def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """torch.empty on transparent huge pages: for what a step reads all of, scattered (the paged KV
     cache: its blocks lie anywhere in it, and on 4 KiB pages each block's read missed the TLB)."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     return huge_page_buffer(max(nbytes, 1))[:nbytes].view(dtype).view(shape)
 
 

@@ -31,7 +31,6 @@
 #include <climits>
 #include <memory>
 #include <cstdint>
-#include <cstring>
 #include <thread>
 #if defined(__linux__)
 #include <sched.h>
@@ -723,16 +722,14 @@ class FusedDecoder {
   void cache_heads(int64_t l, const BF16* row, int64_t position, const BF16* cos, const BF16* sin, int64_t slot,
                    BF16* q_out, int64_t h0, int64_t h1) const {
     const int64_t H = heads_, Hkv = kv_heads_, D = head_dim_, G = H / Hkv;
+    if (!scaled_) {
+      rope_and_cache_row(row, position, cos, sin, kv_caches_[2 * l].data_ptr<BF16>(),
+                         kv_caches_[2 * l + 1].data_ptr<BF16>(), slot, q_out, H, Hkv, D, h0, h1);
+      return;
+    }
     const BF16* c = cos + position * D;
     const BF16* s = sin + position * D;
     for (int64_t h = h0 * G; h < h1 * G; ++h) rope_head(row + h * D, c, s, q_out + h * D, D / 2);
-    if (!scaled_) {
-      BF16* kc = kv_caches_[2 * l].data_ptr<BF16>() + slot * Hkv * D;
-      BF16* vc = kv_caches_[2 * l + 1].data_ptr<BF16>() + slot * Hkv * D;
-      for (int64_t h = h0; h < h1; ++h) rope_head(row + (H + h) * D, c, s, kc + h * D, D / 2);
-      std::memcpy(vc + h0 * D, row + (H + Hkv + h0) * D, (h1 - h0) * D * sizeof(BF16));
-      return;
-    }
     auto* kc = static_cast<uint8_t*>(kv_caches_[2 * l].data_ptr()) + slot * Hkv * D;  // one byte per value
     auto* vc = static_cast<uint8_t*>(kv_caches_[2 * l + 1].data_ptr()) + slot * Hkv * D;
     float* ks = kv_scales_[2 * l].data_ptr<float>() + slot * Hkv;

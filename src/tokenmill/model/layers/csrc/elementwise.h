@@ -128,18 +128,21 @@ inline void rope_head(const T* x, const T* cos, const T* sin, T* out, int64_t ha
 }
 
 // One token's rotary embedding and cache write: qkv row [(H + 2 Hkv) * D] -> rotated q
-// [H, D] at q_out; rotated k and v into the caches ([slots, Hkv, D]) at `slot`.
+// [H, D] at q_out; rotated k and v into the caches ([slots, Hkv, D]) at `slot`. Only kv heads
+// [h0, h1) (h1 < 0: all) and the query heads that share them, when a caller splits the heads.
 template <typename T>
 inline void rope_and_cache_row(const T* row, int64_t position, const T* cos, const T* sin, T* k_cache, T* v_cache,
-                               int64_t slot, T* q_out, int64_t heads, int64_t kv_heads, int64_t dim) {
-  const int64_t kv_width = kv_heads * dim, half = dim / 2;
+                               int64_t slot, T* q_out, int64_t heads, int64_t kv_heads, int64_t dim, int64_t h0 = 0,
+                               int64_t h1 = -1) {
+  if (h1 < 0) h1 = kv_heads;
+  const int64_t kv_width = kv_heads * dim, half = dim / 2, group = heads / kv_heads;
   const T* c = cos + position * dim;
   const T* s = sin + position * dim;
-  for (int64_t h = 0; h < heads; ++h) rope_head(row + h * dim, c, s, q_out + h * dim, half);
+  for (int64_t h = h0 * group; h < h1 * group; ++h) rope_head(row + h * dim, c, s, q_out + h * dim, half);
   T* kc = k_cache + slot * kv_width;
   const T* k = row + heads * dim;
-  for (int64_t h = 0; h < kv_heads; ++h) rope_head(k + h * dim, c, s, kc + h * dim, half);
-  std::memcpy(v_cache + slot * kv_width, k + kv_width, kv_width * sizeof(T));
+  for (int64_t h = h0; h < h1; ++h) rope_head(k + h * dim, c, s, kc + h * dim, half);
+  std::memcpy(v_cache + slot * kv_width + h0 * dim, k + kv_width + h0 * dim, (h1 - h0) * dim * sizeof(T));
 }
 
 }  // namespace tm_cpu
