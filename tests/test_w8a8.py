@@ -61,6 +61,12 @@ def test_kernel_quantizes_activations_like_torch(kernels, dtype: torch.dtype) ->
         x = (torch.randn(M, K) * torch.rand(M, 1) * 4 + torch.randn(M, 1)).to(dtype)
         for a, b in zip(kernels.w8a8_quantize_activations(x), quantize_activations(x)):
             assert torch.equal(a, b), (M, K)
+    # s = 7.96875 / 255 = 1 / 32 in float32, so 3.484375 / s = 111.5: inv = 1 / s = 32 gives the tie
+    # (to even: 112); (1 / c) / d = 31.999998, what -ffast-math made of 1 / s on some CPUs, gives 111
+    x = torch.tensor([[7.96875, 3.484375] + [0.0] * 38]).to(dtype)
+    for a, b in zip(kernels.w8a8_quantize_activations(x), quantize_activations(x)):
+        assert torch.equal(a, b)
+    assert quantize_activations(x)[0][0, 1] == 112
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -37,8 +37,7 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[M, K] -> (uint8 u [M, K], float32 scale [M], int32 zero point [M]), the float32 operations
     of the C++ kernel's quantize_row one for one: lo = min(x, 0), hi = max(x, 0), d = hi - lo,
-    s = d * c, inv = (1 / c) / d with c = 1 / 255 (all in float32: 1 / c is 254.99998; the kernel's 1 / s
-    as g++ -ffast-math compiles it), z = round(-lo * inv),
+    s = d * c with c = 1 / 255, inv = 1 / s (all in float32), z = round(-lo * inv),
     u = clamp(round(x * inv) + z, 0, 255), rounding half to even; s = inv = 1 for an all-zero row."""
     xf = x.float()
     lo, hi = xf.amin(1).clamp_max(0), xf.amax(1).clamp_min(0)
@@ -46,7 +45,8 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     c = torch.tensor(1 / 255, dtype=torch.float32)
     s = d * c
     ok = (s > 0) & torch.isfinite(s)
-    s, inv = torch.where(ok, s, torch.ones_like(s)), torch.where(ok, (1 / c) / d, torch.ones_like(s))
+    s = torch.where(ok, s, torch.ones_like(s))
+    inv = torch.where(ok, 1 / s, torch.ones_like(s))
     z = (-lo * inv).round()
     u = ((xf * inv.unsqueeze(1)).round() + z.unsqueeze(1)).clamp_(0, 255)
     return u.to(torch.uint8), s, z.to(torch.int32)

@@ -32,7 +32,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX2__) || defined(__AVX512F__)
+#if defined(__SSE__)
 #include <immintrin.h>
 #endif
 #if defined(__AMX_TILE__)
@@ -73,6 +73,18 @@ int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 // u = clamp(round(x / scale) + z, 0, 255) with x / scale computed as x * (1 / scale) and round to
 // nearest even: exactly what layers/w8a8.py's quantize_activations does in torch. The row's tail
 // up to Kp is zero-filled (its weights are zero). Stored as u (or u - 128 when `flip`).
+// a / b rounded once, out of -ffast-math's reach: it compiles `1.f / ((hi - lo) * c)` as
+// (1 / c) / (hi - lo) for some -march targets and as written for others (another inv, so other
+// codes, from machine to machine).
+inline float ieee_div(float a, float b) {
+#if defined(__SSE__)
+  return _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(a), _mm_set_ss(b)));
+#else
+  volatile float q = a / b;
+  return q;
+#endif
+}
+
 template <typename T>
 void quantize_row(const T* x, int64_t K, int64_t Kp, uint8_t* out, float* scale, int32_t* zero, bool flip) {
   float lo = 0.f, hi = 0.f;
@@ -81,9 +93,9 @@ void quantize_row(const T* x, int64_t K, int64_t Kp, uint8_t* out, float* scale,
     lo = std::min(lo, v);
     hi = std::max(hi, v);
   }
-  float s = (hi - lo) * (1.f / 255.f);  // a product: -ffast-math would make a division one anyway
+  float s = (hi - lo) * (1.f / 255.f);
   if (!(s > 0.f) || !std::isfinite(s)) s = 1.f;  // an all-zero row (or a non-finite one: garbage in, no crash)
-  const float inv = 1.f / s;
+  const float inv = ieee_div(1.f, s);
   const float zf = std::nearbyint(-lo * inv);
   const uint8_t fx = flip ? 0x80 : 0;
   int64_t k = 0;
