@@ -102,7 +102,7 @@ def test_kernel_on_random_shapes_matches_reference_and_is_row_invariant(bits: in
 def _panel_kernels():
     kernels = cpu_kernels.load()
     if kernels is None or not hasattr(kernels, "quant_panel_linear"):
-        pytest.skip("no output-panel kernel here (AVX2 builds without AVX-512 only)")
+        pytest.skip("no output-panel kernel here (builds with AVX2 + FMA + F16C only)")
     return kernels
 
 

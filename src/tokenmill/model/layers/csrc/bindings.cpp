@@ -100,7 +100,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_embedding", &quant_embedding, "rows of an int4/int8 table (rows or panels: give `rows`), dequantized",
         py::arg("ids"), py::arg("qweight"), py::arg("scales"), py::arg("bits"), py::arg("dtype"), py::arg("rows") = -1);
 #if TM_QUANT_PANELS
-  m.def("quant_panel_linear", &quant_panel_linear, "int4/int8 weights on output panels x int8 activations (AVX2)",
+  m.def("quant_panel_linear", &quant_panel_linear, "int4/int8 weights on output panels x int8 activations (AVX2 / AVX-512 VNNI)",
         py::arg("x"), py::arg("qpanels"), py::arg("spanels"), py::arg("bits"), py::arg("out_features"));
 #endif
   m.def("w8a8_linear", &w8a8_linear, "int8 weights x per-token int8 activations, int32 sums (--quantization w8a8)",

@@ -145,7 +145,7 @@ Linear make_linear(const LinearSpec& spec, int64_t in_features, int64_t out_feat
   if (bits == kBitsW8A8) return make_w8a8_linear(spec, in_features, out_features, name);
   TORCH_CHECK(bits != 16 || weight.dim() == 4 || plain_ok, name, ": bf16 linears must be panels");
   const bool quant_panels = bits != 16 && weight.dim() == 4;  // quant_panels.cpp
-  TORCH_CHECK(!quant_panels || TM_QUANT_PANELS, name, ": quantized panels need the AVX2 build");
+  TORCH_CHECK(!quant_panels || TM_QUANT_PANELS, name, ": quantized panels need a build with AVX2 + FMA + F16C");
   if (bits == 16 && weight.dim() == 4) {  // panels
     TORCH_CHECK(weight.is_contiguous() && weight.size(0) * kPanelRows >= out_features && weight.size(1) * 2 == in_features &&
                     weight.size(2) == kPanelRows, name, ": bf16 panels [ceil(out / 32), in / 2, 32, 2]");

@@ -15,9 +15,10 @@
 #else
 #define TM_PANEL_KERNEL 0
 #endif
-// int4 / int8 weights in output panels (quant_panels.cpp): AVX2 + FMA + F16C CPUs without AVX-512
-// (the AVX-512 builds keep the row layout and their vdpbf16ps tiles, quant_linear.cpp).
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// int4 / int8 weights in output panels times int8 activations (quant_panels.cpp): every CPU with
+// AVX2 + FMA + F16C (AVX-512 VNNI ones run them on 512 bits); elsewhere the row layout and the
+// tiles of quant_linear.cpp.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define TM_QUANT_PANELS 1
 #else
 #define TM_QUANT_PANELS 0

@@ -562,7 +562,7 @@ torch::Tensor quant_embedding(torch::Tensor ids, torch::Tensor qweight, torch::T
   TORCH_CHECK(ids.scalar_type() == at::kLong && qweight.is_contiguous() && scales.is_contiguous(), "quant_embedding");
   auto idc = ids.contiguous();
   const bool panels = qweight.dim() == 4;
-  TORCH_CHECK(!panels || TM_QUANT_PANELS, "quant_embedding: quantized panels need the AVX2 build");
+  TORCH_CHECK(!panels || TM_QUANT_PANELS, "quant_embedding: quantized panels need a build with AVX2 + FMA + F16C");
   const int64_t T = idc.numel(), N = panels ? rows : qweight.size(0);
   const int64_t K = panels ? qweight.size(1) * kGroup : bits == 4 ? qweight.size(1) * 2 : qweight.size(1);
   const int64_t slots = panels ? qweight.size(0) * kPanelRows : N;

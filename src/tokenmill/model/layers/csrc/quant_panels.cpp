@@ -1,5 +1,7 @@
-// int4 / int8 weights in output panels times int8 activations, for AVX2 + FMA + F16C CPUs (AMD
-// Zen 2/3 and other CPUs without AVX-512; quantization.py packs the weights at load, pack_quantized).
+// int4 / int8 weights in output panels times int8 activations, for every CPU with AVX2 + FMA + F16C
+// (quantization.py packs the weights at load, pack_quantized): 256-bit vpmaddubsw products (AMD Zen
+// 2/3, and other CPUs without AVX-512 VNNI), or AVX-512 VNNI's vpdpbusd on 512 bits (Intel Ice
+// Lake and later, AMD Zen 4 and later).
 //
 // The groups of 32 inputs and their scales are GGUF's (quant_linear.cpp), but the bytes are laid
 // out as the bf16 panels are (panel_linear.cpp): a panel is 32 output rows; for each group the
@@ -21,6 +23,12 @@
 // Per 32 weights and row that is 2 (int4) or 4 (int8) integer operations, the codes unpacked once
 // for the tile's rows: batch-1 steps stream the packed weights at memory speed instead of
 // converting every code to float.
+// AVX-512 VNNI: one 64-byte load holds two of those 32-byte blocks (16 outputs), and vpdpbusd
+// (unsigned x signed bytes, 4 products summed into each int32 lane, no saturation) takes int4's
+// nibbles as they are; int8 codes are signed, so the activations go in as x + 128 (unsigned) and
+// 128 * (sum of the codes) comes off the integer sum. Either way each group's integer sums are the
+// exact ones the AVX2 path computes, and the float operations after them are the same: the two
+// builds give the same bits.
 //
 // Every output's operations are the same whatever the number of rows in the call, their place in
 // the register tile, or how the panels are shared among threads: batch-invariant, bit for bit.
@@ -145,16 +153,106 @@ inline void int8_group(const A8Rows& xr, const uint8_t* qp, const at::Half* sp, 
   }
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define TM_PANELS_VNNI512 1
+
+inline __m512 load_halves16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Group g of MB quantized rows times the whole panel (2 vectors of 16 outputs), added to
+// acc[m][0..32): int4_group's integer sums and float operations on 512-bit registers.
+template <int MB>
+inline void int4_group_vnni(const A8Rows& xr, const uint8_t* qp, const at::Half* sp, int64_t g, float* acc) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512i dot[MB][2];
+  for (int m = 0; m < MB; ++m) dot[m][0] = dot[m][1] = _mm512_setzero_si512();
+  const uint8_t* qg = qp + g * kGroupBytes<4>;
+  const int8_t* xg = xr.q + g * kGroup;
+#pragma GCC unroll 4
+  for (int s = 0; s < 4; ++s) {
+#pragma GCC unroll 2
+    for (int v = 0; v < 2; ++v) {  // outputs 16v .. 16v + 15: blocks 2v and 2v + 1 of int4_group
+      const __m512i raw = _mm512_loadu_si512(qg + (4 * s + 2 * v) * 32);
+      const __m512i lo = _mm512_and_si512(raw, low4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) {
+        const int8_t* xc = xg + m * xr.K + 8 * s;
+        dot[m][v] = _mm512_dpbusd_epi32(dot[m][v], lo, _mm512_set1_epi32(load_i32(xc)));
+        dot[m][v] = _mm512_dpbusd_epi32(dot[m][v], hi, _mm512_set1_epi32(load_i32(xc + 4)));
+      }
+    }
+  }
+  const at::Half* sg = sp + g * kGroupScales<4>;
+#pragma GCC unroll 2
+  for (int v = 0; v < 2; ++v) {
+    const __m512 d = load_halves16(sg + 16 * v), off = load_halves16(sg + kPanelRows + 16 * v);
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) {
+      float* a = acc + m * kPanelRows + 16 * v;
+      const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(xr.scale[m * xr.G + g]));
+      __m512 r = _mm512_fmadd_ps(ds, _mm512_cvtepi32_ps(dot[m][v]), _mm512_load_ps(a));
+      _mm512_store_ps(a, _mm512_fmadd_ps(off, _mm512_set1_ps(xr.sum[m * xr.G + g]), r));
+    }
+  }
+}
+
+// The same for int8 codes: the activations as x + 128 (x ^ 0x80, unsigned), minus 128 * the sum
+// of each output's codes (vpdpbusd of 128s by the codes, shared by the rows).
+template <int MB>
+inline void int8_group_vnni(const A8Rows& xr, const uint8_t* qp, const at::Half* sp, int64_t g, float* acc) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i dot[MB][2], bias[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+  for (int m = 0; m < MB; ++m) dot[m][0] = dot[m][1] = _mm512_setzero_si512();
+  const uint8_t* qg = qp + g * kGroupBytes<8>;
+  const int8_t* xg = xr.q + g * kGroup;
+#pragma GCC unroll 8
+  for (int s = 0; s < 8; ++s) {
+#pragma GCC unroll 2
+    for (int v = 0; v < 2; ++v) {
+      const __m512i w = _mm512_loadu_si512(qg + (4 * s + 2 * v) * 32);
+      bias[v] = _mm512_dpbusd_epi32(bias[v], flip, w);
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) {
+        const __m512i xu = _mm512_xor_si512(_mm512_set1_epi32(load_i32(xg + m * xr.K + 4 * s)), flip);
+        dot[m][v] = _mm512_dpbusd_epi32(dot[m][v], xu, w);
+      }
+    }
+  }
+  const at::Half* sg = sp + g * kGroupScales<8>;
+#pragma GCC unroll 2
+  for (int v = 0; v < 2; ++v) {
+    const __m512 d = load_halves16(sg + 16 * v);
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) {
+      float* a = acc + m * kPanelRows + 16 * v;
+      const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(xr.scale[m * xr.G + g]));
+      const __m512 dot_f = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[m][v], bias[v]));  // exact, as int8_group's
+      _mm512_store_ps(a, _mm512_fmadd_ps(ds, dot_f, _mm512_load_ps(a)));
+    }
+  }
+}
+#else
+#define TM_PANELS_VNNI512 0
+#endif
+
 // acc[m][0..32) = x[m] . the panel's 32 rows for MB input rows, NV output vectors at a time (the
 // order of every output's operations is the same whatever MB and NV).
 template <int BITS, int MB, int NV>
 inline void panel_rows(const A8Rows& xr, const uint8_t* qp, const at::Half* sp, int64_t G, float* acc) {
   for (int i = 0; i < MB * kPanelRows; i += 8) _mm256_store_ps(acc + i, _mm256_setzero_ps());
+#if TM_PANELS_VNNI512
+  for (int64_t g = 0; g < G; ++g) {
+    if constexpr (BITS == 4) int4_group_vnni<MB>(xr, qp, sp, g, acc);
+    else int8_group_vnni<MB>(xr, qp, sp, g, acc);
+  }
+#else
   for (int64_t g = 0; g < G; ++g)
     for (int v0 = 0; v0 < 4; v0 += NV) {
       if constexpr (BITS == 4) int4_group<MB, NV>(xr, qp, sp, g, v0, acc);
       else int8_group<MB, NV>(xr, qp, sp, g, v0, acc);
     }
+#endif
 }
 
 // The integer sums of MB x NV (row, vector) pairs stay in registers (at most 11 beside the codes
@@ -218,7 +316,7 @@ void units(const A8Rows& xr, int64_t M, const LinearWeights& w, int64_t p0, int6
            const OT* bias) {
   const int64_t G = w.K / kGroup;
   const uint8_t* qw = static_cast<const uint8_t*>(w.data);
-  alignas(32) float acc[kTileRows * kPanelRows];
+  alignas(64) float acc[kTileRows * kPanelRows];
   for (int64_t p = p0; p < p1; ++p) {
     const uint8_t* qp = qw + p * G * kGroupBytes<BITS>;
     const at::Half* sp = w.scales + p * G * kGroupScales<BITS>;
