@@ -199,7 +199,7 @@ def test_q4_k_runs_as_int4_groups_under_quantization_gguf(qwen3_256_dir: str, tm
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
     path = str(write_gguf_from_hf(qwen3_256_dir, tmp_path / "m.Q4_K_M.gguf", qtype=Q4_K_M))
     dense = LLM(path, dtype="float32", kv_cache_memory=0.02, device="cpu")  # QuantLinear: the CPU's kernels
-    # float activations (the row kernel, not AVX2's int4 panels with int8 activations): the weights alone
+    # float activations (the row kernel, not the int4 panels' int8 activations): the weights alone
     monkeypatch.setenv("TOKENMILL_QUANT_PANELS", "0")
     quant = LLM(path, dtype="float32", kv_cache_memory=0.02, quantization="gguf", device="cpu")
     qmodel, dense_params = quant.engine.core.runner.model, dict(dense.engine.core.runner.model.named_parameters())

@@ -224,7 +224,7 @@ def test_gguf_blocks_load_without_dequantizing(arch: str, qtype: str, bits: int,
                                               tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--quantization gguf keeps the file's blocks: every QuantLinear stands for exactly the weight
     the dense (dequantized) load produces, and both models score prompts alike (float activations:
-    the row kernel; on AVX2 the panels' int8 activations cost a little more)."""
+    the row kernel; where the panels run, their int8 activations cost a little more)."""
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
     path = write_gguf_from_hf(request.getfixturevalue(f"tiny_{arch}_dir"), tmp_path / f"m.{qtype}.gguf", qtype)
     dense = LLM(str(path), dtype="float32", kv_cache_memory=0.02)

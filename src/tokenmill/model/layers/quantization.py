@@ -7,12 +7,13 @@ as they are (gguf_loader), and `--quantization int4|int8` quantizes an HF checkp
 time the way llama.cpp's quantizer would (min/max for int4, absmax for int8).
 
 Each weight byte is read once per step, a quarter (int4) or half (int8) of the bfloat16 traffic.
-On AVX2 CPUs without AVX-512 the loader repacks the codes once into output panels of 32 rows
-(pack_quantized: the same bytes reordered, csrc/quant_panels.cpp), which the kernel unpacks once
-per weight for all input rows; there the weights multiply activations quantized per group of 32
-to int8 (W4A8 / W8A8 per group, llama.cpp's Q4 x Q8 and Q8 x Q8 dot products:
-quantize_activations, a8_linear) at every batch size. Elsewhere activations stay in the model's
-dtype and the kernel dequantizes a few weight rows at a time into L1 (csrc/quant_linear.cpp).
+On CPUs with AVX2 + FMA + F16C the loader repacks the codes once into output panels of 32 rows
+(pack_quantized: the same bytes reordered, csrc/quant_panels.cpp: 256-bit integer products, or
+AVX-512 VNNI's on 512 bits, the same numbers), which the kernel unpacks once per weight for all
+input rows; there the weights multiply activations quantized per group of 32 to int8 (W4A8 / W8A8
+per group, llama.cpp's Q4 x Q8 and Q8 x Q8 dot products: quantize_activations, a8_linear) at every
+batch size. Elsewhere activations stay in the model's dtype and the kernel dequantizes a few weight
+rows at a time into L1 (csrc/quant_linear.cpp).
 """
 
 from __future__ import annotations
@@ -257,7 +258,7 @@ def quantize_model(model: nn.Module, bits: int) -> int:
 
 def pack_quantized(model: nn.Module) -> int:
     """Repack every QuantLinear's codes into output panels where the kernels run them that way
-    (AVX2 builds without AVX-512: csrc/quant_panels.cpp); a tied embedding table then reads the
+    (builds with AVX2 + FMA + F16C: csrc/quant_panels.cpp); a tied embedding table then reads the
     LM head's panels (one copy). TOKENMILL_QUANT_PANELS=0 keeps the rows. Returns the layers packed."""
     kernels = cpu_kernels.load() if cpu_kernels.enabled() else None
     if kernels is None or not hasattr(kernels, "quant_panel_linear") or os.environ.get("TOKENMILL_QUANT_PANELS") == "0":
@@ -272,7 +273,7 @@ def pack_quantized(model: nn.Module) -> int:
         if isinstance(m, QuantEmbedding) and not m.panels and m.qweight.data_ptr() in packed:
             m.share_panels(packed[m.qweight.data_ptr()][1])
     if packed:
-        logger.info("int4 / int8 linears: %d in output panels (AVX2 kernel)", len(packed))
+        logger.info("int4 / int8 linears: %d in output panels (int8 activations)", len(packed))
     return len(packed)
 
 
