@@ -47,6 +47,8 @@ inline void panel_tile(const BF16* x, int64_t ldx, const BF16* panel, int64_t K,
   const int64_t ldp = ldx / 2;
   const BF16* w = panel;
   for (int64_t kp = 0; kp < K / 2; ++kp, w += 2 * kPanelRows) {
+    _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchAhead, _MM_HINT_T0);  // (linear.h)
+    _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchAhead + 64, _MM_HINT_T0);
     const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w));
     const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + 32));
 #pragma GCC unroll 8

@@ -156,12 +156,6 @@ inline void int8_group(const A8Rows& xr, const uint8_t* qp, const at::Half* sp, 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define TM_PANELS_VNNI512 1
 
-// Each 64-byte load of codes first prefetches the line this far ahead in the same stream (a
-// panel's groups, then the next panel's): one row streaming at memory speed needs more lines in
-// flight than the hardware prefetchers keep (Sapphire Rapids, one thread: 1.2-1.6x per layer;
-// SmolLM2 int4 batch-1 decode 7.8 -> 5.5 ms). The scales' stream (a quarter as long) needs none.
-constexpr int64_t kPrefetchAhead = 4096;
-
 inline __m512 load_halves16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -179,7 +173,7 @@ inline void int4_group_vnni(const A8Rows& xr, const uint8_t* qp, const at::Half*
   for (int s = 0; s < 4; ++s) {
 #pragma GCC unroll 2
     for (int v = 0; v < 2; ++v) {  // outputs 16v .. 16v + 15: blocks 2v and 2v + 1 of int4_group
-      _mm_prefetch(reinterpret_cast<const char*>(qg + (4 * s + 2 * v) * 32 + kPrefetchAhead), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(qg + (4 * s + 2 * v) * 32 + kPrefetchAhead), _MM_HINT_T0);  // (linear.h)
       const __m512i raw = _mm512_loadu_si512(qg + (4 * s + 2 * v) * 32);
       const __m512i lo = _mm512_and_si512(raw, low4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
 #pragma GCC unroll 8
