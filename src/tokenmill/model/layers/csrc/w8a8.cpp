@@ -69,10 +69,6 @@ constexpr int kTileRows = 4;
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // ---- per-token activation quantization ---------------------------------------------------------
-// One row: lo = min(x, 0), hi = max(x, 0), scale = (hi - lo) * (1 / 255), z = round(-lo / scale),
-// u = clamp(round(x / scale) + z, 0, 255) with x / scale computed as x * (1 / scale) and round to
-// nearest even: exactly what layers/w8a8.py's quantize_activations does in torch. The row's tail
-// up to Kp is zero-filled (its weights are zero). Stored as u (or u - 128 when `flip`).
 // a / b rounded once, out of -ffast-math's reach: it compiles `1.f / ((hi - lo) * c)` as
 // (1 / c) / (hi - lo) for some -march targets and as written for others (another inv, so other
 // codes, from machine to machine).
@@ -85,6 +81,10 @@ inline float ieee_div(float a, float b) {
 #endif
 }
 
+// One row: lo = min(x, 0), hi = max(x, 0), scale = (hi - lo) * (1 / 255), z = round(-lo / scale),
+// u = clamp(round(x / scale) + z, 0, 255) with x / scale computed as x * (1 / scale) and round to
+// nearest even: exactly what layers/w8a8.py's quantize_activations does in torch. The row's tail
+// up to Kp is zero-filled (its weights are zero). Stored as u (or u - 128 when `flip`).
 template <typename T>
 void quantize_row(const T* x, int64_t K, int64_t Kp, uint8_t* out, float* scale, int32_t* zero, bool flip) {
   float lo = 0.f, hi = 0.f;
