@@ -47,6 +47,7 @@ import gc
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -436,6 +437,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--setup-only", action="store_true", help="set up the peer environments, then exit")
     p.add_argument("--no-nice", action="store_true", help="do not run set-up steps under nice -n 19")
     p.add_argument("--vllm-kvcache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (default: 4)")
+    p.add_argument("--llamaserver-args", default="",
+                   help="extra llama-server flags, e.g. '--no-repack' where its repacked Q4 kernels die with "
+                        "SIGILL (seen on a Sapphire Rapids VM)")
     p.add_argument("--ready-timeout", type=float, default=900, help="seconds to wait for a server to answer (default: 900)")
     p.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
                    help="before each level, wait up to this long for other processes to go quiet (default: 0, no wait)")
@@ -585,7 +589,8 @@ def main(argv=None) -> int:
                         # One slot per request in flight at the highest concurrency, each with a 2048-token
                         # context (the Python server's n_ctx); continuous batching is llama-server's default.
                         slots = max(args.concurrency)
-                        flags = ["-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(2048 * slots)]
+                        flags = ["-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(2048 * slots),
+                                 *shlex.split(args.llamaserver_args)]
                         cmd = lambda port, g=gguf, b=str(peers[kind]["binary"]): [  # noqa: E731
                             b, "-m", g, "--host", "127.0.0.1", "--port", str(port), *flags]
                         r = run_server_system(name, cmd, base_env, levels, args, tm, run_dir)
