@@ -21,18 +21,19 @@ def _model(llm: LLM) -> torch.nn.Module:
     return llm.engine.core.runner.model
 
 
-@pytest.mark.parametrize("N,K", [(40, 64), (96, 32), (833, 576), (13, 1536)])
+@pytest.mark.parametrize("N,K", [(40, 64), (96, 32), (833, 576), (13, 1536), (50, 78), (70, 30)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_matches_a_float_reference(panel_kernels, N, K, bias):
     """Rows past the last full panel are padding (N % 32), any batch of 1-64 rows (register tiles
-    of 8 and their tails), bias added after rounding as `y + bias` is."""
+    of 8 and their tails; AMX tiles of 16 rows and a tile of the rest), K past the last 32 inputs
+    (AMX's tail tiles), bias added after rounding as `y + bias` is."""
     torch.manual_seed(N + K)
     w = (torch.randn(N, K) / K**0.5).bfloat16()
     b = torch.randn(N).bfloat16() if bias else None
     panels = panel_kernels.pack_panels(w)
     assert panels.shape == (-(-N // 32), K // 2, 32, 2)
     assert torch.equal(panels.view(-1, K // 2, 32, 2).permute(0, 2, 1, 3).reshape(-1, K)[:N], w)  # a permutation
-    for M in (1, 3, 8, 9, 17, 64):
+    for M in (1, 3, 8, 9, 16, 17, 64):
         x = torch.randn(M, K).bfloat16()
         ref = (x.float() @ w.float().T).bfloat16()
         if b is not None:
@@ -42,17 +43,21 @@ def test_kernel_matches_a_float_reference(panel_kernels, N, K, bias):
         torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
-def test_each_row_is_independent_of_the_batch(panel_kernels):
+@pytest.mark.parametrize("K", [576, 78])
+def test_each_row_is_independent_of_the_batch(panel_kernels, K):
     """A row's outputs are the same bits whatever rows it is batched with (one accumulator per
-    output, summed in input order): decode results do not depend on the batch size."""
+    output, summed in input order; on AMX a tile's rows never mix, whether it holds 16 rows or
+    fewer): decode results do not depend on the batch size."""
     torch.manual_seed(0)
-    w = torch.randn(200, 576).bfloat16()
+    w = torch.randn(200, K).bfloat16()
     panels = panel_kernels.pack_panels(w)
-    x = torch.randn(64, 576).bfloat16()
+    x = torch.randn(64, K).bfloat16()
     whole = panel_kernels.panel_linear(x, panels, 200)
-    for M in (1, 5, 8, 13):
+    for M in (1, 5, 8, 13, 16, 17, 33):
         assert torch.equal(panel_kernels.panel_linear(x[:M], panels, 200), whole[:M])
-    assert torch.equal(panel_kernels.panel_linear(x[7:8], panels, 200), whole[7:8])
+    for a, b in ((7, 8), (3, 20), (40, 64)):
+        assert torch.equal(panel_kernels.panel_linear(x[a:b], panels, 200), whole[a:b])
+    assert panel_kernels.panel_isa() in ("amx-bf16", "avx512-bf16", "avx2-fma")
 
 
 def test_bad_shapes_are_refused(panel_kernels):

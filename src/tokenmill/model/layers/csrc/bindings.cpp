@@ -28,6 +28,7 @@ void write_scaled_cache(torch::Tensor x, torch::Tensor cache, torch::Tensor scal
 // panel_linear.cpp
 torch::Tensor pack_panels(torch::Tensor weight);
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias);
+std::string panel_isa();
 
 // paged_prefill.cpp
 torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
@@ -107,6 +108,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("w_scale"), py::arg("rowsum"), py::arg("bias"), py::arg("N"));
   m.def("w8a8_quantize_activations", &w8a8_quantize_activations, "per-token asymmetric uint8 (u, scale, zero point)");
   m.def("w8a8_isa", &w8a8_isa, "the instruction path w8a8_linear runs");
+  m.def("panel_isa", &panel_isa, "the instructions panel_linear (bf16 linears, the fused decode step's) runs");
   m.def("lora_add", &lora_add, "multi-LoRA: y [M, N] += each row's adapter delta (row_slots; -1: none), in place",
         py::arg("y"), py::arg("x"), py::arg("A"), py::arg("Bt"), py::arg("ranks"), py::arg("slice_bounds"),
         py::arg("row_slots"));

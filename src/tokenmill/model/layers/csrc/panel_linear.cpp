@@ -13,17 +13,26 @@
 // 32-byte load holds 8 rows' pairs, split into the k and k+1 weights (a shift and a mask widen a
 // bf16 to float32 exactly) and FMA'd with the input row's k and k+1 values, in that order.
 //
+// Where the CPU has AMX-BF16 (and Linux grants the process its tile state) every batch size runs
+// on AMX tiles instead: the panels are the tiles' weight operand as they are (below).
+//
 // Each output sums its products in one float32 accumulator over the input pairs in order, so
 // the result does not depend on the batch size or on how panels are shared out among threads.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cstdint>
+#include <string>
 
 #include "linear.h"
 
 #if TM_PANEL_KERNEL
 #include <immintrin.h>
+#if defined(__AVX512BF16__) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#define TM_PANEL_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -36,6 +45,32 @@ constexpr int kMaxRows = 8;  // input rows per register tile (2 x 8 accumulators
 // 16 floats -> 16 bf16 (round to nearest even), as c10::BFloat16(float) rounds.
 inline __m256i to_bf16(__m512 v) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)); }
 inline __m512 from_bf16(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
+
+// Stores a row's 32 float32 sums as bf16 (round to nearest even; + bias, rounded as `y + bias`
+// is), its first ncols only.
+struct RowStore {
+  __mmask16 lo_mask, hi_mask;
+  const BF16* bias;
+  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+  RowStore(int ncols, const BF16* bias_)
+      : lo_mask(ncols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1)),
+        hi_mask(ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0 : static_cast<__mmask16>((1u << (ncols - 16)) - 1)),
+        bias(bias_) {
+    if (bias != nullptr) {
+      b0 = from_bf16(_mm256_maskz_loadu_epi16(lo_mask, bias));
+      b1 = from_bf16(_mm256_maskz_loadu_epi16(hi_mask, bias + 16));
+    }
+  }
+  void operator()(__m512 a0, __m512 a1, BF16* o) const {
+    __m256i lo = to_bf16(a0), hi = to_bf16(a1);
+    if (bias != nullptr) {
+      lo = to_bf16(_mm512_add_ps(from_bf16(lo), b0));
+      hi = to_bf16(_mm512_add_ps(from_bf16(hi), b1));
+    }
+    _mm256_mask_storeu_epi16(o, lo_mask, lo);
+    _mm256_mask_storeu_epi16(o + 16, hi_mask, hi);
+  }
+};
 
 // out[m][0..ncols) = x[m] . panel rows (+ bias, rounded as `y + bias` is) for MB input rows.
 template <int MB>
@@ -58,23 +93,106 @@ inline void panel_tile(const BF16* x, int64_t ldx, const BF16* panel, int64_t K,
       acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xb, w1);
     }
   }
-  const __mmask16 lo_mask = ncols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
-  const __mmask16 hi_mask = ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0 : static_cast<__mmask16>((1u << (ncols - 16)) - 1);
-  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-  if (bias != nullptr) {
-    b0 = from_bf16(_mm256_maskz_loadu_epi16(lo_mask, bias));
-    b1 = from_bf16(_mm256_maskz_loadu_epi16(hi_mask, bias + 16));
-  }
-  for (int m = 0; m < MB; ++m) {
-    __m256i lo = to_bf16(acc[m][0]), hi = to_bf16(acc[m][1]);
-    if (bias != nullptr) {
-      lo = to_bf16(_mm512_add_ps(from_bf16(lo), b0));
-      hi = to_bf16(_mm512_add_ps(from_bf16(hi), b1));
-    }
-    _mm256_mask_storeu_epi16(out + m * ldo, lo_mask, lo);
-    _mm256_mask_storeu_epi16(out + m * ldo + 16, hi_mask, hi);
-  }
+  const RowStore store(ncols, bias);
+  for (int m = 0; m < MB; ++m) store(acc[m][0], acc[m][1], out + m * ldo);
 }
+
+#if defined(TM_PANEL_AMX)
+// AMX-BF16: tdpbf16ps multiplies a tile of up to 16 input rows x 16 input pairs by a tile of 16
+// input pairs x 16 outputs' pairs into 16 x 16 float32 sums. A panel's 16 pairs x 32 outputs
+// are two such weight tiles side by side (rows 128 bytes apart), so the panels are read as they
+// are. AMX rounds its sums otherwise than vdpbf16ps does, so where it runs it runs every batch
+// size; a row's sums never depend on the other rows of its tile (tile rows are independent), and
+// every row goes through the same tiles in the same order of k. The last K % 32 inputs take tail
+// tiles of their own width (nothing padded, nothing copied). Linux hands a process the tile state
+// only when asked (arch_prctl); where it refuses, the vdpbf16ps tiles above run instead.
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool amx_usable() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+// Tiles 0, 1: the sums of outputs 0-15 and 16-31; 2: the inputs; 3, 4: the weights; 5-7: the
+// same for the K % 32 tail. `rows` input rows (1-16) per tile.
+inline void amx_configure(int rows, int tail) {
+  TileConfig cfg;
+  for (int t = 0; t < 5; ++t) {
+    cfg.rows[t] = t >= 3 ? 16 : rows;
+    cfg.colsb[t] = 64;
+  }
+  if (tail > 0) {
+    cfg.rows[5] = rows;
+    cfg.colsb[5] = static_cast<uint16_t>(2 * tail);
+    cfg.rows[6] = cfg.rows[7] = static_cast<uint8_t>(tail / 2);
+    cfg.colsb[6] = cfg.colsb[7] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// c[r][0..32) = x[r] . the panel's 32 outputs, for the configured rows (float32, 32 a row).
+inline void amx_panel(const BF16* x, int64_t ldx, const BF16* panel, int64_t K, float* c, bool prefetch) {
+  constexpr int64_t kStep = 16 * 2 * kPanelRows;  // one k step: 16 pairs x 32 outputs x 2
+  constexpr int kStride = 2 * kPanelRows * sizeof(BF16);  // bytes between a weight tile's rows
+  _tile_zero(0);
+  _tile_zero(1);
+  const int64_t k32 = K / 32 * 32;
+  const BF16* w = panel;
+  for (int64_t k = 0; k < k32; k += 32, w += kStep) {
+    if (prefetch)  // streaming from memory (the first rows to read this panel): see kPrefetchAhead
+      for (int l = 0; l < static_cast<int>(kStep * sizeof(BF16)); l += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchAhead + l, _MM_HINT_T0);
+    _tile_loadd(2, x + k, ldx * sizeof(BF16));
+    _tile_loadd(3, w, kStride);
+    _tile_loadd(4, w + 32, kStride);
+    _tile_dpbf16ps(0, 2, 3);
+    _tile_dpbf16ps(1, 2, 4);
+  }
+  if (k32 < K) {
+    _tile_loadd(5, x + k32, ldx * sizeof(BF16));
+    _tile_loadd(6, w, kStride);
+    _tile_loadd(7, w + 32, kStride);
+    _tile_dpbf16ps(0, 5, 6);
+    _tile_dpbf16ps(1, 5, 7);
+  }
+  _tile_stored(0, c, kPanelRows * sizeof(float));
+  _tile_stored(1, c + 16, kPanelRows * sizeof(float));
+}
+
+void amx_panel_units(const BF16* x, int64_t M, const LinearWeights& w, int64_t p0, int64_t p1, BF16* out,
+                     int64_t ldo, const BF16* bias) {
+  const int64_t K = w.K, full = M / 16 * 16;
+  const BF16* packed = static_cast<const BF16*>(w.data);
+  alignas(64) float c[16 * kPanelRows];
+  // Whole tiles of 16 rows, then the rest in one tile of fewer rows (another configuration).
+  const int64_t bounds[3] = {0, full, M};
+  for (int pass = 0; pass < 2; ++pass) {
+    const int64_t m_begin = bounds[pass], m_end = bounds[pass + 1];
+    if (m_begin == m_end) continue;
+    const int rows = static_cast<int>(std::min<int64_t>(16, m_end - m_begin));
+    amx_configure(rows, static_cast<int>(K % 32));
+    for (int64_t p = p0; p < p1; ++p) {
+      const BF16* panel = packed + p * K * kPanelRows;
+      const int64_t n0 = p * kPanelRows;
+      const RowStore store(static_cast<int>(std::min<int64_t>(kPanelRows, w.N - n0)), bias == nullptr ? nullptr : bias + n0);
+      for (int64_t m0 = m_begin; m0 < m_end; m0 += 16) {
+        amx_panel(x + m0 * K, K, panel, K, c, m0 == 0);
+        for (int r = 0; r < rows; ++r)
+          store(_mm512_load_ps(c + r * kPanelRows), _mm512_load_ps(c + r * kPanelRows + 16), out + (m0 + r) * ldo + n0);
+      }
+    }
+  }
+  _tile_release();  // the thread's tile state back to init: nothing to save on a context switch
+}
+#endif  // TM_PANEL_AMX
 
 #else  // AVX2 + FMA
 constexpr int kMaxRows = 4;  // input rows per register tile (4 x 4 accumulators; measured best of 2-4)
@@ -123,6 +241,9 @@ namespace tm_cpu {
 
 void panel_units(const BF16* x, int64_t M, const LinearWeights& w, int64_t p0, int64_t p1, BF16* out, int64_t ldo,
                  const BF16* bias) {
+#if defined(TM_PANEL_AMX)
+  if (amx_usable()) return amx_panel_units(x, M, w, p0, p1, out, ldo, bias);
+#endif
   const int64_t K = w.K;
   const BF16* packed = static_cast<const BF16*>(w.data);
   for (int64_t p = p0; p < p1; ++p) {
@@ -147,6 +268,20 @@ void panel_units(const BF16* x, int64_t M, const LinearWeights& w, int64_t p0, i
 }  // namespace tm_cpu
 
 #endif  // TM_PANEL_KERNEL
+
+// The instructions panel_units runs here.
+std::string panel_isa() {
+#if defined(TM_PANEL_AMX)
+  if (amx_usable()) return "amx-bf16";
+#endif
+#if TM_PANEL_KERNEL && defined(__AVX512BF16__)
+  return "avx512-bf16";
+#elif TM_PANEL_KERNEL
+  return "avx2-fma";
+#else
+  return "none";
+#endif
+}
 
 // weight [N, K] bf16 -> panels [ceil(N / 32), K / 2, 32, 2] (rows past N zero).
 torch::Tensor pack_panels(torch::Tensor weight) {
