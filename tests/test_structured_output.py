@@ -33,9 +33,11 @@ def test_json_schema_always_parses(smollm2_client, smollm2_model):
 
 
 def test_json_object_and_vllm_guided_json(smollm2_client, smollm2_model):
-    # greedy: a sampled object can nest on past any max_tokens (seed 1 at 0.7 did on one CPU and
-    # not on another), and only a finished one must parse; greedy closes it within ~50 tokens
-    r = smollm2_client.chat.completions.create(model=smollm2_model, messages=ASK, temperature=0, max_tokens=300,
+    # Only a finished object must parse, and SmolLM2 can repeat keys past any max_tokens: sampled
+    # (seed 1 at 0.7) on one CPU, greedy on "Describe a person" once bf16 sums ran on AMX. This
+    # prompt closes greedily in 25-31 tokens with AVX2, AVX512-BF16 and AMX sums alike.
+    ask = [{"role": "user", "content": "Reply with a JSON object for a person: name and age only."}]
+    r = smollm2_client.chat.completions.create(model=smollm2_model, messages=ask, temperature=0, max_tokens=300,
                                        response_format={"type": "json_object"})
     assert r.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(r.choices[0].message.content), dict)
