@@ -30,8 +30,7 @@
 #include <immintrin.h>
 #if defined(__AVX512BF16__) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
 #define TM_PANEL_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 #endif
 
 namespace {
@@ -106,21 +105,6 @@ inline void panel_tile(const BF16* x, int64_t ldx, const BF16* panel, int64_t K,
 // every row goes through the same tiles in the same order of k. The last K % 32 inputs take tail
 // tiles of their own width (nothing padded, nothing copied). Linux hands a process the tile state
 // only when asked (arch_prctl); where it refuses, the vdpbf16ps tiles above run instead.
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-bool amx_usable() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
 // Tiles 0, 1: the sums of outputs 0-15 and 16-31; 2: the inputs; 3, 4: the weights; 5-7: the
 // same for the K % 32 tail. `rows` input rows (1-16) per tile.
 inline void amx_configure(int rows, int tail) {
@@ -242,7 +226,7 @@ namespace tm_cpu {
 void panel_units(const BF16* x, int64_t M, const LinearWeights& w, int64_t p0, int64_t p1, BF16* out, int64_t ldo,
                  const BF16* bias) {
 #if defined(TM_PANEL_AMX)
-  if (amx_usable()) return amx_panel_units(x, M, w, p0, p1, out, ldo, bias);
+  if (amx_permitted()) return amx_panel_units(x, M, w, p0, p1, out, ldo, bias);
 #endif
   const int64_t K = w.K;
   const BF16* packed = static_cast<const BF16*>(w.data);
@@ -272,7 +256,7 @@ void panel_units(const BF16* x, int64_t M, const LinearWeights& w, int64_t p0, i
 // The instructions panel_units runs here.
 std::string panel_isa() {
 #if defined(TM_PANEL_AMX)
-  if (amx_usable()) return "amx-bf16";
+  if (amx_permitted()) return "amx-bf16";
 #endif
 #if TM_PANEL_KERNEL && defined(__AVX512BF16__)
   return "avx512-bf16";

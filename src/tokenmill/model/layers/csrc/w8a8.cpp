@@ -35,11 +35,8 @@
 #if defined(__SSE__)
 #include <immintrin.h>
 #endif
-#if defined(__AMX_TILE__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
+#include "amx.h"
 #include "cpu_common.h"
 #include "w8a8.h"
 
@@ -233,15 +230,8 @@ struct Problem {
 // Used for whole blocks of 16 rows when K is a multiple of 64 (the other rows take the VNNI tiles:
 // the same integers). Linux gives a process the tile state only when asked (arch_prctl); the path
 // is checked once against the VNNI tiles on random data and not used if it differs.
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 inline void amx_configure() {  // every call: other libraries (oneDNN) load their own configurations
-  TileConfig cfg;
+  tm_cpu::TileConfig cfg;
   for (int t = 0; t < 3; ++t) {
     cfg.rows[t] = 16;
     cfg.colsb[t] = 64;
@@ -262,8 +252,7 @@ inline void amx_block(const uint8_t* a, int64_t lda, const int8_t* panel, int64_
 
 bool amx_usable() {
   static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    if (syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) != 0) return false;
+    if (!tm_cpu::amx_permitted()) return false;
     constexpr int64_t Kp = 128;
     std::vector<uint8_t> a(16 * Kp);
     std::vector<int8_t> w(Kp * kPanel);
