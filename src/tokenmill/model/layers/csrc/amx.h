@@ -1,4 +1,4 @@
-// AMX tiles, shared by the kernels that use them (panel_linear.cpp, quant_panels.cpp, w8a8.cpp):
+// AMX tiles, shared by the kernels that use them (panel_linear.cpp, w8a8.cpp):
 // the tile configuration's layout and the process's permission to use the tile state.
 #pragma once
 

@@ -105,6 +105,7 @@ inline void panel_tile(const BF16* x, int64_t ldx, const BF16* panel, int64_t K,
 // every row goes through the same tiles in the same order of k. The last K % 32 inputs take tail
 // tiles of their own width (nothing padded, nothing copied). Linux hands a process the tile state
 // only when asked (arch_prctl); where it refuses, the vdpbf16ps tiles above run instead.
+
 // Tiles 0, 1: the sums of outputs 0-15 and 16-31; 2: the inputs; 3, 4: the weights; 5-7: the
 // same for the K % 32 tail. `rows` input rows (1-16) per tile.
 inline void amx_configure(int rows, int tail) {
