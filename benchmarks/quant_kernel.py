@@ -63,6 +63,7 @@ def main(argv=None) -> None:
         del ws
         qpanels = [to_panels(q, s, bits) for q, s in quant] if hasattr(k, "quant_panel_linear") else None
         qb = quant_bytes(N, K, bits)
+        amx = qpanels is not None and hasattr(k, "quant_panels_amx") and k.quant_panels_amx(1 << 62)
         for M in (int(r) for r in args.rows.split(",")):
             x = torch.randn(M, K).bfloat16()
             runs = {"quant": lambda: [k.quant_linear(x, q, s, bits) for q, s in quant],
@@ -70,12 +71,28 @@ def main(argv=None) -> None:
             if qpanels is not None:  # the engine's kernel here; the row tiles beside it
                 runs["rows"] = runs["quant"]
                 runs["quant"] = lambda: [k.quant_panel_linear(x, q, s, bits, N) for q, s in qpanels]
+            if amx:  # int8 activations (the engine's below its AMX rows) and the AMX tiles, forced
+                runs["quant"] = lambda: with_amx_rows(k, 1 << 62, lambda: [k.quant_panel_linear(x, q, s, bits, N)
+                                                                        for q, s in qpanels])
+                runs["amx"] = lambda: with_amx_rows(k, 1, lambda: [k.quant_panel_linear(x, q, s, bits, N)
+                                                                for q, s in qpanels])
             t = time_interleaved(runs, args.repeats, copies)
             tq, tb = t["quant"], t["bf16"]
             rows = f"  rows {t['rows'] * 1e6:8.1f} us ({t['rows'] / tq:4.2f}x)" if "rows" in t else ""
+            if "amx" in t:
+                rows += f"  amx {t['amx'] * 1e6:8.1f} us ({tq / t['amx']:4.2f}x faster, {tb / t['amx']:4.2f}x bf16)"
             print(f"{name:8s} int{bits} rows {M:3d}: {tq * 1e6:8.1f} us ({qb / tq / 1e9:5.1f} GB/s, "
                   f"{qb / bw / tq:4.0%} of the bound)  bf16 panels {tb * 1e6:8.1f} us ({N * K * 2 / tb / 1e9:5.1f} GB/s)"
                   f"  bf16 / int{bits} {tb / tq:5.2f}x  {2 * M * N * K / tq / 1e9:5.1f} GFLOP/s{rows}")
+
+
+def with_amx_rows(k, rows: int, fn):
+    """fn() with the kernels' AMX threshold at `rows`, then back at the default."""
+    k.set_quant_amx_rows(rows)
+    try:
+        return fn()
+    finally:
+        k.set_quant_amx_rows(128)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.model.fused_decode import MAX_Q, FusedDecode
+from tokenmill.model.layers import cpu_kernels
 from tokenmill.model.layers.linear import SMALL_BATCH
+from tokenmill.model.layers.quantization import LARGE_BATCH
 
 KW = dict(dtype="bfloat16", kv_cache_memory=0.02, enable_prefix_caching=False)
 
@@ -242,6 +244,22 @@ def test_cpu_kv_cache_sits_on_huge_pages(tiny_qwen2_dir, kv_cache_dtype):
     for t in caches:
         assert t.device.type == "cpu" and t.is_contiguous() and t.data_ptr() % HUGE_PAGE == 0
     assert torch.count_nonzero(runner.kv_cache[:, :, : runner.block_size]) == 0  # the null block is zeroed
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_amx_dequantized_panels_in_the_step_equal_op_by_op(tiny_qwen2_dir, quantization):
+    """Where the int4 / int8 panels run on AMX tiles over bf16-dequantized panels (from
+    set_quant_amx_rows' rows: here every step), the fused step's linears take that path as the ops
+    do: 6 decode rows, logits and K/V equal to the op-by-op model's."""
+    kernels = cpu_kernels.load()
+    if kernels is None or not hasattr(kernels, "quant_panels_amx") or not kernels.quant_panels_amx(1 << 40):
+        pytest.skip("the int4 / int8 panels run on AMX tiles only where the CPU has AMX-BF16")
+    llm = LLM(tiny_qwen2_dir, quantization=quantization, **KW)
+    kernels.set_quant_amx_rows(1)
+    try:
+        _check_fused_equals_op_by_op(llm, 6)
+    finally:
+        kernels.set_quant_amx_rows(LARGE_BATCH)
 
 
 @pytest.mark.parametrize("quantization", [None, "int4", "int8"])

@@ -12,8 +12,9 @@ from gguf_writer import write_gguf_from_hf
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.model.layers import cpu_kernels
-from tokenmill.model.layers.quantization import (QuantEmbedding, QuantLinear, dequantize, a8_linear, from_panels,
-                                                 pack_quantized, quantize, quantize_activations, to_panels)
+from tokenmill.model.layers.quantization import (AMX_ROWS, LARGE_BATCH, QuantEmbedding, QuantLinear, dequantize,
+                                                 a8_linear, from_panels, pack_quantized, quantize,
+                                                 quantize_activations, to_panels)
 
 
 def _model(llm: LLM) -> torch.nn.Module:
@@ -103,6 +104,14 @@ def _panel_kernels():
     kernels = cpu_kernels.load()
     if kernels is None or not hasattr(kernels, "quant_panel_linear"):
         pytest.skip("no output-panel kernel here (builds with AVX2 + FMA + F16C only)")
+    kernels.set_quant_amx_rows(LARGE_BATCH)  # the default (a model loaded before may have set another)
+    return kernels
+
+
+def _amx_kernels():
+    kernels = _panel_kernels()
+    if not kernels.quant_panels_amx(1 << 40):
+        pytest.skip("the panels run on AMX tiles only where the CPU has AMX-BF16")
     return kernels
 
 
@@ -151,6 +160,70 @@ def test_panel_kernel_on_random_shapes_matches_reference_and_is_invariant(bits: 
                 torch.set_num_threads(threads)
         ids = torch.randint(0, N, (5,), generator=gen)
         assert torch.equal(kernels.quant_embedding(ids, qp, sp, bits, torch.bfloat16, N), w[ids].bfloat16())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_amx_rows_take_the_panels_dequantized_to_bf16(bits: int) -> None:
+    """From set_quant_amx_rows' rows a bf16 call runs on AMX tiles over each panel dequantized to
+    bf16 (q * d + m, rounded once to bf16: quant_embedding's numbers): random shapes, K a multiple
+    of 32, N ragged, 1..40 rows and 130 (whole tiles of 16 and a rest), close to the float64 product
+    of the bf16 rows and those weights (bf16's rounding of the outputs); each row the bits it has
+    alone (1-row tiles) and in any slice, at any thread count. Below the threshold the int8
+    products run, and float32 inputs take them at any size."""
+    kernels = _amx_kernels()
+    gen = torch.Generator().manual_seed(12)
+    threads = torch.get_num_threads()
+    try:
+        for M in [int(torch.randint(1, 41, (1,), generator=gen)) for _ in range(4)] + [130]:
+            N = int(torch.randint(1, 100, (1,), generator=gen))
+            K = 32 * int(torch.randint(1, 50, (1,), generator=gen))
+            qweight, scales = quantize(torch.randn(N, K, generator=gen) * 0.1, bits)
+            qp, sp = to_panels(qweight, scales, bits)
+            w = dequantize(qweight, scales, bits).bfloat16()
+            assert torch.equal(kernels.quant_embedding(torch.arange(N), qp, sp, bits, torch.bfloat16, N), w)
+            x = torch.randn(M, K, generator=gen).bfloat16()
+            kernels.set_quant_amx_rows(M + 1)
+            below = kernels.quant_panel_linear(x, qp, sp, bits, N)
+            a8 = a8_linear(x.float(), qweight, scales, bits).float()
+            torch.testing.assert_close(below.float(), a8, atol=1e-2 * a8.abs().max().item(), rtol=1e-2)
+            kernels.set_quant_amx_rows(1)
+            out = kernels.quant_panel_linear(x, qp, sp, bits, N)
+            ref = x.double() @ w.double().T
+            torch.testing.assert_close(out.double(), ref, atol=1e-3 * ref.abs().max().item(), rtol=2**-8)
+            assert not torch.equal(out, below)  # (the int8 activations round otherwise)
+            alone = torch.cat([kernels.quant_panel_linear(x[i : i + 1], qp, sp, bits, N) for i in range(M)])
+            assert torch.equal(out, alone), (M, N, K)
+            for start, n in ((1, 7), (2, 17), (0, 33)):
+                part = kernels.quant_panel_linear(x[start : start + n], qp, sp, bits, N)
+                assert torch.equal(part, alone[start : start + len(part)])
+            torch.set_num_threads(1)
+            assert torch.equal(kernels.quant_panel_linear(x, qp, sp, bits, N), out)
+            torch.set_num_threads(threads)
+            f32 = kernels.quant_panel_linear(x.float(), qp, sp, bits, N)
+            kernels.set_quant_amx_rows(M + 1)
+            assert torch.equal(kernels.quant_panel_linear(x.float(), qp, sp, bits, N), f32)
+            kernels.set_quant_amx_rows(M)
+            assert torch.equal(kernels.quant_panel_linear(x, qp, sp, bits, N), out)
+    finally:
+        torch.set_num_threads(threads)
+        kernels.set_quant_amx_rows(LARGE_BATCH)
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_pack_quantized_sets_the_amx_rows(invariant: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batch-invariant, the int4 / int8 panels switch to the AMX tiles at LARGE_BATCH rows (below it
+    a row's bits never depend on its batch); otherwise where the tiles are faster."""
+    kernels = _amx_kernels()
+    monkeypatch.setenv("TOKENMILL_BATCH_INVARIANT", "1" if invariant else "0")
+    model = torch.nn.Module()
+    model.proj = QuantLinear.from_linear(torch.nn.Linear(64, 40), 4)
+    try:
+        assert pack_quantized(model) == 1
+        rows = AMX_ROWS[invariant]
+        assert rows == (LARGE_BATCH if invariant else AMX_ROWS[False]) and AMX_ROWS[False] < LARGE_BATCH
+        assert not kernels.quant_panels_amx(rows - 1) and kernels.quant_panels_amx(rows)
+    finally:
+        kernels.set_quant_amx_rows(LARGE_BATCH)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

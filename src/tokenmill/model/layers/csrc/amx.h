@@ -6,6 +6,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <immintrin.h>
+
 #include <cstdint>
 
 namespace tm_cpu {
@@ -17,6 +19,13 @@ struct alignas(64) TileConfig {
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
+
+// Loads a tile configuration. (The barrier: GCC does not see ldtilecfg read its operand and may drop
+// the stores that filled it in, leaving every tile unconfigured: tile instructions then fault.)
+inline void load_tile_config(const TileConfig& cfg) {
+  asm volatile("" : : "m"(cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
 
 // Linux hands a process the tile state only when asked (arch_prctl); asked once per process.
 inline bool amx_permitted() {

@@ -103,6 +103,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if TM_QUANT_PANELS
   m.def("quant_panel_linear", &quant_panel_linear, "int4/int8 weights on output panels x int8 activations (AVX2 / AVX-512 VNNI)",
         py::arg("x"), py::arg("qpanels"), py::arg("spanels"), py::arg("bits"), py::arg("out_features"));
+  m.def("set_quant_amx_rows", &tm_cpu::set_quant_amx_rows,
+        "bf16 calls of quant_panel_linear from this many rows run on AMX tiles (panels dequantized to bf16)");
+  m.def("quant_panels_amx", &tm_cpu::quant_panels_amx, "whether a bf16 call of M rows runs on AMX tiles", py::arg("M"));
 #endif
   m.def("w8a8_linear", &w8a8_linear, "int8 weights x per-token int8 activations, int32 sums (--quantization w8a8)",
         py::arg("x"), py::arg("packed"), py::arg("w_scale"), py::arg("rowsum"), py::arg("bias"), py::arg("N"));

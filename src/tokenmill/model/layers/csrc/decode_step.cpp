@@ -88,13 +88,13 @@ struct W8A8Acts {
 struct LinearInput {
   const BF16* x;
   int64_t M;
-  A8Rows a8;  // int4 / int8 panels: the rows in int8 per group (this thread's buffers)
+  A8Rows a8;  // int4 / int8 panels: the rows in int8 per group (this thread's buffers; none on AMX tiles)
 };
 
 inline LinearInput prepare_input(const Linear& lin, const BF16* x, int64_t M, W8A8Acts& acts) {
   if (lin.w8a8) w8a8_quantize_rows(x, M, lin.w8.K, acts.q.data(), acts.sx.data(), acts.zx.data());
 #if TM_QUANT_PANELS
-  else if (lin.w.panels) return {x, M, quantize_a8_rows(x, M, lin.w.K)};
+  else if (lin.w.panels && !quant_panels_amx(M)) return {x, M, quantize_a8_rows(x, M, lin.w.K)};
 #endif
   return {x, M, {}};
 }
@@ -105,7 +105,7 @@ inline void run_units(const Linear& lin, const LinearInput& in, int64_t u0, int6
                       const W8A8Acts& acts) {
   if (lin.w8a8) return w8a8_units(lin.w8, acts.q.data(), acts.sx.data(), acts.zx.data(), in.M, u0, u1, out);
 #if TM_QUANT_PANELS
-  if (lin.w.panels) return quant_panel_units(in.a8, in.M, lin.w, u0, u1, out, ldo, lin.bias);
+  if (lin.w.panels && in.a8.q != nullptr) return quant_panel_units(in.a8, in.M, lin.w, u0, u1, out, ldo, lin.bias);
 #endif
   linear_units(in.x, in.M, lin.w, u0, u1, out, ldo, lin.bias);
 }

@@ -15,6 +15,10 @@
 #else
 #define TM_PANEL_KERNEL 0
 #endif
+// Where the CPU has AMX-BF16, the bf16 panels (and the int4 / int8 ones, dequantized) run on AMX tiles.
+#if TM_PANEL_KERNEL && defined(__AVX512BF16__) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#define TM_PANEL_AMX 1
+#endif
 // int4 / int8 weights in output panels times int8 activations (quant_panels.cpp): every CPU with
 // AVX2 + FMA + F16C (AVX-512 VNNI ones run them on 512 bits); elsewhere the row layout and the
 // tiles of quant_linear.cpp.
@@ -73,6 +77,16 @@ template <typename XT, typename OT>
 void quant_panel_units(const XT* x, int64_t M, const LinearWeights& w, int64_t p0, int64_t p1, OT* out, int64_t ldo,
                        const OT* bias = nullptr);
 
+// Whether quant_panel_units runs a call of M bf16 rows on AMX tiles, each panel dequantized to
+// bf16 once for all of them (the rows as they are, no int8 activations): where the bf16 panels
+// run on AMX, from set_quant_amx_rows' rows (default kQuantAmxRows). Dequantizing costs more than
+// the integer products at a few rows (per 32 weights ~7 cycles against memory's ~4 at one row),
+// much less past them; the two paths round differently, so the rows a row is batched with decide
+// which one it takes (quantization.py sets 128 rows where the engine is batch-invariant).
+constexpr int64_t kQuantAmxRows = 128;
+void set_quant_amx_rows(int64_t rows);
+bool quant_panels_amx(int64_t M);
+
 // The same in two steps, for a caller that runs several unit ranges on one input: M rows
 // quantized into this thread's buffers (valid until its next call), then the units.
 template <typename XT>
@@ -90,6 +104,24 @@ void quant_panel_row(const LinearWeights& w, int64_t id, T* out);
 // bf16 panels: the same for the output rows of panels [p0, p1).
 void panel_units(const c10::BFloat16* x, int64_t M, const LinearWeights& w, int64_t p0, int64_t p1,
                  c10::BFloat16* out, int64_t ldo, const c10::BFloat16* bias);
+
+#if defined(TM_PANEL_AMX)
+// Whether the bf16 panels run on AMX tiles here (Linux granted the tile state).
+bool amx_panels();
+// AMX tiles for panels produced on the fly (quant_panels.cpp dequantizes int4 / int8 panels; K %
+// 32 == 0, panels [K / 2][32][2] in bf16, the output's first ncols columns, each row's sums in the
+// same order as panel_units'). The tiles configured for a tile of r0 (<= 16) rows and one of r1;
+// then either each whole panel for M rows (r0 16, r1 M % 16), or, for up to two tiles (32 rows),
+// sums kept in the tiles while the panel comes 32 inputs (one step, 2 KB) at a time: zeroed, a
+// step's inputs (x: the rows at its first input, ldx apart) times its weights, stored; then released.
+void amx_rows_configure(int r0, int r1);
+void amx_panel_rows(const c10::BFloat16* x, int64_t M, const c10::BFloat16* panel, int64_t K, c10::BFloat16* out,
+                    int64_t ldo, int ncols, const c10::BFloat16* bias);
+void amx_sums_zero(bool two);
+void amx_sums_step(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* w, bool two);
+void amx_sums_store(c10::BFloat16* out, int64_t ldo, int r0, int r1, int ncols, const c10::BFloat16* bias);
+void amx_release();
+#endif
 
 // Either kind, bf16 activations: units [u0, u1) of w.units().
 inline void linear_units(const c10::BFloat16* x, int64_t M, const LinearWeights& w, int64_t u0, int64_t u1,

@@ -28,8 +28,7 @@
 
 #if TM_PANEL_KERNEL
 #include <immintrin.h>
-#if defined(__AVX512BF16__) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
-#define TM_PANEL_AMX 1
+#if defined(TM_PANEL_AMX)
 #include "amx.h"
 #endif
 
@@ -120,28 +119,37 @@ inline void amx_configure(int rows, int tail) {
     cfg.rows[6] = cfg.rows[7] = static_cast<uint8_t>(tail / 2);
     cfg.colsb[6] = cfg.colsb[7] = 64;
   }
-  _tile_loadconfig(&cfg);
+  load_tile_config(cfg);
 }
+
+// The sums of the configured rows of x times the panel's 32 outputs over k < K / 32 * 32 in tiles
+// C0 and C1, the inputs in tile A, the weights in tiles 3 and 4. (A macro: GCC's tile intrinsics
+// name their tiles in the instruction text, so the tile numbers must be literals.)
+#define TM_AMX_PANEL_SUMS(C0, C1, A)                                                                    \
+  {                                                                                                     \
+    constexpr int kStride = 2 * kPanelRows * sizeof(BF16); /* bytes between a weight tile's rows */     \
+    _tile_zero(C0);                                                                                     \
+    _tile_zero(C1);                                                                                     \
+    for (int64_t k = 0; k < K / 32 * 32; k += 32, w += kStep) {                                         \
+      if (prefetch) /* streaming from memory (the first rows to read this panel): see kPrefetchAhead */ \
+        for (int l = 0; l < static_cast<int>(kStep * sizeof(BF16)); l += 64)                           \
+          _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchAhead + l, _MM_HINT_T0);             \
+      _tile_loadd(A, x + k, ldx * sizeof(BF16));                                                        \
+      _tile_loadd(3, w, kStride);                                                                       \
+      _tile_loadd(4, w + 32, kStride);                                                                  \
+      _tile_dpbf16ps(C0, A, 3);                                                                         \
+      _tile_dpbf16ps(C1, A, 4);                                                                         \
+    }                                                                                                   \
+  }
+constexpr int64_t kStep = 16 * 2 * kPanelRows;  // one k step of a panel: 16 pairs x 32 outputs x 2
 
 // c[r][0..32) = x[r] . the panel's 32 outputs, for the configured rows (float32, 32 a row).
 inline void amx_panel(const BF16* x, int64_t ldx, const BF16* panel, int64_t K, float* c, bool prefetch) {
-  constexpr int64_t kStep = 16 * 2 * kPanelRows;  // one k step: 16 pairs x 32 outputs x 2
-  constexpr int kStride = 2 * kPanelRows * sizeof(BF16);  // bytes between a weight tile's rows
-  _tile_zero(0);
-  _tile_zero(1);
-  const int64_t k32 = K / 32 * 32;
   const BF16* w = panel;
-  for (int64_t k = 0; k < k32; k += 32, w += kStep) {
-    if (prefetch)  // streaming from memory (the first rows to read this panel): see kPrefetchAhead
-      for (int l = 0; l < static_cast<int>(kStep * sizeof(BF16)); l += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchAhead + l, _MM_HINT_T0);
-    _tile_loadd(2, x + k, ldx * sizeof(BF16));
-    _tile_loadd(3, w, kStride);
-    _tile_loadd(4, w + 32, kStride);
-    _tile_dpbf16ps(0, 2, 3);
-    _tile_dpbf16ps(1, 2, 4);
-  }
+  TM_AMX_PANEL_SUMS(0, 1, 2)
+  const int64_t k32 = K / 32 * 32;
   if (k32 < K) {
+    constexpr int kStride = 2 * kPanelRows * sizeof(BF16);
     _tile_loadd(5, x + k32, ldx * sizeof(BF16));
     _tile_loadd(6, w, kStride);
     _tile_loadd(7, w + 32, kStride);
@@ -151,6 +159,16 @@ inline void amx_panel(const BF16* x, int64_t ldx, const BF16* panel, int64_t K, 
   _tile_stored(0, c, kPanelRows * sizeof(float));
   _tile_stored(1, c + 16, kPanelRows * sizeof(float));
 }
+
+// The same for K % 32 == 0 in tiles 5, 6 and 7 (amx_rows_configure's rest rows).
+inline void amx_panel_rest(const BF16* x, int64_t ldx, const BF16* panel, int64_t K, float* c) {
+  const BF16* w = panel;
+  constexpr bool prefetch = false;
+  TM_AMX_PANEL_SUMS(5, 6, 7)
+  _tile_stored(5, c, kPanelRows * sizeof(float));
+  _tile_stored(6, c + 16, kPanelRows * sizeof(float));
+}
+#undef TM_AMX_PANEL_SUMS
 
 void amx_panel_units(const BF16* x, int64_t M, const LinearWeights& w, int64_t p0, int64_t p1, BF16* out,
                      int64_t ldo, const BF16* bias) {
@@ -249,6 +267,77 @@ void panel_units(const BF16* x, int64_t M, const LinearWeights& w, int64_t p0, i
     }
   }
 }
+
+#if defined(TM_PANEL_AMX)
+bool amx_panels() { return amx_permitted(); }
+
+void amx_rows_configure(int r0, int r1) {
+  // Tiles 0, 1: the sums of the first tile of r0 rows, 2: its inputs; 3, 4: the weights; 5, 6, 7:
+  // the same as 0, 1, 2 for a second tile of r1 rows (K % 32 == 0: no tail tiles).
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = static_cast<uint8_t>(t == 3 || t == 4 ? 16 : t < 3 ? r0 : r1);
+    cfg.colsb[t] = cfg.rows[t] == 0 ? 0 : 64;
+  }
+  load_tile_config(cfg);
+}
+
+void amx_panel_rows(const BF16* x, int64_t M, const BF16* panel, int64_t K, BF16* out, int64_t ldo, int ncols,
+                    const BF16* bias) {
+  alignas(64) float c[16 * kPanelRows];
+  const RowStore store(ncols, bias);
+  const int64_t full = M / 16 * 16;
+  for (int64_t m0 = 0; m0 < full; m0 += 16) {
+    amx_panel(x + m0 * K, K, panel, K, c, false);
+    for (int r = 0; r < 16; ++r)
+      store(_mm512_load_ps(c + r * kPanelRows), _mm512_load_ps(c + r * kPanelRows + 16), out + (m0 + r) * ldo);
+  }
+  if (full < M) {
+    amx_panel_rest(x + full * K, K, panel, K, c);
+    for (int r = 0; r < M - full; ++r)
+      store(_mm512_load_ps(c + r * kPanelRows), _mm512_load_ps(c + r * kPanelRows + 16), out + (full + r) * ldo);
+  }
+}
+
+void amx_sums_zero(bool two) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if (two) {
+    _tile_zero(5);
+    _tile_zero(6);
+  }
+}
+
+void amx_sums_step(const BF16* x, int64_t ldx, const BF16* w, bool two) {
+  constexpr int kStride = 2 * kPanelRows * sizeof(BF16);
+  _tile_loadd(3, w, kStride);
+  _tile_loadd(4, w + 32, kStride);
+  _tile_loadd(2, x, ldx * sizeof(BF16));
+  _tile_dpbf16ps(0, 2, 3);
+  _tile_dpbf16ps(1, 2, 4);
+  if (two) {
+    _tile_loadd(7, x + 16 * ldx, ldx * sizeof(BF16));
+    _tile_dpbf16ps(5, 7, 3);
+    _tile_dpbf16ps(6, 7, 4);
+  }
+}
+
+void amx_sums_store(BF16* out, int64_t ldo, int r0, int r1, int ncols, const BF16* bias) {
+  alignas(64) float c[16 * kPanelRows];
+  const RowStore store(ncols, bias);
+  _tile_stored(0, c, kPanelRows * sizeof(float));
+  _tile_stored(1, c + 16, kPanelRows * sizeof(float));
+  for (int r = 0; r < r0; ++r)
+    store(_mm512_load_ps(c + r * kPanelRows), _mm512_load_ps(c + r * kPanelRows + 16), out + r * ldo);
+  if (r1 == 0) return;
+  _tile_stored(5, c, kPanelRows * sizeof(float));
+  _tile_stored(6, c + 16, kPanelRows * sizeof(float));
+  for (int r = 0; r < r1; ++r)
+    store(_mm512_load_ps(c + r * kPanelRows), _mm512_load_ps(c + r * kPanelRows + 16), out + (16 + r) * ldo);
+}
+
+void amx_release() { _tile_release(); }
+#endif
 
 }  // namespace tm_cpu
 

@@ -32,11 +32,21 @@
 //
 // Every output's operations are the same whatever the number of rows in the call, their place in
 // the register tile, or how the panels are shared among threads: batch-invariant, bit for bit.
+//
+// Where the bf16 panels run on AMX-BF16 tiles (panel_linear.cpp), a bf16 call of many rows
+// (set_quant_amx_rows: 128 where the engine is batch-invariant) runs there too: each panel is
+// dequantized into bf16 once for all the rows (q * d + m rounded to bf16), the rows stay as they
+// are. Its cost is per weight (~7 cycles per 32 weights here), not per row, so it loses to the
+// integer products at a few rows and wins past ~16 (SmolLM2's gate/up and down, 2 cores: 1.3-1.5x
+// at 32 rows, 1.5-2.7x at 128). The two paths round differently: a row's bits depend on which one
+// its step's row count picks, and within each path on nothing else.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "linear.h"
@@ -153,12 +163,14 @@ inline void int8_group(const A8Rows& xr, const uint8_t* qp, const at::Half* sp, 
   }
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define TM_PANELS_VNNI512 1
-
+#if defined(__AVX512F__)
 inline __m512 load_halves16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define TM_PANELS_VNNI512 1
 
 // Group g of MB quantized rows times the whole panel (2 vectors of 16 outputs), added to
 // acc[m][0..32): int4_group's integer sums and float operations on 512-bit registers.
@@ -236,6 +248,115 @@ inline void int8_group_vnni(const A8Rows& xr, const uint8_t* qp, const at::Half*
 }
 #else
 #define TM_PANELS_VNNI512 0
+#endif
+
+#if defined(TM_PANEL_AMX)
+// ---- AMX: the panels dequantized into bf16, then bf16 tiles ----
+
+// Weights of inputs k and k + 1 for 16 outputs, float32 -> the [16][2] bf16 pairs of a panel
+// (round to nearest even, as c10::BFloat16(float)).
+inline void store_pairs(__m512 f0, __m512 f1, BF16* dst) {
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i bf = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(f1, f0));  // f0's 16 bf16, then f1's
+  _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(interleave, bf));
+}
+
+// Bits [B, B + W) of each 32-bit lane moved to [P, P + W) and or'ed into the float32 `base` (whose
+// mantissa there is zero): base + the field as an exact float32, in two operations (a shift and a
+// vpternlog), where shift + mask + int-to-float conversion takes three.
+template <int B, int P>
+inline __m512 field_plus(__m512i raw, __m512i mask, __m512i base) {
+  __m512i v = raw;
+  if constexpr (B < P) v = _mm512_slli_epi32(raw, P - B);
+  if constexpr (B > P) v = _mm512_srli_epi32(raw, B - P);
+  return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(v, mask, base, 0xEA));  // (v & mask) | base
+}
+
+// Group g of a panel (32 inputs x 32 outputs) -> its 16 pairs of the bf16 panel [16][32][2] at dst.
+// int4: 128 + q exact (q in bits 16-19 of 128.0f), times d plus (m - 128 d); int8: 384 + q (q + 128
+// in bits 15-22 of 256.0f), times d minus 384 d. One rounding each: q * d + m (quant_panel_row's
+// numbers) wherever m - 128 d is exact in float32, as it is when m and 128 d (both float16 values)
+// lie within ~13 binades of each other (min/max-quantized groups: |m| <= 15 |d| or so); otherwise
+// within one float32 ulp before the rounding to bf16. int8: exactly q * d.
+template <int BITS>
+inline void dequantize_group(const uint8_t* qp, const at::Half* sp, int64_t g, BF16* dst) {
+  const uint8_t* qg = qp + g * kGroupBytes<BITS>;
+  const at::Half* sg = sp + g * kGroupScales<BITS>;
+#pragma GCC unroll 2
+  for (int v = 0; v < 2; ++v) {  // outputs 16v .. 16v + 15
+    const __m512 d = load_halves16(sg + 16 * v);
+    if constexpr (BITS == 4) {
+      const __m512i mask = _mm512_set1_epi32(0xF << 16), base = _mm512_set1_epi32(0x43000000);  // 128.0f
+      const __m512 c = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), d, load_halves16(sg + kPanelRows + 16 * v));
+#pragma GCC unroll 4
+      for (int s = 0; s < 4; ++s) {  // inputs 8s + j (low nibble of byte j) and 8s + 4 + j (high)
+        const uint8_t* src = qg + (4 * s + 2 * v) * 32;
+        _mm_prefetch(reinterpret_cast<const char*>(src) + kPrefetchAhead, _MM_HINT_T0);
+        const __m512i raw = _mm512_loadu_si512(src);
+        const __m512 f[8] = {field_plus<0, 16>(raw, mask, base), field_plus<8, 16>(raw, mask, base),
+                             field_plus<16, 16>(raw, mask, base), field_plus<24, 16>(raw, mask, base),
+                             field_plus<4, 16>(raw, mask, base), field_plus<12, 16>(raw, mask, base),
+                             field_plus<20, 16>(raw, mask, base), field_plus<28, 16>(raw, mask, base)};
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; ++p)
+          store_pairs(_mm512_fmadd_ps(f[2 * p], d, c), _mm512_fmadd_ps(f[2 * p + 1], d, c),
+                      dst + ((4 * s + p) * kPanelRows + 16 * v) * 2);
+      }
+    } else {
+      const __m512i mask = _mm512_set1_epi32(0xFF << 15), base = _mm512_set1_epi32(0x43800000);  // 256.0f
+      const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+      const __m512 c = _mm512_mul_ps(_mm512_set1_ps(-384.f), d);  // exact: d is a float16
+#pragma GCC unroll 8
+      for (int s = 0; s < 8; ++s) {  // inputs 4s + j: byte j, signed (as q + 128: unsigned)
+        const uint8_t* src = qg + (4 * s + 2 * v) * 32;
+        _mm_prefetch(reinterpret_cast<const char*>(src) + kPrefetchAhead, _MM_HINT_T0);
+        const __m512i raw = _mm512_xor_si512(_mm512_loadu_si512(src), flip);
+        store_pairs(_mm512_fmadd_ps(field_plus<0, 15>(raw, mask, base), d, c),
+                    _mm512_fmadd_ps(field_plus<8, 15>(raw, mask, base), d, c),
+                    dst + ((2 * s) * kPanelRows + 16 * v) * 2);
+        store_pairs(_mm512_fmadd_ps(field_plus<16, 15>(raw, mask, base), d, c),
+                    _mm512_fmadd_ps(field_plus<24, 15>(raw, mask, base), d, c),
+                    dst + ((2 * s + 1) * kPanelRows + 16 * v) * 2);
+      }
+    }
+  }
+}
+
+// Panels [p0, p1) for M bf16 rows on AMX tiles. Up to 32 rows (two tiles), each panel 32 inputs at
+// a time: a group dequantized into 2 KB (L1), then its products for both tiles (against the whole
+// panel at once, one thread, SmolLM2's gate/up, down, q/k/v at 17-32 rows: 1.04-1.53x). More rows:
+// each panel dequantized whole into this thread's bf16 panel (in cache), then its rows, 16 a tile.
+template <int BITS>
+void amx_units(const BF16* x, int64_t M, const LinearWeights& w, int64_t p0, int64_t p1, BF16* out, int64_t ldo,
+               const BF16* bias) {
+  const int64_t G = w.K / kGroup;
+  const uint8_t* qw = static_cast<const uint8_t*>(w.data);
+  thread_local std::vector<BF16> panel;
+  const bool steps = M <= 32;
+  const int r0 = static_cast<int>(std::min<int64_t>(16, M)), r1 = static_cast<int>(steps ? M - r0 : M % 16);
+  panel.resize((steps ? kGroup : w.K) * kPanelRows);
+  amx_rows_configure(r0, r1);
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint8_t* qp = qw + p * G * kGroupBytes<BITS>;
+    const at::Half* sp = w.scales + p * G * kGroupScales<BITS>;
+    const int64_t n0 = p * kPanelRows;
+    const int nc = static_cast<int>(std::min<int64_t>(kPanelRows, w.N - n0));
+    const BF16* pb = bias == nullptr ? nullptr : bias + n0;
+    if (steps) {
+      amx_sums_zero(r1 > 0);
+      for (int64_t g = 0; g < G; ++g) {
+        dequantize_group<BITS>(qp, sp, g, panel.data());
+        amx_sums_step(x + g * kGroup, w.K, panel.data(), r1 > 0);
+      }
+      amx_sums_store(out + n0, ldo, r0, r1, nc, pb);
+    } else {
+      for (int64_t g = 0; g < G; ++g) dequantize_group<BITS>(qp, sp, g, panel.data() + g * kGroup * kPanelRows);
+      amx_panel_rows(x, M, panel.data(), w.K, out + n0, ldo, nc, pb);
+    }
+  }
+  amx_release();
+}
 #endif
 
 // acc[m][0..32) = x[m] . the panel's 32 rows for MB input rows, NV output vectors at a time (the
@@ -370,10 +491,30 @@ void quant_panel_units(const A8Rows& x, int64_t M, const LinearWeights& w, int64
   else units<8>(x, M, w, p0, p1, out, ldo, bias);
 }
 
+namespace {
+std::atomic<int64_t> amx_min_rows{kQuantAmxRows};
+}
+
+void set_quant_amx_rows(int64_t rows) { amx_min_rows = rows; }
+
+bool quant_panels_amx(int64_t M) {
+#if defined(TM_PANEL_AMX)
+  return M >= amx_min_rows.load(std::memory_order_relaxed) && amx_panels();
+#else
+  return false;
+#endif
+}
+
 template <typename XT, typename OT>
 void quant_panel_units(const XT* x, int64_t M, const LinearWeights& w, int64_t p0, int64_t p1, OT* out, int64_t ldo,
                        const OT* bias) {
   if (M == 0 || p0 >= p1) return;
+#if defined(TM_PANEL_AMX)
+  if constexpr (std::is_same_v<XT, BF16> && std::is_same_v<OT, BF16>) {
+    if (quant_panels_amx(M)) return w.bits == 4 ? amx_units<4>(x, M, w, p0, p1, out, ldo, bias)
+                                               : amx_units<8>(x, M, w, p0, p1, out, ldo, bias);
+  }
+#endif
   quant_panel_units(quantize_a8_rows(x, M, w.K), M, w, p0, p1, out, ldo, bias);
 }
 

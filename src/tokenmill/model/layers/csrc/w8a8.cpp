@@ -236,7 +236,7 @@ inline void amx_configure() {  // every call: other libraries (oneDNN) load thei
     cfg.rows[t] = 16;
     cfg.colsb[t] = 64;
   }
-  _tile_loadconfig(&cfg);
+  load_tile_config(cfg);
 }
 
 // acc[16][16] = sum over Kp of a's 16 rows times one panel.
