@@ -42,8 +42,9 @@ LARGE_BATCH = 128
 # Panels on AMX-BF16 CPUs: rows from which a bf16 step dequantizes each panel into bf16 (once for
 # all its rows) for AMX tiles instead of the int8 products. Batch-invariant, LARGE_BATCH (the two
 # paths round differently, and below it the engine promises the same bits at any batch size);
-# otherwise from where the tiles win (SmolLM2's gate/up and down, 2 cores, Sapphire Rapids: 0.91x /
-# 1.03x the int8 products at 16 rows, 1.26x / 1.48x at 32, 1.8x / 2.3x at 128).
+# otherwise from where the tiles win (SmolLM2 int4's fused decode step, 2 cores, Sapphire Rapids:
+# 0.98x the int8 products at 12 rows, 0.99x at 16, 1.05x at 24, 1.18x at 32; its gate/up and down
+# alone 1.3x / 1.6x at 32 rows, 1.5x / 2.7x at 128: benchmarks/quant_kernel.py).
 AMX_ROWS = {True: LARGE_BATCH, False: 24}
 QUANTIZATION_METHODS = ("int4", "int8", "gguf", "w8a8")  # w8a8: layers/w8a8.py, model/smoothquant.py
 BITS = {"int4": 4, "int8": 8}
