@@ -9,7 +9,8 @@ memory as in a decode step; the LM head: one 56 MB copy) and each batch size, th
 interleaved (`--repeats` times each); prints the median GFLOP/s of each, their ratio, and at one
 row the weight bytes streamed per second. `--float32` adds F.linear on float32 copies of the
 weights (twice the bytes; what a float32 model runs): the peer to beat where oneDNN has no
-native bf16 (AVX2 CPUs).
+native bf16 (AVX2 CPUs). `--w8a8` adds the W8A8 kernel (csrc/w8a8.cpp, `--quantization w8a8`:
+int8 weights, the bf16 rows quantized per token inside the call) on the same weights.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def main(argv=None) -> None:
     p.add_argument("--rows", default="1,8,16,32,64", help="batch sizes (comma-separated)")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--float32", action="store_true", help="also time F.linear on float32 weights")
+    p.add_argument("--w8a8", action="store_true", help="also time the W8A8 kernel on int8 copies of the weights")
     p.add_argument("--shapes", default=",".join(SHAPES), help="which of SmolLM2's linears (comma-separated)")
     args = p.parse_args(argv)
     from tokenmill.model.layers import cpu_kernels
@@ -61,6 +63,10 @@ def main(argv=None) -> None:
             onednn, args.float32 = [], True
         panels = [k.pack_panels(w) for w in ws]
         fp32 = [w.float() for w in ws] if args.float32 else []
+        if args.w8a8:
+            from tokenmill.model.layers.w8a8 import W8A8Linear
+
+            w8 = [W8A8Linear(w.float()) for w in ws]
         for M in (int(r) for r in args.rows.split(",")):
             x = torch.randn(M, K).bfloat16()
             xf = x.float()
@@ -69,6 +75,8 @@ def main(argv=None) -> None:
                 runs["oneDNN"] = lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in onednn]
             if fp32:
                 runs["float32"] = lambda: [torch.nn.functional.linear(xf, w) for w in fp32]
+            if args.w8a8:
+                runs["w8a8"] = lambda: [lin(x) for lin in w8]
             times = time_interleaved(runs, args.repeats, copies)
             t2 = times["panels"]
             flop = 2 * M * N * K
@@ -79,6 +87,9 @@ def main(argv=None) -> None:
             if fp32:
                 t3 = times["float32"]
                 line += f"  float32 {flop / t3 / 1e9:6.0f}  panels / float32 {t3 / t2:5.2f}x"
+            if args.w8a8:
+                t4 = times["w8a8"]
+                line += f"  w8a8 {flop / t4 / 1e9:6.0f}  w8a8 / panels {t2 / t4:5.2f}x"
             if M == 1:
                 line += f"  (panels stream {N * K * 2 / t2 / 1e9:.1f} GB/s)"
             print(line)

@@ -10,7 +10,8 @@
 // AVX2's. An input row's 4 bytes are broadcast against it: no horizontal sums.
 //
 // Instruction paths (chosen at compile time by -march=native):
-// - AMX-INT8 (tdpbusd) for blocks of 16 input rows, where the CPU and the OS allow it; the rest:
+// - AMX-INT8 (tdpbusd), where the CPU and the OS allow it and K is a multiple of 64: blocks of
+//   32 input rows x 32 outputs (the last rows in tiles of fewer rows). Otherwise:
 // - AVX-512 VNNI (vpdpbusd: u8 x s8, 4 products summed into each int32 lane, no intermediate
 //   rounding or saturation), tiles of 8 input rows x 16 outputs.
 // - AVX2 (+ AVX-VNNI's 256-bit vpdpbusd where the CPU has it): vpmaddubsw multiplies u8 by s8 and
@@ -38,6 +39,7 @@
 
 #include "amx.h"
 #include "cpu_common.h"
+#include "linear.h"
 #include "w8a8.h"
 
 namespace {
@@ -193,16 +195,59 @@ inline void tile(const uint8_t* a, int64_t lda, const int8_t* panel, int64_t Kp,
 }
 #endif
 
-// The float epilogue of one row of a panel, the same code for every row (noinline: however the
-// tiles around it are compiled, fast-math cannot make a row's rounding depend on its tile).
+// The float epilogue of `rows` rows of a panel (nb <= 16 outputs; row i's int32 sums at
+// acc + i * ld, its outputs at out + i * ldo), the same code for every row:
+//   y = float(acc - shift * rowsum) * (sx * sw) (+ bias), rounded once to OT,
+// where acc = sum a * q with a = u (- 128 when signed), so shift = z (- 128). (noinline: however
+// the tiles around it are compiled, fast-math cannot make a row's rounding depend on its tile.)
+#if defined(TM_W8A8_VNNI512)
+// AVX-512: one vector a row, the panel's scales and row sums loaded once for all the rows (the
+// plain loop, called row by row, took ~28% of the AMX path's time at K = 576 in a profile).
+inline void store_row(__m512 v, __mmask16 m, float* out) { _mm512_mask_storeu_ps(out, m, v); }
+inline void store_row(__m512 v, __mmask16 m, c10::BFloat16* out) {
+#if defined(__AVX512BF16__)
+  _mm256_mask_storeu_epi16(out, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+#else  // round to nearest even, as c10::BFloat16(float) does, NaN to its quiet NaN
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  _mm256_mask_storeu_epi16(out, m, _mm512_cvtepi32_epi16(r));
+#endif
+}
+
 template <typename OT>
-__attribute__((noinline)) void finish_row(const int32_t* acc, int nb, int32_t shift, float sx, const float* sw,
-                                          const int32_t* rowsum, const float* bias, OT* out) {
-  for (int n = 0; n < nb; ++n) {
-    const float v = static_cast<float>(acc[n] - shift * rowsum[n]) * (sx * sw[n]);
-    tm_cpu::from_f(bias != nullptr ? v + bias[n] : v, out + n);
+__attribute__((noinline)) void finish_rows(const int32_t* acc, int64_t ld, int rows, int nb, const int32_t* zx,
+                                           const float* sx, const float* sw, const int32_t* rowsum,
+                                           const float* bias, OT* out, int64_t ldo) {
+  const __mmask16 m = static_cast<__mmask16>(nb >= 16 ? 0xffff : (1u << nb) - 1);
+  const __m512i rs = _mm512_maskz_loadu_epi32(m, rowsum);
+  const __m512 ws = _mm512_maskz_loadu_ps(m, sw);
+  const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(m, bias) : _mm512_setzero_ps();
+  for (int i = 0; i < rows; ++i) {
+    const int32_t shift = zx[i] - (kSignedActs ? 128 : 0);
+    const __m512i sums = _mm512_sub_epi32(_mm512_maskz_loadu_epi32(m, acc + i * ld),
+                                          _mm512_mullo_epi32(_mm512_set1_epi32(shift), rs));
+    const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(sx[i]), ws);
+    const __m512 v = bias != nullptr ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, b)
+                                     : _mm512_mul_ps(_mm512_cvtepi32_ps(sums), scale);
+    store_row(v, m, out + i * ldo);
   }
 }
+#else
+template <typename OT>
+__attribute__((noinline)) void finish_rows(const int32_t* acc, int64_t ld, int rows, int nb, const int32_t* zx,
+                                           const float* sx, const float* sw, const int32_t* rowsum,
+                                           const float* bias, OT* out, int64_t ldo) {
+  for (int i = 0; i < rows; ++i) {
+    const int32_t shift = zx[i] - (kSignedActs ? 128 : 0);
+    for (int n = 0; n < nb; ++n) {
+      const float v = static_cast<float>(acc[i * ld + n] - shift * rowsum[n]) * (sx[i] * sw[n]);
+      tm_cpu::from_f(bias != nullptr ? v + bias[n] : v, out + i * ldo + n);
+    }
+  }
+}
+#endif
 
 template <int MB>
 void tile_dispatch(int mb, const uint8_t* a, int64_t lda, const int8_t* panel, int64_t Kp, int32_t* acc) {
@@ -225,45 +270,87 @@ struct Problem {
 
 #if defined(TM_W8A8_VNNI512) && defined(__AMX_INT8__) && defined(__AMX_TILE__)
 #define TM_W8A8_AMX 1
-// AMX-INT8: tdpbusd multiplies a 16-row x 64-byte tile of u8 activations by a 16 x 64 tile of the
-// panel (16 groups of 4 inputs for 16 outputs: the packed layout as it is) into 16 x 16 int32.
-// Used for whole blocks of 16 rows when K is a multiple of 64 (the other rows take the VNNI tiles:
-// the same integers). Linux gives a process the tile state only when asked (arch_prctl); the path
-// is checked once against the VNNI tiles on random data and not used if it differs.
-inline void amx_configure() {  // every call: other libraries (oneDNN) load their own configurations
+// AMX-INT8: tdpbusd multiplies a tile of up to 16 rows x 64 bytes of u8 activations by a 16 x 64
+// tile of a panel (16 groups of 4 inputs for 16 outputs: the packed layout as it is) into int32
+// sums. Blocks of two row tiles x two panels (32 rows x 32 outputs: four sums tiles, so that each
+// tile loaded feeds two products), the last row tile of M % 16 rows (another configuration); where
+// K is a multiple of 64 (the other shapes take the VNNI tiles: the same integers). Linux gives a
+// process the tile state only when asked (arch_prctl); the path is checked once against the VNNI
+// tiles on random data and not used if it differs.
+
+// Tiles 0, 1: the sums of row tile 0 with panels 0, 1; 2, 3: row tile 1's; 4, 5: the activations
+// of row tiles 0 and 1 (rows0 and rows1 rows); 6, 7: the two panels' weights.
+inline void amx_configure(int rows0, int rows1) {  // every call: other libraries load their own
   tm_cpu::TileConfig cfg;
-  for (int t = 0; t < 3; ++t) {
-    cfg.rows[t] = 16;
+  const int rows[8] = {rows0, rows0, rows1, rows1, rows0, rows1, 16, 16};
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = static_cast<uint8_t>(rows[t] > 0 ? rows[t] : 16);
     cfg.colsb[t] = 64;
   }
   load_tile_config(cfg);
 }
 
-// acc[16][16] = sum over Kp of a's 16 rows times one panel.
-inline void amx_block(const uint8_t* a, int64_t lda, const int8_t* panel, int64_t Kp, int32_t* acc) {
+// acc[r][0..32) (32 int32 a row) = sum over Kp of a's rows (row tile 0, and with R2 row tile 1 at
+// a + 16 * lda) times panel w0's 16 outputs (and with P2 w1's at acc[r][16..32)).
+template <bool R2, bool P2>
+inline void amx_block(const uint8_t* a, int64_t lda, const int8_t* w0, const int8_t* w1, int64_t Kp, int32_t* acc,
+                      bool prefetch) {
+  constexpr int kLd = 2 * kPanel * sizeof(int32_t);
   _tile_zero(0);
+  if constexpr (P2) _tile_zero(1);
+  if constexpr (R2) _tile_zero(2);
+  if constexpr (R2 && P2) _tile_zero(3);
   for (int64_t k = 0; k < Kp; k += 64) {
-    _tile_loadd(1, a + k, lda);
-    _tile_loadd(2, panel + k * kPanel, kQuad * kPanel);
-    _tile_dpbusd(0, 1, 2);
+    if (prefetch)  // the weights come from memory (the first rows to read these panels)
+      for (int l = 0; l < 64 * kPanel; l += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(w0 + k * kPanel) + tm_cpu::kPrefetchAhead + l, _MM_HINT_T0);
+        if constexpr (P2)
+          _mm_prefetch(reinterpret_cast<const char*>(w1 + k * kPanel) + tm_cpu::kPrefetchAhead + l, _MM_HINT_T0);
+      }
+    _tile_loadd(6, w0 + k * kPanel, kQuad * kPanel);
+    if constexpr (P2) _tile_loadd(7, w1 + k * kPanel, kQuad * kPanel);
+    _tile_loadd(4, a + k, lda);
+    _tile_dpbusd(0, 4, 6);
+    if constexpr (P2) _tile_dpbusd(1, 4, 7);
+    if constexpr (R2) {
+      _tile_loadd(5, a + 16 * lda + k, lda);
+      _tile_dpbusd(2, 5, 6);
+      if constexpr (P2) _tile_dpbusd(3, 5, 7);
+    }
   }
-  _tile_stored(0, acc, kPanel * sizeof(int32_t));
+  _tile_stored(0, acc, kLd);
+  if constexpr (P2) _tile_stored(1, acc + kPanel, kLd);
+  if constexpr (R2) _tile_stored(2, acc + 16 * 2 * kPanel, kLd);
+  if constexpr (R2 && P2) _tile_stored(3, acc + 16 * 2 * kPanel + kPanel, kLd);
+}
+
+inline void amx_block(bool r2, bool p2, const uint8_t* a, int64_t lda, const int8_t* w0, const int8_t* w1,
+                      int64_t Kp, int32_t* acc, bool prefetch) {
+  if (r2 && p2) return amx_block<true, true>(a, lda, w0, w1, Kp, acc, prefetch);
+  if (r2) return amx_block<true, false>(a, lda, w0, w1, Kp, acc, prefetch);
+  if (p2) return amx_block<false, true>(a, lda, w0, w1, Kp, acc, prefetch);
+  amx_block<false, false>(a, lda, w0, w1, Kp, acc, prefetch);
 }
 
 bool amx_usable() {
   static const bool ok = [] {
     if (!tm_cpu::amx_permitted()) return false;
     constexpr int64_t Kp = 128;
-    std::vector<uint8_t> a(16 * Kp);
-    std::vector<int8_t> w(Kp * kPanel);
+    std::vector<uint8_t> a(32 * Kp);
+    std::vector<int8_t> w(2 * Kp * kPanel);
     uint32_t r = 12345;
     for (auto& v : a) v = static_cast<uint8_t>((r = r * 1103515245 + 12345) >> 16);
     for (auto& v : w) v = static_cast<int8_t>(static_cast<int>((r = r * 1103515245 + 12345) >> 16) % 255 - 127);
-    alignas(64) int32_t got[16 * kPanel], want[16 * kPanel];
-    amx_configure();
-    amx_block(a.data(), Kp, w.data(), Kp, got);
+    alignas(64) int32_t got[32 * 2 * kPanel], want[32 * 2 * kPanel], one[kTileRows * kPanel];
+    amx_configure(16, 16);
+    amx_block<true, true>(a.data(), Kp, w.data(), w.data() + Kp * kPanel, Kp, got, false);
     _tile_release();
-    for (int m = 0; m < 16; m += kTileRows) tile<kTileRows>(a.data() + m * Kp, Kp, w.data(), Kp, want + m * kPanel);
+    for (int m = 0; m < 32; m += kTileRows)
+      for (int j = 0; j < 2; ++j) {
+        tile<kTileRows>(a.data() + m * Kp, Kp, w.data() + j * Kp * kPanel, Kp, one);
+        for (int i = 0; i < kTileRows; ++i)
+          std::memcpy(want + (m + i) * 2 * kPanel + j * kPanel, one + i * kPanel, sizeof(int32_t) * kPanel);
+      }
     return std::memcmp(got, want, sizeof(got)) == 0;
   }();
   return ok;
@@ -273,42 +360,51 @@ bool amx_usable() {
 // Panels [p0, p1) for all M rows, in blocks of kRowBlock rows.
 template <typename OT>
 void run_panels(const Problem& P, int64_t p0, int64_t p1, OT* out) {
-  alignas(64) int32_t acc[16 * kPanel];
+  alignas(64) int32_t acc[32 * 2 * kPanel];  // 32 rows x 2 panels
+  // The float epilogue of rows [m, m + rows) of panel p, row i's sums at sums + i * ld.
+  auto finish = [&](int64_t p, const int32_t* sums, int64_t ld, int64_t m, int rows) {
+    const int64_t n0 = p * kPanel;
+    finish_rows(sums, ld, rows, static_cast<int>(std::min<int64_t>(kPanel, P.N - n0)), P.zx + m, P.sx + m,
+                P.sw + n0, P.rowsum + n0, P.bias == nullptr ? nullptr : P.bias + n0, out + m * P.N + n0, P.N);
+  };
 #if defined(TM_W8A8_AMX)
-  const bool amx = P.Kp % 64 == 0 && P.M >= 16 && amx_usable();
-  if (amx) amx_configure();
+  if (P.Kp % 64 == 0 && amx_usable()) {
+    // Pairs of whole row tiles, then the rest (1-31 rows: one or two tiles), each its own pass.
+    const int64_t pairs_end = P.M / 32 * 32, rest = P.M - pairs_end;
+    const int64_t bounds[3] = {0, pairs_end, P.M};
+    for (int pass = 0; pass < 2; ++pass) {
+      const int64_t m_begin = bounds[pass], m_end = bounds[pass + 1];
+      if (m_begin == m_end) continue;
+      const int rows0 = pass == 0 ? 16 : static_cast<int>(std::min<int64_t>(16, rest));
+      const int rows1 = pass == 0 ? 16 : static_cast<int>(rest - rows0);
+      amx_configure(rows0, rows1);
+      for (int64_t r0 = m_begin; r0 < m_end; r0 += kRowBlock) {
+        const int64_t r1 = std::min(m_end, r0 + kRowBlock);
+        for (int64_t p = p0; p < p1; p += 2) {
+          const bool two = p + 1 < p1;
+          const int8_t* w0 = P.packed + p * P.Kp * kPanel;
+          for (int64_t m = r0; m < r1; m += 32) {
+            amx_block(rows1 > 0, two, P.a + m * P.Kp, P.Kp, w0, w0 + P.Kp * kPanel, P.Kp, acc, m == r0);
+            for (int j = 0; j < (two ? 2 : 1); ++j) finish(p + j, acc + j * kPanel, 2 * kPanel, m, rows0 + rows1);
+          }
+        }
+      }
+    }
+    _tile_release();
+    return;
+  }
 #endif
   for (int64_t r0 = 0; r0 < P.M; r0 += kRowBlock) {
     const int64_t r1 = std::min(P.M, r0 + kRowBlock);
     for (int64_t p = p0; p < p1; ++p) {
       const int8_t* panel = P.packed + p * P.Kp * kPanel;
-      const int64_t n0 = p * kPanel;
-      const int nb = static_cast<int>(std::min<int64_t>(kPanel, P.N - n0));
-      auto finish = [&](int64_t m, int rows) {
-        for (int i = 0; i < rows; ++i) {
-          // acc = sum a * q with a = u (- 128 when signed): y needs sum u * q - z * rowsum.
-          const int32_t shift = P.zx[m + i] - (kSignedActs ? 128 : 0);
-          finish_row(acc + i * kPanel, nb, shift, P.sx[m + i], P.sw + n0, P.rowsum + n0,
-                     P.bias == nullptr ? nullptr : P.bias + n0, out + (m + i) * P.N + n0);
-        }
-      };
-      int64_t m = r0;
-#if defined(TM_W8A8_AMX)
-      for (; amx && m + 16 <= r1; m += 16) {
-        amx_block(P.a + m * P.Kp, P.Kp, panel, P.Kp, acc);
-        finish(m, 16);
-      }
-#endif
-      for (; m < r1; m += kTileRows) {
+      for (int64_t m = r0; m < r1; m += kTileRows) {
         const int mb = static_cast<int>(std::min<int64_t>(kTileRows, r1 - m));
         tile_dispatch<kTileRows>(mb, P.a + m * P.Kp, P.Kp, panel, P.Kp, acc);
-        finish(m, mb);
+        finish(p, acc, kPanel, m, mb);
       }
     }
   }
-#if defined(TM_W8A8_AMX)
-  if (amx) _tile_release();
-#endif
 }
 
 void check_weights(const torch::Tensor& packed, const torch::Tensor& sw, const torch::Tensor& rowsum, int64_t N,
