@@ -191,6 +191,42 @@ def test_all_sliding_model_frees_out_of_window_blocks(sliding_dir):
     assert kv.num_free_blocks == kv.num_usable_blocks
 
 
+def test_all_sliding_model_admits_requests_longer_than_its_kv_cache(sliding_dir):
+    """Admission counts the blocks a request holds at once: with every layer windowed (12 keys)
+    and 16-token steps, 10 usable blocks (40 tokens) hold one request of any length (the blocks
+    of 11 keys before a step's first query and of the step's 16). Such a cache starts with
+    max_model_len 128 and serves a 70-token request as transformers does; without chunked
+    prefill (a whole prompt in one step) the same cache is refused."""
+    probe = LLM(sliding_dir, dtype="float32", block_size=4, num_gpu_blocks_override=64)
+    block_bytes = probe.engine.config.model.kv_bytes_per_token() * 4
+    del probe
+    need = -(-(12 - 1 + 16) // 4) + 1  # 8 blocks: the window's 11 keys and a step's 16 tokens
+    assert need == 8
+    gib = 11 * block_bytes / 2**30  # 10 usable blocks and the null block
+    with pytest.raises(ValueError, match="holds 40 tokens of KV cache"):
+        LLM(sliding_dir, dtype="float32", block_size=4, kv_cache_memory=gib, max_model_len=128,
+            enable_chunked_prefill=False, max_num_batched_tokens=128)
+    llm = LLM(sliding_dir, dtype="float32", block_size=4, kv_cache_memory=gib, max_model_len=128,
+              max_num_batched_tokens=16)
+    engine, kv = llm.engine, llm.engine.core.kv
+    assert kv.num_usable_blocks == 10 and kv.max_blocks_held(128, 16) == need
+    ids = _prompt_ids(sliding_dir)
+    prompt = (ids[0] + ids[1] + ids[2])[:30]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=0)
+    rid = engine.add_request(None, prompt, params)  # 70 tokens: 18 blocks, were it to keep them all
+    held, out = [], None
+    for _ in range(200):  # bounded: two prompt steps, then 39 decode steps
+        for o in engine.step():
+            out = o
+        held.append(_held(kv, rid))
+        if out is not None and out.finished:
+            break
+    assert out is not None and out.finished and len(out.outputs[0].token_ids) == 40
+    matching_prefix(list(out.outputs[0].token_ids), hf_greedy(sliding_dir, prompt, 40))
+    assert max(held) <= need
+    assert kv.num_free_blocks == kv.num_usable_blocks
+
+
 def test_prefix_cache_serves_freed_blocks_correctly(sliding_dir):
     """Blocks freed out of a running request's window stay cached under their hash: a longer
     prompt over the same prefix takes those of its first query's window (the earlier ones become

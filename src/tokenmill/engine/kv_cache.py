@@ -38,6 +38,17 @@ def hash_block(parent: bytes | None, token_ids: list[int], extra: bytes = b"") -
     return h.digest()
 
 
+def blocks_held(num_tokens: int, step_tokens: int, block_size: int, sliding_window: int | None) -> int:
+    """The most KV blocks a request of num_tokens tokens holds at once when no step computes more
+    than step_tokens of them: all its blocks, or where every layer slides a window of W keys, those
+    of the W - 1 keys before a step's first query and of the step's own tokens, one more where they
+    straddle a block boundary (the blocks before them are back in the pool: _free_skipped)."""
+    every = -(-num_tokens // block_size)
+    if sliding_window is None:
+        return every
+    return min(every, -(-(sliding_window - 1 + step_tokens) // block_size) + 1)
+
+
 @dataclass
 class PrefixCacheStats:
     """Cumulative, in tokens: what admitted requests asked for and what the cache served."""
@@ -159,6 +170,10 @@ class KVCacheManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def max_blocks_held(self, num_tokens: int, step_tokens: int) -> int:
+        """blocks_held for this pool's block size and window: what admission checks."""
+        return blocks_held(num_tokens, step_tokens, self.block_size, self.sliding_window)
 
     def _hashes(self, request: Request, num_blocks: int) -> list[bytes]:
         """The request's chained block hashes, extended to cover its first num_blocks blocks."""

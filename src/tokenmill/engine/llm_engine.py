@@ -26,10 +26,13 @@ from tokenmill.config import (
 )
 from tokenmill.distributed.sharding import check_tp_size
 from tokenmill.engine.engine_core import EngineCore
+from tokenmill.engine.kv_cache import blocks_held
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.model.layers import cpu_threads
+from tokenmill.model.layers.attention import LayerAttention, kv_window
 from tokenmill.model.layers.quantization import check_quantization, check_w8a8_args
+from tokenmill.model.models.llama import sliding_windows
 from tokenmill.outputs import RequestOutput
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
@@ -97,7 +100,8 @@ class LLMEngine:
                              f"must be >= max_model_len")
         # An encoder keeps no K/V: its blocks only count tokens, all freed after each step.
         num_blocks = -(-batched // block_size) + args.max_num_seqs + 1 if encoder else self._num_kv_blocks(
-            args, model_config)
+            args, model_config, batched if chunked else max_model_len, kv_window(
+                [LayerAttention(sliding_window=w) for w in sliding_windows(hf_config, max_model_len)]))
         self.config = EngineConfig(
             model=model_config,
             cache=CacheConfig(block_size, num_blocks, args.enable_prefix_caching),
@@ -137,16 +141,23 @@ class LLMEngine:
                 "%.2fx; prefix caching %s", num_blocks - 1, block_size, usable_tokens,
                 num_blocks * block_size * model_config.kv_bytes_per_token() / 2**30,
                 dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype, max_model_len,
-                (num_blocks - 1) / self.core.kv.blocks_needed(max_model_len),
+                (num_blocks - 1) / self.core.kv.max_blocks_held(max_model_len, self._step_tokens(max_model_len)),
                 "on" if args.enable_prefix_caching else "off",
             )
         logger.info("engine ready in %.1fs: %s, %s, max_model_len %d", time.perf_counter() - t0, name, dtype,
                     max_model_len)
 
+    def _step_tokens(self, num_tokens: int) -> int:
+        """The most of a request's num_tokens tokens one step computes: the step's token budget with
+        chunked prefill, all of them (a whole prompt, or a preempted request's recompute) without."""
+        sched = self.config.scheduler
+        return sched.max_num_batched_tokens if sched.enable_chunked_prefill else num_tokens
+
     @staticmethod
-    def _num_kv_blocks(args: EngineArgs, model: ModelConfig) -> int:
+    def _num_kv_blocks(args: EngineArgs, model: ModelConfig, step_tokens: int, window: int | None) -> int:
         """Blocks that fit the --kv-cache-memory budget; refuses a budget that cannot hold one
-        request of max_model_len tokens (it could never be served)."""
+        request of max_model_len tokens (it could never be served; with a sliding window on every
+        layer, what it holds at once: the window's blocks and a step's)."""
         bs = args.block_size
         if args.num_gpu_blocks_override:  # exact count, for tests and experts: no sizing checks
             return args.num_gpu_blocks_override
@@ -155,7 +166,7 @@ class LLMEngine:
         gib = args.kv_cache_memory if args.kv_cache_memory is not None else DEFAULT_KV_CACHE_GIB
         block_bytes = model.kv_bytes_per_token() * bs
         num_blocks = int(gib * 2**30) // block_bytes
-        need_blocks = -(-model.max_model_len // bs) + 1  # + the null block
+        need_blocks = blocks_held(model.max_model_len, step_tokens, bs, window) + 1  # + the null block
         if num_blocks < need_blocks:
             need_gib = math.ceil(need_blocks * block_bytes / 2**30 * 1000) / 1000  # rounded up: it must suffice
             fit = max(num_blocks - 1, 0) * bs
@@ -206,7 +217,7 @@ class LLMEngine:
         params.max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         params.min_tokens = min(params.min_tokens, params.max_tokens)
         kv = self.core.kv
-        need = kv.blocks_needed(len(ids) + params.max_tokens)
+        need = kv.max_blocks_held(len(ids) + params.max_tokens, self._step_tokens(len(ids) + params.max_tokens))
         if need > kv.num_usable_blocks:
             raise ValueError(
                 f"the request needs up to {len(ids) + params.max_tokens} tokens ({need} KV blocks) but the "
@@ -258,7 +269,7 @@ class LLMEngine:
             raise ValueError(f"This model's maximum context length is {max_len} tokens. However, you requested "
                              f"{len(ids)} tokens in the input for embedding generation. Please reduce the length of "
                              f"the input.")
-        if self.core.kv.blocks_needed(len(ids)) > self.core.kv.num_usable_blocks:
+        if self.core.kv.max_blocks_held(len(ids), self._step_tokens(len(ids))) > self.core.kv.num_usable_blocks:
             raise ValueError(f"the input has {len(ids)} tokens, more than the KV cache holds "
                              f"({self.core.kv.num_usable_blocks} blocks); raise --kv-cache-memory")
         rid = request_id if request_id is not None else str(next(self._ids))
