@@ -168,21 +168,29 @@ def _held(kv, rid: str) -> int:
     return sum(b is not kv.pool.null_block for b in kv.req_blocks.get(rid, ()))
 
 
+def _run_held(engine, prompt: list[int]):
+    """Greedy 40 tokens of one request, stepped by hand: (its last output, blocks it held after
+    each step)."""
+    kv = engine.core.kv
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=0)
+    rid = engine.add_request(None, prompt, params)
+    held, out = [], None
+    for _ in range(200):  # bounded: the prompt's steps, then 39 decode steps
+        for o in engine.step():
+            out = o
+        held.append(_held(kv, rid))
+        if out is not None and out.finished:
+            break
+    return out, held
+
+
 def test_all_sliding_model_frees_out_of_window_blocks(sliding_dir):
     llm = LLM(sliding_dir, dtype="float32", block_size=4, kv_cache_memory=0.02)
     engine, kv = llm.engine, llm.engine.core.kv
     assert kv.sliding_window == 12 and engine.core.runner.attn.params[0][0] == 12
     ids = _prompt_ids(sliding_dir)
     prompt = ids[0] + ids[1]
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=0)
-    rid = engine.add_request(None, prompt, params)
-    held, out = [], None
-    for _ in range(200):  # bounded: one prompt step, then 39 decode steps
-        for o in engine.step():
-            out = o
-        held.append(_held(kv, rid))
-        if out is not None and out.finished:
-            break
+    out, held = _run_held(engine, prompt)
     exp = hf_greedy(sliding_dir, prompt, 40)
     matching_prefix(list(out.outputs[0].token_ids), exp)
     total = -(-(len(prompt) + 40) // 4)
@@ -212,15 +220,7 @@ def test_all_sliding_model_admits_requests_longer_than_its_kv_cache(sliding_dir)
     assert kv.num_usable_blocks == 10 and kv.max_blocks_held(128, 16) == need
     ids = _prompt_ids(sliding_dir)
     prompt = (ids[0] + ids[1] + ids[2])[:30]
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=0)
-    rid = engine.add_request(None, prompt, params)  # 70 tokens: 18 blocks, were it to keep them all
-    held, out = [], None
-    for _ in range(200):  # bounded: two prompt steps, then 39 decode steps
-        for o in engine.step():
-            out = o
-        held.append(_held(kv, rid))
-        if out is not None and out.finished:
-            break
+    out, held = _run_held(engine, prompt)  # 70 tokens: 18 blocks, were it to keep them all
     assert out is not None and out.finished and len(out.outputs[0].token_ids) == 40
     matching_prefix(list(out.outputs[0].token_ids), hf_greedy(sliding_dir, prompt, 40))
     assert max(held) <= need
