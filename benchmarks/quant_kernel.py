@@ -88,11 +88,13 @@ def main(argv=None) -> None:
 
 def with_amx_rows(k, rows: int, fn):
     """fn() with the kernels' AMX threshold at `rows`, then back at the default."""
+    from tokenmill.model.layers.quantization import LARGE_BATCH
+
     k.set_quant_amx_rows(rows)
     try:
         return fn()
     finally:
-        k.set_quant_amx_rows(128)
+        k.set_quant_amx_rows(LARGE_BATCH)
 
 
 if __name__ == "__main__":

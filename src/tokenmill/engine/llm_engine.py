@@ -98,10 +98,12 @@ class LLMEngine:
         if not chunked and batched < max_model_len:
             raise ValueError(f"without chunked prefill{' (an encoder)' if encoder else ''}, max_num_batched_tokens "
                              f"must be >= max_model_len")
+        # The window every layer slides, as the model will read it from the config (None: some layer
+        # reads every key): what one request's blocks are capped by.
+        window = kv_window([LayerAttention(sliding_window=w) for w in sliding_windows(hf_config, max_model_len)])
         # An encoder keeps no K/V: its blocks only count tokens, all freed after each step.
         num_blocks = -(-batched // block_size) + args.max_num_seqs + 1 if encoder else self._num_kv_blocks(
-            args, model_config, batched if chunked else max_model_len, kv_window(
-                [LayerAttention(sliding_window=w) for w in sliding_windows(hf_config, max_model_len)]))
+            args, model_config, batched if chunked else max_model_len, window)
         self.config = EngineConfig(
             model=model_config,
             cache=CacheConfig(block_size, num_blocks, args.enable_prefix_caching),

@@ -68,6 +68,11 @@ struct RowStore {
     _mm256_mask_storeu_epi16(o, lo_mask, lo);
     _mm256_mask_storeu_epi16(o + 16, hi_mask, hi);
   }
+  // n rows of float32 sums (c, kPanelRows a row) into out, ldo apart.
+  void rows(const float* c, int n, BF16* out, int64_t ldo) const {
+    for (int r = 0; r < n; ++r)
+      (*this)(_mm512_load_ps(c + r * kPanelRows), _mm512_load_ps(c + r * kPanelRows + 16), out + r * ldo);
+  }
 };
 
 // out[m][0..ncols) = x[m] . panel rows (+ bias, rounded as `y + bias` is) for MB input rows.
@@ -188,8 +193,7 @@ void amx_panel_units(const BF16* x, int64_t M, const LinearWeights& w, int64_t p
       const RowStore store(static_cast<int>(std::min<int64_t>(kPanelRows, w.N - n0)), bias == nullptr ? nullptr : bias + n0);
       for (int64_t m0 = m_begin; m0 < m_end; m0 += 16) {
         amx_panel(x + m0 * K, K, panel, K, c, m0 == 0);
-        for (int r = 0; r < rows; ++r)
-          store(_mm512_load_ps(c + r * kPanelRows), _mm512_load_ps(c + r * kPanelRows + 16), out + (m0 + r) * ldo + n0);
+        store.rows(c, rows, out + m0 * ldo + n0, ldo);
       }
     }
   }
@@ -289,13 +293,11 @@ void amx_panel_rows(const BF16* x, int64_t M, const BF16* panel, int64_t K, BF16
   const int64_t full = M / 16 * 16;
   for (int64_t m0 = 0; m0 < full; m0 += 16) {
     amx_panel(x + m0 * K, K, panel, K, c, false);
-    for (int r = 0; r < 16; ++r)
-      store(_mm512_load_ps(c + r * kPanelRows), _mm512_load_ps(c + r * kPanelRows + 16), out + (m0 + r) * ldo);
+    store.rows(c, 16, out + m0 * ldo, ldo);
   }
   if (full < M) {
     amx_panel_rest(x + full * K, K, panel, K, c);
-    for (int r = 0; r < M - full; ++r)
-      store(_mm512_load_ps(c + r * kPanelRows), _mm512_load_ps(c + r * kPanelRows + 16), out + (full + r) * ldo);
+    store.rows(c, static_cast<int>(M - full), out + full * ldo, ldo);
   }
 }
 
@@ -327,13 +329,11 @@ void amx_sums_store(BF16* out, int64_t ldo, int r0, int r1, int ncols, const BF1
   const RowStore store(ncols, bias);
   _tile_stored(0, c, kPanelRows * sizeof(float));
   _tile_stored(1, c + 16, kPanelRows * sizeof(float));
-  for (int r = 0; r < r0; ++r)
-    store(_mm512_load_ps(c + r * kPanelRows), _mm512_load_ps(c + r * kPanelRows + 16), out + r * ldo);
+  store.rows(c, r0, out, ldo);
   if (r1 == 0) return;
   _tile_stored(5, c, kPanelRows * sizeof(float));
   _tile_stored(6, c + 16, kPanelRows * sizeof(float));
-  for (int r = 0; r < r1; ++r)
-    store(_mm512_load_ps(c + r * kPanelRows), _mm512_load_ps(c + r * kPanelRows + 16), out + (16 + r) * ldo);
+  store.rows(c, r1, out + 16 * ldo, ldo);
 }
 
 void amx_release() { _tile_release(); }
