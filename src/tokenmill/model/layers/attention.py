@@ -10,7 +10,9 @@ step, decode tokens, speculative verification chunks and prompt chunks alike, go
 call of the rows kernel (`paged_rows`, csrc/paged_decode.h), which computes each row exactly as
 it computes a lone decode token at that position, reading K/V in place through the block tables:
 a row's bits do not depend on the rest of the batch, on how its prompt was chunked, or on whether
-its tokens came in one chunk or one per step. Not batch-invariant (TOKENMILL_BATCH_INVARIANT=0,
+its tokens came in one chunk or one per step. Where the CPU has AMX-BF16 the rows of a work item
+share tile matrix products (csrc/paged_rows_amx.h: up to 16 (row, head) queries x 32 keys per
+product, so a prompt's attention runs on the tile unit). Not batch-invariant (TOKENMILL_BATCH_INVARIANT=0,
 float32, an int8 / fp8 cache): decode requests (one query token each) go through one C++ kernel call
 that reads K/V in place through their block tables, split over the threads at small batches (a
 pure-torch gather + SDPA when the kernels are unavailable); prompt chunks run one C++ kernel call

@@ -16,6 +16,7 @@
 
 #include "cpu_common.h"
 #include "paged_decode.h"
+#include "paged_rows_amx.h"
 #include "paged_rows_avx2.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -374,7 +375,7 @@ void decode_items_d(const DecodeArgs<T, C>& a, int64_t begin, int64_t end) {
 }
 
 // The rows kernel (paged_decode.h): for each row of the item, exactly decode_items_d's
-// computation with splits = 1 at that row's length. Key tiles are the decode kernel's (up to 16
+// computation with splits = 1 at that row's length (bf16 where AMX runs: paged_rows_amx.h). Key tiles are the decode kernel's (up to 16
 // keys of one block); a tile is attended by every (row, head) of the item that sees all of it in
 // groups of up to kMaxGB sharing its K and V rows, and by the rows that see part of it (the
 // causal diagonal) one at a time with only the keys they see. A (row, head)'s softmax state and
@@ -383,6 +384,10 @@ void decode_items_d(const DecodeArgs<T, C>& a, int64_t begin, int64_t end) {
 template <typename T, typename C, int D>
 void rows_item_d(const RowsArgs<T, C>& a, const RowsItem& it) {
   static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+  if constexpr (amx_rows::kTakes<T, C, D>)  // bf16 on the tile unit (paged_rows_amx.h): every row count
+    if (amx_rows::usable(a.block_size)) return amx_rows::rows_item<D>(a, it);
+#endif
   constexpr bool quantized = kScaledCache<C>;
   constexpr int NV = D / 16;
   constexpr int kMaxGB = NV <= 4 ? 4 : NV <= 5 ? 3 : NV <= 8 ? 2 : 1;

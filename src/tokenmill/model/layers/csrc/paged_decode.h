@@ -53,12 +53,14 @@ void decode_merge(const DecodeArgs<T, C>& a, int64_t begin, int64_t end);
 // verification chunk or a prompt chunk, each row attending causally to its sequence's keys
 // (the cached prefix and the rows before it, all already in the cache) through block_tables[b].
 //
-// Each row is computed exactly as the decode kernel computes a single decode token at its
-// position (the same tiles of keys, the same dot-product trees, the same online softmax, never
-// split over keys), whatever else is in the batch, however many rows its sequence has this
-// step and however they are grouped into work items: a row's output bits depend only on its
-// query, its position and its sequence's K/V. This is what makes the engine batch-invariant
-// (prefill chunked or not, tokens verified in a chunk or decoded one by one).
+// Each row is computed exactly as it is alone, a decode token at its position (the same tiles of
+// keys, the same dot products, the same online softmax, never split over keys), whatever else is
+// in the batch, however many rows its sequence has this step and however they are grouped into
+// work items: a row's output bits depend only on its query, its position and its sequence's K/V.
+// This is what makes the engine batch-invariant (prefill chunked or not, tokens verified in a
+// chunk or decoded one by one). Where AMX-BF16 runs, bf16 rows take tile products
+// (paged_rows_amx.h: each row's bits as it has them alone there, not the decode kernel's);
+// elsewhere the decode kernel's vector code, each row exactly as paged_decode computes it.
 template <typename T, typename C>
 struct RowsArgs {
   const T* q;  // [rows, H, D]
@@ -85,7 +87,7 @@ struct RowsItem {
 // all kv heads together, or one kv head per item when there are too few blocks to go round, and
 // then, if still too few, rows split in parts of at least 4 (each part reads the K/V again);
 // those with the most work first. (How items are cut does not change any result.) An item's rows
-// share each tile of keys they read (the AVX-512 path and paged_rows_avx2.h).
+// share each tile of keys they read (the AVX-512 path, paged_rows_amx.h and paged_rows_avx2.h).
 std::vector<RowsItem> rows_items(const int64_t* q_start, const int64_t* seq_lens, int64_t B, int64_t Hkv,
                                  int64_t threads);
 
