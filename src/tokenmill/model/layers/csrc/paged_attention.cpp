@@ -374,13 +374,13 @@ void decode_items_d(const DecodeArgs<T, C>& a, int64_t begin, int64_t end) {
   }
 }
 
-// The rows kernel (paged_decode.h): for each row of the item, exactly decode_items_d's
-// computation with splits = 1 at that row's length (bf16 where AMX runs: paged_rows_amx.h). Key tiles are the decode kernel's (up to 16
-// keys of one block); a tile is attended by every (row, head) of the item that sees all of it in
-// groups of up to kMaxGB sharing its K and V rows, and by the rows that see part of it (the
-// causal diagonal) one at a time with only the keys they see. A (row, head)'s softmax state and
-// accumulators never mix with another's, and attend_tile computes each head of a group as it
-// computes a lone head, so the grouping leaves every result as the row alone gives it.
+// The rows kernel (paged_decode.h; bf16 where AMX runs: paged_rows_amx.h): for each row of the
+// item, exactly decode_items_d's computation with splits = 1 at that row's length. Key tiles are
+// the decode kernel's (up to 16 keys of one block); a tile is attended by every (row, head) of the
+// item that sees all of it in groups of up to kMaxGB sharing its K and V rows, and by the rows that
+// see part of it (the causal diagonal) one at a time with only the keys they see. A (row, head)'s
+// softmax state and accumulators never mix with another's, and attend_tile computes each head of
+// a group as it computes a lone head, so the grouping leaves every result as the row alone gives it.
 template <typename T, typename C, int D>
 void rows_item_d(const RowsArgs<T, C>& a, const RowsItem& it) {
   static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
