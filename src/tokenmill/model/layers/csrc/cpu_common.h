@@ -92,6 +92,14 @@ inline void quantize_kv_row(const T* x, int64_t D, bool fp8, void* out, float* s
 }
 
 // Attention-logit soft-capping (Gemma 2): cap * tanh(s / cap); cap <= 0: none.
+// Where dim d of a head sits after P.V on pairs of bf16 V rows interleaved by 16-bit unpacks
+// (within 128-bit lanes, 32 dims at a time): vector 2 c2 + hi, lane 4 L + i holds dim
+// 32 c2 + 8 L + 4 hi + i (paged_attention.cpp's attend_tile, paged_rows_amx.h's O tiles).
+inline int64_t bf16_pair_slot(int64_t d) {
+  const int64_t c2 = d / 32, e = d % 32, L = e / 8, hi = (e % 8) / 4, i = e % 4;
+  return (2 * c2 + hi) * 16 + 4 * L + i;
+}
+
 inline float softcap1(float s, float cap) { return cap > 0.f ? cap * std::tanh(s / cap) : s; }
 
 #if defined(__AVX512F__)

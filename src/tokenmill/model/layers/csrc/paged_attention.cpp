@@ -70,12 +70,10 @@ struct RowLayout {
     return c2 * 32 + (e % 2) * 16 + e / 2;
   }
   // Position of element d in the output accumulators: slot(d), except with kBf16Dot, where P.V
-  // runs on pairs of V rows interleaved by 16-bit unpacks (attend_tile): vector 2 c2 + hi, lane
-  // 4 L + i holds element 32 c2 + 8 L + 4 hi + i.
+  // runs on pairs of V rows interleaved by 16-bit unpacks (attend_tile): bf16_pair_slot(d).
   static int64_t acc_slot(int64_t d) {
     if constexpr (!kBf16Dot) return slot(d);
-    const int64_t c2 = d / 32, e = d % 32, L = e / 8, hi = (e % 8) / 4, i = e % 4;
-    return (2 * c2 + hi) * 16 + 4 * L + i;
+    return bf16_pair_slot(d);
   }
 };
 

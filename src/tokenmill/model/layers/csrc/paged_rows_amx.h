@@ -124,7 +124,7 @@ inline void transpose16(__m512 (&r)[16]) {
 // One group of nq queries (rows of one kv head) and one tile, its scores S^T in `st` [32 keys][16
 // queries]: query q sees lanes lo[q] .. hi[q] of the tile's 32 (none when lo > hi: its state is
 // left as it is). Updates the queries' softmax state m, l and accumulators acc (D floats each, in
-// the order of out_slot), through P (pbuf [16][32]) and P V (tiles 3-5, V pairs at vbuf). Not
+// the order of bf16_pair_slot), through P (pbuf [16][32]) and P V (tiles 3-5, V pairs at vbuf). Not
 // inlined: every caller, a decode token or a prompt's rows, runs the same instructions.
 template <int D>
 __attribute__((noinline)) void attend_group(const float* st, int nq, const int* lo, const int* hi, float scale,
@@ -200,13 +200,6 @@ __attribute__((noinline)) void attend_group(const float* st, int nq, const int* 
       _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_loadu_ps(a), cq, _mm512_load_ps(obuf + q * D + c * 16)));
     }
   }
-}
-
-// Where dim d sits in a query's accumulators: V rows are paired by 16-bit unpacks within 128-bit
-// lanes (build_vpairs), so O tile 2 c2 + hi, column 4 L + i holds dim 32 c2 + 8 L + 4 hi + i.
-inline int64_t out_slot(int64_t d) {
-  const int64_t c2 = d / 32, e = d % 32, L = e / 8, hi = (e % 8) / 4, i = e % 4;
-  return (2 * c2 + hi) * 16 + 4 * L + i;
 }
 
 // A tile: its first key, its keys (1-32), and each half's first cache slot (-1: not read).
@@ -336,15 +329,10 @@ void rows_item(const RowsArgs<BF16, BF16>& a, const RowsItem& it) {
       feed.rest();
       if (ti + 1 < n_tiles) feed_share(ti + 1, hh, NH);
     };
-    // Rows [i_vis, i_end) see some of the tile: causally row i sees up to first + i; with a window
-    // from first + i + 1 - W.
+    // Rows [i_vis, i_end) see some of the tile (never none: the rows' windows cover [lo0, L)):
+    // causally row i sees up to first + i; with a window from first + i + 1 - W.
     const int64_t i_vis = std::max<int64_t>(0, k0 - first);
     const int64_t i_end = W > 0 ? std::clamp<int64_t>(k1 + W - first, 0, R) : R;
-    if (i_vis >= i_end) {
-      for (int64_t hh = 0; hh < NH; ++hh) feed_next(hh);
-      feed.rest();
-      continue;
-    }
     auto lanes = [&](int64_t i, int& l0, int& l1) {
       const int64_t p = first + i, from = W > 0 ? std::max<int64_t>(0, p + 1 - W) : 0;
       l0 = static_cast<int>(std::max(k0, from) - k0);
@@ -390,7 +378,7 @@ void rows_item(const RowsArgs<BF16, BF16>& a, const RowsItem& it) {
   _tile_release();
   static const std::vector<int> slot = [] {
     std::vector<int> v(D);
-    for (int d = 0; d < D; ++d) v[d] = static_cast<int>(out_slot(d));
+    for (int d = 0; d < D; ++d) v[d] = static_cast<int>(bf16_pair_slot(d));
     return v;
   }();
   alignas(64) float tmp[D];
