@@ -166,10 +166,12 @@ def w8a8_llama(tiny_llama_dir, cache_dir):
 
 def test_w8a8_model_matches_a_fake_quantized_float_model(tiny_llama_dir, w8a8_llama, cache_dir) -> None:
     """Greedy tokens equal token for token (and their logprobs close) against the same model with
-    every W8A8Linear replaced by float64 fake quantization; also with prompts chunked over steps."""
+    every W8A8Linear (the lm_head's too) replaced by float64 fake quantization; also with prompts
+    chunked over steps."""
     model = _model(w8a8_llama)
     layers = [m for m in model.modules() if isinstance(m, W8A8Linear)]
-    assert len(layers) == 4 * len(model.layers) and isinstance(model.lm_head, nn.Linear)
+    assert len(layers) == 4 * len(model.layers) + 1 and isinstance(model.lm_head, W8A8Linear)
+    assert isinstance(model.embed_tokens, nn.Embedding)  # the tied table stays in the model's dtype
     oracle = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.02, quantization="w8a8")
     for parent in list(_model(oracle).modules()):
         for name, child in list(parent.named_children()):
@@ -185,6 +187,22 @@ def test_w8a8_model_matches_a_fake_quantized_float_model(tiny_llama_dir, w8a8_ll
             got = torch.tensor([lp[t].logprob for lp, t in zip(a.logprobs, a.token_ids)])
             ref = torch.tensor([lp[t].logprob for lp, t in zip(b.logprobs, b.token_ids)])
             torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+
+
+def test_tied_lm_head_in_int8_and_the_switch_to_keep_it_float(tiny_qwen2_dir, cache_dir, monkeypatch) -> None:
+    """A tied lm_head (qwen2) becomes int8 while the embedding table keeps its float weights;
+    TOKENMILL_W8A8_LM_HEAD=0 keeps the lm_head float (the layers' linears int8 either way)."""
+    kw = dict(dtype="float32", kv_cache_memory=0.02, quantization="w8a8")
+    table = _model(LLM(tiny_qwen2_dir, dtype="float32", kv_cache_memory=0.02)).embed_tokens.weight
+    on = LLM(tiny_qwen2_dir, **kw)
+    model = _model(on)
+    assert isinstance(model.lm_head, W8A8Linear) and torch.equal(model.embed_tokens.weight, table)
+    monkeypatch.setenv("TOKENMILL_W8A8_LM_HEAD", "0")
+    off = LLM(tiny_qwen2_dir, **kw)
+    assert not isinstance(_model(off).lm_head, W8A8Linear)
+    assert sum(isinstance(m, W8A8Linear) for m in _model(off).modules()) == 4 * len(model.layers)
+    diff = torch.cat([(a - b).abs() for a, b in zip(_logits(on), _logits(off))])
+    assert 0 < diff.max().item() and diff.mean().item() < 0.1, diff  # the int8 head moves the logprobs, a little
 
 
 def test_w8a8_is_close_to_the_float_model(tiny_llama_dir, w8a8_llama) -> None:
