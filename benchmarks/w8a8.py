@@ -23,6 +23,7 @@ import platform
 import statistics
 import sys
 import time
+from unittest import mock
 
 import torch
 from quantization import weight_bytes
@@ -30,10 +31,11 @@ from variants import agreement, alternating_throughput, chat_outputs, write_resu
 
 from tokenmill import LLM, SamplingParams
 
-# name -> (dtype, --quantization)
+# name -> (dtype, --quantization[, environment while it loads])
 VARIANTS = {"bf16": ("bfloat16", None), "int8": ("bfloat16", "int8"), "int4": ("bfloat16", "int4"),
             "gguf": ("bfloat16", "gguf"), "w8a8": ("bfloat16", "w8a8"), "fp32": ("float32", None),
-            "w8a8-fp32": ("float32", "w8a8")}  # w8a8 with float32 activations (norms, attention, lm_head)
+            "w8a8-fp32": ("float32", "w8a8"),  # w8a8 with float32 activations (norms, attention)
+            "w8a8-bf16head": ("bfloat16", "w8a8", {"TOKENMILL_W8A8_LM_HEAD": "0"})}  # the lm_head left in bf16
 ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8")
 PPL_MODULES = ("argparse", "subprocess", "logging", "json", "csv", "difflib")
 
@@ -112,8 +114,12 @@ def main(argv=None) -> int:
     print(f"machine: {machine()}, {os.cpu_count()} cpus, load average "
           f"{' / '.join(f'{x:.2f}' for x in os.getloadavg())}; torch {torch.__version__}, {torch.get_num_threads()} "
           f"threads; Python {platform.python_version()}", flush=True)
-    llms = {n: LLM(args.model, dtype=VARIANTS[n][0], quantization=VARIANTS[n][1], kv_cache_memory=1.0,
-                   enable_prefix_caching=False) for n in names}
+    llms = {}
+    for n in names:
+        dtype, quantization, *env = VARIANTS[n]
+        with mock.patch.dict(os.environ, env[0] if env else {}):
+            llms[n] = LLM(args.model, dtype=dtype, quantization=quantization, kv_cache_memory=1.0,
+                          enable_prefix_caching=False)
     from tokenmill.model.layers import cpu_kernels
 
     kernels = cpu_kernels.load()

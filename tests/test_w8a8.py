@@ -102,6 +102,27 @@ def test_kernel_gives_each_row_the_bits_it_has_alone(kernels, dtype: torch.dtype
             assert torch.equal(out, alone[start : start + len(out)]), (M, start)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("K,inter", [(576, 96), (40, 48)])  # AMX blocks where K % 64 == 0; VNNI tiles otherwise
+def test_gate_up_with_silu_in_the_epilogue_equals_the_two_ops(kernels, dtype: torch.dtype, K: int, inter: int) -> None:
+    """W8A8Linear.silu_and_mul (w8a8_linear_silu_mul): silu(gate) * up from the kernel's epilogue,
+    bit-equal to forward() then silu_and_mul, for every row count (the tails of 16- and 32-row
+    blocks), with and without bias; None where it cannot run (I not a multiple of 16)."""
+    if not hasattr(kernels, "w8a8_linear_silu_mul") or kernels.w8a8_isa() not in ("amx-int8", "avx512-vnni"):
+        pytest.skip("the fused epilogue runs on AVX-512 builds")
+    torch.manual_seed(K + inter)
+    for bias in (None, torch.randn(2 * inter)):
+        layer = W8A8Linear(torch.randn(2 * inter, K) * 0.05, bias)
+        for M in (1, 5, 16, 17, 31, 32, 33, 70):
+            x = (torch.randn(M, K) * 2).to(dtype)
+            want = kernels.silu_and_mul(layer(x))
+            got = layer.silu_and_mul(x)
+            assert torch.equal(got, want), (M, bias is None)
+    assert W8A8Linear(torch.randn(2 * 24, K)).silu_and_mul(torch.randn(3, K).to(dtype)) is None
+    with pytest.raises(RuntimeError, match="multiple of"):
+        kernels.w8a8_linear_silu_mul(torch.randn(3, K), layer.packed, layer.w_scale, layer.rowsum, None, 2 * inter + 2)
+
+
 def test_torch_fallback_matches_kernel(kernels, monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(4)
     layer = W8A8Linear(torch.randn(24, 64), torch.randn(24))
@@ -164,10 +185,14 @@ def w8a8_llama(tiny_llama_dir, cache_dir):
     return LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.02, quantization="w8a8")
 
 
-def test_w8a8_model_matches_a_fake_quantized_float_model(tiny_llama_dir, w8a8_llama, cache_dir) -> None:
+def test_w8a8_model_matches_a_fake_quantized_float_model(tiny_llama_dir, w8a8_llama, cache_dir,
+                                                        monkeypatch) -> None:
     """Greedy tokens equal token for token (and their logprobs close) against the same model with
     every W8A8Linear (the lm_head's too) replaced by float64 fake quantization; also with prompts
-    chunked over steps."""
+    chunked over steps. The MLPs take gate/up's fused SiLU epilogue where the build has it."""
+    fused = []
+    real = W8A8Linear.silu_and_mul
+    monkeypatch.setattr(W8A8Linear, "silu_and_mul", lambda self, x: fused.append(real(self, x)) or fused[-1])
     model = _model(w8a8_llama)
     layers = [m for m in model.modules() if isinstance(m, W8A8Linear)]
     assert len(layers) == 4 * len(model.layers) + 1 and isinstance(model.lm_head, W8A8Linear)
@@ -187,6 +212,9 @@ def test_w8a8_model_matches_a_fake_quantized_float_model(tiny_llama_dir, w8a8_ll
             got = torch.tensor([lp[t].logprob for lp, t in zip(a.logprobs, a.token_ids)])
             ref = torch.tensor([lp[t].logprob for lp, t in zip(b.logprobs, b.token_ids)])
             torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+    kernels = cpu_kernels.load()
+    if kernels is not None and kernels.w8a8_isa() in ("amx-int8", "avx512-vnni"):
+        assert fused and all(y is not None for y in fused)
 
 
 def test_tied_lm_head_in_int8_and_the_switch_to_keep_it_float(tiny_qwen2_dir, cache_dir, monkeypatch) -> None:

@@ -69,6 +69,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = getattr(self.gate_up_proj, "silu_and_mul", None)  # a linear with the activation in its epilogue
+        act = fused(x) if fused is not None else None
+        if act is not None:
+            return self.tp.all_reduce(self.down_proj(act))
         gate_up = self.gate_up_proj(x)
         ops = cpu_kernels.ops_for(gate_up)
         if ops is not None:

@@ -51,6 +51,8 @@ torch::Tensor quant_panel_linear(torch::Tensor x, torch::Tensor qpanels, torch::
 // w8a8.cpp
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale, torch::Tensor rowsum,
                           c10::optional<torch::Tensor> bias, int64_t N);
+torch::Tensor w8a8_linear_silu_mul(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale, torch::Tensor rowsum,
+                                   c10::optional<torch::Tensor> bias, int64_t N);
 std::vector<torch::Tensor> w8a8_quantize_activations(torch::Tensor x);
 std::string w8a8_isa();
 
@@ -108,6 +110,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_panels_amx", &tm_cpu::quant_panels_amx, "whether a bf16 call of M rows runs on AMX tiles", py::arg("M"));
 #endif
   m.def("w8a8_linear", &w8a8_linear, "int8 weights x per-token int8 activations, int32 sums (--quantization w8a8)",
+        py::arg("x"), py::arg("packed"), py::arg("w_scale"), py::arg("rowsum"), py::arg("bias"), py::arg("N"));
+  m.def("w8a8_linear_silu_mul", &w8a8_linear_silu_mul, "a gate/up W8A8 linear with silu(gate) * up in its epilogue",
         py::arg("x"), py::arg("packed"), py::arg("w_scale"), py::arg("rowsum"), py::arg("bias"), py::arg("N"));
   m.def("w8a8_quantize_activations", &w8a8_quantize_activations, "per-token asymmetric uint8 (u, scale, zero point)");
   m.def("w8a8_isa", &w8a8_isa, "the instruction path w8a8_linear runs");

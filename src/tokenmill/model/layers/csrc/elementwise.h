@@ -17,6 +17,36 @@
 
 namespace tm_cpu {
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// 16 lanes at a time (masked tails): T loaded as float, products rounded to T exactly as the
+// scalar path (round-to-nearest-even on the bits), stored rounded to T.
+inline __m512 load_lanes(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load_lanes(const c10::BFloat16* p, __mmask16 m) {
+  return bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, p));
+}
+inline __m512i bf16_bits(__m512 v) {  // RNE to bf16, left in the upper 16 bits (as c10::BFloat16)
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
+                                        _mm512_set1_epi32(0x7FFF));
+  return _mm512_and_si512(_mm512_add_epi32(u, bias), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+}
+inline __m512 round_lanes(__m512 v, const float*) { return v; }
+inline __m512 round_lanes(__m512 v, const c10::BFloat16*) { return _mm512_castsi512_ps(bf16_bits(v)); }
+inline void store_lanes(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store_lanes(c10::BFloat16* p, __m512 v, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits(v), 16)));
+}
+inline __mmask16 lanes_left(int64_t n) {  // the first min(n, 16) lanes
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+}
+// sigmoid(x) on 16 lanes: 1 / (1 + e) for x >= 0, e / (1 + e) otherwise, e = exp(-|x|) <= 1 (exp16's domain).
+inline __m512 sigmoid16(__m512 x) {
+  const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+  const __m512 r = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f), e));
+  return _mm512_mask_mul_ps(r, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), r, e);
+}
+#endif
+
 template <typename T>
 inline T round_to(float v) {
   T out;
@@ -61,13 +91,24 @@ inline void add_rms_norm_row(const T* x, T* residual, const W* w, T* out, int64_
   else rms_norm_row_w32(residual, w, out, dim, eps);
 }
 
-// o = silu(g) * u over n elements (silu rounded to T first, as F.silu(gate) * up is).
+// o = silu(g) * u over n elements (silu rounded to T first, as F.silu(gate) * up is). With AVX-512
+// every element takes the same instructions wherever it lies in the row (masked tails, no scalar
+// remainder): W8A8's fused gate/up epilogue calls it on 16 outputs at a time and must give the
+// bits the whole-row op gives.
 template <typename T>
 inline void silu_mul_row(const T* g, const T* u, T* o, int64_t n) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes_left(n - i);
+    const __m512 x = load_lanes(g + i, m);
+    store_lanes(o + i, _mm512_mul_ps(round_lanes(_mm512_mul_ps(x, sigmoid16(x)), o), load_lanes(u + i, m)), m);
+  }
+#else
   for (int64_t i = 0; i < n; ++i) {
     const float gv = to_f(g[i]);
     from_f(rnd<T>(gv / (1.f + std::exp(-gv))) * to_f(u[i]), o + i);
   }
+#endif
 }
 
 // o = gelu_tanh(g) * u over n elements (gelu rounded to T first, as F.gelu(gate, approximate="tanh")
@@ -81,26 +122,6 @@ inline void gelu_tanh_mul_row(const T* g, const T* u, T* o, int64_t n) {
   }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-// 16 lanes at a time (masked tails): T loaded as float, products rounded to T exactly as the
-// scalar path (round-to-nearest-even on the bits), stored rounded to T.
-inline __m512 load_lanes(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load_lanes(const c10::BFloat16* p, __mmask16 m) {
-  return bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, p));
-}
-inline __m512i bf16_bits(__m512 v) {  // RNE to bf16, left in the upper 16 bits (as c10::BFloat16)
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
-                                        _mm512_set1_epi32(0x7FFF));
-  return _mm512_and_si512(_mm512_add_epi32(u, bias), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
-}
-inline __m512 round_lanes(__m512 v, const float*) { return v; }
-inline __m512 round_lanes(__m512 v, const c10::BFloat16*) { return _mm512_castsi512_ps(bf16_bits(v)); }
-inline void store_lanes(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-inline void store_lanes(c10::BFloat16* p, __m512 v, __mmask16 m) {
-  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits(v), 16)));
-}
-#endif
 
 // Rotary embedding, neox layout (rotate_half), as `x * cos + rotate_half(x) * sin` in T:
 // out[i] = x[i] cos[i] - x[i+h] sin[i], out[i+h] = x[i+h] cos[i+h] + x[i] sin[i+h].
@@ -109,7 +130,7 @@ inline void rope_head(const T* x, const T* cos, const T* sin, T* out, int64_t ha
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   const T* tag = nullptr;
   for (int64_t i = 0; i < half; i += 16) {
-    const __mmask16 m = half - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (half - i)) - 1);
+    const __mmask16 m = lanes_left(half - i);
     const __m512 a = load_lanes(x + i, m), b = load_lanes(x + i + half, m);
     const __m512 lo = _mm512_add_ps(round_lanes(_mm512_mul_ps(a, load_lanes(cos + i, m)), tag),
                                     round_lanes(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), b), load_lanes(sin + i, m)), tag));

@@ -39,6 +39,7 @@
 
 #include "amx.h"
 #include "cpu_common.h"
+#include "elementwise.h"
 #include "linear.h"
 #include "w8a8.h"
 
@@ -266,6 +267,9 @@ struct Problem {
   const int32_t* rowsum; // [N]
   const float* bias;     // [N] or null
   int64_t M, N, Kp;
+  // > 0: gate/up with SiLU in the epilogue (w8a8_linear_silu_mul): panels [0, glu) are the gate's,
+  // panel p's up is panel p + glu, and out holds silu(gate) * up, N / 2 columns.
+  int64_t glu = 0;
 };
 
 #if defined(TM_W8A8_VNNI512) && defined(__AMX_INT8__) && defined(__AMX_TILE__)
@@ -357,15 +361,29 @@ bool amx_usable() {
 }
 #endif
 
-// Panels [p0, p1) for all M rows, in blocks of kRowBlock rows.
+// Panels [p0, p1) for all M rows, in blocks of kRowBlock rows (with P.glu: gate panels, each with
+// its up panel).
 template <typename OT>
 void run_panels(const Problem& P, int64_t p0, int64_t p1, OT* out) {
   alignas(64) int32_t acc[32 * 2 * kPanel];  // 32 rows x 2 panels
-  // The float epilogue of rows [m, m + rows) of panel p, row i's sums at sums + i * ld.
-  auto finish = [&](int64_t p, const int32_t* sums, int64_t ld, int64_t m, int rows) {
+  // The float epilogue of rows [m, m + rows) of panel p, row i's sums at sums + i * ld, into
+  // `to` (row stride ldo; by default the output's own place).
+  auto finish = [&](int64_t p, const int32_t* sums, int64_t ld, int64_t m, int rows, OT* to = nullptr,
+                    int64_t ldo = 0) {
     const int64_t n0 = p * kPanel;
     finish_rows(sums, ld, rows, static_cast<int>(std::min<int64_t>(kPanel, P.N - n0)), P.zx + m, P.sx + m,
-                P.sw + n0, P.rowsum + n0, P.bias == nullptr ? nullptr : P.bias + n0, out + m * P.N + n0, P.N);
+                P.sw + n0, P.rowsum + n0, P.bias == nullptr ? nullptr : P.bias + n0,
+                to != nullptr ? to : out + m * P.N + n0, to != nullptr ? ldo : P.N);
+  };
+  // gate panel p's and its up panel's sums (at sums and up_sums) -> silu(gate) * up, rounded as the
+  // unfused ops round: both outputs to OT first, then silu_and_mul's own row function.
+  OT pair[32 * 2 * kPanel];
+  auto finish_glu = [&](int64_t p, const int32_t* sums, const int32_t* up_sums, int64_t ld, int64_t m, int rows) {
+    finish(p, sums, ld, m, rows, pair, 2 * kPanel);
+    finish(p + P.glu, up_sums, ld, m, rows, pair + kPanel, 2 * kPanel);
+    for (int i = 0; i < rows; ++i)
+      tm_cpu::silu_mul_row(pair + i * 2 * kPanel, pair + i * 2 * kPanel + kPanel, out + (m + i) * (P.N / 2) + p * kPanel,
+                           kPanel);
   };
 #if defined(TM_W8A8_AMX)
   if (P.Kp % 64 == 0 && amx_usable()) {
@@ -380,6 +398,16 @@ void run_panels(const Problem& P, int64_t p0, int64_t p1, OT* out) {
       amx_configure(rows0, rows1);
       for (int64_t r0 = m_begin; r0 < m_end; r0 += kRowBlock) {
         const int64_t r1 = std::min(m_end, r0 + kRowBlock);
+        if (P.glu > 0) {  // the two panels of a block: a gate panel and its up panel
+          for (int64_t p = p0; p < p1; ++p) {
+            const int8_t* w0 = P.packed + p * P.Kp * kPanel;
+            for (int64_t m = r0; m < r1; m += 32) {
+              amx_block(rows1 > 0, true, P.a + m * P.Kp, P.Kp, w0, w0 + P.glu * P.Kp * kPanel, P.Kp, acc, m == r0);
+              finish_glu(p, acc, acc + kPanel, 2 * kPanel, m, rows0 + rows1);
+            }
+          }
+          continue;
+        }
         for (int64_t p = p0; p < p1; p += 2) {
           const bool two = p + 1 < p1;
           const int8_t* w0 = P.packed + p * P.Kp * kPanel;
@@ -401,7 +429,12 @@ void run_panels(const Problem& P, int64_t p0, int64_t p1, OT* out) {
       for (int64_t m = r0; m < r1; m += kTileRows) {
         const int mb = static_cast<int>(std::min<int64_t>(kTileRows, r1 - m));
         tile_dispatch<kTileRows>(mb, P.a + m * P.Kp, P.Kp, panel, P.Kp, acc);
-        finish(p, acc, kPanel, m, mb);
+        if (P.glu > 0) {  // the up panel's sums beside the gate's
+          tile_dispatch<kTileRows>(mb, P.a + m * P.Kp, P.Kp, panel + P.glu * P.Kp * kPanel, P.Kp, acc + kTileRows * kPanel);
+          finish_glu(p, acc, acc + kTileRows * kPanel, kPanel, m, mb);
+        } else {
+          finish(p, acc, kPanel, m, mb);
+        }
       }
     }
   }
@@ -463,8 +496,9 @@ void w8a8_units(const W8A8Weights& w, const uint8_t* q, const float* sx, const i
 // y = x @ dequant(W)^T (+ bias), activations quantized per token inside. x: [M, K] float32 or
 // bfloat16 (contiguous); packed: int8 [ceil(N/16), ceil(K/4), 16, 4]; w_scale float32 [N]; rowsum
 // int32 [N] (sum of each row's q); bias float32 [N] or None. Returns [M, N] in x's dtype.
-torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale, torch::Tensor rowsum,
-                          c10::optional<torch::Tensor> bias, int64_t N) {
+namespace {
+torch::Tensor w8a8_run(torch::Tensor x, const torch::Tensor& packed, const torch::Tensor& w_scale,
+                       const torch::Tensor& rowsum, const c10::optional<torch::Tensor>& bias, int64_t N, int64_t glu) {
   TORCH_CHECK(x.dim() == 2, "w8a8_linear: x [M, K]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "w8a8_linear: float32 or bfloat16 x");
   x = x.contiguous();
@@ -476,15 +510,15 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w
                 "w8a8_linear: float32 bias [N]");
     bp = bias->data_ptr<float>();
   }
-  auto out = torch::empty({M, N}, x.options());
+  auto out = torch::empty({M, glu > 0 ? N / 2 : N}, x.options());
   if (M == 0 || N == 0) return out;
   auto q = torch::empty({M, Kp}, torch::dtype(at::kByte));
   auto sx = torch::empty({M}, torch::dtype(at::kFloat));
   auto zx = torch::empty({M}, torch::dtype(at::kInt));
   quantize_all(x, Kp, kSignedActs, q.data_ptr<uint8_t>(), sx.data_ptr<float>(), zx.data_ptr<int32_t>());
   const Problem P{q.data_ptr<uint8_t>(), sx.data_ptr<float>(), zx.data_ptr<int32_t>(), packed.data_ptr<int8_t>(),
-                  w_scale.data_ptr<float>(), rowsum.data_ptr<int32_t>(), bp, M, N, Kp};
-  const int64_t panels = packed.size(0);
+                  w_scale.data_ptr<float>(), rowsum.data_ptr<int32_t>(), bp, M, N, Kp, glu};
+  const int64_t panels = glu > 0 ? glu : packed.size(0);  // with glu: the gate's panels (each with its up's)
   // Enough panels per task that a thread streams a long run of weights (2 per task at least).
   const int64_t grain = std::max<int64_t>(2, panels / (4 * at::get_num_threads()));
   if (x.scalar_type() == at::kFloat) {
@@ -495,6 +529,20 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w
     at::parallel_for(0, panels, grain, [&](int64_t b, int64_t e) { run_panels(P, b, e, op); });
   }
   return out;
+}
+}  // namespace
+
+torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale, torch::Tensor rowsum,
+                          c10::optional<torch::Tensor> bias, int64_t N) {
+  return w8a8_run(std::move(x), packed, w_scale, rowsum, bias, N, 0);
+}
+
+// silu(gate) * up of a fused gate/up W8A8 linear (N = 2 I outputs, gate first, I a multiple of 16)
+// in its epilogue: [M, I], the bits w8a8_linear then silu_and_mul give, without writing [M, N].
+torch::Tensor w8a8_linear_silu_mul(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale, torch::Tensor rowsum,
+                                   c10::optional<torch::Tensor> bias, int64_t N) {
+  TORCH_CHECK(N % (2 * kPanel) == 0, "w8a8_linear_silu_mul: N = 2 I with I a multiple of ", kPanel);
+  return w8a8_run(std::move(x), packed, w_scale, rowsum, bias, N, N / (2 * kPanel));
 }
 
 // The activation quantization alone (tests): (u uint8 [M, K], scale float32 [M], zero point int32 [M]).
