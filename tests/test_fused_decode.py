@@ -246,6 +246,51 @@ def test_cpu_kv_cache_sits_on_huge_pages(tiny_qwen2_dir, kv_cache_dtype):
     assert torch.count_nonzero(runner.kv_cache[:, :, : runner.block_size]) == 0  # the null block is zeroed
 
 
+def _resident(t: torch.Tensor) -> torch.Tensor:
+    """Which 4 KiB pages of t are in memory (mincore(2)), as a bool tensor."""
+    import ctypes
+    import mmap
+
+    nbytes = t.numel() * t.element_size()
+    vec = (ctypes.c_ubyte * (-(-nbytes // mmap.PAGESIZE)))()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert libc.mincore(t.data_ptr(), nbytes, vec) == 0, ctypes.get_errno()
+    return torch.tensor(list(vec), dtype=torch.uint8) & 1 == 1
+
+
+def test_populate_in_background_faults_pages_in_and_keeps_their_contents():
+    """weight_arena.populate_in_background: a fresh huge_page_empty buffer has no pages in memory
+    until written; after the thread every page is, and what was written before is unchanged."""
+    import sys
+
+    from tokenmill.model.layers.weight_arena import huge_page_empty, populate_in_background
+
+    if sys.platform != "linux":
+        pytest.skip("mincore / MADV_POPULATE_WRITE: Linux")
+    t = huge_page_empty((8 << 20,), torch.uint8)
+    t[: 1 << 20] = 7  # the first MiB written; the rest never touched
+    before = _resident(t)
+    assert before[:256].all() and not before[-256:].any()
+    populate_in_background(t).join(timeout=120)
+    assert _resident(t).all()
+    assert bool((t[: 1 << 20] == 7).all())
+
+
+def test_runner_populates_the_cpu_kv_cache(tiny_qwen2_dir):
+    """The runner starts the populating thread on its KV cache (no memset at start-up: the first
+    pass through the pool would otherwise fault in the steps' threads)."""
+    import threading
+
+    llm = LLM(tiny_qwen2_dir, kv_cache_memory=0.05, dtype="bfloat16", enable_prefix_caching=False)
+    for thread in threading.enumerate():  # this engine's (and any other's: each is short)
+        if thread.name == "tokenmill-populate":
+            thread.join(timeout=120)
+    assert _resident(_runner(llm).kv_cache).all()
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
 def test_amx_dequantized_panels_in_the_step_equal_op_by_op(tiny_qwen2_dir, quantization):
     """Where the int4 / int8 panels run on AMX tiles over bf16-dequantized panels (from

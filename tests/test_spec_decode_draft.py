@@ -155,7 +155,7 @@ def _chi2_two_sample(a: Counter, b: Counter, min_count: int = 10) -> tuple[float
 def test_bad_draft_models_are_refused(tiny_llama_dir, tmp_path):
     other_vocab = build_tiny_model(tmp_path / "vocab", "llama", vocab_size=600)
     with pytest.raises(ValueError, match="vocabulary of 600 tokens"):
-        LLM(tiny_llama_dir, dtype="float32", speculative_config=_spec(str(other_vocab)))
+        LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.05, speculative_config=_spec(str(other_vocab)))
     swapped = tmp_path / "swapped"
     shutil.copytree(tiny_llama_dir, swapped)
     tok = json.loads((swapped / "tokenizer.json").read_text())
@@ -164,7 +164,7 @@ def test_bad_draft_models_are_refused(tiny_llama_dir, tmp_path):
     vocab[a], vocab[b] = vocab[b], vocab[a]
     (swapped / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(ValueError, match="tokenizer differs from the target's on 2 tokens"):
-        LLM(tiny_llama_dir, dtype="float32", speculative_config=_spec(str(swapped)))
+        LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.05, speculative_config=_spec(str(swapped)))
     with pytest.raises(ValueError, match="quantization"):
-        LLM(tiny_llama_dir, dtype="float32", speculative_config=_spec(tiny_llama_dir, quantization="fp3"))
+        LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.05, speculative_config=_spec(tiny_llama_dir, quantization="fp3"))
     assert Path(tiny_llama_dir).exists()

@@ -24,7 +24,7 @@ from tokenmill.model.fused_decode import FusedDecode
 from tokenmill.model.layers import cpu_kernels
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata, SeqChunk
 from tokenmill.model.layers.sampler import Sampler, SamplerOutput, SamplingBatches, score_tokens
-from tokenmill.model.layers.weight_arena import huge_page_empty
+from tokenmill.model.layers.weight_arena import huge_page_empty, populate_in_background
 from tokenmill.model.loader import load_model
 from tokenmill.model.pooling import Pooler, PoolingMetadata
 from tokenmill.model.staging import PinnedStaging, index_tensor
@@ -122,9 +122,9 @@ class ModelRunner:
         cfg, tp = self.config, self.tp
         # One tensor for the whole cache: [layers, K/V, slots, kv_heads, head_dim]; one block more than
         # the pool's, never in any table, where padded rows of a CUDA-graph batch write.
-        # torch.empty: pages are touched on first use instead of a multi-second memset at start-up.
-        # Nothing reads a slot before it is written, except the null block 0 that pads block
-        # tables, which is zeroed here.
+        # torch.empty, no memset at start-up (seconds for GiBs): on the CPU a background thread
+        # faults the pages in instead. Nothing reads a slot before it is written, except the null
+        # block 0 that pads block tables, which is zeroed here.
         scaled = cfg.kv_scaled_dtype  # int8 / float8 e4m3, or None: the model's dtype
         kv_heads = cfg.num_kv_heads // tp.size
         self.scratch_slot = num_blocks * self.block_size
@@ -137,6 +137,8 @@ class ModelRunner:
         self.kv_cache[:, :, : self.block_size].zero_()
         # int8 / fp8: one float32 scale per (layer, K/V, slot, kv head).
         self.kv_scales = empty(shape, dtype=torch.float32).zero_() if scaled else None
+        if self.device.type == "cpu":
+            populate_in_background(self.kv_cache)
         heads = cfg.hf_config.num_attention_heads // tp.size
         layers = getattr(self.model, "attention_layers", None)  # per-layer windows, soft-caps, scales
         if self.backend is AttentionBackend:
