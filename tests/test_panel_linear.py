@@ -84,6 +84,25 @@ def test_batch_invariant_linears_run_panels_at_every_size(panel_kernels, tiny_qw
         assert torch.equal(head(x[a:b]), whole[a:b])
 
 
+@pytest.mark.parametrize("K", [576, 40])  # K % 32: AMX's tail tiles
+@pytest.mark.parametrize("bias", [False, True])
+def test_gate_up_with_silu_in_the_amx_epilogue_equals_the_two_ops(panel_kernels, K, bias):
+    """PackedLinear.silu_and_mul (panel_linear_silu_mul): silu(gate) * up from the AMX path's
+    epilogue, bit-equal to panel_linear then silu_and_mul for 1-100 rows (16-row tiles and the
+    tile of the rest); None with oneDNN's copy or I not a multiple of 32."""
+    if panel_kernels.panel_isa() != "amx-bf16":
+        pytest.skip("the fused epilogue runs on AMX-BF16")
+    torch.manual_seed(K + bias)
+    lin = torch.nn.Linear(K, 2 * 64, bias=bias).bfloat16()
+    layer = linear.PackedLinear(lin, panel_kernels.pack_panels(lin.weight.detach()), onednn=False)
+    for M in (1, 5, 16, 17, 33, 100):
+        x = torch.randn(M, K).bfloat16()
+        assert torch.equal(layer.silu_and_mul(x), panel_kernels.silu_and_mul(layer(x))), M
+    odd = torch.nn.Linear(K, 2 * 48).bfloat16()
+    assert linear.PackedLinear(odd, panel_kernels.pack_panels(odd.weight.detach()), onednn=False).silu_and_mul(x) is None
+    assert linear.PackedLinear(lin, panel_kernels.pack_panels(lin.weight.detach())).silu_and_mul(x) is None
+
+
 def test_small_batches_use_panels_and_agree_with_onednn(panel_kernels, tiny_qwen2_dir, monkeypatch):
     """Not batch-invariant: bf16, tied embeddings (qwen2): every linear keeps panels, the lm_head
     a packed copy of the table (which stays plain for the lookup); <= SMALL_BATCH rows run the

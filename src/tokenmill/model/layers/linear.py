@@ -64,6 +64,23 @@ class PackedLinear(nn.Module):
             return cpu_kernels.load().panel_linear(x, self.panels, self.out_features, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """For a fused gate/up projection (gate's rows first) on panels at every batch size:
+        silu(gate) * up in the AMX path's epilogue (panel_linear_silu_mul), the bits of forward()
+        then silu_and_mul without writing the [T, 2 I] product. None elsewhere (oneDNN's copy, no
+        AMX-BF16, I not a multiple of 32): the caller runs the two ops."""
+        if self.packed_weight is not None or self.panels is None or self.out_features % 64 or not _amx_glu():
+            return None
+        x2 = x.reshape(-1, self.in_features)
+        y = cpu_kernels.load().panel_linear_silu_mul(x2, self.panels, self.out_features, self.bias)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features // 2)
+
+
+@functools.cache
+def _amx_glu() -> bool:
+    kernels = cpu_kernels.load()
+    return kernels is not None and hasattr(kernels, "panel_linear_silu_mul") and kernels.panel_isa() == "amx-bf16"
+
 
 # Keep every linear's panels too (for the small-batch kernel) while that costs at most this
 # much memory: 1 GiB, models up to ~0.5B parameters. TOKENMILL_PANEL_WEIGHTS=1 / 0 forces it.

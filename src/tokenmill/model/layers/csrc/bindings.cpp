@@ -28,6 +28,7 @@ void write_scaled_cache(torch::Tensor x, torch::Tensor cache, torch::Tensor scal
 // panel_linear.cpp
 torch::Tensor pack_panels(torch::Tensor weight);
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias);
+torch::Tensor panel_linear_silu_mul(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias);
 std::string panel_isa();
 
 // paged_prefill.cpp
@@ -96,6 +97,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_scaled_cache", &write_scaled_cache, "new K or V rows quantized per (token, kv head) into an int8 / "
         "float8 e4m3 cache and its float32 scales");
   m.def("quant_linear", &quant_linear, "weight-only int4/int8 linear (groups of 32)");
+  m.def("panel_linear_silu_mul", &panel_linear_silu_mul, "a gate/up bf16 panel linear with silu(gate) * up in its AMX epilogue",
+        py::arg("x"), py::arg("panels"), py::arg("N"), py::arg("bias"));
   m.def("pack_panels", &pack_panels, "a bf16 [N, K] weight packed in panels of 32 rows for panel_linear");
   m.def("panel_linear", &panel_linear, "bf16 linear on panel-packed weights (small and medium batches)",
         py::arg("x"), py::arg("panels"), py::arg("out_features"), py::arg("bias") = py::none());

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <string>
 
+#include "elementwise.h"
 #include "linear.h"
 
 #if TM_PANEL_KERNEL
@@ -175,11 +176,14 @@ inline void amx_panel_rest(const BF16* x, int64_t ldx, const BF16* panel, int64_
 }
 #undef TM_AMX_PANEL_SUMS
 
+// glu > 0 (panel_linear_silu_mul): [p0, p1) are gate panels, panel p's up is panel p + glu, and
+// out (ldo a row) gets silu(gate) * up: both rounded to bf16 first, then silu_and_mul's row function.
 void amx_panel_units(const BF16* x, int64_t M, const LinearWeights& w, int64_t p0, int64_t p1, BF16* out,
-                     int64_t ldo, const BF16* bias) {
+                     int64_t ldo, const BF16* bias, int64_t glu = 0) {
   const int64_t K = w.K, full = M / 16 * 16;
   const BF16* packed = static_cast<const BF16*>(w.data);
   alignas(64) float c[16 * kPanelRows];
+  BF16 gate[16 * kPanelRows], up[16 * kPanelRows];
   // Whole tiles of 16 rows, then the rest in one tile of fewer rows (another configuration).
   const int64_t bounds[3] = {0, full, M};
   for (int pass = 0; pass < 2; ++pass) {
@@ -191,6 +195,19 @@ void amx_panel_units(const BF16* x, int64_t M, const LinearWeights& w, int64_t p
       const BF16* panel = packed + p * K * kPanelRows;
       const int64_t n0 = p * kPanelRows;
       const RowStore store(static_cast<int>(std::min<int64_t>(kPanelRows, w.N - n0)), bias == nullptr ? nullptr : bias + n0);
+      if (glu > 0) {
+        const int64_t nu = (p + glu) * kPanelRows;
+        const RowStore store_up(kPanelRows, bias == nullptr ? nullptr : bias + nu);
+        for (int64_t m0 = m_begin; m0 < m_end; m0 += 16) {
+          amx_panel(x + m0 * K, K, panel, K, c, m0 == 0);
+          store.rows(c, rows, gate, kPanelRows);
+          amx_panel(x + m0 * K, K, panel + glu * K * kPanelRows, K, c, m0 == 0);
+          store_up.rows(c, rows, up, kPanelRows);
+          for (int r = 0; r < rows; ++r)
+            silu_mul_row(gate + r * kPanelRows, up + r * kPanelRows, out + (m0 + r) * ldo + n0, kPanelRows);
+        }
+        continue;
+      }
       for (int64_t m0 = m_begin; m0 < m_end; m0 += 16) {
         amx_panel(x + m0 * K, K, panel, K, c, m0 == 0);
         store.rows(c, rows, out + m0 * ldo + n0, ldo);
@@ -375,6 +392,33 @@ torch::Tensor pack_panels(torch::Tensor weight) {
       }
   });
   return out;
+}
+
+// silu(gate) * up of a fused gate/up linear (N = 2 I outputs, gate first, I a multiple of 32) in
+// the AMX path's epilogue: [M, I], the bits of panel_linear then silu_and_mul, without writing
+// [M, N]. AMX-BF16 only (panel_isa() == "amx-bf16").
+torch::Tensor panel_linear_silu_mul(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && panels.scalar_type() == at::kBFloat16 &&
+                  panels.is_contiguous() && panels.dim() == 4 && panels.size(2) == tm_cpu::kPanelRows &&
+                  panels.size(1) * 2 == x.size(1) && panels.size(0) * tm_cpu::kPanelRows == N &&
+                  N % (2 * tm_cpu::kPanelRows) == 0,
+              "panel_linear_silu_mul: bf16 x [M, K] and panels [N / 32, K / 2, 32, 2], N = 2 I, I a multiple of 32");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == N),
+              "panel_linear_silu_mul: bias must be bf16 [N]");
+#if TM_PANEL_KERNEL && defined(TM_PANEL_AMX)
+  TORCH_CHECK(tm_cpu::amx_permitted(), "panel_linear_silu_mul: needs AMX-BF16");
+  const auto xc = x.contiguous();
+  auto out = torch::empty({x.size(0), N / 2}, x.options());
+  const tm_cpu::LinearWeights w{16, false, panels.data_ptr(), nullptr, N, x.size(1)};
+  const c10::BFloat16* b = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
+  const int64_t glu = N / (2 * tm_cpu::kPanelRows);
+  at::parallel_for(0, glu, 1, [&](int64_t p0, int64_t p1) {
+    amx_panel_units(xc.data_ptr<c10::BFloat16>(), x.size(0), w, p0, p1, out.data_ptr<c10::BFloat16>(), N / 2, b, glu);
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "panel_linear_silu_mul: needs AMX-BF16");
+#endif
 }
 
 // x [M, K] bf16 @ (panels of an [N, K] weight)^T (+ bias [N]) -> [M, N] bf16.
