@@ -69,8 +69,12 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = getattr(self.gate_up_proj, "silu_and_mul", None)  # a linear with the activation in its epilogue
-        act = fused(x) if fused is not None else None
+        # A linear with the activation in its epilogue (not where hooks watch its forward: LoRA's
+        # reference model, calibration)
+        gate_up = self.gate_up_proj
+        fused = getattr(gate_up, "silu_and_mul", None)
+        hooked = gate_up._forward_hooks or gate_up._forward_pre_hooks
+        act = fused(x) if fused is not None and not hooked else None
         if act is not None:
             return self.tp.all_reduce(self.down_proj(act))
         gate_up = self.gate_up_proj(x)
