@@ -166,5 +166,6 @@ def test_bad_draft_models_are_refused(tiny_llama_dir, tmp_path):
     with pytest.raises(ValueError, match="tokenizer differs from the target's on 2 tokens"):
         LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.05, speculative_config=_spec(str(swapped)))
     with pytest.raises(ValueError, match="quantization"):
-        LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.05, speculative_config=_spec(tiny_llama_dir, quantization="fp3"))
+        LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.05,
+            speculative_config=_spec(tiny_llama_dir, quantization="fp3"))
     assert Path(tiny_llama_dir).exists()

@@ -227,8 +227,8 @@ def quantize_model_w8a8(model: nn.Module, path: str, calibration: str | None = N
     and replace each layer's four linears and the lm_head by W8A8Linear (the embeddings stay in the
     model's dtype). Returns the number of layers replaced.
 
-    The lm_head is SmoothQuant's exception (it keeps it in fp16); here it is int8 like llama.cpp's
-    Q8_0 output layer, because at every generated token it is ~21% of SmolLM2's linear work (576 x
+    The lm_head is SmoothQuant's exception (it keeps it in fp16); here it is int8, as the packaged
+    GGUF's output layer is (Q8_0), because at every generated token it is ~21% of SmolLM2's linear work (576 x
     49,152 against 30 x 3.5 M): ~5% more output tok/s at 32 concurrent, ~20% less time per token at
     batch 1, perplexity +0.1-0.2% (README "W8A8 int8 compute"). Unsmoothed: its input is the final
     norm's output, which pooling reads too (and smoothing it at alpha 0.5 measured worse).

@@ -71,9 +71,9 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A linear with the activation in its epilogue (not where hooks watch its forward: LoRA's
         # reference model, calibration)
-        gate_up = self.gate_up_proj
-        fused = getattr(gate_up, "silu_and_mul", None)
-        hooked = gate_up._forward_hooks or gate_up._forward_pre_hooks
+        proj = self.gate_up_proj
+        fused = getattr(proj, "silu_and_mul", None)
+        hooked = proj._forward_hooks or proj._forward_pre_hooks
         act = fused(x) if fused is not None and not hooked else None
         if act is not None:
             return self.tp.all_reduce(self.down_proj(act))
