@@ -3,6 +3,8 @@ are, `--quantization int4|int8` on HF checkpoints, and a server running a quanti
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -207,6 +209,39 @@ def test_amx_rows_take_the_panels_dequantized_to_bf16(bits: int) -> None:
     finally:
         torch.set_num_threads(threads)
         kernels.set_quant_amx_rows(LARGE_BATCH)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_amx_int8_products_give_the_vector_paths_bits(bits: int) -> None:
+    """Calls of set_quant_amx_int_rows' rows or more take each group's integer sums from AMX-INT8
+    tiles (int8 activations, as the vector path): the same bits as that path (the rows alone, 1-row
+    calls, and with the tiles switched off) for 16-70 rows (whole blocks of 32, tiles of fewer rows),
+    bf16 and float32, and close to the float64 reference."""
+    kernels = _panel_kernels()
+    flags = open("/proc/cpuinfo").read() if sys.platform == "linux" else ""
+    if not hasattr(kernels, "quant_panels_amx_int") or " amx_int8" not in flags:
+        pytest.skip("the int8 products run on AMX-INT8 tiles only where the CPU has them")
+    assert kernels.quant_panels_amx_int(16) and not kernels.quant_panels_amx_int(15)
+    gen = torch.Generator().manual_seed(13)
+    try:
+        for M in (16, 17, 31, 32, 33, 48, 70):
+            N = int(torch.randint(1, 100, (1,), generator=gen))
+            K = 32 * int(torch.randint(1, 50, (1,), generator=gen))
+            qweight, scales = quantize(torch.randn(N, K, generator=gen) * 0.1, bits)
+            qp, sp = to_panels(qweight, scales, bits)
+            for dtype in (torch.bfloat16, torch.float32):
+                x = torch.randn(M, K, generator=gen).to(dtype)
+                out = kernels.quant_panel_linear(x, qp, sp, bits, N)
+                ref = a8_linear(x.float(), qweight, scales, bits).float()
+                tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+                torch.testing.assert_close(out.float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
+                alone = torch.cat([kernels.quant_panel_linear(x[i : i + 1], qp, sp, bits, N) for i in range(M)])
+                assert torch.equal(out, alone), (M, N, K, dtype)
+                kernels.set_quant_amx_int_rows(1 << 40)
+                assert torch.equal(kernels.quant_panel_linear(x, qp, sp, bits, N), out)
+                kernels.set_quant_amx_int_rows(16)
+    finally:
+        kernels.set_quant_amx_int_rows(16)
 
 
 @pytest.mark.parametrize("invariant", [True, False])

@@ -111,6 +111,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_quant_amx_rows", &tm_cpu::set_quant_amx_rows,
         "bf16 calls of quant_panel_linear from this many rows run on AMX tiles (panels dequantized to bf16)");
   m.def("quant_panels_amx", &tm_cpu::quant_panels_amx, "whether a bf16 call of M rows runs on AMX tiles", py::arg("M"));
+  m.def("set_quant_amx_int_rows", &tm_cpu::set_quant_amx_int_rows,
+        "rows from which int8-activation calls take AMX-INT8 tiles (the same bits)", py::arg("rows"));
+  m.def("quant_panels_amx_int", &tm_cpu::quant_panels_amx_int,
+        "whether a call of M rows takes the int8 products on AMX-INT8 tiles", py::arg("M"));
 #endif
   m.def("w8a8_linear", &w8a8_linear, "int8 weights x per-token int8 activations, int32 sums (--quantization w8a8)",
         py::arg("x"), py::arg("packed"), py::arg("w_scale"), py::arg("rowsum"), py::arg("bias"), py::arg("N"));

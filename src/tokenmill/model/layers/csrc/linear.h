@@ -87,6 +87,13 @@ constexpr int64_t kQuantAmxRows = 128;
 void set_quant_amx_rows(int64_t rows);
 bool quant_panels_amx(int64_t M);
 
+// Whether the int8-activation path runs a call of M rows' integer products on AMX-INT8 tiles
+// (the vector path's bits exactly, so only speed sets the rows: set_quant_amx_int_rows, default
+// kQuantAmxIntRows; fewer rows leave most of a tile idle).
+constexpr int64_t kQuantAmxIntRows = 16;
+void set_quant_amx_int_rows(int64_t rows);
+bool quant_panels_amx_int(int64_t M);
+
 // The same in two steps, for a caller that runs several unit ranges on one input: M rows
 // quantized into this thread's buffers (valid until its next call), then the units.
 template <typename XT>

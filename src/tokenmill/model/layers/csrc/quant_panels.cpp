@@ -30,6 +30,12 @@
 // exact ones the AVX2 path computes, and the float operations after them are the same: the two
 // builds give the same bits.
 //
+// AMX-INT8 (where the CPU and the OS allow it): calls of set_quant_amx_int_rows' rows or more (16)
+// take each group's integer sums from tile products instead (tdpbsud / tdpbssd: the same exact
+// integers), 32 rows x a panel at a time, then the same float operations in the same order: the
+// same bits as the vector path (checked once on random numbers before the path is used), 1.3-1.5x
+// its speed for int4 and 1.2-1.4x for int8 at 16-64 rows (SmolLM2's shapes, 2 cores).
+//
 // Every output's operations are the same whatever the number of rows in the call, their place in
 // the register tile, or how the panels are shared among threads: batch-invariant, bit for bit.
 //
@@ -43,12 +49,14 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "linear.h"
 
 #if TM_QUANT_PANELS
@@ -246,6 +254,116 @@ inline void int8_group_vnni(const A8Rows& xr, const uint8_t* qp, const at::Half*
     }
   }
 }
+
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#define TM_PANELS_AMX_INT8 1
+// AMX-INT8: the same integer sums on tiles, for blocks of up to 32 rows x a panel: per group, the
+// rows' int8 activations (two tiles of 16 rows x 32 bytes) times the group's codes as two tiles of
+// 8 rows of 4 inputs x 16 outputs (int4: its low and high nibbles, which are those rows; int8: the
+// packed bytes as they are, 128 bytes a row), signed x unsigned (int4) or signed x signed (int8)
+// bytes into int32 (tdpbsud / tdpbssd: exact). The float operations after them are
+// int4_group_vnni's / int8_group_vnni's, row by row in the same order: the same bits as the vector
+// path for every row, so the path a step's row count picks changes no output.
+// Tiles: 0-3 the sums of row tile r and vector v (2 r + v), 4 and 5 the row tiles, 6 and 7 the codes.
+inline void amx_int_configure(int rows0, int rows1) {
+  TileConfig cfg;
+  const int rows[8] = {rows0, rows0, rows1, rows1, rows0, rows1, 8, 8};
+  const int colsb[8] = {64, 64, 64, 64, 32, 32, 64, 64};
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = static_cast<uint8_t>(rows[t] > 0 ? rows[t] : 16);
+    cfg.colsb[t] = static_cast<uint16_t>(colsb[t]);
+  }
+  load_tile_config(cfg);
+}
+
+// int4 group g's codes as the two B tiles (vectors 0 and 1): [v][quad of inputs][16 outputs x 4],
+// the low nibbles of a 64-byte run being quad 2 s, the high ones quad 2 s + 1.
+inline void int4_tiles(const uint8_t* qp, int64_t g, uint8_t* codes) {
+  const uint8_t* qg = qp + g * kGroupBytes<4>;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+#pragma GCC unroll 4
+  for (int s = 0; s < 4; ++s)
+#pragma GCC unroll 2
+    for (int v = 0; v < 2; ++v) {
+      _mm_prefetch(reinterpret_cast<const char*>(qg + (4 * s + 2 * v) * 32 + kPrefetchAhead), _MM_HINT_T0);
+      const __m512i raw = _mm512_loadu_si512(qg + (4 * s + 2 * v) * 32);
+      _mm512_store_si512(codes + v * 512 + (2 * s) * 64, _mm512_and_si512(raw, low4));
+      _mm512_store_si512(codes + v * 512 + (2 * s + 1) * 64, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4));
+    }
+}
+
+// Group g of rows [0, rows0 + rows1) (rows1 > 0: two row tiles) times the panel, added to
+// acc[m][0..32) as int4_group_vnni / int8_group_vnni add them. int4: the group's B tiles at
+// codes[g % 2] (int4_tiles), and the next group's written to the other half while the products
+// run (a tile load waits for the stores before it to reach the cache).
+template <int BITS>
+inline void amx_int_group(const A8Rows& xr, int rows0, int rows1, const uint8_t* qp, const at::Half* sp, int64_t g,
+                          float* acc, uint8_t (*codes)[1024]) {
+  const uint8_t* qg = qp + g * kGroupBytes<BITS>;
+  const int8_t* xg = xr.q + g * kGroup;
+  alignas(64) int32_t dot[32 * kPanelRows];
+  _tile_loadd(4, xg, xr.K);
+  if (rows1 > 0) _tile_loadd(5, xg + 16 * xr.K, xr.K);
+  if constexpr (BITS == 4) {
+    asm volatile("" : : : "memory");  // GCC does not see tile loads read the codes (nor keep their stores)
+    _tile_loadd(6, codes[g % 2], 64);
+    _tile_loadd(7, codes[g % 2] + 512, 64);
+  } else {
+    for (int l = 0; l < 1024; l += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(qg + l + kPrefetchAhead), _MM_HINT_T0);
+    _tile_loadd(6, qg, 128);
+    _tile_loadd(7, qg + 64, 128);
+  }
+  _tile_zero(0);
+  _tile_zero(1);
+  if (rows1 > 0) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  if constexpr (BITS == 4) {
+    _tile_dpbsud(0, 4, 6);
+    _tile_dpbsud(1, 4, 7);
+    if (rows1 > 0) {
+      _tile_dpbsud(2, 5, 6);
+      _tile_dpbsud(3, 5, 7);
+    }
+  } else {
+    _tile_dpbssd(0, 4, 6);
+    _tile_dpbssd(1, 4, 7);
+    if (rows1 > 0) {
+      _tile_dpbssd(2, 5, 6);
+      _tile_dpbssd(3, 5, 7);
+    }
+  }
+  if constexpr (BITS == 4) {
+    if ((g + 1) * kGroup < xr.K) int4_tiles(qp, g + 1, codes[(g + 1) % 2]);
+  }
+  constexpr int kLd = kPanelRows * sizeof(int32_t);
+  _tile_stored(0, dot, kLd);
+  _tile_stored(1, dot + 16, kLd);
+  if (rows1 > 0) {
+    _tile_stored(2, dot + 16 * kPanelRows, kLd);
+    _tile_stored(3, dot + 16 * kPanelRows + 16, kLd);
+  }
+  asm volatile("" : : : "memory");  // the sums are in `dot` now (tile stores are opaque to GCC)
+  const at::Half* sg = sp + g * kGroupScales<BITS>;
+  const int rows = rows0 + rows1;
+#pragma GCC unroll 2
+  for (int v = 0; v < 2; ++v) {
+    const __m512 d = load_halves16(sg + 16 * v);
+    const __m512 off = BITS == 4 ? load_halves16(sg + kPanelRows + 16 * v) : _mm512_setzero_ps();
+    for (int m = 0; m < rows; ++m) {
+      float* a = acc + m * kPanelRows + 16 * v;
+      const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(xr.scale[m * xr.G + g]));
+      const __m512 r = _mm512_fmadd_ps(ds, _mm512_cvtepi32_ps(_mm512_load_si512(dot + m * kPanelRows + 16 * v)),
+                                       _mm512_load_ps(a));
+      _mm512_store_ps(a, BITS == 4 ? _mm512_fmadd_ps(off, _mm512_set1_ps(xr.sum[m * xr.G + g]), r) : r);
+    }
+  }
+}
+#else
+#define TM_PANELS_AMX_INT8 0
+#endif
 #else
 #define TM_PANELS_VNNI512 0
 #endif
@@ -434,9 +552,91 @@ inline void quantize_group(const float* x, int8_t* q, float* scale, float* sum) 
                       _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 
+#if defined(TM_PANELS_AMX_INT8) && TM_PANELS_AMX_INT8
+// Whether the tiles are allowed and give the vector path's bits (checked once on random numbers:
+// for both code widths, 32 rows, against panel_rows).
+bool amx_int_usable() {
+  static const bool ok = [] {
+    if (!amx_permitted()) return false;
+    constexpr int64_t K = 64, G = K / kGroup, M = 32;
+    uint32_t r = 2024;
+    auto next = [&] { return (r = r * 1103515245u + 12345u) >> 8; };
+    std::vector<int8_t> xq(M * K);
+    std::vector<float> xs(M * G), xsum(M * G);
+    for (auto& v : xq) v = static_cast<int8_t>(static_cast<int>(next() % 255) - 127);
+    for (auto& v : xs) v = static_cast<float>(next() % 1000 + 1) * 1e-4f;
+    for (auto& v : xsum) v = static_cast<float>(static_cast<int>(next() % 2001) - 1000) * 1e-2f;
+    const A8Rows xr{xq.data(), xs.data(), xsum.data(), K, G};
+    std::vector<uint8_t> codes(G * kGroupBytes<8>);
+    std::vector<at::Half> scales(G * kGroupScales<4>);
+    for (auto& v : codes) v = static_cast<uint8_t>(next());
+    for (auto& v : scales) v = at::Half(static_cast<float>(static_cast<int>(next() % 2001) - 1000) * 1e-4f);
+    alignas(64) float want[M * kPanelRows], got[M * kPanelRows];
+    bool same = true;
+    for (int bits : {4, 8}) {
+      for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+        const A8Rows tile{xr.q + m0 * K, xr.scale + m0 * G, xr.sum + m0 * G, K, G};
+        if (bits == 4) panel_rows<4, kTileRows, 1>(tile, codes.data(), scales.data(), G, want + m0 * kPanelRows);
+        else panel_rows<8, kTileRows, 1>(tile, codes.data(), scales.data(), G, want + m0 * kPanelRows);
+      }
+      std::memset(got, 0, sizeof got);
+      amx_int_configure(16, 16);
+      alignas(64) uint8_t tiles[2][1024];
+      if (bits == 4) int4_tiles(codes.data(), 0, tiles[0]);
+      for (int64_t g = 0; g < G; ++g) {
+        if (bits == 4) amx_int_group<4>(xr, 16, 16, codes.data(), scales.data(), g, got, tiles);
+        else amx_int_group<8>(xr, 16, 16, codes.data(), scales.data(), g, got, tiles);
+      }
+      _tile_release();
+      same = same && std::memcmp(got, want, sizeof got) == 0;
+    }
+    return same;
+  }();
+  return ok;
+}
+
+std::atomic<int64_t> amx_int_min_rows{kQuantAmxIntRows};
+
+// Panels [p0, p1) for M rows on AMX-INT8, 32 rows a block; acc as units' (32 rows).
+template <int BITS, typename OT>
+void amx_int_units(const A8Rows& xr, int64_t M, const LinearWeights& w, int64_t p0, int64_t p1, OT* out,
+                   int64_t ldo, const OT* bias) {
+  const int64_t G = w.K / kGroup;
+  const uint8_t* qw = static_cast<const uint8_t*>(w.data);
+  alignas(64) float acc[32 * kPanelRows];
+  alignas(64) uint8_t codes[2][1024];
+  int configured = -1;
+  for (int64_t m0 = 0; m0 < M; m0 += 32) {
+    const int rows0 = static_cast<int>(std::min<int64_t>(16, M - m0));
+    const int rows1 = static_cast<int>(std::clamp<int64_t>(M - m0 - 16, 0, 16));
+    if (configured != rows0 + rows1) {
+      amx_int_configure(rows0, rows1);
+      configured = rows0 + rows1;
+    }
+    const A8Rows block{xr.q + m0 * xr.K, xr.scale + m0 * G, xr.sum + m0 * G, xr.K, G};
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint8_t* qp = qw + p * G * kGroupBytes<BITS>;
+      const at::Half* sp = w.scales + p * G * kGroupScales<BITS>;
+      const int64_t n0 = p * kPanelRows;
+      const int nc = static_cast<int>(std::min<int64_t>(kPanelRows, w.N - n0));
+      std::memset(acc, 0, sizeof(float) * (rows0 + rows1) * kPanelRows);
+      if constexpr (BITS == 4) int4_tiles(qp, 0, codes[0]);
+      for (int64_t g = 0; g < G; ++g) amx_int_group<BITS>(block, rows0, rows1, qp, sp, g, acc, codes);
+      for (int i = 0; i < rows0 + rows1; ++i)
+        for (int c = 0; c < nc; ++c)
+          store(acc[i * kPanelRows + c], out + (m0 + i) * ldo + n0 + c, bias == nullptr ? nullptr : bias + n0 + c);
+    }
+  }
+  _tile_release();
+}
+#endif
+
 template <int BITS, typename OT>
 void units(const A8Rows& xr, int64_t M, const LinearWeights& w, int64_t p0, int64_t p1, OT* out, int64_t ldo,
            const OT* bias) {
+#if defined(TM_PANELS_AMX_INT8) && TM_PANELS_AMX_INT8
+  if (quant_panels_amx_int(M)) return amx_int_units<BITS>(xr, M, w, p0, p1, out, ldo, bias);
+#endif
   const int64_t G = w.K / kGroup;
   const uint8_t* qw = static_cast<const uint8_t*>(w.data);
   alignas(64) float acc[kTileRows * kPanelRows];
@@ -496,6 +696,20 @@ std::atomic<int64_t> amx_min_rows{kQuantAmxRows};
 }
 
 void set_quant_amx_rows(int64_t rows) { amx_min_rows = rows; }
+
+void set_quant_amx_int_rows(int64_t rows) {
+#if defined(TM_PANELS_AMX_INT8) && TM_PANELS_AMX_INT8
+  amx_int_min_rows = rows;
+#endif
+}
+
+bool quant_panels_amx_int(int64_t M) {
+#if defined(TM_PANELS_AMX_INT8) && TM_PANELS_AMX_INT8
+  return M >= amx_int_min_rows.load(std::memory_order_relaxed) && amx_int_usable();
+#else
+  return false;
+#endif
+}
 
 bool quant_panels_amx(int64_t M) {
 #if defined(TM_PANEL_AMX)
