@@ -2,7 +2,8 @@
 """The int4 / int8 linear kernel alone, against the bf16 panel kernel and the memory-bandwidth
 bound of its weight bytes, at SmolLM2's shapes: the kernel the engine runs (on AVX2 builds the
 output-panel one, csrc/quant_panels.cpp, else csrc/quant_linear.cpp's row tiles), and where the
-panels exist, the row-tile kernel beside it ("rows").
+panels exist, the row-tile kernel beside it ("rows"); where the int8 products run on AMX-INT8 tiles
+(from 16 rows), the same products on the vector path beside them ("vector ints", the same bits).
 
     python benchmarks/quant_kernel.py                        # rows 1 8 32, all shapes
     python benchmarks/quant_kernel.py --rows 1 --threads 1 --repeats 5
@@ -64,6 +65,7 @@ def main(argv=None) -> None:
         qpanels = [to_panels(q, s, bits) for q, s in quant] if hasattr(k, "quant_panel_linear") else None
         qb = quant_bytes(N, K, bits)
         amx = qpanels is not None and hasattr(k, "quant_panels_amx") and k.quant_panels_amx(1 << 62)
+        amx_int = qpanels is not None and hasattr(k, "quant_panels_amx_int") and k.quant_panels_amx_int(1 << 62)
         for M in (int(r) for r in args.rows.split(",")):
             x = torch.randn(M, K).bfloat16()
             runs = {"quant": lambda: [k.quant_linear(x, q, s, bits) for q, s in quant],
@@ -76,9 +78,14 @@ def main(argv=None) -> None:
                                                                         for q, s in qpanels])
                 runs["amx"] = lambda: with_amx_rows(k, 1, lambda: [k.quant_panel_linear(x, q, s, bits, N)
                                                                 for q, s in qpanels])
+            if amx_int:  # the int8 products without the AMX-INT8 tiles: the vector path (the same bits)
+                runs["vector"] = lambda: with_amx_rows(k, 1 << 62, lambda: [k.quant_panel_linear(x, q, s, bits, N)
+                                                                           for q, s in qpanels], int_rows=1 << 62)
             t = time_interleaved(runs, args.repeats, copies)
             tq, tb = t["quant"], t["bf16"]
             rows = f"  rows {t['rows'] * 1e6:8.1f} us ({t['rows'] / tq:4.2f}x)" if "rows" in t else ""
+            if "vector" in t:
+                rows += f"  vector ints {t['vector'] * 1e6:8.1f} us (tiles {t['vector'] / tq:4.2f}x faster)"
             if "amx" in t:
                 rows += f"  amx {t['amx'] * 1e6:8.1f} us ({tq / t['amx']:4.2f}x faster, {tb / t['amx']:4.2f}x bf16)"
             print(f"{name:8s} int{bits} rows {M:3d}: {tq * 1e6:8.1f} us ({qb / tq / 1e9:5.1f} GB/s, "
@@ -86,15 +93,20 @@ def main(argv=None) -> None:
                   f"  bf16 / int{bits} {tb / tq:5.2f}x  {2 * M * N * K / tq / 1e9:5.1f} GFLOP/s{rows}")
 
 
-def with_amx_rows(k, rows: int, fn):
-    """fn() with the kernels' AMX threshold at `rows`, then back at the default."""
+def with_amx_rows(k, rows: int, fn, int_rows: int | None = None):
+    """fn() with the kernels' AMX threshold at `rows` (and the AMX-INT8 one at `int_rows`), then back
+    at the defaults."""
     from tokenmill.model.layers.quantization import LARGE_BATCH
 
     k.set_quant_amx_rows(rows)
+    if int_rows is not None:
+        k.set_quant_amx_int_rows(int_rows)
     try:
         return fn()
     finally:
         k.set_quant_amx_rows(LARGE_BATCH)
+        if int_rows is not None:
+            k.set_quant_amx_int_rows(16)
 
 
 if __name__ == "__main__":
