@@ -106,7 +106,7 @@ def with_amx_rows(k, rows: int, fn, int_rows: int | None = None):
     finally:
         k.set_quant_amx_rows(LARGE_BATCH)
         if int_rows is not None:
-            k.set_quant_amx_int_rows(16)
+            k.set_quant_amx_int_rows(k.QUANT_AMX_INT_ROWS)
 
 
 if __name__ == "__main__":

@@ -221,7 +221,8 @@ def test_amx_int8_products_give_the_vector_paths_bits(bits: int) -> None:
     flags = open("/proc/cpuinfo").read() if sys.platform == "linux" else ""
     if not hasattr(kernels, "quant_panels_amx_int") or " amx_int8" not in flags:
         pytest.skip("the int8 products run on AMX-INT8 tiles only where the CPU has them")
-    assert kernels.quant_panels_amx_int(16) and not kernels.quant_panels_amx_int(15)
+    rows = kernels.QUANT_AMX_INT_ROWS
+    assert rows == 16 and kernels.quant_panels_amx_int(rows) and not kernels.quant_panels_amx_int(rows - 1)
     gen = torch.Generator().manual_seed(13)
     try:
         for M in (16, 17, 31, 32, 33, 48, 70):
@@ -239,9 +240,9 @@ def test_amx_int8_products_give_the_vector_paths_bits(bits: int) -> None:
                 assert torch.equal(out, alone), (M, N, K, dtype)
                 kernels.set_quant_amx_int_rows(1 << 40)
                 assert torch.equal(kernels.quant_panel_linear(x, qp, sp, bits, N), out)
-                kernels.set_quant_amx_int_rows(16)
+                kernels.set_quant_amx_int_rows(rows)
     finally:
-        kernels.set_quant_amx_int_rows(16)
+        kernels.set_quant_amx_int_rows(kernels.QUANT_AMX_INT_ROWS)
 
 
 @pytest.mark.parametrize("invariant", [True, False])

@@ -115,6 +115,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "rows from which int8-activation calls take AMX-INT8 tiles (the same bits)", py::arg("rows"));
   m.def("quant_panels_amx_int", &tm_cpu::quant_panels_amx_int,
         "whether a call of M rows takes the int8 products on AMX-INT8 tiles", py::arg("M"));
+  m.attr("QUANT_AMX_INT_ROWS") = tm_cpu::kQuantAmxIntRows;  // set_quant_amx_int_rows' default
 #endif
   m.def("w8a8_linear", &w8a8_linear, "int8 weights x per-token int8 activations, int32 sums (--quantization w8a8)",
         py::arg("x"), py::arg("packed"), py::arg("w_scale"), py::arg("rowsum"), py::arg("bias"), py::arg("N"));

@@ -33,8 +33,8 @@
 // AMX-INT8 (where the CPU and the OS allow it): calls of set_quant_amx_int_rows' rows or more (16)
 // take each group's integer sums from tile products instead (tdpbsud / tdpbssd: the same exact
 // integers), 32 rows x a panel at a time, then the same float operations in the same order: the
-// same bits as the vector path (checked once on random numbers before the path is used), 1.3-1.5x
-// its speed for int4 and 1.2-1.4x for int8 at 16-64 rows (SmolLM2's shapes, 2 cores).
+// same bits as the vector path (checked once on random numbers before the path is used), 1.2-1.5x
+// its speed for int4 and 1.4x for int8 at 16-64 rows (SmolLM2's shapes, 2 cores).
 //
 // Every output's operations are the same whatever the number of rows in the call, their place in
 // the register tile, or how the panels are shared among threads: batch-invariant, bit for bit.
