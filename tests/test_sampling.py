@@ -34,6 +34,76 @@ def test_sampling_distribution_follows_temperature():
     assert abs(frac - torch.sigmoid(torch.tensor(4.0)).item()) < 0.03
 
 
+def test_sampled_tokens_follow_the_distribution_over_a_large_vocab():
+    """Inverse-CDF draws over a vocab of several CDF blocks (ragged last block): token counts
+    match softmax(logits / T) restricted to the top k (chi-square, 6,000 draws from a fixed seed,
+    so the outcome is fixed), and tokens outside the top k are never drawn."""
+    from tokenmill.model.layers.sampler import CDF_BLOCK
+
+    V, n, k = 3 * CDF_BLOCK + 37, 6000, 40
+    logits = torch.randn(V, generator=torch.Generator().manual_seed(5)) * 2.0
+    l, b, _ = _batch([logits.tolist()] * n, temperature=0.7, top_k=k)
+    counts = torch.bincount(torch.tensor(Sampler(7)(l, b).token_ids), minlength=V).double()
+    top = torch.topk(logits, k).indices
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[top] = False
+    assert counts[outside].sum() == 0
+    expected = torch.softmax(logits[top] / 0.7, dim=0).double() * n
+    keep = expected >= 5  # chi-square's rule of thumb; the rest pooled into one cell
+    obs = torch.cat([counts[top][keep], counts[top][~keep].sum().unsqueeze(0)])
+    exp = torch.cat([expected[keep], expected[~keep].sum().unsqueeze(0)])
+    chi2 = float(((obs - exp) ** 2 / exp.clamp(min=1e-9)).sum())
+    dof = int(keep.sum())  # cells - 1
+    assert chi2 < dof + 5 * (2 * dof) ** 0.5, (chi2, dof)  # ~5 sigma above the mean
+
+
+def _reference_cut(row: torch.Tensor, k: int, p: float) -> float:
+    """The smallest logit top-k then top-p keep, by sorting (float64 sums): tokens are kept while
+    the mass before them is below p, and every token tied with the last one kept stays."""
+    V, cut = row.numel(), float("-inf")
+    w = (row - row.max()).exp().double()  # the weights the kernel is given
+    order = row.sort(descending=True).indices
+    if k < V:
+        cut = float(row[order[k - 1]])
+    if p < 1.0:
+        kept = order[row[order] >= cut]
+        cum = w[kept].cumsum(0)
+        hit = (cum >= p * float(w[row >= cut].sum())).nonzero()
+        cut = max(cut, float(row[kept[hit[0, 0]]]) if hit.numel() else cut)
+    return cut
+
+
+@pytest.mark.parametrize("scale", [0.3, 3.0, 40.0])
+def test_top_k_top_p_kernel_cuts_where_a_sort_would(scale):
+    """csrc/sampling.cpp's cut of every row equals the sorted reference: flat and peaked rows
+    (at scale 40 most tokens fall below the kernel's last bin, 33 under the max), ties (logits
+    rounded to bfloat16), -inf tokens, k of 1, beyond the tokens within 33 of the max, and V (no
+    cut), p of 0 and 1 (no cut), top-k alone, top-p alone and both."""
+    from tokenmill.model.layers import cpu_kernels
+    from tokenmill.model.layers.sampler import _top_k_top_p
+
+    ops = cpu_kernels.load()
+    if ops is None:
+        pytest.skip("no C++ kernels")
+    g = torch.Generator().manual_seed(int(scale * 10))
+    R, V = 24, 3001
+    logits = (torch.randn(R, V, generator=g) * scale).bfloat16().float()
+    logits[3, ::7] = float("-inf")
+    k = torch.randint(1, 400, (R,), generator=g)
+    k[0], k[1], k[2], k[4] = 1, V, V + 5, 2900
+    p = torch.rand(R, generator=g)
+    p[0], p[1], p[6] = 0.0, 1.0, 0.999
+    for top_k, top_p in ((k, None), (None, p), (k, p)):
+        w = (logits - logits.amax(dim=-1, keepdim=True)).exp()
+        cut = ops.top_k_top_p_cut(logits, w, top_k, top_p)
+        want = [_reference_cut(logits[r], int(top_k[r]) if top_k is not None else V,
+                               float(top_p[r]) if top_p is not None else 1.0) for r in range(R)]
+        assert cut.tolist() == want
+        out = _top_k_top_p(logits, top_k, top_p)
+        assert torch.equal(torch.isfinite(out), (logits >= cut.unsqueeze(1)) & torch.isfinite(logits))
+        assert torch.equal(out[torch.isfinite(out)], logits[torch.isfinite(out)])
+
+
 def test_top_p_cuts_the_tail():
     # probs ~ [0.64, 0.24, 0.09, 0.03]: top_p 0.8 keeps the first two only.
     l, b, _ = _batch([[3.0, 2.0, 1.0, 0.0]] * 2000, temperature=1.0, top_p=0.8)

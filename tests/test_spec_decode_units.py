@@ -410,7 +410,8 @@ def test_rejection_seeded_batch_invariant_and_matches_sampler(monkeypatch):
     want = Sampler()(logits, batch).token_ids
     probs, argmax = target_distributions(Sampler(), logits, batch)
     gens = [torch.Generator().manual_seed(s) for s in (11, 12, 13, 14)]
-    out = rejection_sample([[]] * 4, probs, argmax, [False, True, False, False], generators=gens)
+    out = rejection_sample([[]] * 4, probs, argmax, [False, True, False, False], generators=gens,
+                           sample_method="inverse_cdf")
     assert [t[0] for t in out.token_ids] == want  # no drafts: exactly the Sampler's token
     # A seeded request gives the same tokens alone and in a batch with others.
     p = torch.softmax(torch.randn(3, V, generator=torch.Generator().manual_seed(3)), -1)
@@ -427,7 +428,7 @@ def test_rejection_seeded_batch_invariant_and_matches_sampler(monkeypatch):
 
 
 def test_inverse_cdf_edges():
-    from tokenmill.spec_decode.rejection import _inverse_cdf
+    from tokenmill.model.layers.sampler import inverse_cdf as _inverse_cdf
 
     dist = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0], [0.0, 0.0, 2.0, 0.0, 0.0]])
     u = torch.tensor([[0.0], [0.999999999]], dtype=torch.float64)

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.model.layers.sampler import inverse_cdf, per_row
+
 
 @dataclass
 class VerifyOutput:
@@ -64,11 +66,11 @@ def rejection_sample(
         draft model that drafts greedily).
     generators: per request, its seeded generator on the tensors' device, or None to use
         `generator` (the Sampler's own for that device; torch's global one if None).
-    sample_method: how the one extra token per request is drawn. "exponential": the Sampler's
-        exponential race (V Exp(1) draws per request: ~30 ms for 32 requests at V = 49k on 2 CPU
-        cores, as the Sampler pays; a request without drafts gets the Sampler's very token);
-        "inverse_cdf": one uniform and a two-level cumulative sum per request (~1 ms for the same
-        32), the same distribution.
+    sample_method: how the one extra token per request is drawn. "exponential": the exponential
+        race (V Exp(1) draws per request: ~30 ms for 32 requests at V = 49k on 2 CPU cores);
+        "inverse_cdf": the Sampler's own draw, one uniform and a two-level cumulative sum per
+        request (~1 ms for the same 32), the same distribution (a seeded request without drafts
+        gets the Sampler's very token).
     probs_normalized: the caller guarantees every row of target_probs (and draft_probs) sums to 1,
         which skips a pass over them. By default they are normalised here, because acceptance
         compares probabilities: the Sampler's min-p zeroes tokens after the softmax without
@@ -167,9 +169,9 @@ def rejection_sample(
                 dist = torch.where(rejected.unsqueeze(1), residual, dist)
         gen_rows = [gens[i] for i in rand_idx]
         if sample_method == "exponential":
-            sampled = (dist / _per_row(lambda t, g: t.exponential_(generator=g), dist, gen_rows, own)).argmax(dim=-1)
+            sampled = (dist / per_row(lambda t, g: t.exponential_(generator=g), dist, gen_rows, own)).argmax(dim=-1)
         else:
-            sampled = _inverse_cdf(dist, _per_row(lambda t, g: t.uniform_(generator=g),
+            sampled = inverse_cdf(dist, per_row(lambda t, g: t.uniform_(generator=g),
                                                   torch.empty(len(rand_idx), 1, dtype=torch.float64, device=dev),
                                                   gen_rows, own))
         final = final.index_copy(0, ridx, sampled) if any_greedy else sampled
@@ -178,51 +180,6 @@ def rejection_sample(
     n_acc_h, final_h = host[:B], host[B:]
     tokens = [list(draft_token_ids[i][: n_acc_h[i]]) + [final_h[i]] for i in range(B)]
     return VerifyOutput(tokens, n_acc_h)
-
-
-def _per_row(draw, like: torch.Tensor, gens: list[torch.Generator | None], own: torch.Generator | None) -> torch.Tensor:
-    """A tensor shaped like `like`, row r filled by draw(row, gens[r]); rows without a generator in
-    one draw from `own`."""
-    out = torch.empty_like(like)
-    shared = [r for r, g in enumerate(gens) if g is None]
-    if len(shared) == len(gens):
-        draw(out, own)
-    elif shared:
-        out[torch.tensor(shared, dtype=torch.long, device=like.device)] = draw(
-            torch.empty((len(shared),) + tuple(like.shape[1:]), dtype=like.dtype, device=like.device), own)
-    for r, g in enumerate(gens):
-        if g is not None:
-            draw(out[r], g)
-    return out
-
-
-_CDF_BLOCK = 256
-
-
-def _inverse_cdf(dist: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Row r's token whose cumulative-mass interval [c_{t-1}, c_t) holds u[r] * (row mass): one
-    uniform per row instead of V exponentials. Two levels, because a float64 cumsum over V is
-    sequential and slow on CPU (~9 ms for 32 x 49k): block masses (a vectorised sum), the block by
-    a cumsum over the blocks, then a cumsum inside that one block. A zero-mass token has an empty
-    interval and is never drawn."""
-    R, V = dist.shape
-    nb = -(-V // _CDF_BLOCK)
-    d = dist if nb * _CDF_BLOCK == V else torch.nn.functional.pad(dist, (0, nb * _CDF_BLOCK - V))
-    blocks = d.view(R, nb, _CDF_BLOCK)
-    # float32 block sums (pairwise: ~1e-7 relative, the inputs' own precision), float64 from there on.
-    cb = blocks.sum(dim=2).double().cumsum(dim=1)
-    target = _below(u * cb[:, -1:], cb[:, -1:])  # u * mass may round up to the mass itself
-    b = torch.searchsorted(cb, target, right=True).clamp_(max=nb - 1)  # [R, 1]: a block with mass
-    before = torch.where(b > 0, cb.gather(1, (b - 1).clamp(min=0)), torch.zeros_like(target))
-    cw = blocks[torch.arange(R, device=dist.device), b.squeeze(1)].double().cumsum(dim=1)
-    # The block's own cumsum may round differently from its sum: stay inside its last interval.
-    t = torch.searchsorted(cw, _below((target - before).clamp_(min=0.0), cw[:, -1:]), right=True)
-    return (b * _CDF_BLOCK + t).squeeze(1)
-
-
-def _below(x: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
-    """x, kept strictly below limit (limit > 0)."""
-    return torch.minimum(x, torch.nextafter(limit, torch.zeros_like(limit)))
 
 
 def target_distributions(sampler, logits: torch.Tensor, batch) -> tuple[torch.Tensor | None, torch.Tensor]:

@@ -115,7 +115,8 @@ def _staged_sources(build_dir: Path) -> list[str]:
 
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("paged_attention.cpp", "paged_prefill.cpp", "quant_linear.cpp", "quant_panels.cpp", "panel_linear.cpp", "fused_ops.cpp",
-                        "decode_step.cpp", "lora.cpp", "moe.cpp", "shm_allreduce.cpp", "w8a8.cpp", "bindings.cpp")]
+                        "decode_step.cpp", "lora.cpp", "moe.cpp", "shm_allreduce.cpp", "w8a8.cpp", "sampling.cpp",
+                        "bindings.cpp")]
 # Not compiled alone, but part of the build key: every header, so a new one cannot be forgotten.
 HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 

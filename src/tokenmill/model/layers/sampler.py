@@ -2,10 +2,11 @@
 
 Order (as vLLM): penalties, min_tokens, bad words, logit_bias and the watermark on the raw
 logits, then greedy rows take an exact argmax; the rest are scaled by temperature, truncated by
-top-k / top-p / min-p and sampled with the exponential-race trick (argmax of p / Exp(1) noise),
-which lets a seeded request draw its noise from its own generator: the same seed gives the same
-tokens whatever batch it is in (on each device; CPU and CUDA draw different noise). Logprobs are
-those of the model's raw distribution (before any processing).
+top-k / top-p / min-p and sampled by inverse CDF: one uniform per row, from the request's own
+generator when it has a seed, so the same seed gives the same tokens whatever batch it is in (on
+each device; CPU and CUDA draw different numbers). (vLLM's exponential race, argmax of p / Exp(1)
+noise, draws V numbers a row: ~30 ms a step for 32 rows at V = 49k on 2 CPU cores.) Logprobs
+are those of the model's raw distribution (before any processing).
 
 Everything runs on the logits' device: SamplingBatch.from_requests(..., device=logits.device)
 puts the batch there, and a step waits for the device once, to copy its results to the host.
@@ -321,16 +322,10 @@ class Sampler:
         greedy_rows = b.temperature == 0
         greedy_tokens = _argmax(logits)
         probs = sampling_probs(logits, b)
-        sampled = (probs / self.exponential_noise(probs, b.generators)).argmax(dim=-1)
-        return torch.where(greedy_rows, greedy_tokens, sampled)
-
-    def exponential_noise(self, like: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-        """Exp(1) noise shaped like `like`, row i drawn from generators[i] (the sampler's own when None)."""
-        noise = torch.empty_like(like)
-        own = self._generator_for(like.device)
-        for i, g in enumerate(generators):
-            noise[i].exponential_(generator=g if g is not None else own)
-        return noise
+        u = per_row(lambda t, g: t.uniform_(generator=g),
+                    torch.empty(len(b.generators), 1, dtype=torch.float64, device=probs.device),
+                    b.generators, self._generator_for(probs.device))
+        return torch.where(greedy_rows, greedy_tokens, inverse_cdf(probs, u))
 
 
 def sampling_probs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
@@ -357,6 +352,14 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """The logits with every token outside the row's top k, then outside its top-p nucleus, at
+    -inf. On CPU each row's cut comes from the C++ kernel (csrc/sampling.cpp: one pass and a
+    small sort; torch's sort of 32 x 49k logits takes ~60 ms on 2 cores, more than a decode
+    step), which keeps every token tied with the last one kept; elsewhere from the sort."""
+    ops = cpu_kernels.ops_for(logits)
+    if ops is not None and logits.dtype == torch.float32 and logits.dim() == 2:
+        w = (logits - logits.amax(dim=-1, keepdim=True)).exp_()
+        return logits.masked_fill(logits < ops.top_k_top_p_cut(logits, w, top_k, top_p).unsqueeze(1), float("-inf"))
     sorted_logits, idx = logits.sort(dim=-1, descending=True)
     V = logits.shape[-1]
     if top_k is not None:
@@ -372,3 +375,49 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.
         drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter_(1, idx, sorted_logits)
+
+
+def per_row(draw, like: torch.Tensor, gens: list[torch.Generator | None], own: torch.Generator | None) -> torch.Tensor:
+    """A tensor shaped like `like`, row r filled by draw(row, gens[r]); rows without a generator in
+    one draw from `own`."""
+    out = torch.empty_like(like)
+    shared = [r for r, g in enumerate(gens) if g is None]
+    if len(shared) == len(gens):
+        draw(out, own)
+    elif shared:
+        out[torch.tensor(shared, dtype=torch.long, device=like.device)] = draw(
+            torch.empty((len(shared),) + tuple(like.shape[1:]), dtype=like.dtype, device=like.device), own)
+    for r, g in enumerate(gens):
+        if g is not None:
+            draw(out[r], g)
+    return out
+
+
+CDF_BLOCK = 256
+
+
+def inverse_cdf(dist: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Row r's token whose cumulative-mass interval [c_{t-1}, c_t) holds u[r] * (row mass): one
+    uniform per row (V exponentials per row cost ~30 ms for 32 rows at V = 49k on 2 CPU
+    cores, more than a decode step of SmolLM2 at that batch). Two levels, because a float64 cumsum over V is
+    sequential and slow on CPU (~9 ms for 32 x 49k): block masses (a vectorised sum), the block by
+    a cumsum over the blocks, then a cumsum inside that one block. A zero-mass token has an empty
+    interval and is never drawn."""
+    R, V = dist.shape
+    nb = -(-V // CDF_BLOCK)
+    d = dist if nb * CDF_BLOCK == V else torch.nn.functional.pad(dist, (0, nb * CDF_BLOCK - V))
+    blocks = d.view(R, nb, CDF_BLOCK)
+    # float32 block sums (pairwise: ~1e-7 relative, the inputs' own precision), float64 from there on.
+    cb = blocks.sum(dim=2).double().cumsum(dim=1)
+    target = _below(u * cb[:, -1:], cb[:, -1:])  # u * mass may round up to the mass itself
+    b = torch.searchsorted(cb, target, right=True).clamp_(max=nb - 1)  # [R, 1]: a block with mass
+    before = torch.where(b > 0, cb.gather(1, (b - 1).clamp(min=0)), torch.zeros_like(target))
+    cw = blocks[torch.arange(R, device=dist.device), b.squeeze(1)].double().cumsum(dim=1)
+    # The block's own cumsum may round differently from its sum: stay inside its last interval.
+    t = torch.searchsorted(cw, _below((target - before).clamp_(min=0.0), cw[:, -1:]), right=True)
+    return (b * CDF_BLOCK + t).squeeze(1)
+
+
+def _below(x: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """x, kept strictly below limit (limit > 0)."""
+    return torch.minimum(x, torch.nextafter(limit, torch.zeros_like(limit)))
