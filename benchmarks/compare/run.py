@@ -21,8 +21,8 @@ Systems (--systems, comma-separated; default all):
                     TTFT / ITL from per-step timestamps, one batch after another)
 
 Workload: the `random` dataset of `tokenmill bench serve` (seeded random-token text prompts), 256 tokens in,
-128 out, EOS ignored (llama.cpp has no ignore_eos: the end-of-generation tokens get a -100 logit bias), greedy,
-for each --concurrency level with max(--min-prompts, --prompts-per-concurrency x concurrency) prompts, then for
+128 out, EOS ignored (llama.cpp has no ignore_eos: the end-of-generation tokens get a -100 logit bias), greedy
+(--temperature / --top-p / --top-k: sampled, as chat users run it; transformers stays greedy), for each --concurrency level with max(--min-prompts, --prompts-per-concurrency x concurrency) prompts, then for
 each --request-rate (Poisson arrivals, no concurrency limit; --rate-prompts prompts). The same
 prompts go to every system. Servers bind to 127.0.0.1 on free ports and are always stopped at the end.
 
@@ -192,6 +192,21 @@ def _summary(metrics: dict) -> dict:
     }
 
 
+def sampling_body(args) -> dict:
+    """The request fields of --top-p / --top-k beyond the temperature (min_p 0 where they sample:
+    llama-server's own default is 0.05)."""
+    if args.temperature == 0.0:
+        return {}
+    return {"top_p": args.top_p, "min_p": 0.0, **({"top_k": args.top_k} if args.top_k > 0 else {})}
+
+
+def sampling_words(cfg: dict) -> str:
+    if cfg.get("temperature", 0.0) == 0.0:
+        return "greedy"
+    top_k = f", top_k {cfg['top_k']}" if cfg.get("top_k", 0) > 0 else ""
+    return f"sampled (temperature {cfg['temperature']}, top_p {cfg['top_p']}{top_k}, min_p 0; transformers stays greedy)"
+
+
 def measure_server(name: str, base_url: str, levels: dict[int, list], args, tm, extra_body=None,
                    exact_output_len: bool = False) -> dict:
     from dataclasses import asdict
@@ -205,7 +220,8 @@ def measure_server(name: str, base_url: str, levels: dict[int, list], args, tm, 
         # int: a concurrency limit, everything sent at once; "N/s": Poisson arrivals at N requests/s
         limit = dict(max_concurrency=c) if isinstance(c, int) else dict(request_rate=float(c.removesuffix("/s")))
         res = asyncio.run(benchmark(base_url, reqs, seed=args.seed, warmup=True, disable_tqdm=args.no_progress,
-                                    extra_body=extra_body, **limit))
+                                    temperature=args.temperature, extra_body={**sampling_body(args), **(extra_body or {})},
+                                    **limit))
         metrics = res["metrics"]
         raw_tokens = [r["output_tokens"] for r in res["requests"] if r["success"]]
         if exact_output_len:
@@ -374,7 +390,7 @@ def write_markdown(path: Path, doc: dict, fig: list[str], rat: list[str]) -> Non
         "",
         f"- Model: SmolLM2-135M-Instruct (`{cfg['model']}`), {cfg['dtype']} unless the system says otherwise.",
         f"- Workload: `random` dataset of `tokenmill bench serve`, {cfg['input_len']} tokens in, {cfg['output_len']} out, "
-        f"EOS ignored, greedy, seed {cfg['seed']}; concurrency {', '.join(map(str, cfg['concurrency']))} "
+        f"EOS ignored, {sampling_words(cfg)}, seed {cfg['seed']}; concurrency {', '.join(map(str, cfg['concurrency']))} "
         f"(closed loop, `--max-concurrency`) with {', '.join(str(cfg['prompts'][str(c)]) for c in cfg['concurrency'])} "
         f"prompts; the same prompts for every system; one warm-up request per level.",
         f"- Machine: {m.get('cpu_model')}, {m.get('cpu_affinity')} cores (AVX-512 {m.get('avx512')}, AMX {m.get('amx')}), "
@@ -430,6 +446,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rate-prompts", type=int, default=32, help="prompts per request-rate level (default: 32)")
     p.add_argument("--base-ref", default=None, help="git ref that tokenmill-base runs (required with that system)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default); else every server samples")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature > 0")
+    p.add_argument("--top-k", type=int, default=0, help="with --temperature > 0 (0: off)")
     p.add_argument("--threads", type=int, default=None, help="threads of every system (default: all cores available)")
     p.add_argument("--peers-dir", default=os.environ.get("TOKENMILL_PEERS_DIR", str(Path.home() / ".cache" / "tokenmill-peers")),
                    help="where the peer venvs and converted models are cached (default: ~/.cache/tokenmill-peers)")
@@ -633,6 +652,7 @@ def main(argv=None) -> int:
             "date": _dt.datetime.now().isoformat(timespec="seconds"),
             "config": {"model": model_path, "dtype": args.dtype, "input_len": args.input_len,
                        "output_len": args.output_len, "concurrency": args.concurrency, "seed": args.seed,
+                       "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                        "threads": threads, "prompts": {str(c): len(v) for c, v in levels.items()}},
             "machine": machine, "setup": setup, "json": str(json_path.relative_to(REPO) if json_path.is_relative_to(REPO) else json_path),
             "results": results,
