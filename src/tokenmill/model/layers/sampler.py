@@ -358,8 +358,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.
     step), which keeps every token tied with the last one kept; elsewhere from the sort."""
     ops = cpu_kernels.ops_for(logits)
     if ops is not None and logits.dtype == torch.float32 and logits.dim() == 2:
-        w = (logits - logits.amax(dim=-1, keepdim=True)).exp_()
-        return logits.masked_fill(logits < ops.top_k_top_p_cut(logits, w, top_k, top_p).unsqueeze(1), float("-inf"))
+        return ops.top_k_top_p(logits, top_k, top_p)
     sorted_logits, idx = logits.sort(dim=-1, descending=True)
     V = logits.shape[-1]
     if top_k is not None:

@@ -22,8 +22,7 @@ torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up);
 torch::Tensor argmax_rows(torch::Tensor logits);
 
 // sampling.cpp
-torch::Tensor top_k_top_p_cut(torch::Tensor logits, torch::Tensor w, c10::optional<torch::Tensor> top_k,
-                              c10::optional<torch::Tensor> top_p);
+torch::Tensor top_k_top_p(torch::Tensor logits, c10::optional<torch::Tensor> top_k, c10::optional<torch::Tensor> top_p);
 torch::Tensor rope_and_cache(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                              torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping,
                              int64_t num_heads, int64_t num_kv_heads);
@@ -95,9 +94,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu_tanh(gate) * up (GeGLU)");
   m.def("argmax_rows", &argmax_rows, "each row's first largest value's index (greedy sampling)");
-  m.def("top_k_top_p_cut", &top_k_top_p_cut, "each row's smallest kept logit under top-k, then top-p (-inf: all "
-        "kept), from the logits and exp(logits - row max)", py::arg("logits"), py::arg("w"), py::arg("top_k"),
-        py::arg("top_p"));
+  m.def("top_k_top_p", &top_k_top_p, "the logits with the tokens outside each row's top k, then its top-p "
+        "nucleus, at -inf (ties at a cut kept)", py::arg("logits"), py::arg("top_k"), py::arg("top_p"));
   m.def("rope_and_cache", &rope_and_cache, "rotary embedding of q and k, k and v written to the paged cache; "
         "returns q", py::arg("qkv"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("slot_mapping"), py::arg("num_heads"), py::arg("num_kv_heads"));

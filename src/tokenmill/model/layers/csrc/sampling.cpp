@@ -5,16 +5,20 @@
 // monotone, a larger logit neither); one pass counts and weighs the bins, a walk over the bins
 // from the top finds the one where the count reaches k (or the mass reaches top_p of the row's),
 // and only that bin's tokens are ordered. The cut is a logit: tokens at or above it are kept, so
-// ties at the k-th value, or at the token that completes the mass, stay together.
+// ties at the k-th value, or at the token that completes the mass, stay together. One call does a
+// row's weights, its cuts and the masked copy, while the row is in the core's cache.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <utility>
 #include <vector>
+
+#include "cpu_common.h"
 
 namespace {
 
@@ -75,35 +79,47 @@ float top_p_cut(const float* l, const float* w, int64_t V, float p, float floor,
   return scratch.back().first;
 }
 
+// Each row's weights exp(logit - max), in `w`.
+void row_weights(const float* l, int64_t V, float* w) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < V; ++i) m = std::max(m, l[i]);
+  if (!(m > -3.0e38f)) m = 0.f;  // a row of -inf: weights 0 (not isfinite: the build's -ffast-math folds it)
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 vm = _mm512_set1_ps(m);
+  for (; i + 16 <= V; i += 16) _mm512_storeu_ps(w + i, tm_cpu::exp16(_mm512_sub_ps(_mm512_loadu_ps(l + i), vm)));
+#endif
+  for (; i < V; ++i) w[i] = std::exp(l[i] - m);
+}
+
 }  // namespace
 
-// logits [R, V] float32; w = exp(logits - row max) [R, V] float32; top_k int64 [R] (>= V: none)
-// or None; top_p float32 [R] (>= 1: none) or None. Returns each row's cut [R] float32 (-inf: keep
-// every token): the top-k cut first, then top-p over the tokens it keeps.
-torch::Tensor top_k_top_p_cut(torch::Tensor logits, torch::Tensor w, c10::optional<torch::Tensor> top_k,
-                              c10::optional<torch::Tensor> top_p) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && w.sizes() == logits.sizes() &&
-                  w.scalar_type() == at::kFloat, "top_k_top_p_cut: float32 logits and weights [R, V]");
-  const auto l = logits.contiguous(), ww = w.contiguous();
+// logits [R, V] float32; top_k int64 [R] (>= V: none) or None; top_p float32 [R] (>= 1: none) or
+// None. Returns the logits with every token below its row's cut at -inf: the top-k cut first,
+// then top-p over the tokens it keeps.
+torch::Tensor top_k_top_p(torch::Tensor logits, c10::optional<torch::Tensor> top_k, c10::optional<torch::Tensor> top_p) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "top_k_top_p: float32 logits [R, V]");
+  const auto l = logits.contiguous();
   const int64_t R = l.size(0), V = l.size(1);
   const auto k = top_k.has_value() ? top_k->to(at::kLong).contiguous() : torch::Tensor();
   const auto p = top_p.has_value() ? top_p->to(at::kFloat).contiguous() : torch::Tensor();
-  TORCH_CHECK((!k.defined() || k.numel() == R) && (!p.defined() || p.numel() == R), "top_k_top_p_cut: one k / p a row");
-  auto out = torch::full({R}, kNone, torch::dtype(at::kFloat));
-  float* cut = out.data_ptr<float>();
+  TORCH_CHECK((!k.defined() || k.numel() == R) && (!p.defined() || p.numel() == R), "top_k_top_p: one k / p a row");
+  auto out = torch::empty_like(l);
   at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
-    std::vector<float> ks;
+    std::vector<float> w(V), ks;
     std::vector<std::pair<float, float>> ps;
     for (int64_t r = r0; r < r1; ++r) {
       const float* lr = l.data_ptr<float>() + r * V;
-      const float* wr = ww.data_ptr<float>() + r * V;
-      float c = kNone;
-      if (k.defined()) {
-        const int64_t kr = std::max<int64_t>(1, k.data_ptr<int64_t>()[r]);
-        if (kr < V) c = kth_largest(lr, wr, V, kr, ks);
+      float* o = out.data_ptr<float>() + r * V;
+      const int64_t kr = k.defined() ? std::max<int64_t>(1, k.data_ptr<int64_t>()[r]) : V;
+      const float pr = p.defined() ? p.data_ptr<float>()[r] : 1.f;
+      float cut = kNone;
+      if (kr < V || pr < 1.f) {
+        row_weights(lr, V, w.data());
+        if (kr < V) cut = kth_largest(lr, w.data(), V, kr, ks);
+        if (pr < 1.f) cut = std::max(cut, top_p_cut(lr, w.data(), V, pr, cut, ps));
       }
-      if (p.defined() && p.data_ptr<float>()[r] < 1.f) c = std::max(c, top_p_cut(lr, wr, V, p.data_ptr<float>()[r], c, ps));
-      cut[r] = c;
+      for (int64_t i = 0; i < V; ++i) o[i] = lr[i] >= cut ? lr[i] : kNone;
     }
   });
   return out;
