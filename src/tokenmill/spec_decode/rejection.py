@@ -172,8 +172,8 @@ def rejection_sample(
             sampled = (dist / per_row(lambda t, g: t.exponential_(generator=g), dist, gen_rows, own)).argmax(dim=-1)
         else:
             sampled = inverse_cdf(dist, per_row(lambda t, g: t.uniform_(generator=g),
-                                                  torch.empty(len(rand_idx), 1, dtype=torch.float64, device=dev),
-                                                  gen_rows, own))
+                                                torch.empty(len(rand_idx), 1, dtype=torch.float64, device=dev),
+                                                gen_rows, own))
         final = final.index_copy(0, ridx, sampled) if any_greedy else sampled
 
     host = torch.cat([n_acc, final]).tolist()  # the one sync

@@ -397,8 +397,8 @@ CDF_BLOCK = 256
 
 def inverse_cdf(dist: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Row r's token whose cumulative-mass interval [c_{t-1}, c_t) holds u[r] * (row mass): one
-    uniform per row (V exponentials per row cost ~30 ms for 32 rows at V = 49k on 2 CPU
-    cores, more than a decode step of SmolLM2 at that batch). Two levels, because a float64 cumsum over V is
+    uniform per row (V exponentials per row cost ~30 ms for 32 rows at V = 49k on 2 CPU cores,
+    about a decode step of SmolLM2 at that batch). Two levels, because a float64 cumsum over V is
     sequential and slow on CPU (~9 ms for 32 x 49k): block masses (a vectorised sum), the block by
     a cumsum over the blocks, then a cumsum inside that one block. A zero-mass token has an empty
     interval and is never drawn."""
