@@ -187,9 +187,12 @@ def w8a8_llama(tiny_llama_dir, cache_dir):
 
 def test_w8a8_model_matches_a_fake_quantized_float_model(tiny_llama_dir, w8a8_llama, cache_dir,
                                                         monkeypatch) -> None:
-    """Greedy tokens equal token for token (and their logprobs close) against the same model with
-    every W8A8Linear (the lm_head's too) replaced by float64 fake quantization; also with prompts
-    chunked over steps. The MLPs take gate/up's fused SiLU epilogue where the build has it."""
+    """Greedy tokens equal token for token against the same model with every W8A8Linear (the
+    lm_head's too) replaced by float64 fake quantization, and their logprobs close: the median
+    within 1e-4, every one within 1e-2 (an activation whose x / scale lies within float32 rounding
+    of a half step may take the other code in one model: seen on an AMD EPYC, one code of one
+    prompt, then 4.5e-3 on a later logprob). Also with prompts chunked over steps. The MLPs take
+    gate/up's fused SiLU epilogue where the build has it."""
     fused = []
     real = W8A8Linear.silu_and_mul
     monkeypatch.setattr(W8A8Linear, "silu_and_mul", lambda self, x: fused.append(real(self, x)) or fused[-1])
@@ -207,11 +210,14 @@ def test_w8a8_model_matches_a_fake_quantized_float_model(tiny_llama_dir, w8a8_ll
     want = _greedy(oracle)
     assert max(len(p) for p in PROMPTS) > 8  # the long prompt is split over steps
     for llm in (w8a8_llama, chunked):
+        diffs = []
         for a, b in zip(_greedy(llm), want):
             assert a.token_ids == b.token_ids
             got = torch.tensor([lp[t].logprob for lp, t in zip(a.logprobs, a.token_ids)])
             ref = torch.tensor([lp[t].logprob for lp, t in zip(b.logprobs, b.token_ids)])
-            torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+            diffs.append((got - ref).abs())
+        diffs = torch.cat(diffs)
+        assert diffs.median() < 1e-4 and diffs.max() < 1e-2, (diffs.median(), diffs.max())
     kernels = cpu_kernels.load()
     if kernels is not None and kernels.w8a8_isa() in ("amx-int8", "avx512-vnni"):
         assert fused and all(y is not None for y in fused)
