@@ -22,7 +22,8 @@ Systems (--systems, comma-separated; default all):
 
 Workload: the `random` dataset of `tokenmill bench serve` (seeded random-token text prompts), 256 tokens in,
 128 out, EOS ignored (llama.cpp has no ignore_eos: the end-of-generation tokens get a -100 logit bias), greedy
-(--temperature / --top-p / --top-k: sampled, as chat users run it; transformers stays greedy), for each --concurrency level with max(--min-prompts, --prompts-per-concurrency x concurrency) prompts, then for
+(--temperature / --top-p / --top-k: sampled, as chat users run it; transformers stays greedy), for each
+--concurrency level with max(--min-prompts, --prompts-per-concurrency x concurrency) prompts, then for
 each --request-rate (Poisson arrivals, no concurrency limit; --rate-prompts prompts). The same
 prompts go to every system. Servers bind to 127.0.0.1 on free ports and are always stopped at the end.
 
@@ -220,8 +221,8 @@ def measure_server(name: str, base_url: str, levels: dict[int, list], args, tm, 
         # int: a concurrency limit, everything sent at once; "N/s": Poisson arrivals at N requests/s
         limit = dict(max_concurrency=c) if isinstance(c, int) else dict(request_rate=float(c.removesuffix("/s")))
         res = asyncio.run(benchmark(base_url, reqs, seed=args.seed, warmup=True, disable_tqdm=args.no_progress,
-                                    temperature=args.temperature, extra_body={**sampling_body(args), **(extra_body or {})},
-                                    **limit))
+                                    temperature=args.temperature,
+                                    extra_body={**sampling_body(args), **(extra_body or {})}, **limit))
         metrics = res["metrics"]
         raw_tokens = [r["output_tokens"] for r in res["requests"] if r["success"]]
         if exact_output_len:
