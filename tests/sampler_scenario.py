@@ -2,8 +2,8 @@
 bad-word bans, watermark, grammar masks, top-k / top-p / min-p, seeds, logprobs, prompt
 logprobs), run on any device. sampler_golden.json holds its CPU results as the CPU-only sampler
 (commit 1036121) gave them, with the sampled rows' tokens (and what follows from them) as the
-inverse-CDF draw gives them (rewritten when it replaced the exponential race); test_sampler_device.py checks CPU still gives them and
-test_sampler_cuda.py compares CUDA with CPU. `python tests/sampler_scenario.py` rewrites the file
+inverse-CDF draw gives them (rewritten when it replaced the exponential race);
+test_sampler_device.py checks CPU still gives them and test_sampler_cuda.py compares CUDA with CPU. `python tests/sampler_scenario.py` rewrites the file
 from the current sampler: only for a change of results that is meant."""
 
 from __future__ import annotations

@@ -428,12 +428,12 @@ def test_rejection_seeded_batch_invariant_and_matches_sampler(monkeypatch):
 
 
 def test_inverse_cdf_edges():
-    from tokenmill.model.layers.sampler import inverse_cdf as _inverse_cdf
+    from tokenmill.model.layers.sampler import inverse_cdf
 
     dist = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0], [0.0, 0.0, 2.0, 0.0, 0.0]])
     u = torch.tensor([[0.0], [0.999999999]], dtype=torch.float64)
-    assert _inverse_cdf(dist, u).tolist() == [1, 2]  # zero-mass tokens never drawn, at either end
-    assert _inverse_cdf(dist, torch.tensor([[0.5], [1.0]], dtype=torch.float64)).tolist() == [3, 2]
+    assert inverse_cdf(dist, u).tolist() == [1, 2]  # zero-mass tokens never drawn, at either end
+    assert inverse_cdf(dist, torch.tensor([[0.5], [1.0]], dtype=torch.float64)).tolist() == [3, 2]
     # Across blocks (V = 700: two full blocks of 256 and a padded one): each u lands on the token
     # whose cumulative interval holds it, as a plain float64 cumsum says.
     g = torch.Generator().manual_seed(0)
@@ -444,7 +444,7 @@ def test_inverse_cdf_edges():
     u[0, 0], u[1, 0] = 0.0, 1.0 - 2**-53
     cdf = big.double().cumsum(dim=1)
     want = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1).clamp(max=698)
-    got = _inverse_cdf(big, u)
+    got = inverse_cdf(big, u)
     assert (big[torch.arange(64), got] > 0).all()
     assert (got != want).sum() <= 1  # float32 block sums may move a draw at a rounding edge, no more
 

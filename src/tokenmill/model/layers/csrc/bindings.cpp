@@ -20,13 +20,13 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up);
 torch::Tensor argmax_rows(torch::Tensor logits);
-
-// sampling.cpp
-torch::Tensor top_k_top_p(torch::Tensor logits, c10::optional<torch::Tensor> top_k, c10::optional<torch::Tensor> top_p);
 torch::Tensor rope_and_cache(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                              torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping,
                              int64_t num_heads, int64_t num_kv_heads);
 void write_scaled_cache(torch::Tensor x, torch::Tensor cache, torch::Tensor scales, torch::Tensor slot_mapping);
+
+// sampling.cpp
+torch::Tensor top_k_top_p(torch::Tensor logits, c10::optional<torch::Tensor> top_k, c10::optional<torch::Tensor> top_p);
 
 // panel_linear.cpp
 torch::Tensor pack_panels(torch::Tensor weight);
