@@ -435,7 +435,7 @@ void run_panels(const Problem& P, int64_t p0, int64_t p1, OT* out) {
   // every 2^shift k steps), so that the next panel's first tile does not wait for memory either:
   // at 32 rows (a 32-concurrent decode step) the first tile streamed its panel at 8 products a
   // line, faster than one core's share of the bandwidth. (2 cores, AMD EPYC, SmolLM2's linears:
-  // 1.15-1.4x at 32 rows, `python benchmarks/panel_linear.py --w8a8`; one row streams its panel
+  // 1.1-1.3x at 32 rows, `python benchmarks/panel_linear.py --w8a8`; one row streams its panel
   // alone, and software prefetch there measured no gain.)
   const int64_t tiles = (std::min(P.M, kRowBlock) + kTileRows - 1) / kTileRows;
   int shift = 0;
