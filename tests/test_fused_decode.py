@@ -279,13 +279,14 @@ def test_populate_in_background_faults_pages_in_and_keeps_their_contents():
 
 def test_runner_populates_the_cpu_kv_cache(tiny_qwen2_dir):
     """The runner starts the populating thread on its KV cache (no memset at start-up: the first
-    pass through the pool would otherwise fault in the steps' threads)."""
-    import threading
+    pass through the pool would otherwise fault in the steps' threads) and keeps it, so that the
+    offline benchmarks can wait for it (bench.offline.wait_for_kv_cache)."""
+    from tokenmill.bench.offline import wait_for_kv_cache
 
     llm = LLM(tiny_qwen2_dir, kv_cache_memory=0.05, dtype="bfloat16", enable_prefix_caching=False)
-    for thread in threading.enumerate():  # this engine's (and any other's: each is short)
-        if thread.name == "tokenmill-populate":
-            thread.join(timeout=120)
+    assert _runner(llm).kv_populate is not None and _runner(llm).kv_populate.name == "tokenmill-populate"
+    wait_for_kv_cache(llm)
+    assert not _runner(llm).kv_populate.is_alive()
     assert _resident(_runner(llm).kv_cache).all()
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4

@@ -231,4 +231,15 @@ def _run_offline(ns: argparse.Namespace) -> int:
     from tokenmill.llm import LLM
 
     llm = LLM(**vars(engine_args_from(ns)))
+    wait_for_kv_cache(llm)
     return ns.bench_run(llm, ns)
+
+
+def wait_for_kv_cache(llm) -> None:
+    """Waits until the background thread that faults in the KV cache's pages after start-up is
+    done (weight_arena.populate_in_background: ~10 s for 4 GiB on a 2-core VM): the steps it runs
+    beside are slower (it takes a core's time slices from the step's threads), so a measurement
+    taken meanwhile is of start-up, not of the engine. Tensor-parallel workers populate their own."""
+    thread = getattr(getattr(llm.engine.core, "runner", None), "kv_populate", None)
+    if thread is not None:
+        thread.join()

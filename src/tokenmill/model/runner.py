@@ -137,8 +137,8 @@ class ModelRunner:
         self.kv_cache[:, :, : self.block_size].zero_()
         # int8 / fp8: one float32 scale per (layer, K/V, slot, kv head).
         self.kv_scales = empty(shape, dtype=torch.float32).zero_() if scaled else None
-        if self.device.type == "cpu":
-            populate_in_background(self.kv_cache)
+        # (benchmarks wait for it: tokenmill.bench.offline measures the steady state)
+        self.kv_populate = populate_in_background(self.kv_cache) if self.device.type == "cpu" else None
         heads = cfg.hf_config.num_attention_heads // tp.size
         layers = getattr(self.model, "attention_layers", None)  # per-layer windows, soft-caps, scales
         if self.backend is AttentionBackend:
