@@ -241,5 +241,7 @@ def wait_for_kv_cache(llm) -> None:
     beside are slower (it takes a core's time slices from the step's threads), so a measurement
     taken meanwhile is of start-up, not of the engine. Tensor-parallel workers populate their own."""
     thread = getattr(getattr(llm.engine.core, "runner", None), "kv_populate", None)
-    if thread is not None:
+    if thread is not None and thread.is_alive():
+        t0 = time.perf_counter()
         thread.join()
+        print(f"waited {time.perf_counter() - t0:.1f} s for the KV cache's pages (start-up) before measuring")
