@@ -8,6 +8,8 @@ test_batch_invariance.py."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -277,16 +279,26 @@ def test_populate_in_background_faults_pages_in_and_keeps_their_contents():
     assert bool((t[: 1 << 20] == 7).all())
 
 
-def test_runner_populates_the_cpu_kv_cache(tiny_qwen2_dir):
+def test_runner_populates_the_cpu_kv_cache(tiny_qwen2_dir, caplog):
     """The runner starts the populating thread on its KV cache (no memset at start-up: the first
     pass through the pool would otherwise fault in the steps' threads) and keeps it, so that the
     offline benchmarks can wait for it (bench.offline.wait_for_kv_cache)."""
     from tokenmill.bench.offline import wait_for_kv_cache
 
-    llm = LLM(tiny_qwen2_dir, kv_cache_memory=0.05, dtype="bfloat16", enable_prefix_caching=False)
-    assert _runner(llm).kv_populate is not None and _runner(llm).kv_populate.name == "tokenmill-populate"
-    wait_for_kv_cache(llm)
+    with caplog.at_level(logging.INFO, logger="tokenmill"):
+        llm = LLM(tiny_qwen2_dir, kv_cache_memory=0.05, dtype="bfloat16", enable_prefix_caching=False)
+        assert _runner(llm).kv_populate is not None and _runner(llm).kv_populate.name == "tokenmill-populate"
+        wait_for_kv_cache(llm)
     assert not _runner(llm).kv_populate.is_alive()
+    # the lines benchmarks/compare/run.py waits on before it measures a tokenmill server
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "compare_run", Path(__file__).resolve().parents[1] / "benchmarks" / "compare" / "run.py")
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+    assert harness.POPULATE_START in caplog.text and harness.POPULATE_DONE in caplog.text
     assert _resident(_runner(llm).kv_cache).all()
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
