@@ -257,7 +257,8 @@ def measure_server(name: str, base_url: str, levels: dict[int, list], args, tm, 
 # its cache before it answers): the steps it runs beside are slower, so a tokenmill server is
 # measured once its log says the thread is done (servers whose log never announces the thread,
 # e.g. an older --base-ref, at once).
-POPULATE_START, POPULATE_DONE = "from a background thread", "faulted in by a background thread"
+POPULATE_START = "from a background thread"
+POPULATE_END = ("faulted in by a background thread", "background thread stopped")
 
 
 def wait_populated(p: subprocess.Popen, log_path: Path, timeout: float = 300.0) -> float | None:
@@ -272,7 +273,7 @@ def wait_populated(p: subprocess.Popen, log_path: Path, timeout: float = 300.0) 
     t0 = time.monotonic()
     if POPULATE_START not in log():
         return None
-    while POPULATE_DONE not in log() and p.poll() is None and time.monotonic() - t0 < timeout:
+    while not any(m in log() for m in POPULATE_END) and p.poll() is None and time.monotonic() - t0 < timeout:
         time.sleep(0.5)
     return time.monotonic() - t0
 

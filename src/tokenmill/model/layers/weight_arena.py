@@ -56,7 +56,8 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return huge_page_buffer(max(nbytes, 1))[:nbytes].view(dtype).view(shape)
 
 
-def populate_in_background(t: torch.Tensor, chunk: int = 32 * HUGE_PAGE, what: str = "KV cache") -> threading.Thread | None:
+def populate_in_background(t: torch.Tensor, chunk: int = 32 * HUGE_PAGE,
+                           what: str = "KV cache") -> threading.Thread | None:
     """Fault in the pages of t (a huge_page_empty tensor) from a nice-19 thread, chunk by chunk,
     so that the steps do not: the KV cache is written where its blocks land, and its first pass
     through the pool faulted in the steps' own threads (~1 s a GiB on a VM; 10% of a W8A8 prompt
@@ -78,8 +79,13 @@ def populate_in_background(t: torch.Tensor, chunk: int = 32 * HUGE_PAGE, what: s
         t0 = time.perf_counter()
         for off in range(0, nbytes, chunk):
             alive = ref()  # the cache may be freed (re-sized, engine closed): stop then
-            if alive is None or madvise(start + off, min(chunk, nbytes - off), MADV_POPULATE_WRITE) != 0:
-                return  # (a kernel without MADV_POPULATE_WRITE: pages fault on first write, as before)
+            if alive is None:
+                return
+            if madvise(start + off, min(chunk, nbytes - off), MADV_POPULATE_WRITE) != 0:
+                # a kernel without MADV_POPULATE_WRITE (Linux < 5.14): pages fault on first write, as before
+                logger.info("%s: background thread stopped (madvise: %s); pages fault in on first write", what,
+                            os.strerror(ctypes.get_errno()))
+                return
             del alive
         # (benchmarks/compare/run.py waits for this line before it measures a tokenmill server)
         logger.info("%s: %.2f GiB faulted in by a background thread in %.1f s", what, nbytes / 2**30,
