@@ -30,7 +30,7 @@ from variants import (
 )
 
 from tokenmill import LLM
-from tokenmill.bench.offline import measure_latency
+from tokenmill.bench.offline import measure_latency, wait_for_kv_cache
 
 # name -> (dtype, --quantization). fp32 is in the quality table only: how far plain bf16 is from
 # full precision puts the quantized variants' distance from bf16 in scale.
@@ -62,6 +62,8 @@ def main(argv=None) -> int:
     names = args.variants.split(",")
     llms = {n: LLM(args.model, dtype=VARIANTS[n][0], quantization=VARIANTS[n][1], kv_cache_memory=2.0,
                    enable_prefix_caching=False) for n in names}
+    for llm in llms.values():  # timings of the steady state, not of start-up
+        wait_for_kv_cache(llm)
     result: dict = {"args": vars(args), "weight_bytes": {n: weight_bytes(llm) for n, llm in llms.items()}}
     outs = {n: chat_outputs(llm, args.max_tokens) for n, llm in llms.items()}
     result["quality_vs_bf16"] = {n: agreement(outs["bf16"], outs[n], args.max_tokens) for n in names if n != "bf16"}

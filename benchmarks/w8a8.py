@@ -30,6 +30,7 @@ from quantization import weight_bytes
 from variants import agreement, alternating_throughput, chat_outputs, write_result
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.bench.offline import wait_for_kv_cache
 
 # name -> (dtype, --quantization[, environment while it loads])
 VARIANTS = {"bf16": ("bfloat16", None), "int8": ("bfloat16", "int8"), "int4": ("bfloat16", "int4"),
@@ -120,6 +121,8 @@ def main(argv=None) -> int:
         with mock.patch.dict(os.environ, env[0] if env else {}):
             llms[n] = LLM(args.model, dtype=dtype, quantization=quantization, kv_cache_memory=1.0,
                           enable_prefix_caching=False)
+    for llm in llms.values():  # timings of the steady state, not of start-up
+        wait_for_kv_cache(llm)
     from tokenmill.model.layers import cpu_kernels
 
     kernels = cpu_kernels.load()
