@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.model.layers.sampler import inverse_cdf, per_row
+from tokenmill.model.layers.sampler import draw_inverse_cdf, per_row
 
 
 @dataclass
@@ -171,9 +171,7 @@ def rejection_sample(
         if sample_method == "exponential":
             sampled = (dist / per_row(lambda t, g: t.exponential_(generator=g), dist, gen_rows, own)).argmax(dim=-1)
         else:
-            sampled = inverse_cdf(dist, per_row(lambda t, g: t.uniform_(generator=g),
-                                                torch.empty(len(rand_idx), 1, dtype=torch.float64, device=dev),
-                                                gen_rows, own))
+            sampled = draw_inverse_cdf(dist, gen_rows, own)
         final = final.index_copy(0, ridx, sampled) if any_greedy else sampled
 
     host = torch.cat([n_acc, final]).tolist()  # the one sync

@@ -322,10 +322,8 @@ class Sampler:
         greedy_rows = b.temperature == 0
         greedy_tokens = _argmax(logits)
         probs = sampling_probs(logits, b)
-        u = per_row(lambda t, g: t.uniform_(generator=g),
-                    torch.empty(len(b.generators), 1, dtype=torch.float64, device=probs.device),
-                    b.generators, self._generator_for(probs.device))
-        return torch.where(greedy_rows, greedy_tokens, inverse_cdf(probs, u))
+        sampled = draw_inverse_cdf(probs, b.generators, self._generator_for(probs.device))
+        return torch.where(greedy_rows, greedy_tokens, sampled)
 
 
 def sampling_probs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
@@ -390,6 +388,14 @@ def per_row(draw, like: torch.Tensor, gens: list[torch.Generator | None], own: t
         if g is not None:
             draw(out[r], g)
     return out
+
+
+def draw_inverse_cdf(dist: torch.Tensor, gens: list[torch.Generator | None],
+                     own: torch.Generator | None) -> torch.Tensor:
+    """One token per row of dist by inverse CDF, row r's uniform from gens[r] (or `own`)."""
+    u = per_row(lambda t, g: t.uniform_(generator=g),
+                torch.empty(len(gens), 1, dtype=torch.float64, device=dist.device), gens, own)
+    return inverse_cdf(dist, u)
 
 
 CDF_BLOCK = 256
