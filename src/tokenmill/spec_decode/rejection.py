@@ -13,9 +13,9 @@ requests are stacked in request order, k_i + 1 per request.
 Random numbers: a seeded request draws its k_i uniforms, then what its one extra token needs, from
 its own generator, so the same seed gives the same tokens whatever the batch; unseeded requests
 share `generator`, one draw for all of them. The extra token is drawn from the (unnormalised) r by
-the Sampler's exponential race argmax(r / E) (sample_method="exponential": then a request without
-drafts draws exactly what Sampler._sample draws, and gets the very token the Sampler would give) or
-by inverse CDF (one uniform; far cheaper on CPU, where V Exp(1) draws cost ~1 ms per row at 49k).
+inverse CDF, the Sampler's own draw (sample_method="inverse_cdf", the default: one uniform, and a
+request without drafts gets the very token the Sampler would give), or by vLLM's exponential race
+argmax(r / E) ("exponential": the same distribution, but V Exp(1) draws cost ~1 ms per row at 49k on CPU).
 Noise is drawn for one row per request, never for all k_i + 1. One device-to-host copy per call.
 """
 
@@ -50,7 +50,7 @@ def rejection_sample(
     draft_probs: torch.Tensor | None = None,
     generators: Sequence[torch.Generator | None] | None = None,
     generator: torch.Generator | None = None,
-    sample_method: str = "exponential",
+    sample_method: str = "inverse_cdf",
     probs_normalized: bool = False,
 ) -> VerifyOutput:
     """draft_token_ids: per request its k_i drafts (k_i may be 0).
@@ -66,11 +66,11 @@ def rejection_sample(
         draft model that drafts greedily).
     generators: per request, its seeded generator on the tensors' device, or None to use
         `generator` (the Sampler's own for that device; torch's global one if None).
-    sample_method: how the one extra token per request is drawn. "exponential": the exponential
-        race (V Exp(1) draws per request: ~30 ms for 32 requests at V = 49k on 2 CPU cores);
-        "inverse_cdf": the Sampler's own draw, one uniform and a two-level cumulative sum per
-        request (~1 ms for the same 32), the same distribution (a seeded request without drafts
-        gets the Sampler's very token).
+    sample_method: how the one extra token per request is drawn. "inverse_cdf" (default): the
+        Sampler's own draw, one uniform and a two-level cumulative sum per request (~1 ms for 32
+        requests at V = 49k on 2 CPU cores; a seeded request without drafts gets the Sampler's very
+        token); "exponential": the exponential race, the same distribution (V Exp(1) draws per
+        request: ~30 ms for the same 32).
     probs_normalized: the caller guarantees every row of target_probs (and draft_probs) sums to 1,
         which skips a pass over them. By default they are normalised here, because acceptance
         compares probabilities: the Sampler's min-p zeroes tokens after the softmax without

@@ -75,11 +75,10 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, scheduled: list) -> Sa
     batch = SamplingBatch.from_requests(positions, logits.shape[-1], device=dev)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in batch.num_logprobs) else None
     probs, argmax = target_distributions(sampler, logits, batch)
-    # inverse_cdf: one uniform per extra token instead of V exponentials per row (same distribution).
     verified = rejection_sample([s.spec_token_ids for s in scheduled], probs, argmax,
                                 [s.request.sampling_params.greedy for s in scheduled], _draft_probs(scheduled, probs),
                                 generators=[batch.generators[r0] for r0 in starts],
-                                generator=sampler._generator_for(dev), sample_method="inverse_cdf")
+                                generator=sampler._generator_for(dev))
     accepted_ids, next_ids, rows = [], [], []
     for tokens, r0 in zip(verified.token_ids, starts):
         accepted_ids.append(tokens[:-1])
