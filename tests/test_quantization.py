@@ -16,7 +16,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.model.layers import cpu_kernels
 from tokenmill.model.layers.quantization import (AMX_ROWS, LARGE_BATCH, QuantEmbedding, QuantLinear, dequantize,
                                                  a8_linear, from_panels, pack_quantized, quantize,
-                                                 quantize_activations, to_panels)
+                                                 quantize_activation_groups, to_panels)
 
 
 def _model(llm: LLM) -> torch.nn.Module:
@@ -291,13 +291,13 @@ def test_packed_layer_computes_the_layer_it_was(bits: int, monkeypatch: pytest.M
 
 
 def test_activation_codes_use_the_int8_range_without_overflow() -> None:
-    """quantize_activations: codes in [-127, 127], the group's largest |x| at +-127, zero groups zero;
+    """quantize_activation_groups: codes in [-127, 127], the group's largest |x| at +-127, zero groups zero;
     the panel kernel at the extremes of its integer sums (int4: every code 15; int8: every code
     +-127 or -128, whose |w| only fits unsigned) with every activation at +-max, and with outliers,
     equals the float64 reference."""
     kernels = _panel_kernels()
     x = torch.tensor([[1.0] * 32 + [0.0] * 32 + [-3.0] * 16 + [3.0] * 16, [0.5] * 96])
-    codes, xs = quantize_activations(x)
+    codes, xs = quantize_activation_groups(x)
     assert codes.abs().max() == 127 and torch.equal(codes[0, 1], torch.zeros(32)) and xs[0, 1] == 0
     assert torch.equal(codes[0, 2], torch.tensor([-127.0] * 16 + [127.0] * 16))
     N, K = 40, 96

@@ -11,10 +11,10 @@ On CPUs with AVX2 + FMA + F16C the loader repacks the codes once into output pan
 (pack_quantized: the same bytes reordered, csrc/quant_panels.cpp: 256-bit integer products, or
 AVX-512 VNNI's on 512 bits, the same numbers), which the kernel unpacks once per weight for all
 input rows; there the weights multiply activations quantized per group of 32 to int8 (W4A8 / W8A8
-per group, llama.cpp's Q4 x Q8 and Q8 x Q8 dot products: quantize_activations, a8_linear) at every
-batch size; where the CPU has AMX-BF16, steps of many rows (AMX_ROWS) dequantize each panel once
-into bf16 and run it on AMX tiles with the activations as they are. Elsewhere activations stay in
-the model's dtype and the kernel dequantizes a few weight rows at a time into L1
+per group, llama.cpp's Q4 x Q8 and Q8 x Q8 dot products: quantize_activation_groups, a8_linear)
+at every batch size; where the CPU has AMX-BF16, steps of many rows (AMX_ROWS) dequantize each
+panel once into bf16 and run it on AMX tiles with the activations as they are. Elsewhere
+activations stay in the model's dtype and the kernel dequantizes a few weight rows at a time into L1
 (csrc/quant_linear.cpp).
 """
 
@@ -80,7 +80,7 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.
     return (q * s[..., :1] + s[..., 1:]).reshape(N, K)
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activation_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[M, K] float rows -> (int8-valued codes [M, K/32, 32], scales [M, K/32]) per group of 32:
     codes round(x * 127 / max|x|), scale max|x| / 127, in float32 as the panel kernel computes them."""
     xg = x.float().reshape(x.shape[0], -1, GROUP)
@@ -93,9 +93,9 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def a8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
     """What the AVX2 panel kernel computes (weights in rows format), in float64: activations
-    quantized per group (quantize_activations), y = sum_g [(d s) (xq . q) + m sum(x)] (int8: m = 0)."""
+    quantized per group (quantize_activation_groups), y = sum_g [(d s) (xq . q) + m sum(x)] (int8: m = 0)."""
     N = qweight.shape[0]
-    xq, xs = quantize_activations(x)
+    xq, xs = quantize_activation_groups(x)
     if bits == 8:
         q, d = qweight.view(N, xq.shape[1], GROUP).double(), scales.double()
     else:

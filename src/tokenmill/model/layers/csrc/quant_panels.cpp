@@ -526,8 +526,9 @@ inline float hsum(__m256 s) {
   return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 
-// One group of 32 inputs to int8: codes round(x * 127 / max|x|) (as quantization.quantize_activations
-// computes them), scale max|x| / 127 and the inputs' exact sum (one fixed order).
+// One group of 32 inputs to int8: codes round(x * 127 / max|x|) (as
+// quantization.quantize_activation_groups computes them), scale max|x| / 127 and the inputs'
+// exact sum (one fixed order).
 inline void quantize_group(const float* x, int8_t* q, float* scale, float* sum) {
   const __m256 x0 = _mm256_loadu_ps(x), x1 = _mm256_loadu_ps(x + 8), x2 = _mm256_loadu_ps(x + 16),
                x3 = _mm256_loadu_ps(x + 24);
