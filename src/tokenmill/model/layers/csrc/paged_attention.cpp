@@ -279,10 +279,10 @@ void decode_items_d(const DecodeArgs<T, C>& a, int64_t begin, int64_t end) {
     return Span{L, lo, bi0, std::min(nblocks, bi0 + per_split)};
   };
   // K and V are prefetched kPfBlocks blocks ahead of the block computed, across the items (a
-  // sequence's first blocks during the previous one's last). One block ahead within an item left
-  // each item's first block to a demand miss: 1.0-1.4x slower on bf16 caches, int8 within the
-  // noise (benchmarks/paged_decode_kernel.py --compare, 1-32 sequences of 320-1000 keys, random
-  // and consecutive blocks; 2 cores, AMD EPYC).
+  // sequence's first blocks during the previous one's last, not a demand miss): against one block
+  // ahead within an item, 1.0-1.4x on bf16 caches, int8 within the noise
+  // (benchmarks/paged_decode_kernel.py --compare, 1-32 sequences of 320-1000 keys, random and
+  // consecutive blocks; 2 cores, AMD EPYC).
   int64_t ci = begin;  // the cursor: item ci's block cb
   Span cs = ci < end ? span(ci) : Span{};
   int64_t cb = cs.bi0;
