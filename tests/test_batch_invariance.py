@@ -172,6 +172,41 @@ def test_rows_kernel_long_context_rows_equal_alone(rows_kernels, cache):
             torch.testing.assert_close(out[rows.start : rows.stop].float(), ref, atol=1e-2, rtol=1e-2)
 
 
+def test_prompt_rows_sum_their_dots_in_the_decode_order(rows_kernels):
+    """A prompt chunk's rows share each tile of keys (on AVX-512 a tile seen whole by enough
+    (row, head)s is transposed once and each dot's lanes are summed vertically): still each row's
+    bits equal the row alone. Every key's dot has lanes that cancel (a large value at element 0
+    and its negative at element 4 of each 32), so a different order of the lane sums moves the
+    scores by whole units and the outputs with them."""
+    g = torch.Generator().manual_seed(2)
+    for H, Hkv, D in [(9, 3, 64), (16, 4, 128)]:
+        bs, slots = 16, 1024
+        seqs = [(16, 48), (0, 33)]  # (cached, rows)
+        kc = torch.randn(slots, Hkv, D, generator=g)
+        big = 2.0 ** torch.randint(22, 26, (slots, Hkv, 1), generator=g).float()
+        kc[..., 0::32] += big
+        kc[..., 4::32] -= big
+        kc = kc.to(torch.bfloat16)
+        vc = torch.randn(slots, Hkv, D, generator=g).to(torch.bfloat16)
+        width = max(-(-(c + n) // bs) for c, n in seqs)
+        perm = torch.randperm(slots // bs - 1, generator=g) + 1
+        tables = torch.stack([perm[i * width : (i + 1) * width] for i in range(len(seqs))]).long()
+        lens = torch.tensor([c + n for c, n in seqs])
+        loc = torch.tensor([0] + [n for _, n in seqs]).cumsum(0)
+        q = torch.randn(int(loc[-1]), H, D, generator=g)
+        q[..., 0::32] = 1.0
+        q[..., 4::32] = 1.0
+        q = q.to(torch.bfloat16)
+        out = rows_kernels.paged_rows(q, kc, vc, tables, lens, loc, bs, D**-0.5)
+        assert torch.isfinite(out.float()).all()
+        for b, (c, n) in enumerate(seqs):
+            for i in range(n):
+                r = int(loc[b]) + i
+                alone = rows_kernels.paged_rows(q[r : r + 1], kc, vc, tables[b : b + 1], torch.tensor([c + i + 1]),
+                                                torch.tensor([0, 1]), bs, D**-0.5)
+                assert torch.equal(out[r : r + 1], alone), (H, D, b, i)
+
+
 def test_windows_and_softcaps_in_the_rows_and_decode_kernels(rows_kernels):
     """A sliding window (a row sees its last W keys) and a soft-cap: paged_rows still gives each row
     the bits it has alone, and the reference's values, as paged_decode does for decode rows (split

@@ -95,18 +95,94 @@ inline void load_row(const C* r, __m512* v) {
   }
 }
 
+// A tile's K rows transposed for the rows kernel's bf16 dots (kBf16Dot): kt[c * 16 + i] holds in
+// lane j key j's bf16 pair i (elements 2i, 2i + 1) of its 32-element chunk c; keys n .. 15 zeros.
+template <int D>
+inline void transpose_k_tile(const c10::BFloat16* kp, int64_t row, int n, __m512i* kt) {
+  for (int c = 0; c < D / 32; ++c) {
+    __m512i r[16], t[16];
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j)
+      r[j] = j < n ? _mm512_loadu_si512(reinterpret_cast<const void*>(kp + j * row + c * 32)) : _mm512_setzero_si512();
+    // 16 x 16 words: interleave words, then pairs of words, then 128-bit lanes twice.
+#pragma GCC unroll 8
+    for (int j = 0; j < 16; j += 2) {
+      t[j] = _mm512_unpacklo_epi32(r[j], r[j + 1]);
+      t[j + 1] = _mm512_unpackhi_epi32(r[j], r[j + 1]);
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < 16; j += 4) {
+      r[j] = _mm512_unpacklo_epi64(t[j], t[j + 2]);
+      r[j + 1] = _mm512_unpackhi_epi64(t[j], t[j + 2]);
+      r[j + 2] = _mm512_unpacklo_epi64(t[j + 1], t[j + 3]);
+      r[j + 3] = _mm512_unpackhi_epi64(t[j + 1], t[j + 3]);
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      t[j] = _mm512_shuffle_i32x4(r[j], r[j + 4], 0x88);
+      t[j + 4] = _mm512_shuffle_i32x4(r[j], r[j + 4], 0xdd);
+      t[j + 8] = _mm512_shuffle_i32x4(r[j + 8], r[j + 12], 0x88);
+      t[j + 12] = _mm512_shuffle_i32x4(r[j + 8], r[j + 12], 0xdd);
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      _mm512_store_si512(kt + c * 16 + j, _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88));
+      _mm512_store_si512(kt + c * 16 + j + 8, _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd));
+    }
+  }
+}
+
+// An add the compiler may not reassociate under -ffast-math (a builtin with its rounding given).
+inline __m512 add_fixed(__m512 a, __m512 b) { return _mm512_add_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+
+// GB heads' dots with a transposed tile (lane j: key j). Lane i of the row-wise path's vdpbf16ps
+// chain for key j is the same chain here with head g's pair i broadcast, and the hsum4 /
+// hsum_lanes tree over those lanes, ((x0 + x2) + (x1 + x3)) per four then (S0 + S1) + (S2 + S3),
+// is the same adds done vertically: the row-wise bits, without its transposing shuffles per head.
+template <int D, int GB>
+inline void dots_transposed(const __m512i* kt, const c10::BFloat16* qb, __m512* dot) {
+#if defined(__AVX512BF16__)
+  __m512 s[GB][4];
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    __m512 x[GB][4];
+#pragma GCC unroll 4
+    for (int e = 0; e < 4; ++e) {
+      const int i = 4 * k + e;
+#pragma GCC unroll 4
+      for (int g = 0; g < GB; ++g) {
+        __m512 a = _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int c = 0; c < D / 32; ++c)  // the pair broadcast from memory ({1to16}: GCC 12 does not fold it)
+          asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(a) : "v"(kt[c * 16 + i]), "m"(*reinterpret_cast<const int32_t*>(qb + g * D + c * 32 + 2 * i)));
+        x[g][e] = a;
+      }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < GB; ++g) s[g][k] = add_fixed(add_fixed(x[g][0], x[g][2]), add_fixed(x[g][1], x[g][3]));
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < GB; ++g) dot[g] = add_fixed(add_fixed(s[g][0], s[g][1]), add_fixed(s[g][2], s[g][3]));
+#endif
+}
+
 // One tile of n (1..16) keys at kp / vp (rows `row` elements apart) for GB query heads.
 // qf: the GB heads' queries (float32, D each); qb: the same as raw bf16 (vdpbf16ps path).
 // ksv / vsv: per-key scales (int8 / float8 cache) or null; m, l, acc: the heads' softmax state;
-// softcap > 0: scores soft-capped (softcap16).
+// softcap > 0: scores soft-capped (softcap16). kt: the tile transposed (kBf16Dot only), or null.
 template <typename T, typename C, int D, int GB>
 inline void attend_tile(const float* qf, const T* qb, const C* kp, const C* vp, int64_t row, int n,
                         const float* ksv, const float* vsv, float scale, float softcap, float* m, float* l,
-                        float* acc, const char* pfk, const char* pfv, int pf_step) {
+                        float* acc, const char* pfk, const char* pfv, int pf_step, const __m512i* kt = nullptr) {
   constexpr int NV = D / 16;
   const __mmask16 valid = n >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
   __m512 s[GB];
-  {
+  __m512 dot[GB];
+  if (RowLayout<T, C, D>::kBf16Dot && kt != nullptr) {
+    if constexpr (RowLayout<T, C, D>::kBf16Dot) dots_transposed<D, GB>(kt, qb, dot);
+    for (int j = 0; j < n; ++j)
+      for (int o = 0; o < pf_step; o += 64) _mm_prefetch(pfk + j * pf_step + o, _MM_HINT_T1);
+  } else {
     __m512 u[GB][4];
 #pragma GCC unroll 4
     for (int j4 = 0; j4 < 4; ++j4) {
@@ -151,11 +227,15 @@ inline void attend_tile(const float* qf, const T* qb, const C* kp, const C* vp, 
 #pragma GCC unroll 4
       for (int g = 0; g < GB; ++g) u[g][j4] = hsum4(part[g][0], part[g][1], part[g][2], part[g][3]);
     }
+#pragma GCC unroll 4
+    for (int g = 0; g < GB; ++g) dot[g] = hsum_lanes(u[g][0], u[g][1], u[g][2], u[g][3]);
+  }
+  {
     __m512 sc = _mm512_set1_ps(scale);
     if (ksv != nullptr) sc = _mm512_mul_ps(sc, _mm512_maskz_loadu_ps(valid, ksv));
 #pragma GCC unroll 4
     for (int g = 0; g < GB; ++g) {
-      __m512 raw = _mm512_mul_ps(hsum_lanes(u[g][0], u[g][1], u[g][2], u[g][3]), sc);
+      __m512 raw = _mm512_mul_ps(dot[g], sc);
       if (softcap > 0.f) raw = softcap16(raw, softcap);
       s[g] = _mm512_mask_mov_ps(_mm512_set1_ps(kNoScore), valid, raw);
     }
@@ -443,7 +523,8 @@ void rows_item_d(const RowsArgs<T, C>& a, const RowsItem& it) {
       for (int64_t g = 0; g < G; ++g) {
         const int64_t x = (hh * R + i) * G + g;
         const T* src = a.q + ((q0 + it.r0 + i) * H + (it.h0 + hh) * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) qf[x * D + Layout::slot(d)] = to_f(src[d]);
+        if constexpr (!Layout::kBf16Dot)  // (the bf16 dots read qb)
+          for (int64_t d = 0; d < D; ++d) qf[x * D + Layout::slot(d)] = to_f(src[d]);
         std::copy(src, src + D, qb.data() + x * D);
       }
   // With a sliding window W row i sees keys lo(i) = first + i + 1 - W .. first + i only: the blocks
@@ -456,6 +537,8 @@ void rows_item_d(const RowsArgs<T, C>& a, const RowsItem& it) {
   // else (one head's slice of each row) all at once.
   const bool all_heads = NH == Hkv;
   const int64_t row_bytes = row * static_cast<int64_t>(sizeof(C));
+  constexpr int kTransposeFrom = 8;  // (row, head)s a 32-dim chunk
+  alignas(64) __m512i kt_buf[Layout::kBf16Dot ? D / 2 : 1];
   if (all_heads) {
     const int64_t first_bytes = std::min(bs, L - blo * bs) * row_bytes;
     prefetch_rows(reinterpret_cast<const char*>(a.k_cache + table[blo] * bs * row), 0, 1, first_bytes);
@@ -529,7 +612,15 @@ void rows_item_d(const RowsArgs<T, C>& a, const RowsItem& it) {
         const char* pfk = nk + pf_done;
         const char* pfv = nv + pf_done;
         pf_done += static_cast<int64_t>(pstep) * first_keys;
-        auto attend = [&](int64_t x, int64_t gb, int64_t off, int keys) {
+        // With enough (row, head)s seeing the whole tile, its K rows are transposed once for them
+        // (dots_transposed: a (row, head)'s ~30 transposing shuffles saved, ~64 a 32-dim chunk spent).
+        const __m512i* kt = nullptr;
+        if constexpr (Layout::kBf16Dot)
+          if ((i_wfull - i_full) * G >= kTransposeFrom * (D / 32)) {
+            transpose_k_tile<D>(kp, row, nt, kt_buf);
+            kt = kt_buf;
+          }
+        auto attend = [&](int64_t x, int64_t gb, int64_t off, int keys, const __m512i* kt) {
           float* qg = qf.data() + x * D;
           const T* qbg = qb.data() + x * D;
           float* mg = m.data() + x;
@@ -542,25 +633,26 @@ void rows_item_d(const RowsArgs<T, C>& a, const RowsItem& it) {
           const int ps = pstep;
           pstep = 0;  // the first call of the (tile, head) prefetches
           switch (gb) {
-            case 1: attend_tile<T, C, D, 1>(qg, qbg, kq, vq, row, keys, ksq, vsq, a.scale, a.softcap, mg, lg, ag, pfk, pfv, ps); break;
+            case 1: attend_tile<T, C, D, 1>(qg, qbg, kq, vq, row, keys, ksq, vsq, a.scale, a.softcap, mg, lg, ag, pfk, pfv, ps, kt); break;
             case 2:
-              if constexpr (kMaxGB >= 2) attend_tile<T, C, D, 2>(qg, qbg, kq, vq, row, keys, ksq, vsq, a.scale, a.softcap, mg, lg, ag, pfk, pfv, ps);
+              if constexpr (kMaxGB >= 2) attend_tile<T, C, D, 2>(qg, qbg, kq, vq, row, keys, ksq, vsq, a.scale, a.softcap, mg, lg, ag, pfk, pfv, ps, kt);
               break;
             case 3:
-              if constexpr (kMaxGB >= 3) attend_tile<T, C, D, 3>(qg, qbg, kq, vq, row, keys, ksq, vsq, a.scale, a.softcap, mg, lg, ag, pfk, pfv, ps);
+              if constexpr (kMaxGB >= 3) attend_tile<T, C, D, 3>(qg, qbg, kq, vq, row, keys, ksq, vsq, a.scale, a.softcap, mg, lg, ag, pfk, pfv, ps, kt);
               break;
             default:
-              if constexpr (kMaxGB >= 4) attend_tile<T, C, D, 4>(qg, qbg, kq, vq, row, keys, ksq, vsq, a.scale, a.softcap, mg, lg, ag, pfk, pfv, ps);
+              if constexpr (kMaxGB >= 4) attend_tile<T, C, D, 4>(qg, qbg, kq, vq, row, keys, ksq, vsq, a.scale, a.softcap, mg, lg, ag, pfk, pfv, ps, kt);
               break;
           }
         };
         for (int64_t i = i_vis, off; i < i_wvis; ++i) {  // rows seeing part of the tile
           int keys;
           if (visible(i, off, keys))
-            for (int64_t g0 = 0; g0 < G; g0 += kMaxGB) attend((hh * R + i) * G + g0, std::min<int64_t>(kMaxGB, G - g0), off, keys);
+            for (int64_t g0 = 0; g0 < G; g0 += kMaxGB)
+              attend((hh * R + i) * G + g0, std::min<int64_t>(kMaxGB, G - g0), off, keys, nullptr);
         }
         for (int64_t x = i_full * G; x < i_wfull * G; x += kMaxGB)  // rows seeing all of it
-          attend(hh * RG + x, std::min<int64_t>(kMaxGB, i_wfull * G - x), 0, nt);
+          attend(hh * RG + x, std::min<int64_t>(kMaxGB, i_wfull * G - x), 0, nt, kt);
       }
     }
   }
