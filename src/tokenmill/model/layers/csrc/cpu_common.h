@@ -95,7 +95,7 @@ inline void quantize_kv_row(const T* x, int64_t D, bool fp8, void* out, float* s
 // Where dim d of a head sits after P.V on pairs of bf16 V rows interleaved by 16-bit unpacks
 // (within 128-bit lanes, 32 dims at a time): vector 2 c2 + hi, lane 4 L + i holds dim
 // 32 c2 + 8 L + 4 hi + i (paged_attention.cpp's attend_tile, paged_rows_amx.h's O tiles).
-inline int64_t bf16_pair_slot(int64_t d) {
+constexpr int64_t bf16_pair_slot(int64_t d) {
   const int64_t c2 = d / 32, e = d % 32, L = e / 8, hi = (e % 8) / 4, i = e % 4;
   return (2 * c2 + hi) * 16 + 4 * L + i;
 }
@@ -188,6 +188,19 @@ inline float hsum1(__m512 x) {
   const __m512 u = _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(2, 3, 0, 1)));
   const __m512 a = _mm512_add_ps(u, _mm512_shuffle_f32x4(u, u, _MM_SHUFFLE(2, 3, 0, 1)));
   return _mm_cvtss_f32(_mm_add_ss(_mm512_castps512_ps128(a), _mm512_extractf32x4_ps(a, 2)));
+}
+
+// An add the compiler may not reassociate under -ffast-math (a builtin with its rounding given):
+// for sums whose order must be the same in two places.
+inline __m512 add_fixed(__m512 a, __m512 b) { return _mm512_add_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+
+// The sum of x's lanes in _mm512_reduce_add_ps's order, every add fixed: lanes i and i + 8, then
+// i and i + 4, then i and i + 2, then 0 and 1 (paged_rows_lanes.h does the same vertically).
+inline float reduce_add_fixed(__m512 x) {
+  const __m512 t3 = add_fixed(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
+  const __m512 t6 = add_fixed(t3, _mm512_shuffle_f32x4(t3, t3, _MM_SHUFFLE(2, 3, 0, 1)));
+  const __m128 t8 = _mm512_castps512_ps128(add_fixed(t6, _mm512_permute_ps(t6, _MM_SHUFFLE(1, 0, 3, 2))));
+  return _mm_cvtss_f32(_mm_add_round_ss(t8, _mm_movehdup_ps(t8), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 #endif
 

@@ -15,9 +15,11 @@
 #include <vector>
 
 #include "cpu_common.h"
+#include "elementwise.h"
 #include "paged_decode.h"
 #include "paged_rows_amx.h"
 #include "paged_rows_avx2.h"
+#include "paged_rows_lanes.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -66,14 +68,14 @@ struct RowLayout {
   static constexpr bool kBf16Dot = false;
 #endif
   // Position of element d in the permuted order.
-  static int64_t slot(int64_t d) {
+  static constexpr int64_t slot(int64_t d) {
     if constexpr (!kEvenOdd) return d;
     const int64_t c2 = d / 32, e = d % 32;
     return c2 * 32 + (e % 2) * 16 + e / 2;
   }
   // Position of element d in the output accumulators: slot(d), except with kBf16Dot, where P.V
   // runs on pairs of V rows interleaved by 16-bit unpacks (attend_tile): bf16_pair_slot(d).
-  static int64_t acc_slot(int64_t d) {
+  static constexpr int64_t acc_slot(int64_t d) {
     if constexpr (!kBf16Dot) return slot(d);
     return bf16_pair_slot(d);
   }
@@ -95,94 +97,19 @@ inline void load_row(const C* r, __m512* v) {
   }
 }
 
-// A tile's K rows transposed for the rows kernel's bf16 dots (kBf16Dot): kt[c * 16 + i] holds in
-// lane j key j's bf16 pair i (elements 2i, 2i + 1) of its 32-element chunk c; keys n .. 15 zeros.
-template <int D>
-inline void transpose_k_tile(const c10::BFloat16* kp, int64_t row, int n, __m512i* kt) {
-  for (int c = 0; c < D / 32; ++c) {
-    __m512i r[16], t[16];
-#pragma GCC unroll 16
-    for (int j = 0; j < 16; ++j)
-      r[j] = j < n ? _mm512_loadu_si512(reinterpret_cast<const void*>(kp + j * row + c * 32)) : _mm512_setzero_si512();
-    // 16 x 16 words: interleave words, then pairs of words, then 128-bit lanes twice.
-#pragma GCC unroll 8
-    for (int j = 0; j < 16; j += 2) {
-      t[j] = _mm512_unpacklo_epi32(r[j], r[j + 1]);
-      t[j + 1] = _mm512_unpackhi_epi32(r[j], r[j + 1]);
-    }
-#pragma GCC unroll 4
-    for (int j = 0; j < 16; j += 4) {
-      r[j] = _mm512_unpacklo_epi64(t[j], t[j + 2]);
-      r[j + 1] = _mm512_unpackhi_epi64(t[j], t[j + 2]);
-      r[j + 2] = _mm512_unpacklo_epi64(t[j + 1], t[j + 3]);
-      r[j + 3] = _mm512_unpackhi_epi64(t[j + 1], t[j + 3]);
-    }
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      t[j] = _mm512_shuffle_i32x4(r[j], r[j + 4], 0x88);
-      t[j + 4] = _mm512_shuffle_i32x4(r[j], r[j + 4], 0xdd);
-      t[j + 8] = _mm512_shuffle_i32x4(r[j + 8], r[j + 12], 0x88);
-      t[j + 12] = _mm512_shuffle_i32x4(r[j + 8], r[j + 12], 0xdd);
-    }
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-      _mm512_store_si512(kt + c * 16 + j, _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88));
-      _mm512_store_si512(kt + c * 16 + j + 8, _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd));
-    }
-  }
-}
-
-// An add the compiler may not reassociate under -ffast-math (a builtin with its rounding given).
-inline __m512 add_fixed(__m512 a, __m512 b) { return _mm512_add_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-
-// GB heads' dots with a transposed tile (lane j: key j). Lane i of the row-wise path's vdpbf16ps
-// chain for key j is the same chain here with head g's pair i broadcast, and the hsum4 /
-// hsum_lanes tree over those lanes, ((x0 + x2) + (x1 + x3)) per four then (S0 + S1) + (S2 + S3),
-// is the same adds done vertically: the row-wise bits, without its transposing shuffles per head.
-template <int D, int GB>
-inline void dots_transposed(const __m512i* kt, const c10::BFloat16* qb, __m512* dot) {
-#if defined(__AVX512BF16__)
-  __m512 s[GB][4];
-#pragma GCC unroll 4
-  for (int k = 0; k < 4; ++k) {
-    __m512 x[GB][4];
-#pragma GCC unroll 4
-    for (int e = 0; e < 4; ++e) {
-      const int i = 4 * k + e;
-#pragma GCC unroll 4
-      for (int g = 0; g < GB; ++g) {
-        __m512 a = _mm512_setzero_ps();
-#pragma GCC unroll 8
-        for (int c = 0; c < D / 32; ++c)  // the pair broadcast from memory ({1to16}: GCC 12 does not fold it)
-          asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(a) : "v"(kt[c * 16 + i]), "m"(*reinterpret_cast<const int32_t*>(qb + g * D + c * 32 + 2 * i)));
-        x[g][e] = a;
-      }
-    }
-#pragma GCC unroll 4
-    for (int g = 0; g < GB; ++g) s[g][k] = add_fixed(add_fixed(x[g][0], x[g][2]), add_fixed(x[g][1], x[g][3]));
-  }
-#pragma GCC unroll 4
-  for (int g = 0; g < GB; ++g) dot[g] = add_fixed(add_fixed(s[g][0], s[g][1]), add_fixed(s[g][2], s[g][3]));
-#endif
-}
-
 // One tile of n (1..16) keys at kp / vp (rows `row` elements apart) for GB query heads.
 // qf: the GB heads' queries (float32, D each); qb: the same as raw bf16 (vdpbf16ps path).
 // ksv / vsv: per-key scales (int8 / float8 cache) or null; m, l, acc: the heads' softmax state;
-// softcap > 0: scores soft-capped (softcap16). kt: the tile transposed (kBf16Dot only), or null.
+// softcap > 0: scores soft-capped (softcap16).
 template <typename T, typename C, int D, int GB>
 inline void attend_tile(const float* qf, const T* qb, const C* kp, const C* vp, int64_t row, int n,
                         const float* ksv, const float* vsv, float scale, float softcap, float* m, float* l,
-                        float* acc, const char* pfk, const char* pfv, int pf_step, const __m512i* kt = nullptr) {
+                        float* acc, const char* pfk, const char* pfv, int pf_step) {
   constexpr int NV = D / 16;
   const __mmask16 valid = n >= kTile ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
   __m512 s[GB];
   __m512 dot[GB];
-  if (RowLayout<T, C, D>::kBf16Dot && kt != nullptr) {
-    if constexpr (RowLayout<T, C, D>::kBf16Dot) dots_transposed<D, GB>(kt, qb, dot);
-    for (int j = 0; j < n; ++j)
-      for (int o = 0; o < pf_step; o += 64) _mm_prefetch(pfk + j * pf_step + o, _MM_HINT_T1);
-  } else {
+  {
     __m512 u[GB][4];
 #pragma GCC unroll 4
     for (int j4 = 0; j4 < 4; ++j4) {
@@ -256,7 +183,7 @@ inline void attend_tile(const float* qf, const T* qb, const C* kp, const C* vp, 
   for (int g = 0; g < GB; ++g) {
     const float bm = bms[g];
     const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s[g], _mm512_set1_ps(bm))));
-    l[g] = std::fma(l[g], corr[g], _mm512_reduce_add_ps(e));  // explicit: the same rounding in every caller
+    l[g] = std::fma(l[g], corr[g], reduce_add_fixed(e));  // explicit: the same rounding in every caller
     m[g] = bm;
     if constexpr (RowLayout<T, C, D>::kBf16Dot) {
 #if defined(__AVX512BF16__)
@@ -313,6 +240,42 @@ inline void attend_tile(const float* qf, const T* qb, const C* kp, const C* vp, 
   for (int g = 0; g < GB; ++g)
 #pragma GCC unroll 16
     for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + g * D + c * 16, a[g][c]);
+}
+
+// A (row, head)'s output: its accumulators (in RowLayout's acc_slot order) times inv, rounded to
+// T (as from_f rounds), in vectors: each 32 elements' order undone by one two-vector permute.
+template <typename T, typename C, int D>
+inline void write_out(const float* ag, float inv, T* out) {
+  using Layout = RowLayout<T, C, D>;
+  struct Perm {  // lane r of output vector h of a 32-element chunk: lane idx[h][r] of the chunk's two
+    alignas(64) int32_t idx[2][16] = {};
+    constexpr Perm() {
+      for (int e = 0; e < 32; ++e) idx[e / 16][e % 16] = static_cast<int32_t>(Layout::acc_slot(e));
+    }
+  };
+  static constexpr Perm perm{};
+  const __m512 vi = _mm512_set1_ps(inv);
+#pragma GCC unroll 8
+  for (int o = 0; o < D / 16; ++o) {
+    __m512 v;
+    if constexpr (Layout::kEvenOdd)
+      v = _mm512_permutex2var_ps(_mm512_loadu_ps(ag + o / 2 * 32), _mm512_load_si512(perm.idx[o % 2]),
+                                 _mm512_loadu_ps(ag + o / 2 * 32 + 16));
+    else
+      v = _mm512_loadu_ps(ag + o * 16);  // element order
+    v = _mm512_mul_ps(v, vi);
+    if constexpr (std::is_same_v<T, float>) {
+      _mm512_storeu_ps(out + o * 16, v);
+    } else {
+#if defined(__AVX512BW__)
+      store_lanes(out + o * 16, v, static_cast<__mmask16>(0xFFFF));
+#else
+      alignas(64) float f[16];
+      _mm512_store_ps(f, v);
+      for (int r = 0; r < 16; ++r) from_f(f[r], out + o * 16 + r);
+#endif
+    }
+  }
 }
 
 template <typename C>
@@ -458,21 +421,18 @@ void decode_items_d(const DecodeArgs<T, C>& a, int64_t begin, int64_t end) {
         }
       }
     }
-    if constexpr (Layout::kEvenOdd) {  // accumulators back to element order
-      float tmp[D];
-      for (int64_t g = 0; g < H; ++g) {
-        float* ag = acc.data() + g * D;
-        for (int64_t d = 0; d < D; ++d) tmp[d] = ag[Layout::acc_slot(d)];
-        std::copy(tmp, tmp + D, ag);
-      }
-    }
     if (S == 1) {
       T* ob = a.out + b * H * D;
-      for (int64_t g = 0; g < H; ++g) {
-        const float inv = 1.f / l[g];
-        for (int d = 0; d < D; ++d) from_f(acc[g * D + d] * inv, ob + g * D + d);
-      }
+      for (int64_t g = 0; g < H; ++g) write_out<T, C, D>(acc.data() + g * D, 1.f / l[g], ob + g * D);
     } else {
+      if constexpr (Layout::kEvenOdd) {  // accumulators back to element order
+        float tmp[D];
+        for (int64_t g = 0; g < H; ++g) {
+          float* ag = acc.data() + g * D;
+          for (int64_t d = 0; d < D; ++d) tmp[d] = ag[Layout::acc_slot(d)];
+          std::copy(tmp, tmp + D, ag);
+        }
+      }
       float* ml = a.part_ml + i * H * 2;
       std::copy(m.begin(), m.end(), ml);
       std::copy(l.begin(), l.end(), ml + H);
@@ -537,8 +497,24 @@ void rows_item_d(const RowsArgs<T, C>& a, const RowsItem& it) {
   // else (one head's slice of each row) all at once.
   const bool all_heads = NH == Hkv;
   const int64_t row_bytes = row * static_cast<int64_t>(sizeof(C));
-  constexpr int kTransposeFrom = 8;  // (row, head)s a 32-dim chunk
-  alignas(64) __m512i kt_buf[Layout::kBf16Dot ? D / 2 : 1];
+#if defined(__AVX512BF16__)
+  // The lanes path: the item's queries transposed, 16 (row, head)s of a kv head a group.
+  constexpr int64_t kLanesFrom = 8;  // (row, head)s seeing a whole tile
+  const int64_t groups = (RG + 15) / 16;
+  struct alignas(64) Words16 {
+    __m512i v;
+  };
+  thread_local std::vector<Words16> qt_store;
+  alignas(64) __m512i vw[Layout::kBf16Dot ? 8 * D / 16 : 1];
+  if constexpr (Layout::kBf16Dot) {
+    qt_store.resize(NH * groups * (D / 2));
+    for (int64_t hh = 0; hh < NH; ++hh)
+      for (int64_t gi = 0; gi < groups; ++gi)
+        lanes::transpose_pairs<D>(reinterpret_cast<const lanes::BF16*>(qb.data() + (hh * RG + gi * 16) * D), D,
+                                  static_cast<int>(std::min<int64_t>(16, RG - gi * 16)), &qt_store[(hh * groups + gi) * (D / 2)].v);
+  }
+  const __m512i* qt = qt_store.empty() ? nullptr : &qt_store[0].v;
+#endif
   if (all_heads) {
     const int64_t first_bytes = std::min(bs, L - blo * bs) * row_bytes;
     prefetch_rows(reinterpret_cast<const char*>(a.k_cache + table[blo] * bs * row), 0, 1, first_bytes);
@@ -612,15 +588,7 @@ void rows_item_d(const RowsArgs<T, C>& a, const RowsItem& it) {
         const char* pfk = nk + pf_done;
         const char* pfv = nv + pf_done;
         pf_done += static_cast<int64_t>(pstep) * first_keys;
-        // With enough (row, head)s seeing the whole tile, its K rows are transposed once for them
-        // (dots_transposed: a (row, head)'s ~30 transposing shuffles saved, ~64 a 32-dim chunk spent).
-        const __m512i* kt = nullptr;
-        if constexpr (Layout::kBf16Dot)
-          if ((i_wfull - i_full) * G >= kTransposeFrom * (D / 32)) {
-            transpose_k_tile<D>(kp, row, nt, kt_buf);
-            kt = kt_buf;
-          }
-        auto attend = [&](int64_t x, int64_t gb, int64_t off, int keys, const __m512i* kt) {
+        auto attend = [&](int64_t x, int64_t gb, int64_t off, int keys) {
           float* qg = qf.data() + x * D;
           const T* qbg = qb.data() + x * D;
           float* mg = m.data() + x;
@@ -633,39 +601,56 @@ void rows_item_d(const RowsArgs<T, C>& a, const RowsItem& it) {
           const int ps = pstep;
           pstep = 0;  // the first call of the (tile, head) prefetches
           switch (gb) {
-            case 1: attend_tile<T, C, D, 1>(qg, qbg, kq, vq, row, keys, ksq, vsq, a.scale, a.softcap, mg, lg, ag, pfk, pfv, ps, kt); break;
+            case 1: attend_tile<T, C, D, 1>(qg, qbg, kq, vq, row, keys, ksq, vsq, a.scale, a.softcap, mg, lg, ag, pfk, pfv, ps); break;
             case 2:
-              if constexpr (kMaxGB >= 2) attend_tile<T, C, D, 2>(qg, qbg, kq, vq, row, keys, ksq, vsq, a.scale, a.softcap, mg, lg, ag, pfk, pfv, ps, kt);
+              if constexpr (kMaxGB >= 2) attend_tile<T, C, D, 2>(qg, qbg, kq, vq, row, keys, ksq, vsq, a.scale, a.softcap, mg, lg, ag, pfk, pfv, ps);
               break;
             case 3:
-              if constexpr (kMaxGB >= 3) attend_tile<T, C, D, 3>(qg, qbg, kq, vq, row, keys, ksq, vsq, a.scale, a.softcap, mg, lg, ag, pfk, pfv, ps, kt);
+              if constexpr (kMaxGB >= 3) attend_tile<T, C, D, 3>(qg, qbg, kq, vq, row, keys, ksq, vsq, a.scale, a.softcap, mg, lg, ag, pfk, pfv, ps);
               break;
             default:
-              if constexpr (kMaxGB >= 4) attend_tile<T, C, D, 4>(qg, qbg, kq, vq, row, keys, ksq, vsq, a.scale, a.softcap, mg, lg, ag, pfk, pfv, ps, kt);
+              if constexpr (kMaxGB >= 4) attend_tile<T, C, D, 4>(qg, qbg, kq, vq, row, keys, ksq, vsq, a.scale, a.softcap, mg, lg, ag, pfk, pfv, ps);
               break;
           }
         };
         for (int64_t i = i_vis, off; i < i_wvis; ++i) {  // rows seeing part of the tile
           int keys;
           if (visible(i, off, keys))
-            for (int64_t g0 = 0; g0 < G; g0 += kMaxGB)
-              attend((hh * R + i) * G + g0, std::min<int64_t>(kMaxGB, G - g0), off, keys, nullptr);
+            for (int64_t g0 = 0; g0 < G; g0 += kMaxGB) attend((hh * R + i) * G + g0, std::min<int64_t>(kMaxGB, G - g0), off, keys);
         }
-        for (int64_t x = i_full * G; x < i_wfull * G; x += kMaxGB)  // rows seeing all of it
-          attend(hh * RG + x, std::min<int64_t>(kMaxGB, i_wfull * G - x), 0, nt, kt);
+        // Rows seeing all of it: with enough of them, 16 (row, head)s a vector (paged_rows_lanes.h).
+        int64_t x = i_full * G;
+#if defined(__AVX512BF16__)
+        if constexpr (Layout::kBf16Dot)
+          if ((i_wfull - i_full) * G >= kLanesFrom) {
+            if (pstep > 0)  // this (tile, head)'s share of the next block's prefetch
+              for (int j = 0; j < first_keys; ++j)
+                for (int o = 0; o < pstep; o += 64) {
+                  _mm_prefetch(pfk + j * pstep + o, _MM_HINT_T1);
+                  _mm_prefetch(pfv + j * pstep + o, _MM_HINT_T1);
+                }
+            pstep = 0;
+            lanes::interleave_v<D>(reinterpret_cast<const lanes::BF16*>(vp), row, nt, vw);
+            for (int64_t gi = x / 16; gi * 16 < i_wfull * G; ++gi) {
+              const int64_t x0 = hh * RG + gi * 16;
+              const int plo = static_cast<int>(std::max<int64_t>(x, gi * 16) - gi * 16);
+              const int phi = static_cast<int>(std::min<int64_t>(i_wfull * G, gi * 16 + 16) - gi * 16);
+              lanes::attend<D>(qt + (hh * groups + gi) * (D / 2), reinterpret_cast<const lanes::BF16*>(kp), vw,
+                               row, nt, plo, phi, a.scale, a.softcap, m.data() + x0, l.data() + x0,
+                               acc.data() + x0 * D, kNoScore);
+            }
+            x = i_wfull * G;
+          }
+#endif
+        for (; x < i_wfull * G; x += kMaxGB) attend(hh * RG + x, std::min<int64_t>(kMaxGB, i_wfull * G - x), 0, nt);
       }
     }
   }
-  float tmp[D];
   for (int64_t hh = 0; hh < NH; ++hh)
     for (int64_t i = 0; i < R; ++i)
       for (int64_t g = 0; g < G; ++g) {
         const int64_t x = (hh * R + i) * G + g;
-        const float* ag = acc.data() + x * D;
-        for (int64_t d = 0; d < D; ++d) tmp[d] = ag[Layout::acc_slot(d)];
-        T* ob = a.out + ((q0 + it.r0 + i) * H + (it.h0 + hh) * G + g) * D;
-        const float inv = 1.f / l[x];
-        for (int d = 0; d < D; ++d) from_f(tmp[d] * inv, ob + d);
+        write_out<T, C, D>(acc.data() + x * D, 1.f / l[x], a.out + ((q0 + it.r0 + i) * H + (it.h0 + hh) * G + g) * D);
       }
 }
 
