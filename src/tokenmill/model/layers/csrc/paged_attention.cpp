@@ -499,7 +499,7 @@ void rows_item_d(const RowsArgs<T, C>& a, const RowsItem& it) {
   const int64_t row_bytes = row * static_cast<int64_t>(sizeof(C));
 #if defined(__AVX512BF16__)
   // The lanes path: the item's queries transposed, 16 (row, head)s of a kv head a group.
-  constexpr int64_t kLanesFrom = 8;  // (row, head)s seeing a whole tile
+  constexpr int64_t kLanesFrom = 16;  // (row, head)s of a group seeing a whole tile
   const int64_t groups = (RG + 15) / 16;
   struct alignas(64) Words16 {
     __m512i v;
@@ -618,31 +618,34 @@ void rows_item_d(const RowsArgs<T, C>& a, const RowsItem& it) {
           if (visible(i, off, keys))
             for (int64_t g0 = 0; g0 < G; g0 += kMaxGB) attend((hh * R + i) * G + g0, std::min<int64_t>(kMaxGB, G - g0), off, keys);
         }
-        // Rows seeing all of it: with enough of them, 16 (row, head)s a vector (paged_rows_lanes.h).
-        int64_t x = i_full * G;
+        // Rows seeing all of it, by groups of 16 (row, head)s: a group with enough of them in one
+        // vector (paged_rows_lanes.h; its cost is the same for 1 or 16), the rest kMaxGB at a time.
+        bool v_ready = false;
+        for (int64_t x = i_full * G; x < i_wfull * G;) {
+          const int64_t gi = x / 16, end = std::min<int64_t>(i_wfull * G, gi * 16 + 16);
 #if defined(__AVX512BF16__)
-        if constexpr (Layout::kBf16Dot)
-          if ((i_wfull - i_full) * G >= kLanesFrom) {
-            if (pstep > 0)  // this (tile, head)'s share of the next block's prefetch
-              for (int j = 0; j < first_keys; ++j)
-                for (int o = 0; o < pstep; o += 64) {
-                  _mm_prefetch(pfk + j * pstep + o, _MM_HINT_T1);
-                  _mm_prefetch(pfv + j * pstep + o, _MM_HINT_T1);
-                }
-            pstep = 0;
-            lanes::interleave_v<D>(reinterpret_cast<const lanes::BF16*>(vp), row, nt, vw);
-            for (int64_t gi = x / 16; gi * 16 < i_wfull * G; ++gi) {
+          if constexpr (Layout::kBf16Dot)
+            if (end - x >= kLanesFrom) {
+              if (pstep > 0)  // this (tile, head)'s share of the next block's prefetch
+                for (int j = 0; j < first_keys; ++j)
+                  for (int o = 0; o < pstep; o += 64) {
+                    _mm_prefetch(pfk + j * pstep + o, _MM_HINT_T1);
+                    _mm_prefetch(pfv + j * pstep + o, _MM_HINT_T1);
+                  }
+              pstep = 0;
+              if (!v_ready) lanes::interleave_v<D>(reinterpret_cast<const lanes::BF16*>(vp), row, nt, vw);
+              v_ready = true;
               const int64_t x0 = hh * RG + gi * 16;
-              const int plo = static_cast<int>(std::max<int64_t>(x, gi * 16) - gi * 16);
-              const int phi = static_cast<int>(std::min<int64_t>(i_wfull * G, gi * 16 + 16) - gi * 16);
-              lanes::attend<D>(qt + (hh * groups + gi) * (D / 2), reinterpret_cast<const lanes::BF16*>(kp), vw,
-                               row, nt, plo, phi, a.scale, a.softcap, m.data() + x0, l.data() + x0,
-                               acc.data() + x0 * D, kNoScore);
+              lanes::attend<D>(qt + (hh * groups + gi) * (D / 2), reinterpret_cast<const lanes::BF16*>(kp), vw, row,
+                               nt, static_cast<int>(x - gi * 16), static_cast<int>(end - gi * 16), a.scale, a.softcap,
+                               m.data() + x0, l.data() + x0, acc.data() + x0 * D, kNoScore);
+              x = end;
+              continue;
             }
-            x = i_wfull * G;
-          }
 #endif
-        for (; x < i_wfull * G; x += kMaxGB) attend(hh * RG + x, std::min<int64_t>(kMaxGB, i_wfull * G - x), 0, nt);
+          for (; x < end; x += kMaxGB) attend(hh * RG + x, std::min<int64_t>(kMaxGB, end - x), 0, nt);
+          x = end;
+        }
       }
     }
   }
