@@ -60,7 +60,8 @@ void decode_merge(const DecodeArgs<T, C>& a, int64_t begin, int64_t end);
 // This is what makes the engine batch-invariant (prefill chunked or not, tokens verified in a
 // chunk or decoded one by one). Where AMX-BF16 runs, bf16 rows take tile products
 // (paged_rows_amx.h: each row's bits as it has them alone there, not the decode kernel's);
-// elsewhere the decode kernel's vector code, each row exactly as paged_decode computes it.
+// elsewhere the decode kernel's vector code, each row exactly as paged_decode computes it (with
+// AVX-512 BF16, a prompt's rows 16 (row, head)s to a vector: paged_rows_lanes.h).
 template <typename T, typename C>
 struct RowsArgs {
   const T* q;  // [rows, H, D]
