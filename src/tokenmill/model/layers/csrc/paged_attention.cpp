@@ -450,7 +450,7 @@ void decode_items_d(const DecodeArgs<T, C>& a, int64_t begin, int64_t end) {
 // a group as it computes a lone head, so the grouping leaves every result as the row alone gives it.
 // With AVX-512 BF16 (bf16 queries and cache) a whole group of 16 (row, head)s that sees all of a
 // tile takes it in one vector, each lane computing what attend_tile computes (paged_rows_lanes.h):
-// a prompt's attention at 1.28-1.44x (Llama's and SmolLM2's heads, benchmarks/paged_decode_kernel.py
+// a prompt's attention at 1.44-1.65x (SmolLM2's and Llama's heads, benchmarks/paged_decode_kernel.py
 // --rows 512; 2 cores, AMD EPYC).
 template <typename T, typename C, int D>
 void rows_item_d(const RowsArgs<T, C>& a, const RowsItem& it) {

@@ -124,7 +124,7 @@ inline void dots(const __m512i* qt, const BF16* kp, int64_t row, int j0, __m512*
 }
 
 // P.V for GP (row, head)s p0 .. p0 + GP - 1 of the 16: their accumulators (acc + p * D, in
-// attend_tile's order) rescaled by corr[p], then the tile's nj key pairs' weights pw[jj * 16 + p].
+// attend_tile's order) rescaled by corr[p], then the tile's npairs key pairs' weights pw[jj * 16 + p].
 template <int D, int GP>
 inline void pv(const __m512i* vw, const uint32_t* pw, int npairs, const float* corr, int p0, float* acc) {
   constexpr int NV = D / 16;
@@ -189,12 +189,14 @@ void attend(const __m512i* qt, const BF16* kp, const __m512i* vw, int64_t row, i
     const __m512i hi = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e[2 * jj + 1])));
     _mm512_store_si512(pw + jj * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
   }
+  // (Row, head)s a P.V pass: GP * D / 16 float32 accumulators held in zmm registers.
+  constexpr int GP = D / 16 <= 4 ? 4 : D / 16 <= 8 ? 2 : 1;
   int p = plo;
-  for (; p + 4 <= phi; p += 4) pv<D, 4>(vw, pw, npairs, corr, p, acc);
+  for (; p + GP <= phi; p += GP) pv<D, GP>(vw, pw, npairs, corr, p, acc);
   switch (phi - p) {
-    case 3: pv<D, 3>(vw, pw, npairs, corr, p, acc); break;
-    case 2: pv<D, 2>(vw, pw, npairs, corr, p, acc); break;
-    case 1: pv<D, 1>(vw, pw, npairs, corr, p, acc); break;
+    case 3: if constexpr (GP > 3) pv<D, 3>(vw, pw, npairs, corr, p, acc); break;
+    case 2: if constexpr (GP > 2) pv<D, 2>(vw, pw, npairs, corr, p, acc); break;
+    case 1: if constexpr (GP > 1) pv<D, 1>(vw, pw, npairs, corr, p, acc); break;
     default: break;
   }
 }
