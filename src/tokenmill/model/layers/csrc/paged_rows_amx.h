@@ -91,36 +91,6 @@ struct LineFeed {
   void rest() { issue(1 << 30); }
 };
 
-// r[i] = row i of a 16 x 16 matrix -> r[j] = its column j.
-inline void transpose16(__m512 (&r)[16]) {
-  __m512 t[16], u[16];
-#pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-#pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i) {  // u[4 i + j], 128-bit lane L: column 4 L + j of rows 4 i .. 4 i + 3
-    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
-    const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
-    u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-    u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-    u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
-    u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
-  }
-#pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j) {
-    const __m512 a = _mm512_shuffle_f32x4(u[j], u[4 + j], _MM_SHUFFLE(1, 0, 1, 0));
-    const __m512 b = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(1, 0, 1, 0));
-    const __m512 c = _mm512_shuffle_f32x4(u[j], u[4 + j], _MM_SHUFFLE(3, 2, 3, 2));
-    const __m512 d = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(3, 2, 3, 2));
-    r[j] = _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0));
-    r[4 + j] = _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1));
-    r[8 + j] = _mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(2, 0, 2, 0));
-    r[12 + j] = _mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(3, 1, 3, 1));
-  }
-}
-
 // One group of nq queries (rows of one kv head) and one tile, its scores S^T in `st` [32 keys][16
 // queries]: query q sees lanes lo[q] .. hi[q] of the tile's 32 (none when lo > hi: its state is
 // left as it is). Updates the queries' softmax state m, l and accumulators acc (D floats each, in

@@ -33,35 +33,13 @@ using BF16 = c10::BFloat16;
 template <int D>
 inline void transpose_pairs(const BF16* src, int64_t ld, int n, __m512i* out) {
   for (int c = 0; c < D / 32; ++c) {
-    __m512i r[16], t[16];
+    __m512 r[16];  // (pairs of bf16 moved as floats: bits only)
 #pragma GCC unroll 16
     for (int j = 0; j < 16; ++j)
-      r[j] = j < n ? _mm512_loadu_si512(reinterpret_cast<const void*>(src + j * ld + c * 32)) : _mm512_setzero_si512();
-    // 16 x 16 words: interleave words, then pairs of words, then 128-bit lanes twice.
-#pragma GCC unroll 8
-    for (int j = 0; j < 16; j += 2) {
-      t[j] = _mm512_unpacklo_epi32(r[j], r[j + 1]);
-      t[j + 1] = _mm512_unpackhi_epi32(r[j], r[j + 1]);
-    }
-#pragma GCC unroll 4
-    for (int j = 0; j < 16; j += 4) {
-      r[j] = _mm512_unpacklo_epi64(t[j], t[j + 2]);
-      r[j + 1] = _mm512_unpackhi_epi64(t[j], t[j + 2]);
-      r[j + 2] = _mm512_unpacklo_epi64(t[j + 1], t[j + 3]);
-      r[j + 3] = _mm512_unpackhi_epi64(t[j + 1], t[j + 3]);
-    }
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      t[j] = _mm512_shuffle_i32x4(r[j], r[j + 4], 0x88);
-      t[j + 4] = _mm512_shuffle_i32x4(r[j], r[j + 4], 0xdd);
-      t[j + 8] = _mm512_shuffle_i32x4(r[j + 8], r[j + 12], 0x88);
-      t[j + 12] = _mm512_shuffle_i32x4(r[j + 8], r[j + 12], 0xdd);
-    }
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-      _mm512_store_si512(out + c * 16 + j, _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88));
-      _mm512_store_si512(out + c * 16 + j + 8, _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd));
-    }
+      r[j] = j < n ? _mm512_loadu_ps(reinterpret_cast<const float*>(src + j * ld + c * 32)) : _mm512_setzero_ps();
+    transpose16(r);
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) _mm512_store_si512(out + c * 16 + i, _mm512_castps_si512(r[i]));
   }
 }
 
