@@ -63,13 +63,22 @@ def populate_in_background(t: torch.Tensor, chunk: int = 32 * HUGE_PAGE,
     through the pool faulted in the steps' own threads (~1 s a GiB on a VM; 10% of a W8A8 prompt
     step's time on SmolLM2). The end state is vLLM's, whose cache is torch.zeros at start-up,
     without the seconds of memset before serving. MADV_POPULATE_WRITE leaves the contents as they
-    are, so it may run beside the engine's writes; the thread holds t only during a call."""
+    are, so it may run beside the engine's writes.
+
+    The thread holds t's address, never t: whoever lets t go (its engine dropped, a cache re-sized)
+    runs a finalizer that waits out the chunk in flight and stops the thread, and t is freed there;
+    at interpreter exit the finalizer runs from atexit. Held by the thread during a call (as it once
+    was), t could lose its last reference on that thread: t's storage (torch.frombuffer over an
+    mmap) is then unmapped in a C++ deleter that releases the GIL, and an interpreter exit meanwhile
+    ends the daemon thread with pthread_exit inside that noexcept deleter: "terminate called without
+    an active exception", exit status 134, after a script had done its work."""
     start, nbytes = t.data_ptr(), t.numel() * t.element_size()
     if sys.platform != "linux" or nbytes == 0 or start % mmap.PAGESIZE:
         return None
-    ref = weakref.ref(t)
-    madvise = ctypes.CDLL(None, use_errno=True).madvise  # ctypes: the GIL is released during the call
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise = _libc_madvise()
+    # Held while a chunk is faulted in. Reentrant: should a garbage collection on the thread itself
+    # free t (in a cycle), the finalizer runs there, inside the lock.
+    lock, stop = threading.RLock(), threading.Event()
 
     def run() -> None:
         try:
@@ -78,23 +87,36 @@ def populate_in_background(t: torch.Tensor, chunk: int = 32 * HUGE_PAGE,
             pass
         t0 = time.perf_counter()
         for off in range(0, nbytes, chunk):
-            alive = ref()  # the cache may be freed (re-sized, engine closed): stop then
-            if alive is None:
+            with lock:
+                if stop.is_set():  # t is gone (or going): its memory may be unmapped
+                    return
+                failed = madvise(start + off, min(chunk, nbytes - off), MADV_POPULATE_WRITE) != 0
+            if failed:
+                if not stop.is_set():  # (else t went during the call) a kernel without MADV_POPULATE_WRITE
+                    logger.info("%s: background thread stopped (madvise: %s); pages fault in on first write",
+                                what, os.strerror(ctypes.get_errno()))
                 return
-            if madvise(start + off, min(chunk, nbytes - off), MADV_POPULATE_WRITE) != 0:
-                # a kernel without MADV_POPULATE_WRITE (Linux < 5.14): pages fault on first write, as before
-                logger.info("%s: background thread stopped (madvise: %s); pages fault in on first write", what,
-                            os.strerror(ctypes.get_errno()))
-                return
-            del alive
         # (benchmarks/compare/run.py waits for this line before it measures a tokenmill server)
         logger.info("%s: %.2f GiB faulted in by a background thread in %.1f s", what, nbytes / 2**30,
                     time.perf_counter() - t0)
 
+    # Runs where t is freed, or at interpreter exit (atexit: before daemon threads are cut off).
+    weakref.finalize(t, _stop_populating, lock, stop)
     thread = threading.Thread(target=run, name="tokenmill-populate", daemon=True)
     logger.info("%s: faulting in %.2f GiB from a background thread", what, nbytes / 2**30)
     thread.start()
     return thread
+
+
+def _libc_madvise():
+    madvise = ctypes.CDLL(None, use_errno=True).madvise  # ctypes: the GIL is released during the call
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise
+
+
+def _stop_populating(lock: threading.RLock, stop: threading.Event) -> None:
+    with lock:  # waits out the chunk in flight: t's memory stays mapped until then
+        stop.set()
 
 
 def _decode_tensors(model: nn.Module) -> list[tuple[nn.Module, str]]:
