@@ -1,6 +1,7 @@
-"""What a first run shows: `--version`, the C++ kernel build (keyed by environment, logged before
-and after, visible when waiting on another process's build, `build-kernels`, never counted as
-weight loading) and progress bars on a terminal only."""
+"""What a first run shows: `--version`, the fallback C++ kernel build of an installation without
+prebuilt kernels (keyed by environment, logged before and after, visible when waiting on another
+process's build, `build-kernels`, never counted as weight loading) and progress bars on a terminal
+only. The prebuilt kernels and their ISA levels: test_kernel_isa.py."""
 
 from __future__ import annotations
 
@@ -59,21 +60,24 @@ def events():
 
 @pytest.fixture
 def fresh_kernels(monkeypatch, tmp_path):
-    """cpu_kernels as in a new process, building into tmp_path; the compile itself is replaced by
-    a stand-in (set `.fail` to make it raise) so no test waits minutes for a compiler."""
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    """cpu_kernels as in a new process of an installation without prebuilt kernels, building into
+    tmp_path; the compile itself is replaced by a stand-in (set `.fail` to make it raise) so no
+    test waits for a compiler."""
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(cpu_kernels, "_module", None)
     monkeypatch.setattr(cpu_kernels, "_failed", False)
     monkeypatch.setattr(cpu_kernels, "_error", None)
-    fake = types.SimpleNamespace(module=object(), fail=None, built_in=[])
+    monkeypatch.setattr(cpu_kernels, "_origin", None)
+    monkeypatch.setattr(cpu_kernels, "_packaged", lambda level: None)
+    fake = types.SimpleNamespace(module=types.SimpleNamespace(isa=lambda: "fake"), fail=None, built_in=[])
 
-    def load_ext(build_dir):
-        fake.built_in.append(build_dir)
+    def load_ext(folder, level):
+        fake.built_in.append(folder)
         if fake.fail:
             raise RuntimeError(fake.fail)
-        return fake.module
 
     monkeypatch.setattr(cpu_kernels, "_load_ext", load_ext)
+    monkeypatch.setattr(cpu_kernels, "_import_file", lambda path, level: fake.module)
     return fake
 
 
@@ -85,32 +89,18 @@ def test_version(capsys):
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"tokenmill {__version__}"
 
 
-def test_build_directory_keyed_by_environment(monkeypatch, tmp_path):
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    here = cpu_kernels.build_directory()
-    assert here.parent == tmp_path and here.name.startswith("tokenmill_cpu_kernels_")
-    assert cpu_kernels.build_directory() == here  # stable
+def test_cache_directory_keyed_by_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    here = cpu_kernels.cache_directory("avx2")
+    assert here.parent == tmp_path / "kernels" and here.name.startswith("avx2-")
+    assert cpu_kernels.cache_directory("avx2") == here  # stable
+    assert cpu_kernels.cache_directory("generic") != here  # each level apart
     monkeypatch.setattr(sys, "prefix", str(tmp_path / "other-venv"))
-    assert cpu_kernels.build_directory() != here  # a second venv builds apart
-
-
-def test_sources_staged_in_the_build_directory(tmp_path):
-    """ninja compiles copies kept in the build folder, so checkouts of the same sources share one build;
-    a copy is rewritten only when its source changed (an unchanged file keeps its time: no rebuild)."""
-    staged = [Path(p) for p in cpu_kernels._staged_sources(tmp_path)]
-    assert [p.name for p in staged] == [p.name for p in cpu_kernels.SOURCES]
-    assert all(p.parent == tmp_path / "src" and p.read_bytes() == s.read_bytes()
-               for p, s in zip(staged, cpu_kernels.SOURCES))
-    assert {h.name for h in cpu_kernels.HEADERS} <= {p.name for p in (tmp_path / "src").iterdir()}
-    os.utime(staged[0], (1, 1))
-    (tmp_path / "src" / cpu_kernels.HEADERS[0].name).write_text("stale")
-    cpu_kernels._staged_sources(tmp_path)
-    assert staged[0].stat().st_mtime == 1  # unchanged: left alone
-    assert (tmp_path / "src" / cpu_kernels.HEADERS[0].name).read_bytes() == cpu_kernels.HEADERS[0].read_bytes()
+    assert cpu_kernels.cache_directory("avx2") != here  # a second venv builds apart
 
 
 def test_build_is_logged_and_waits_visibly_on_another_builder(fresh_kernels, events):
-    build_dir = cpu_kernels.build_directory()
+    build_dir = cpu_kernels.cache_directory()
     build_dir.mkdir(parents=True)
     waiting = events("waiting for another process (pid 4242) building the CPU kernels in " + str(build_dir))
     got = []
@@ -125,7 +115,9 @@ def test_build_is_logged_and_waits_visibly_on_another_builder(fresh_kernels, eve
         fcntl.flock(held, fcntl.LOCK_UN)
     t.join(60)
     assert got == [fresh_kernels.module] and fresh_kernels.built_in == [build_dir]
-    compiling = [m for m in waiting.messages if m.startswith("compiling the CPU kernels into " + str(build_dir))]
+    level = cpu_kernels._kernels()[1].selected_level().name
+    compiling = [m for m in waiting.messages
+                 if m.startswith(f"compiling the CPU kernels for {level} into {build_dir}")]
     assert compiling and "tokenmill build-kernels" in compiling[0]
     assert any(m.startswith("compiled the CPU kernels in ") for m in waiting.messages)
     assert (build_dir / "tokenmill.flock").read_text() == str(os.getpid())  # for the next waiter
@@ -133,7 +125,8 @@ def test_build_is_logged_and_waits_visibly_on_another_builder(fresh_kernels, eve
 
 def test_build_kernels_command(fresh_kernels, capsys):
     assert main(["build-kernels"]) == 0
-    assert str(cpu_kernels.build_directory()) in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "CPU kernels ready: fake in " in out and str(cpu_kernels.cache_directory()) in out
 
 
 def test_build_kernels_command_says_why_it_failed(fresh_kernels, capsys):

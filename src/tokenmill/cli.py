@@ -289,10 +289,12 @@ def _cmd_build_kernels(ns: argparse.Namespace) -> int:
     from tokenmill.model.layers import cpu_kernels
 
     t0 = time.perf_counter()
-    if cpu_kernels.load() is None:
+    module = cpu_kernels.load()
+    if module is None:
         print(f"tokenmill: error: the CPU kernels did not build: {cpu_kernels.build_error()}", file=sys.stderr)
         return 1
-    print(f"CPU kernels ready in {cpu_kernels.build_directory()} ({time.perf_counter() - t0:.1f} s)")
+    where = "from the package" if cpu_kernels.origin() == "package" else f"in {cpu_kernels.origin()}"
+    print(f"CPU kernels ready: {module.isa()} {where} ({time.perf_counter() - t0:.1f} s)")
     return 0
 
 
@@ -386,9 +388,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_ray_args(s)
     s.set_defaults(func=_cmd_serve, default_log_level="INFO")
 
-    k = sub.add_parser("build-kernels", help="compile the C++ CPU kernels now (else the first engine start does)",
-                       description="Compile the engine's C++ CPU kernels for this environment (a few minutes on "
-                                   "2 cores, once) and print where they were built.")
+    k = sub.add_parser("build-kernels", help="load the C++ CPU kernels for this CPU, compiling them if the "
+                                             "installation has none for it",
+                       description="Load the engine's C++ CPU kernels for this CPU's ISA level (or TOKENMILL_CPU_ISA's): "
+                                   "an installed package has them compiled; a source tree, another torch or a level "
+                                   "the build skipped compiles them now (about a minute on 2 cores, once). Prints the "
+                                   "level and where it came from.")
     k.set_defaults(func=_cmd_build_kernels, default_log_level="INFO")
 
     b = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)

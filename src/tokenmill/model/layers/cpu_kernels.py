@@ -1,23 +1,25 @@
-"""The engine's own C++ CPU kernels, compiled from the package's source on first use.
+"""The engine's own C++ CPU kernels, loaded for the ISA level this CPU runs.
 
-Built with torch's cpp_extension (needs a C++ compiler and ninja) into a build folder under
-torch's build root (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR) keyed by the source,
-the flags and the environment (torch, Python, sys.prefix), so two venvs never share or wait on
-one build. The sources are compiled from copies inside that folder, so checkouts of the same
-sources (git worktrees, a reinstall elsewhere) share one build. Only the first process pays for
-the build (130 s on 2 idle cores, 476 s on 2 busy ones; `tokenmill build-kernels` does it
-ahead); it says so in the log.
-If the build fails, callers fall back to pure-torch code (TOKENMILL_NO_CPP_KERNELS=1 forces that).
+The package ships them compiled, one extension module per x86 level
+(`tokenmill.kernels._C_<level>`, built by `pip install` / `python -m build`: kernels/build.py);
+the highest level the CPU has is loaded, or the one `TOKENMILL_CPU_ISA` caps it to
+(kernels/isa.py). A source tree without them, a package built for other levels, or a torch other
+than the one they were built against compiles the one level needed on first use (the fallback:
+about a minute, logged unit by unit) into `$TOKENMILL_CACHE_DIR/kernels` (default
+~/.cache/tokenmill/kernels), keyed by sources, torch, Python and the environment, so later
+starts load it. If that fails too, callers use pure-torch code (TOKENMILL_NO_CPP_KERNELS=1
+forces that).
 
-torch guards a build with a lock file that it waits on forever if the builder was killed
-mid-build; an flock (released by the OS when its holder dies) around the build lets the next
-process clear such a stale file instead of hanging.
+An flock around a fallback build (released by the OS when its holder dies) makes a second
+process wait for the first, saying so, instead of compiling alongside it.
 """
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib
+import importlib.util
 import logging
 import os
 import sys
@@ -25,27 +27,38 @@ import threading
 import time
 from pathlib import Path
 
+
 logger = logging.getLogger("tokenmill")
 _lock = threading.Lock()
 _module = None
 _failed = False
-_error: str | None = None  # why the build failed (for `tokenmill build-kernels`)
-NAME = "tokenmill_cpu_kernels"
+_error: str | None = None  # why the kernels are unavailable (for `tokenmill build-kernels`)
+_origin: str | None = None  # where the loaded module came from: "package" or its cache folder
+PACKAGE = "tokenmill.kernels"
+
+
+def _kernels():
+    """tokenmill.kernels' build and isa modules, imported when first needed rather than with the
+    package (`python -m tokenmill.kernels.isa` runs isa as __main__ after importing tokenmill)."""
+    from tokenmill.kernels import build, isa
+
+    return build, isa
 
 
 def load():
-    """The compiled module, or None when unavailable."""
+    """The compiled module for this CPU's level, or None when unavailable."""
     global _module, _failed, _error
     if _module is not None or _failed:
         return _module
     with _lock:
         if _module is not None or _failed:
             return _module
+        level = _kernels()[1].selected_level()  # a bad TOKENMILL_CPU_ISA is the user's error: raised, not hidden
         try:
-            _module = _build()
-        except Exception as e:  # noqa: BLE001 - no compiler, no ninja, ...: use the torch path
+            _module = _packaged(level) or _build(level)
+        except Exception as e:  # noqa: BLE001 - no compiler, a failed compile, ...: use the torch path
             _error = f"{type(e).__name__}: {e}"
-            logger.warning("C++ CPU kernels unavailable (%s); using the pure-torch attention path", e)
+            logger.warning("C++ CPU kernels unavailable (%s); using the pure-torch path", e)
             _failed = True
     return _module
 
@@ -54,91 +67,110 @@ def build_error() -> str | None:
     return _error
 
 
-def _build():
-    build_dir = build_directory()
-    build_dir.mkdir(parents=True, exist_ok=True)
-    with open(build_dir / "tokenmill.flock", "a+") as guard:  # "a+": a waiter must not erase the holder's pid
-        _acquire(guard, build_dir)  # one builder per environment; freed if it dies
-        (build_dir / "lock").unlink(missing_ok=True)  # torch's own lock: stale if we got here
-        fresh = not (build_dir / f"{NAME}.so").exists()
-        if fresh:  # minutes of silence otherwise, which the next log line would be blamed for
-            logger.warning("compiling the CPU kernels into %s (first run with this environment on this machine: "
-                           "about 2 min on 2 idle cores, more when they are busy, less with more cores; "
-                           "`tokenmill build-kernels` does it ahead)",
-                           build_dir)
-        t0 = time.perf_counter()
-        module = _load_ext(build_dir)
-        if fresh:
+def origin() -> str | None:
+    """"package" when the loaded kernels came with the package, else the cache folder they were built in."""
+    return _origin
+
+
+def _packaged(level):
+    """The package's own module for `level` (an isa.IsaLevel), when it has one built against this torch."""
+    global _origin
+    import torch
+
+    kernel_build = _kernels()[0]
+    name = f"{PACKAGE}.{kernel_build.MODULE_PREFIX}{level.name}"
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.origin is None:
+        logger.warning("no prebuilt CPU kernels for %s (%s) in this installation (%s)", level.name, level.cpus,
+                       "built with TOKENMILL_SKIP_KERNEL_BUILD or other TOKENMILL_KERNEL_LEVELS, or a source tree "
+                       "never installed")
+        return None
+    info = kernel_build.read_build_info(Path(spec.origin).parent) or {}
+    if info.get("torch") != torch.__version__:
+        logger.warning("the package's CPU kernels were built against torch %s, and this is torch %s",
+                       info.get("torch", "(unknown)"), torch.__version__)
+        return None
+    module = importlib.import_module(name)
+    _origin = "package"
+    logger.info("CPU kernels: %s (%s), from the package", level.name, level.cpus)
+    return module
+
+
+def cache_directory(level: str | None = None) -> Path:
+    """Where the fallback build of `level` (default: the selected one) goes: keyed by sources,
+    torch, Python and the environment's sys.prefix, so that two venvs build apart."""
+    import torch
+
+    kernel_build, kernel_isa = _kernels()
+    level = level or kernel_isa.selected_level().name
+    sources = sorted(kernel_build.CSRC.glob("*.cpp")) + sorted(kernel_build.CSRC.glob("*.h"))
+    env = [level, torch.__version__, sys.version, sys.prefix, os.environ.get("CXX", "")]
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + "|".join(env).encode()).hexdigest()[:16]
+    root = Path(os.environ.get("TOKENMILL_CACHE_DIR") or Path.home() / ".cache" / "tokenmill")
+    return root / "kernels" / f"{level}-{key}"
+
+
+def _build(level):
+    global _origin
+    kernel_build = _kernels()[0]
+    folder = cache_directory(level.name)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "tokenmill.flock", "a+") as guard:  # "a+": a waiter must not erase the holder's pid
+        _acquire(guard, folder)  # one builder per environment; freed if it dies
+        path = folder / kernel_build.module_file(level.name)
+        if not path.exists():
+            logger.warning("compiling the CPU kernels for %s into %s (first use with this environment: the "
+                           "package has none built for it); `tokenmill build-kernels` does it ahead", level.name,
+                           folder)
+            t0 = time.perf_counter()
+            _load_ext(folder, level.name)
             logger.warning("compiled the CPU kernels in %.0f s", time.perf_counter() - t0)
-        return module
+        module = _import_file(path, level.name)
+    _origin = str(folder)
+    logger.info("CPU kernels: %s (%s), from %s", level.name, level.cpus, folder)
+    return module
 
 
-def _acquire(guard, build_dir: Path) -> None:
+def _load_ext(folder: Path, level: str) -> None:
+    """Compiles `level`'s module into folder (tests replace this with a stand-in)."""
+    _kernels()[0].build(folder, [level], work=folder / "work", log=logger.info)
+
+
+def _import_file(path: Path, level: str):
+    name = f"{PACKAGE}.{_kernels()[0].MODULE_PREFIX}{level}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None:  # a test's stand-in build leaves no module file
+        raise ImportError(f"no module at {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[name] = module
+    return module
+
+
+def load_level(level: str):
+    """The module of one ISA level (tests compare levels in one process), built on first use
+    where the package has none. Raises where this CPU cannot run it."""
+    kernel_isa = _kernels()[1]
+    lv = kernel_isa.level(level)
+    if lv.name not in [s.name for s in kernel_isa.supported()]:
+        raise ValueError(f"this CPU cannot run the {level} kernels")
+    return _packaged(lv) or _build(lv)
+
+
+def _acquire(guard, folder: Path) -> None:
     """flock the build folder, saying so when another process holds it (its pid is in the file)."""
     try:
         fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         guard.seek(0)
         holder = guard.read().strip() or "?"
-        logger.warning("waiting for another process (pid %s) building the CPU kernels in %s", holder, build_dir)
+        logger.warning("waiting for another process (pid %s) building the CPU kernels in %s", holder, folder)
         fcntl.flock(guard, fcntl.LOCK_EX)
     guard.truncate(0)
     guard.write(str(os.getpid()))
     guard.flush()
-
-
-def _load_ext(build_dir: Path):
-    from torch.utils.cpp_extension import load as load_ext
-
-    # ninja's default of cores + 2 jobs adds compilers of ~1.5 GB each and no speed; torch reads MAX_JOBS
-    saved = os.environ.get("MAX_JOBS")
-    os.environ["MAX_JOBS"] = saved or str(os.cpu_count() or 1)
-    try:
-        return load_ext(name=NAME, sources=_staged_sources(build_dir), extra_cflags=_flags(),
-                        build_directory=str(build_dir), verbose=False)
-    finally:
-        if saved is None:
-            del os.environ["MAX_JOBS"]
-
-
-def _staged_sources(build_dir: Path) -> list[str]:
-    """Copies of the sources and headers in the build folder, rewritten only when they differ (so
-    ninja sees the same paths and times): the commands ninja records then name no checkout."""
-    staged = build_dir / "src"
-    staged.mkdir(exist_ok=True)
-    for p in SOURCES + HEADERS:
-        data, dst = p.read_bytes(), staged / p.name
-        if not dst.exists() or dst.read_bytes() != data:
-            dst.write_bytes(data)
-    return [str(staged / p.name) for p in SOURCES]
-
-
-SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("paged_attention.cpp", "paged_prefill.cpp", "quant_linear.cpp", "quant_panels.cpp", "panel_linear.cpp", "fused_ops.cpp",
-                        "decode_step.cpp", "lora.cpp", "moe.cpp", "shm_allreduce.cpp", "w8a8.cpp", "sampling.cpp",
-                        "bindings.cpp")]
-# Not compiled alone, but part of the build key: every header, so a new one cannot be forgotten.
-HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
-
-
-def _flags() -> list[str]:
-    flags = ["-O3", "-fopenmp", "-ffast-math", "-mprefer-vector-width=512"]
-    if os.environ.get("TOKENMILL_PORTABLE_KERNELS") != "1":
-        flags.append("-march=native")
-    return flags
-
-
-def build_directory() -> Path:
-    """Where the module is built: under torch's build root ($TORCH_EXTENSIONS_DIR or
-    ~/.cache/torch_extensions), keyed by source, flags, torch, Python and the environment's
-    sys.prefix, so two venvs build apart and two checkouts of the same sources share a build."""
-    import torch
-    from torch.utils.cpp_extension import get_default_build_root
-
-    env = [" ".join(_flags()), torch.__version__, sys.version, sys.prefix]
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + "|".join(env).encode()).hexdigest()[:16]
-    # torch's own load() reads TORCH_EXTENSIONS_DIR, but only when no build_directory is given
-    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / f"{NAME}_{key}"
 
 
 def enabled() -> bool:

@@ -18,8 +18,7 @@
 //
 // Each output sums its products in one float32 accumulator over the input pairs in order, so
 // the result does not depend on the batch size or on how panels are shared out among threads.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_lite.h"
 
 #include <cstdint>
 #include <string>
@@ -375,12 +374,12 @@ std::string panel_isa() {
 }
 
 // weight [N, K] bf16 -> panels [ceil(N / 32), K / 2, 32, 2] (rows past N zero).
-torch::Tensor pack_panels(torch::Tensor weight) {
+at::Tensor pack_panels(at::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.size(1) % 2 == 0,
               "pack_panels: a bf16 [N, K] weight, K even");
   const auto w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1), P = (N + tm_cpu::kPanelRows - 1) / tm_cpu::kPanelRows;
-  auto out = torch::zeros({P, K / 2, tm_cpu::kPanelRows, 2}, w.options());
+  auto out = tm_cpu::zeros({P, K / 2, tm_cpu::kPanelRows, 2}, w.options());
   const int32_t* src = reinterpret_cast<const int32_t*>(w.data_ptr());  // (k, k+1) pairs
   int32_t* dst = reinterpret_cast<int32_t*>(out.data_ptr());
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
@@ -397,7 +396,7 @@ torch::Tensor pack_panels(torch::Tensor weight) {
 // silu(gate) * up of a fused gate/up linear (N = 2 I outputs, gate first, I a multiple of 32) in
 // the AMX path's epilogue: [M, I], the bits of panel_linear then silu_and_mul, without writing
 // [M, N]. AMX-BF16 only (panel_isa() == "amx-bf16").
-torch::Tensor panel_linear_silu_mul(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias) {
+at::Tensor panel_linear_silu_mul(at::Tensor x, at::Tensor panels, int64_t N, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && panels.scalar_type() == at::kBFloat16 &&
                   panels.is_contiguous() && panels.dim() == 4 && panels.size(2) == tm_cpu::kPanelRows &&
                   panels.size(1) * 2 == x.size(1) && panels.size(0) * tm_cpu::kPanelRows == N &&
@@ -408,7 +407,7 @@ torch::Tensor panel_linear_silu_mul(torch::Tensor x, torch::Tensor panels, int64
 #if TM_PANEL_KERNEL && defined(TM_PANEL_AMX)
   TORCH_CHECK(tm_cpu::amx_permitted(), "panel_linear_silu_mul: needs AMX-BF16");
   const auto xc = x.contiguous();
-  auto out = torch::empty({x.size(0), N / 2}, x.options());
+  auto out = tm_cpu::empty({x.size(0), N / 2}, x.options());
   const tm_cpu::LinearWeights w{16, false, panels.data_ptr(), nullptr, N, x.size(1)};
   const c10::BFloat16* b = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
   const int64_t glu = N / (2 * tm_cpu::kPanelRows);
@@ -422,7 +421,7 @@ torch::Tensor panel_linear_silu_mul(torch::Tensor x, torch::Tensor panels, int64
 }
 
 // x [M, K] bf16 @ (panels of an [N, K] weight)^T (+ bias [N]) -> [M, N] bf16.
-torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10::optional<torch::Tensor> bias) {
+at::Tensor panel_linear(at::Tensor x, at::Tensor panels, int64_t N, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && panels.scalar_type() == at::kBFloat16 &&
                   panels.is_contiguous() && panels.dim() == 4 && panels.size(2) == tm_cpu::kPanelRows &&
                   panels.size(1) * 2 == x.size(1) && panels.size(0) * tm_cpu::kPanelRows >= N,
@@ -431,7 +430,7 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, int64_t N, c10
               "panel_linear: bias must be bf16 [N]");
 #if TM_PANEL_KERNEL
   const auto xc = x.contiguous();
-  auto out = torch::empty({x.size(0), N}, x.options());
+  auto out = tm_cpu::empty({x.size(0), N}, x.options());
   const tm_cpu::LinearWeights w{16, false, panels.data_ptr(), nullptr, N, x.size(1)};
   const c10::BFloat16* b = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
   at::parallel_for(0, w.units(), 1, [&](int64_t p0, int64_t p1) {

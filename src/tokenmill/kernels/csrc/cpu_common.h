@@ -2,7 +2,7 @@
 // and (with AVX-512) a vector exp and horizontal-sum trees.
 #pragma once
 
-#include <torch/extension.h>
+#include "torch_lite.h"
 
 #include <algorithm>
 #include <cmath>
@@ -45,12 +45,12 @@ inline constexpr bool kScaledCache = std::is_same_v<C, int8_t> || std::is_same_v
 
 // The attention ops' cache arguments: whether a cache is int8 / float8 (scaled), its scales'
 // pointers (null for a cache in the queries' dtype), and f(k, v) called with typed pointers.
-inline bool scaled_cache(const torch::Tensor& cache) {
+inline bool scaled_cache(const at::Tensor& cache) {
   return cache.scalar_type() == at::kChar || cache.scalar_type() == at::kFloat8_e4m3fn;
 }
-inline std::pair<const float*, const float*> cache_scales(const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                                                          const c10::optional<torch::Tensor>& k_scale,
-                                                          const c10::optional<torch::Tensor>& v_scale) {
+inline std::pair<const float*, const float*> cache_scales(const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                                          const c10::optional<at::Tensor>& k_scale,
+                                                          const c10::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "k and v cache dtype differ");
   if (!scaled_cache(k_cache)) return {nullptr, nullptr};
   TORCH_CHECK(k_scale.has_value() && v_scale.has_value(), "an int8 / float8 cache needs its scales");
@@ -59,7 +59,7 @@ inline std::pair<const float*, const float*> cache_scales(const torch::Tensor& k
   return {k_scale->data_ptr<float>(), v_scale->data_ptr<float>()};
 }
 template <typename T, typename F>
-inline void with_cache(const torch::Tensor& k_cache, const torch::Tensor& v_cache, F&& f) {
+inline void with_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, F&& f) {
   if (k_cache.scalar_type() == at::kChar) {
     f(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
   } else if (k_cache.scalar_type() == at::kFloat8_e4m3fn) {

@@ -30,8 +30,7 @@
 // bf16: the gate/up and down outputs and silu(gate) * up are rounded to bf16 as torch's bf16
 // ops round them (the reference in tests/test_moe_kernel.py); the products sum in float32.
 // Portable C++ with GCC vector types: 8-float vectors with AVX2, 16 with AVX-512.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_lite.h"
 
 #include <algorithm>
 #include <cmath>
@@ -49,6 +48,13 @@ constexpr int kW = 8;
 typedef float vec __attribute__((vector_size(kW * sizeof(float))));
 typedef float vec8 __attribute__((vector_size(8 * sizeof(float))));
 typedef float vec4 __attribute__((vector_size(4 * sizeof(float))));
+// Pins a vector to a register (GCC would rather fold a load into every FMA). Without AVX (the
+// generic level) an 8-float vector is no register's size: left to the compiler.
+#if defined(__AVX__)
+#define TM_IN_REGISTER(v) asm("" : "+v"(v))
+#else
+#define TM_IN_REGISTER(v) (void)0
+#endif
 
 constexpr int kR = 4;                        // input rows per register tile
 constexpr int64_t kCols = 24;                // output columns per work unit
@@ -89,7 +95,7 @@ inline void dot_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, i
 #pragma GCC unroll 16
     for (int c = 0; c < C; ++c) {
       wv[c] = loadv(w + c * ldw + k);
-      asm("" : "+v"(wv[c]));  // held in a register: GCC would rather fold a load into every FMA
+      TM_IN_REGISTER(wv[c]);  // held in a register: GCC would rather fold a load into every FMA
     }
     if (prefetch && k % 16 == 0)  // the next tile's weight rows, a cache line each, while this one computes
 #pragma GCC unroll 16
@@ -97,7 +103,7 @@ inline void dot_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, i
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       vec xv = loadv(x + r * ldx + k);
-      asm("" : "+v"(xv));  // likewise: R + C loads a step, not R + R C
+      TM_IN_REGISTER(xv);  // likewise: R + C loads a step, not R + R C
 #pragma GCC unroll 16
       for (int c = 0; c < C; ++c) acc[r][c] += xv * wv[c];
     }
@@ -302,8 +308,8 @@ void moe_chunk(const T* x, const T* w13, const T* w2, const int32_t* ids, const 
 // x [T, H] float32 or bf16; w13 [E, 2I, H] (each expert's gate rows, then its up rows) and
 // w2 [E, H, I] in x's dtype; topk_ids [T, k] int32 in [0, E); topk_weights [T, k] float32.
 // Returns [T, H] in x's dtype.
-torch::Tensor moe_experts(torch::Tensor x, torch::Tensor w13, torch::Tensor w2, torch::Tensor topk_ids,
-                          torch::Tensor topk_weights) {
+at::Tensor moe_experts(at::Tensor x, at::Tensor w13, at::Tensor w2, at::Tensor topk_ids,
+                          at::Tensor topk_weights) {
   TORCH_CHECK(x.dim() == 2 && w13.dim() == 3 && w2.dim() == 3 && topk_ids.dim() == 2 && topk_weights.dim() == 2,
               "moe_experts: x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids and topk_weights [T, k]");
   const int64_t T_ = x.size(0), H = x.size(1), E = w13.size(0), I = w13.size(1) / 2, k = topk_ids.size(1);
@@ -321,7 +327,7 @@ torch::Tensor moe_experts(torch::Tensor x, torch::Tensor w13, torch::Tensor w2, 
   const int32_t* ids = ic.data_ptr<int32_t>();
   for (int64_t i = 0; i < T_ * k; ++i)
     TORCH_CHECK(ids[i] >= 0 && ids[i] < E, "moe_experts: expert id ", ids[i], " out of range [0, ", E, ")");
-  auto out = torch::empty({T_, H}, x.options());
+  auto out = tm_cpu::empty({T_, H}, x.options());
   if (T_ == 0) return out;
   // Tokens per chunk: the float32 buffers (rows, activations, results) within kBufferBytes.
   const int64_t per_token = k * (pad(H) + pad(I) + H) * static_cast<int64_t>(sizeof(float));

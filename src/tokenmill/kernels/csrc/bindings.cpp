@@ -1,7 +1,21 @@
-// Python bindings of the engine's CPU kernels (one extension module built from every csrc file).
+// Python bindings of the engine's CPU kernels. kernels/build.py compiles this file once, with no
+// ISA flags, and links it with each ISA level's kernel units into that level's extension module
+// (_C_<level>, entered through module_init.cpp): so nothing here may depend on the ISA macros,
+// and the ops a level lacks are bound or not by asking the kernel units at import.
 #include <torch/extension.h>
 
-#include "linear.h"  // TM_QUANT_PANELS
+#include "decode_step.h"
+#include "linear.h"
+
+// The allocation helpers of torch_lite.h: here, so that no kernel unit includes ATen's op headers.
+namespace tm_cpu {
+at::Tensor empty(at::IntArrayRef sizes, at::TensorOptions options) { return at::empty(sizes, options); }
+at::Tensor empty_like(const at::Tensor& x) { return at::empty_like(x); }
+at::Tensor zeros(at::IntArrayRef sizes, at::TensorOptions options) { return at::zeros(sizes, options); }
+}  // namespace tm_cpu
+
+// module_init.cpp: the ISA level this module was compiled for ("avx2", ...).
+const char* tm_isa_level();
 
 // paged_attention.cpp
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -46,11 +60,10 @@ torch::Tensor dequantize_weight(torch::Tensor qweight, torch::Tensor scales, int
 torch::Tensor quant_embedding(torch::Tensor ids, torch::Tensor qweight, torch::Tensor scales, int64_t bits,
                               at::ScalarType dtype, int64_t rows);
 
-#if TM_QUANT_PANELS
-// quant_panels.cpp
+// quant_panels.cpp (the op exists at every level; quant_panels_built() says whether it runs)
 torch::Tensor quant_panel_linear(torch::Tensor x, torch::Tensor qpanels, torch::Tensor spanels, int64_t bits,
                                  int64_t N);
-#endif
+bool quant_panels_built();
 
 // w8a8.cpp
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale, torch::Tensor rowsum,
@@ -72,10 +85,46 @@ torch::Tensor moe_experts(torch::Tensor x, torch::Tensor w13, torch::Tensor w2, 
 bool shm_all_reduce(torch::Tensor x, torch::Tensor slots, torch::Tensor words, int64_t rank, int64_t world,
                     int64_t seq, int64_t spin_ns);
 
-// decode_step.cpp (defined only where the CPU has AVX512-BF16 or AVX2 + FMA)
-void bind_fused_decoder(pybind11::module_& m);
+namespace {
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+// The fused decode step, where this level has it (AVX512-BF16, or AVX2 + FMA). module_local: two
+// levels' modules in one process (tests load several) each bind their own class.
+void bind_fused_decoder(pybind11::module_& m) {
+  namespace py = pybind11;
+  using tm_cpu::FusedDecoderApi;
+  if (!tm_cpu::fused_decoder_built()) return;
+  py::class_<FusedDecoderApi>(m, "FusedDecoder", py::module_local(),
+                              "A whole decode step of a Llama-family model in one parallel region")
+      .def(py::init(&tm_cpu::make_fused_decoder), py::arg("embed"), py::arg("embed_scales"), py::arg("embed_bits"),
+           py::arg("norms"), py::arg("linears"), py::arg("kv_caches"), py::arg("cos"), py::arg("sin"),
+           py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"), py::arg("vocab_size"),
+           py::arg("eps"), py::arg("block_size"), py::arg("scale"),
+           py::arg("kv_scales") = std::vector<torch::Tensor>{})
+      .def("forward", &FusedDecoderApi::forward, py::arg("ids"), py::arg("positions"), py::arg("slots"),
+           py::arg("block_tables"), py::arg("seq_lens"), py::arg("logits_rows"), py::arg("query_start_loc") = py::none(),
+           py::arg("row_slots") = py::none(), py::call_guard<py::gil_scoped_release>())
+      .def("set_lora", &FusedDecoderApi::set_lora, py::arg("specs"),
+           "multi-LoRA buffers: 4 per layer (qkv, o, gate_up, down), each (A, Bt, ranks, slice_bounds) or None")
+      .def("clear_lora", &FusedDecoderApi::clear_lora)
+      .def_property("spin_ns", &FusedDecoderApi::spin_ns, &FusedDecoderApi::set_spin_ns,
+                    "the most a thread spins at a barrier of the step before it sleeps (ns; 0: at once)")
+      .def_readwrite("count_waits", &FusedDecoderApi::count_waits_, "count how the step's barrier waits go (benchmarks)")
+      .def("take_wait_stats", &FusedDecoderApi::take_wait_stats,
+           "(waits that spun, slept after spinning, slept at once, total wait ns) since the last call")
+      .def("set_tensor_parallel", &FusedDecoderApi::set_tensor_parallel, py::arg("slots"), py::arg("words"),
+           py::arg("rank"), py::arg("world"), py::arg("spin_ns"))
+      .def_readwrite("tp_seq", &FusedDecoderApi::tp_seq_, "the next all-reduce's sequence number, less one")
+      .def_readwrite("adaptive_spin", &FusedDecoderApi::adaptive_spin_,
+                     "cut a thread's spin budget when its spins run out, grow it back when they succeed");
+  m.def("barrier_next_spin_budget", &tm_cpu::barrier_next_spin_budget, py::arg("budget"), py::arg("max_spin_ns"),
+        py::arg("waited_ns"), "the fused step's barrier: a thread's spin budget after a wait (waited_ns < 0: its "
+        "spin saw the wait end; else the wait's whole length, spin and sleep)");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.def("isa", &tm_isa_level, "the ISA level this module was compiled for (kernels/isa.py's names)");
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)", py::arg("q"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("block_size"), py::arg("scale"),
         py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), py::arg("window") = 0,
@@ -110,18 +159,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_weight", &dequantize_weight, "an int4/int8 weight, dequantized (for large batches)");
   m.def("quant_embedding", &quant_embedding, "rows of an int4/int8 table (rows or panels: give `rows`), dequantized",
         py::arg("ids"), py::arg("qweight"), py::arg("scales"), py::arg("bits"), py::arg("dtype"), py::arg("rows") = -1);
-#if TM_QUANT_PANELS
-  m.def("quant_panel_linear", &quant_panel_linear, "int4/int8 weights on output panels x int8 activations (AVX2 / AVX-512 VNNI)",
-        py::arg("x"), py::arg("qpanels"), py::arg("spanels"), py::arg("bits"), py::arg("out_features"));
-  m.def("set_quant_amx_rows", &tm_cpu::set_quant_amx_rows,
-        "bf16 calls of quant_panel_linear from this many rows run on AMX tiles (panels dequantized to bf16)");
-  m.def("quant_panels_amx", &tm_cpu::quant_panels_amx, "whether a bf16 call of M rows runs on AMX tiles", py::arg("M"));
-  m.def("set_quant_amx_int_rows", &tm_cpu::set_quant_amx_int_rows,
-        "rows from which int8-activation calls take AMX-INT8 tiles (the same bits)", py::arg("rows"));
-  m.def("quant_panels_amx_int", &tm_cpu::quant_panels_amx_int,
-        "whether a call of M rows takes the int8 products on AMX-INT8 tiles", py::arg("M"));
-  m.attr("QUANT_AMX_INT_ROWS") = tm_cpu::kQuantAmxIntRows;  // set_quant_amx_int_rows' default
-#endif
+  if (quant_panels_built()) {
+    m.def("quant_panel_linear", &quant_panel_linear, "int4/int8 weights on output panels x int8 activations (AVX2 / AVX-512 VNNI)",
+          py::arg("x"), py::arg("qpanels"), py::arg("spanels"), py::arg("bits"), py::arg("out_features"));
+    m.def("set_quant_amx_rows", &tm_cpu::set_quant_amx_rows,
+          "bf16 calls of quant_panel_linear from this many rows run on AMX tiles (panels dequantized to bf16)");
+    m.def("quant_panels_amx", &tm_cpu::quant_panels_amx, "whether a bf16 call of M rows runs on AMX tiles", py::arg("M"));
+    m.def("set_quant_amx_int_rows", &tm_cpu::set_quant_amx_int_rows,
+          "rows from which int8-activation calls take AMX-INT8 tiles (the same bits)", py::arg("rows"));
+    m.def("quant_panels_amx_int", &tm_cpu::quant_panels_amx_int,
+          "whether a call of M rows takes the int8 products on AMX-INT8 tiles", py::arg("M"));
+    m.attr("QUANT_AMX_INT_ROWS") = tm_cpu::kQuantAmxIntRows;  // set_quant_amx_int_rows' default
+  }
   m.def("w8a8_linear", &w8a8_linear, "int8 weights x per-token int8 activations, int32 sums (--quantization w8a8)",
         py::arg("x"), py::arg("packed"), py::arg("w_scale"), py::arg("rowsum"), py::arg("bias"), py::arg("N"));
   m.def("w8a8_linear_silu_mul", &w8a8_linear_silu_mul, "a gate/up W8A8 linear with silu(gate) * up in its epilogue",

@@ -2,7 +2,7 @@
 // the fused decode step (each thread of one parallel region taking its share).
 #pragma once
 
-#include <torch/extension.h>
+#include "torch_lite.h"
 
 #include <cstdint>
 #include <vector>

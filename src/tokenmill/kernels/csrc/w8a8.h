@@ -2,7 +2,7 @@
 // activation rows itself (per token, as the op does), then computes its own panels of 16 outputs.
 #pragma once
 
-#include <torch/extension.h>
+#include "torch_lite.h"
 
 #include <cstdint>
 

@@ -2,8 +2,7 @@
 // small torch ops (torch's bfloat16 element-wise path is slow on CPU, and every op costs a
 // few microseconds of dispatch: a decode step runs ~40 of them per layer without these).
 // The row kernels are in elementwise.h (shared with the fused decode step).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_lite.h"
 
 #include <algorithm>
 #include <cmath>
@@ -67,7 +66,7 @@ void gelu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter) {
 }
 
 template <typename F>
-void dispatch_float(const torch::Tensor& t, const char* name, F&& f) {
+void dispatch_float(const at::Tensor& t, const char* name, F&& f) {
   if (t.scalar_type() == at::kFloat) {
     f(float{});
   } else {
@@ -79,10 +78,10 @@ void dispatch_float(const torch::Tensor& t, const char* name, F&& f) {
 }  // namespace
 
 // w: x's dtype (Llama: w * T(normalized x)), or float32 (Gemma's 1 + w: T(normalized x * w)).
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && w.numel() == x.size(-1) &&
                   (x.scalar_type() == w.scalar_type() || w.scalar_type() == at::kFloat), "rms_norm inputs");
-  auto out = torch::empty_like(x);
+  auto out = tm_cpu::empty_like(x);
   const int64_t dim = x.size(-1), rows = x.numel() / dim;
   dispatch_float(x, "rms_norm", [&](auto t) {
     using T = decltype(t);
@@ -94,7 +93,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   return out;
 }
 
-void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps) {
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor w, double eps) {
   TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && w.is_contiguous() && x.sizes() == residual.sizes() &&
                   x.scalar_type() == residual.scalar_type() && w.numel() == x.size(-1) &&
                   (x.scalar_type() == w.scalar_type() || w.scalar_type() == at::kFloat),
@@ -110,10 +109,10 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
 }
 
 // gate_up: [T, 2 * I] (gate first) -> silu(gate) * up: [T, I]
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+at::Tensor silu_and_mul(at::Tensor gate_up) {
   TORCH_CHECK(gate_up.is_contiguous() && gate_up.dim() == 2, "silu_and_mul input");
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
-  auto out = torch::empty({rows, inter}, gate_up.options());
+  auto out = tm_cpu::empty({rows, inter}, gate_up.options());
   dispatch_float(gate_up, "silu_and_mul", [&](auto t) {
     using T = decltype(t);
     silu_mul_rows<T>(gate_up.data_ptr<T>(), out.data_ptr<T>(), rows, inter);
@@ -122,10 +121,10 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
 }
 
 // gate_up: [T, 2 * I] (gate first) -> gelu_tanh(gate) * up: [T, I]
-torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up) {
+at::Tensor gelu_tanh_and_mul(at::Tensor gate_up) {
   TORCH_CHECK(gate_up.is_contiguous() && gate_up.dim() == 2, "gelu_tanh_and_mul input");
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
-  auto out = torch::empty({rows, inter}, gate_up.options());
+  auto out = tm_cpu::empty({rows, inter}, gate_up.options());
   dispatch_float(gate_up, "gelu_tanh_and_mul", [&](auto t) {
     using T = decltype(t);
     gelu_mul_rows<T>(gate_up.data_ptr<T>(), out.data_ptr<T>(), rows, inter);
@@ -136,8 +135,8 @@ torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up) {
 // qkv: [T, (H + 2 Hkv) * D], the fused projection's output. Rotates q and k at `positions`
 // (cos / sin: [max_position, D] in qkv's dtype), writes k and v into the caches
 // ([num_slots, Hkv, D]) at `slot_mapping`, and returns the rotated q: [T, H, D].
-torch::Tensor rope_and_cache(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
-                             torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping,
+at::Tensor rope_and_cache(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Tensor sin,
+                             at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping,
                              int64_t num_heads, int64_t num_kv_heads) {
   const int64_t dim = k_cache.size(-1), rows = qkv.size(0);
   TORCH_CHECK(qkv.is_contiguous() && qkv.dim() == 2 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * dim,
@@ -149,7 +148,7 @@ torch::Tensor rope_and_cache(torch::Tensor qkv, torch::Tensor positions, torch::
                   sin.scalar_type() == qkv.scalar_type(), "rope_and_cache: cos / sin must be [max_position, D] of qkv's dtype");
   TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong && positions.numel() == rows &&
                   slot_mapping.numel() == rows && dim % 2 == 0, "rope_and_cache: positions / slot_mapping");
-  auto q = torch::empty({rows, num_heads, dim}, qkv.options());
+  auto q = tm_cpu::empty({rows, num_heads, dim}, qkv.options());
   const auto pos = positions.contiguous(), slots = slot_mapping.contiguous();
   dispatch_float(qkv, "rope_and_cache", [&](auto t) {
     using T = decltype(t);
@@ -165,7 +164,7 @@ torch::Tensor rope_and_cache(torch::Tensor qkv, torch::Tensor positions, torch::
 // its float32 scale (absmax / 127 or / 448) into scales ([slots, Hkv]): the same values as
 // attention.quantize_kv (x times the scale's reciprocal; int8 rounded half to even, e4m3 to the
 // nearest, ties to even, by c10's conversion).
-void write_scaled_cache(torch::Tensor x, torch::Tensor cache, torch::Tensor scales, torch::Tensor slot_mapping) {
+void write_scaled_cache(at::Tensor x, at::Tensor cache, at::Tensor scales, at::Tensor slot_mapping) {
   TORCH_CHECK(x.dim() == 3 && cache.dim() == 3 && cache.is_contiguous() && scales.is_contiguous() &&
                   scales.scalar_type() == at::kFloat && x.size(1) == cache.size(1) && x.size(2) == cache.size(2) &&
                   scales.size(0) == cache.size(0) && scales.size(1) == cache.size(1),
@@ -196,11 +195,11 @@ void write_scaled_cache(torch::Tensor x, torch::Tensor cache, torch::Tensor scal
 // logits: [B, V] float32 -> the index of each row's largest value (the first one on ties), as
 // logits.max(dim=-1).indices gives it (torch's reduction takes ~1.3 ms for 32 x 49152 on 2
 // cores: a few percent of a decode step; this is one pass at memory speed).
-torch::Tensor argmax_rows(torch::Tensor logits) {
+at::Tensor argmax_rows(at::Tensor logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.size(1) > 0, "argmax_rows: float32 [B, V]");
   const auto x = logits.contiguous();
   const int64_t B = x.size(0), V = x.size(1);
-  auto out = torch::empty({B}, torch::dtype(at::kLong));
+  auto out = tm_cpu::empty({B}, tm_cpu::dtype(at::kLong));
   const float* p = x.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {

@@ -1,6 +1,6 @@
 // The tensor-parallel shared-memory all-reduce (shm_allreduce.cpp), for C++ callers.
 #pragma once
-#include <torch/extension.h>
+#include "torch_lite.h"
 
 #include <cstdint>
 
@@ -10,7 +10,7 @@ struct ShmAllReduceArgs {
   int64_t capacity, rank, world, spin_ns;
 };
 
-ShmAllReduceArgs shm_all_reduce_args(torch::Tensor slots, torch::Tensor words, int64_t rank, int64_t world,
+ShmAllReduceArgs shm_all_reduce_args(at::Tensor slots, at::Tensor words, int64_t rank, int64_t world,
                                      int64_t spin_ns);
 
 // Sums x[0:n] over the ranks in place (n <= capacity); false if the abort flag was raised.

@@ -13,8 +13,7 @@
 //    items are handed out longest first.
 // bf16 queries use vdpbf16ps (bf16 x bf16 products, float32 sums; the softmax weights are
 // rounded to bf16 for P.V) where the CPU has AVX512-BF16, else float32 FMAs.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_lite.h"
 
 #include <algorithm>
 #include <atomic>
@@ -443,9 +442,9 @@ void prefill_dispatch(int64_t D, const T* q, const C* k, const C* v, const float
 // holding the chunk's own K/V; block_table: [>= ceil((context_len + n) / block_size)] int64.
 // Returns [n, H, D]: query i attends to keys 0 .. context_len + i (window > 0: the last `window`
 // of them; softcap > 0: scores soft-capped).
-torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
+at::Tensor paged_prefill(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_table,
                             int64_t context_len, int64_t block_size, double scale,
-                            c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale,
+                            c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale,
                             int64_t window, double softcap) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q [n, H, D], caches [slots, Hkv, D]");
@@ -461,7 +460,7 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
   TORCH_CHECK(window >= 0 && softcap >= 0, "paged_prefill: window and softcap must be >= 0 (0: none)");
   const float cap = static_cast<float>(softcap);
   TORCH_CHECK(bt.size(0) * block_size >= context_len + n, "block table too short");
-  auto out = torch::empty_like(q);
+  auto out = tm_cpu::empty_like(q);
   if (n == 0) return out;
   const float sc = static_cast<float>(scale);
   const int64_t* tp = bt.data_ptr<int64_t>();

@@ -10,8 +10,7 @@
 // from memory once per call whatever the batch size. The dot products run on AVX-512 (bf16 pairs
 // with vdpbf16ps where the CPU has it) or AVX2 + FMA (float32; bf16 inputs widened first), with a
 // portable scalar path elsewhere. (bf16 weights: panel_linear.cpp.)
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_lite.h"
 
 #include <cstdint>
 #include <cstring>
@@ -490,7 +489,7 @@ void linear_op(const XT* x, int64_t M, const LinearWeights& w, OT* out) {
 
 // x: [M, K] float32 or bfloat16; qweight: uint8 [N, K/2] (bits 4) or int8 [N, K] (bits 8);
 // scales: float16 [N, K/32, 2] (d, m) for bits 4, [N, K/32] (d) for bits 8. Returns [M, N] in x's dtype.
-torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, int64_t bits) {
+at::Tensor quant_linear(at::Tensor x, at::Tensor qweight, at::Tensor scales, int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8");
   TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && qweight.is_contiguous() && scales.is_contiguous(),
               "quant_linear: x [M, K], contiguous weights");
@@ -499,7 +498,7 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
   TORCH_CHECK(K % kGroup == 0, "quant_linear: in_features must be a multiple of 32");
   TORCH_CHECK(qweight.size(1) == (bits == 4 ? K / 2 : K), "quant_linear: weight shape does not match x");
   TORCH_CHECK(scales.numel() == N * (K / kGroup) * (bits == 4 ? 2 : 1), "quant_linear: scales shape");
-  auto out = torch::empty({M, N}, x.options());
+  auto out = tm_cpu::empty({M, N}, x.options());
   if (M == 0) return out;
   const LinearWeights w{static_cast<int>(bits), false, qweight.data_ptr(), scales.data_ptr<at::Half>(), N, K};
   if (x.scalar_type() == at::kBFloat16) {
@@ -520,14 +519,14 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor
 
 // The whole weight dequantized: [N, K] in `dtype` (bfloat16 or float32). For large batches
 // (prompt steps) a dequantized copy through oneDNN's GEMM beats dequantizing per tile.
-torch::Tensor dequantize_weight(torch::Tensor qweight, torch::Tensor scales, int64_t bits, at::ScalarType dtype) {
+at::Tensor dequantize_weight(at::Tensor qweight, at::Tensor scales, int64_t bits, at::ScalarType dtype) {
   TORCH_CHECK((bits == 4 || bits == 8) && qweight.is_contiguous() && scales.is_contiguous() &&
               scales.scalar_type() == at::kHalf, "dequantize_weight inputs");
   const int64_t N = qweight.size(0), K = bits == 4 ? qweight.size(1) * 2 : qweight.size(1);
   const int64_t row_bytes = qweight.size(1), row_scales = scales.numel() / N;
   const uint8_t* qw = static_cast<const uint8_t*>(qweight.data_ptr());
   const at::Half* sc = scales.data_ptr<at::Half>();
-  auto out = torch::empty({N, K}, torch::dtype(dtype));
+  auto out = tm_cpu::empty({N, K}, tm_cpu::dtype(dtype));
   const bool bf16 = dtype == at::kBFloat16;
   TORCH_CHECK(bf16 || dtype == at::kFloat, "dequantize_weight: bfloat16 or float32");
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
@@ -557,7 +556,7 @@ torch::Tensor dequantize_weight(torch::Tensor qweight, torch::Tensor scales, int
 
 // Rows of a quantized table (an embedding), dequantized: ids [T] -> [T, K] in `dtype`.
 // Panels (a table tied to a quantized LM head, quant_panels.cpp): qweight [ceil(rows / 32), K / 32, 32, 16 or 32].
-torch::Tensor quant_embedding(torch::Tensor ids, torch::Tensor qweight, torch::Tensor scales, int64_t bits,
+at::Tensor quant_embedding(at::Tensor ids, at::Tensor qweight, at::Tensor scales, int64_t bits,
                               at::ScalarType dtype, int64_t rows) {
   TORCH_CHECK(ids.scalar_type() == at::kLong && qweight.is_contiguous() && scales.is_contiguous(), "quant_embedding");
   auto idc = ids.contiguous();
@@ -568,7 +567,7 @@ torch::Tensor quant_embedding(torch::Tensor ids, torch::Tensor qweight, torch::T
   const int64_t slots = panels ? qweight.size(0) * kPanelRows : N;
   TORCH_CHECK((bits == 4 || bits == 8) && scales.scalar_type() == at::kHalf && N <= slots &&
                   scales.numel() == slots * (K / kGroup) * (bits == 4 ? 2 : 1), "quant_embedding: bits 4 or 8, scales shape");
-  auto out = torch::empty({T, K}, torch::dtype(at::kFloat));
+  auto out = tm_cpu::empty({T, K}, tm_cpu::dtype(at::kFloat));
   const int64_t* ip = idc.data_ptr<int64_t>();
   const LinearWeights table{static_cast<int>(bits), panels, qweight.data_ptr(), scales.data_ptr<at::Half>(), N, K};
   for (int64_t t = 0; t < T; ++t) {

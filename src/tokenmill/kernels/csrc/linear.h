@@ -4,7 +4,7 @@
 // paths give the same numbers bit for bit.
 #pragma once
 
-#include <torch/extension.h>
+#include "torch_lite.h"
 
 #include <cstdint>
 
@@ -70,13 +70,7 @@ struct A8Rows {
   int64_t K = 0, G = 0;
 };
 
-#if TM_QUANT_PANELS
-// Quantized panels: the same for the output rows of panels [p0, p1) (XT / OT as linear_tiles'),
-// the rows quantized to int8 on the way in.
-template <typename XT, typename OT>
-void quant_panel_units(const XT* x, int64_t M, const LinearWeights& w, int64_t p0, int64_t p1, OT* out, int64_t ldo,
-                       const OT* bias = nullptr);
-
+// Declared for every ISA level (bindings.cpp binds them only where quant_panels_built(); stubs elsewhere).
 // Whether quant_panel_units runs a call of M bf16 rows on AMX tiles, each panel dequantized to
 // bf16 once for all of them (the rows as they are, no int8 activations): where the bf16 panels
 // run on AMX, from set_quant_amx_rows' rows (default kQuantAmxRows). Dequantizing costs more than
@@ -86,13 +80,19 @@ void quant_panel_units(const XT* x, int64_t M, const LinearWeights& w, int64_t p
 constexpr int64_t kQuantAmxRows = 128;
 void set_quant_amx_rows(int64_t rows);
 bool quant_panels_amx(int64_t M);
-
 // Whether the int8-activation path runs a call of M rows' integer products on AMX-INT8 tiles
 // (the vector path's bits exactly, so only speed sets the rows: set_quant_amx_int_rows, default
 // kQuantAmxIntRows; fewer rows leave most of a tile idle).
 constexpr int64_t kQuantAmxIntRows = 16;
 void set_quant_amx_int_rows(int64_t rows);
 bool quant_panels_amx_int(int64_t M);
+
+#if TM_QUANT_PANELS
+// Quantized panels: the same for the output rows of panels [p0, p1) (XT / OT as linear_tiles'),
+// the rows quantized to int8 on the way in.
+template <typename XT, typename OT>
+void quant_panel_units(const XT* x, int64_t M, const LinearWeights& w, int64_t p0, int64_t p1, OT* out, int64_t ldo,
+                       const OT* bias = nullptr);
 
 // The same in two steps, for a caller that runs several unit ranges on one input: M rows
 // quantized into this thread's buffers (valid until its next call), then the units.

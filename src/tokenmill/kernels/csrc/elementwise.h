@@ -3,7 +3,7 @@
 // rounded), so results match the unfused path bit for bit in bfloat16.
 #pragma once
 
-#include <torch/extension.h>
+#include "torch_lite.h"
 
 #include <cmath>
 #include <cstdint>

@@ -24,8 +24,7 @@
 // Every path computes the same integers, exactly, so a row's outputs do not depend on the other
 // rows in the call, on the tiling, or on the instruction set (the float epilogue is one
 // function applied to each row alike): batch-invariant by construction.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_lite.h"
 
 #include <algorithm>
 #include <cmath>
@@ -463,7 +462,7 @@ void run_panels(const Problem& P, int64_t p0, int64_t p1, OT* out) {
   }
 }
 
-void check_weights(const torch::Tensor& packed, const torch::Tensor& sw, const torch::Tensor& rowsum, int64_t N,
+void check_weights(const at::Tensor& packed, const at::Tensor& sw, const at::Tensor& rowsum, int64_t N,
                    int64_t K) {
   TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.dim() == 4 &&
                   packed.size(0) == round_up(N, kPanel) / kPanel && packed.size(1) == round_up(K, kQuad) / kQuad &&
@@ -477,7 +476,7 @@ void check_weights(const torch::Tensor& packed, const torch::Tensor& sw, const t
 }
 
 // x [M, K] float32 / bfloat16 -> quantized rows [M, Kp] (u or u - 128), scales [M], zero points [M].
-void quantize_all(const torch::Tensor& x, int64_t Kp, bool flip, uint8_t* q, float* sx, int32_t* zx) {
+void quantize_all(const at::Tensor& x, int64_t Kp, bool flip, uint8_t* q, float* sx, int32_t* zx) {
   const int64_t M = x.size(0), K = x.size(1);
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1));
   AT_DISPATCH_SWITCH(x.scalar_type(), "w8a8_quantize",
@@ -520,8 +519,8 @@ void w8a8_units(const W8A8Weights& w, const uint8_t* q, const float* sx, const i
 // bfloat16 (contiguous); packed: int8 [ceil(N/16), ceil(K/4), 16, 4]; w_scale float32 [N]; rowsum
 // int32 [N] (sum of each row's q); bias float32 [N] or None. Returns [M, N] in x's dtype.
 namespace {
-torch::Tensor w8a8_run(torch::Tensor x, const torch::Tensor& packed, const torch::Tensor& w_scale,
-                       const torch::Tensor& rowsum, const c10::optional<torch::Tensor>& bias, int64_t N, int64_t glu) {
+at::Tensor w8a8_run(at::Tensor x, const at::Tensor& packed, const at::Tensor& w_scale,
+                       const at::Tensor& rowsum, const c10::optional<at::Tensor>& bias, int64_t N, int64_t glu) {
   TORCH_CHECK(x.dim() == 2, "w8a8_linear: x [M, K]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "w8a8_linear: float32 or bfloat16 x");
   x = x.contiguous();
@@ -533,11 +532,11 @@ torch::Tensor w8a8_run(torch::Tensor x, const torch::Tensor& packed, const torch
                 "w8a8_linear: float32 bias [N]");
     bp = bias->data_ptr<float>();
   }
-  auto out = torch::empty({M, glu > 0 ? N / 2 : N}, x.options());
+  auto out = tm_cpu::empty({M, glu > 0 ? N / 2 : N}, x.options());
   if (M == 0 || N == 0) return out;
-  auto q = torch::empty({M, Kp}, torch::dtype(at::kByte));
-  auto sx = torch::empty({M}, torch::dtype(at::kFloat));
-  auto zx = torch::empty({M}, torch::dtype(at::kInt));
+  auto q = tm_cpu::empty({M, Kp}, tm_cpu::dtype(at::kByte));
+  auto sx = tm_cpu::empty({M}, tm_cpu::dtype(at::kFloat));
+  auto zx = tm_cpu::empty({M}, tm_cpu::dtype(at::kInt));
   quantize_all(x, Kp, kSignedActs, q.data_ptr<uint8_t>(), sx.data_ptr<float>(), zx.data_ptr<int32_t>());
   const Problem P{q.data_ptr<uint8_t>(), sx.data_ptr<float>(), zx.data_ptr<int32_t>(), packed.data_ptr<int8_t>(),
                   w_scale.data_ptr<float>(), rowsum.data_ptr<int32_t>(), bp, M, N, Kp, glu};
@@ -555,28 +554,28 @@ torch::Tensor w8a8_run(torch::Tensor x, const torch::Tensor& packed, const torch
 }
 }  // namespace
 
-torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale, torch::Tensor rowsum,
-                          c10::optional<torch::Tensor> bias, int64_t N) {
+at::Tensor w8a8_linear(at::Tensor x, at::Tensor packed, at::Tensor w_scale, at::Tensor rowsum,
+                          c10::optional<at::Tensor> bias, int64_t N) {
   return w8a8_run(std::move(x), packed, w_scale, rowsum, bias, N, 0);
 }
 
 // silu(gate) * up of a fused gate/up W8A8 linear (N = 2 I outputs, gate first, I a multiple of 16)
 // in its epilogue: [M, I], the bits w8a8_linear then silu_and_mul give, without writing [M, N].
-torch::Tensor w8a8_linear_silu_mul(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale, torch::Tensor rowsum,
-                                   c10::optional<torch::Tensor> bias, int64_t N) {
+at::Tensor w8a8_linear_silu_mul(at::Tensor x, at::Tensor packed, at::Tensor w_scale, at::Tensor rowsum,
+                                   c10::optional<at::Tensor> bias, int64_t N) {
   TORCH_CHECK(N % (2 * kPanel) == 0, "w8a8_linear_silu_mul: N = 2 I with I a multiple of ", kPanel);
   return w8a8_run(std::move(x), packed, w_scale, rowsum, bias, N, N / (2 * kPanel));
 }
 
 // The activation quantization alone (tests): (u uint8 [M, K], scale float32 [M], zero point int32 [M]).
-std::vector<torch::Tensor> w8a8_quantize_activations(torch::Tensor x) {
+std::vector<at::Tensor> w8a8_quantize_activations(at::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "w8a8_quantize_activations: float32 or bfloat16 [M, K]");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
-  auto q = torch::empty({M, K}, torch::dtype(at::kByte));
-  auto sx = torch::empty({M}, torch::dtype(at::kFloat));
-  auto zx = torch::empty({M}, torch::dtype(at::kInt));
+  auto q = tm_cpu::empty({M, K}, tm_cpu::dtype(at::kByte));
+  auto sx = tm_cpu::empty({M}, tm_cpu::dtype(at::kFloat));
+  auto zx = tm_cpu::empty({M}, tm_cpu::dtype(at::kInt));
   quantize_all(x, K, false, q.data_ptr<uint8_t>(), sx.data_ptr<float>(), zx.data_ptr<int32_t>());
   return {q, sx, zx};
 }

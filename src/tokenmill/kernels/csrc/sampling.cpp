@@ -7,8 +7,7 @@
 // and only that bin's tokens are ordered. The cut is a logit: tokens at or above it are kept, so
 // ties at the k-th value, or at the token that completes the mass, stay together. One call does a
 // row's weights, its cuts and the masked copy, while the row is in the core's cache.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_lite.h"
 
 #include <algorithm>
 #include <cmath>
@@ -97,14 +96,14 @@ void row_weights(const float* l, int64_t V, float* w) {
 // logits [R, V] float32; top_k int64 [R] (>= V: none) or None; top_p float32 [R] (>= 1: none) or
 // None. Returns the logits with every token below its row's cut at -inf: the top-k cut first,
 // then top-p over the tokens it keeps.
-torch::Tensor top_k_top_p(torch::Tensor logits, c10::optional<torch::Tensor> top_k, c10::optional<torch::Tensor> top_p) {
+at::Tensor top_k_top_p(at::Tensor logits, c10::optional<at::Tensor> top_k, c10::optional<at::Tensor> top_p) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "top_k_top_p: float32 logits [R, V]");
   const auto l = logits.contiguous();
   const int64_t R = l.size(0), V = l.size(1);
-  const auto k = top_k.has_value() ? top_k->to(at::kLong).contiguous() : torch::Tensor();
-  const auto p = top_p.has_value() ? top_p->to(at::kFloat).contiguous() : torch::Tensor();
+  const auto k = top_k.has_value() ? top_k->to(at::kLong).contiguous() : at::Tensor();
+  const auto p = top_p.has_value() ? top_p->to(at::kFloat).contiguous() : at::Tensor();
   TORCH_CHECK((!k.defined() || k.numel() == R) && (!p.defined() || p.numel() == R), "top_k_top_p: one k / p a row");
-  auto out = torch::empty_like(l);
+  auto out = tm_cpu::empty_like(l);
   at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
     std::vector<float> w(V), ks;
     std::vector<std::pair<float, float>> ps;

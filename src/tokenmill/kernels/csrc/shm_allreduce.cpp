@@ -6,7 +6,7 @@
 // up to `spin_ns` (the other rank is usually microseconds behind), then yields the CPU (a rank may
 // share its core with the one it waits for), looking at the abort flag (word 0) as it goes.
 // Called with the GIL released: a rank waiting here does not stall the server's event loop.
-#include <torch/extension.h>
+#include "torch_lite.h"
 
 #include <immintrin.h>
 #include <sched.h>
@@ -78,10 +78,10 @@ bool shm_all_reduce_raw(T* x, int64_t n, const ShmAllReduceArgs& g, int64_t seq)
 }
 template bool shm_all_reduce_raw<at::BFloat16>(at::BFloat16*, int64_t, const ShmAllReduceArgs&, int64_t);
 
-ShmAllReduceArgs shm_all_reduce_args(torch::Tensor slots, torch::Tensor words, int64_t rank, int64_t world,
+ShmAllReduceArgs shm_all_reduce_args(at::Tensor slots, at::Tensor words, int64_t rank, int64_t world,
                                      int64_t spin_ns) {
   TORCH_CHECK(slots.is_contiguous() && words.is_contiguous());
-  TORCH_CHECK(slots.scalar_type() == torch::kFloat32 && words.scalar_type() == torch::kInt64);
+  TORCH_CHECK(slots.scalar_type() == at::kFloat && words.scalar_type() == at::kLong);
   TORCH_CHECK(slots.dim() == 3 && slots.size(0) == 2 && slots.size(1) == world);
   TORCH_CHECK(words.numel() >= 8 + 2 * world && rank >= 0 && rank < world);
   return {slots.data_ptr<float>(), words.data_ptr<int64_t>(), slots.size(2), rank, world, spin_ns};
@@ -89,13 +89,13 @@ ShmAllReduceArgs shm_all_reduce_args(torch::Tensor slots, torch::Tensor words, i
 
 // x: contiguous float32 / bfloat16, at most `capacity` elements (callers split larger ones).
 // slots: float32 [2, world, capacity]; words: int64 (abort flag, then sequence numbers).
-bool shm_all_reduce(torch::Tensor x, torch::Tensor slots, torch::Tensor words, int64_t rank, int64_t world,
+bool shm_all_reduce(at::Tensor x, at::Tensor slots, at::Tensor words, int64_t rank, int64_t world,
                     int64_t seq, int64_t spin_ns) {
   const ShmAllReduceArgs g = shm_all_reduce_args(slots, words, rank, world, spin_ns);
   TORCH_CHECK(x.is_contiguous());
   const int64_t n = x.numel();
   TORCH_CHECK(n <= g.capacity, "shm_all_reduce: ", n, " elements, slot holds ", g.capacity);
-  if (x.scalar_type() == torch::kFloat32) return shm_all_reduce_raw(x.data_ptr<float>(), n, g, seq);
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "shm_all_reduce: float32 or bfloat16");
+  if (x.scalar_type() == at::kFloat) return shm_all_reduce_raw(x.data_ptr<float>(), n, g, seq);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "shm_all_reduce: float32 or bfloat16");
   return shm_all_reduce_raw(x.data_ptr<at::BFloat16>(), n, g, seq);
 }

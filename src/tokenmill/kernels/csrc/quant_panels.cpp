@@ -46,8 +46,7 @@
 // integer products at a few rows and wins past ~16 (SmolLM2's gate/up and down, 2 cores: 1.3-1.5x
 // at 32 rows, 1.5-2.7x at 128). The two paths round differently: a row's bits depend on which one
 // its step's row count picks, and within each path on nothing else.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_lite.h"
 
 #include <algorithm>
 #include <atomic>
@@ -771,7 +770,7 @@ template void quant_panel_units<BF16>(const A8Rows&, int64_t, const LinearWeight
 
 namespace {
 
-tm_cpu::LinearWeights panel_weights(const torch::Tensor& qpanels, const torch::Tensor& spanels, int64_t bits,
+tm_cpu::LinearWeights panel_weights(const at::Tensor& qpanels, const at::Tensor& spanels, int64_t bits,
                                     int64_t N) {
   TORCH_CHECK(bits == 4 || bits == 8, "quant panels: bits must be 4 or 8");
   TORCH_CHECK(qpanels.dim() == 4 && qpanels.is_contiguous() && spanels.is_contiguous() &&
@@ -792,14 +791,14 @@ tm_cpu::LinearWeights panel_weights(const torch::Tensor& qpanels, const torch::T
 }  // namespace
 
 // x [M, K] float32 or bfloat16 @ (the quantized panels of an [N, K] weight)^T -> [M, N] in x's dtype.
-torch::Tensor quant_panel_linear(torch::Tensor x, torch::Tensor qpanels, torch::Tensor spanels, int64_t bits,
+at::Tensor quant_panel_linear(at::Tensor x, at::Tensor qpanels, at::Tensor spanels, int64_t bits,
                                  int64_t N) {
   const tm_cpu::LinearWeights w = panel_weights(qpanels, spanels, bits, N);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == w.K, "quant_panel_linear: x [M, K]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "quant_panel_linear: float32 or bfloat16 inputs");
   const auto xc = x.contiguous();
-  auto out = torch::empty({x.size(0), N}, x.options());
+  auto out = tm_cpu::empty({x.size(0), N}, x.options());
   const int64_t M = x.size(0);
   if (M == 0) return out;
   at::parallel_for(0, w.units(), 1, [&](int64_t p0, int64_t p1) {
@@ -812,5 +811,21 @@ torch::Tensor quant_panel_linear(torch::Tensor x, torch::Tensor qpanels, torch::
   });
   return out;
 }
+
+bool quant_panels_built() { return true; }
+
+#else  // no AVX2 + FMA + F16C: the ops exist so that every ISA level's library has the same symbols;
+// bindings.cpp binds them only where quant_panels_built()
+
+bool quant_panels_built() { return false; }
+at::Tensor quant_panel_linear(at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t) {
+  TORCH_CHECK(false, "quant_panel_linear needs AVX2 with FMA and F16C");
+}
+namespace tm_cpu {
+void set_quant_amx_rows(int64_t) {}
+void set_quant_amx_int_rows(int64_t) {}
+bool quant_panels_amx(int64_t) { return false; }
+bool quant_panels_amx_int(int64_t) { return false; }
+}  // namespace tm_cpu
 
 #endif  // TM_QUANT_PANELS

@@ -19,7 +19,7 @@
 // threads: a row's bits depend only on its x, its slot's weights and y.
 #pragma once
 
-#include <torch/extension.h>
+#include "torch_lite.h"
 
 #include <algorithm>
 #include <cstdint>

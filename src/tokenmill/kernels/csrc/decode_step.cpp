@@ -21,8 +21,7 @@
 // its work the same way, so logits equal the unfused model's bit for bit. bfloat16 activations,
 // bf16 weights in panels, int4 / int8 weights or W8A8 (int8 weights on per-token int8 activations), a bf16, int8 or float8 e4m3 KV cache (the quantized
 // ones written row by row as write_scaled_cache writes them, read by the same attention kernels).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_lite.h"
 #include <omp.h>
 
 #include <algorithm>
@@ -46,6 +45,7 @@
 #include <immintrin.h>  // _mm_pause
 #endif
 
+#include "decode_step.h"
 #include "elementwise.h"
 #include "linear.h"
 #include "lora.h"
@@ -60,9 +60,6 @@ namespace {
 using namespace tm_cpu;
 using BF16 = c10::BFloat16;
 
-// A linear layer as Python hands it over: (weight, scales or None, bits, bias or None).
-// bits kBitsW8A8: a W8A8Linear's (packed, w_scale, kBitsW8A8, float32 bias or None).
-using LinearSpec = std::tuple<torch::Tensor, c10::optional<torch::Tensor>, int64_t, c10::optional<torch::Tensor>>;
 constexpr int64_t kBitsW8A8 = 88;  // fused_decode.py's W8A8_BITS
 
 struct Linear {
@@ -70,7 +67,7 @@ struct Linear {
   const BF16* bias = nullptr;
   bool w8a8 = false;
   W8A8Weights w8;  // w8a8: int8 panels of 16 outputs on per-token int8 activations (w8a8.h)
-  std::vector<torch::Tensor> keep;  // the tensors the pointers point into
+  std::vector<at::Tensor> keep;  // the tensors the pointers point into
   int64_t unit_rows() const { return w8a8 ? kW8A8Panel : w.unit_rows(); }
   int64_t units() const { return w8a8 ? w8.units() : w.units(); }
 };
@@ -188,10 +185,9 @@ Linear make_linear(const LinearSpec& spec, int64_t in_features, int64_t out_feat
 }
 
 // A linear's multi-LoRA buffers as Python hands them over: (A, Bt, ranks, slice_bounds), see lora.h.
-using LoraSpec = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor>;
 
 struct LoraTarget {
-  torch::Tensor A, Bt, ranks;  // kept alive; Python rewrites their contents in place
+  at::Tensor A, Bt, ranks;  // kept alive; Python rewrites their contents in place
   std::vector<int64_t> bounds;
   LoraWeights<BF16> w;  // pointers into the above
 };
@@ -373,16 +369,16 @@ inline std::pair<int64_t, int64_t> share(int64_t n, int t, int nt) { return {n *
 
 }  // namespace
 
-class FusedDecoder {
+class FusedDecoder final : public FusedDecoderApi {
  public:
   // norms: input and post-attention norm weights of each layer, then the final norm; linears:
   // qkv, o, gate_up, down of each layer, then the LM head; kv_caches: each layer's K and V
   // ([slots, kv_heads, head_dim] views of the cache); cos / sin: [max_position, head_dim].
-  FusedDecoder(torch::Tensor embed, c10::optional<torch::Tensor> embed_scales, int64_t embed_bits,
-               std::vector<torch::Tensor> norms, std::vector<LinearSpec> linears, std::vector<torch::Tensor> kv_caches,
-               torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t kv_heads, int64_t head_dim,
+  FusedDecoder(at::Tensor embed, c10::optional<at::Tensor> embed_scales, int64_t embed_bits,
+               std::vector<at::Tensor> norms, std::vector<LinearSpec> linears, std::vector<at::Tensor> kv_caches,
+               at::Tensor cos, at::Tensor sin, int64_t heads, int64_t kv_heads, int64_t head_dim,
                int64_t intermediate, int64_t vocab_size, double eps, int64_t block_size, double scale,
-               std::vector<torch::Tensor> kv_scales)
+               std::vector<at::Tensor> kv_scales)
       : norms_(std::move(norms)), kv_caches_(std::move(kv_caches)), kv_scales_(std::move(kv_scales)), cos_(cos),
         sin_(sin), heads_(heads),
         kv_heads_(kv_heads), head_dim_(head_dim), inter_(intermediate), eps_(static_cast<float>(eps)),
@@ -439,9 +435,9 @@ class FusedDecoder {
   // rows kernel (paged_decode.h), each row exactly as a lone decode token at its position.
   // Returns the logits [len(logits_rows), vocab]: float32 values of the bf16 LM head output, as
   // the model's compute_logits gives them.
-  torch::Tensor forward(torch::Tensor ids, torch::Tensor positions, torch::Tensor slots, torch::Tensor block_tables,
-                        torch::Tensor seq_lens, torch::Tensor logits_rows, c10::optional<torch::Tensor> query_start_loc,
-                        c10::optional<torch::Tensor> row_slots) {
+  at::Tensor forward(at::Tensor ids, at::Tensor positions, at::Tensor slots, at::Tensor block_tables,
+                        at::Tensor seq_lens, at::Tensor logits_rows, c10::optional<at::Tensor> query_start_loc,
+                        c10::optional<at::Tensor> row_slots) override {
     const int64_t M = ids.numel(), R = logits_rows.numel();
     const bool by_rows = query_start_loc.has_value();
     for (const auto* t : {&ids, &positions, &slots, &seq_lens, &logits_rows})
@@ -494,11 +490,11 @@ class FusedDecoder {
                              });
     std::unique_ptr<std::atomic<int64_t>[]> next_item(new std::atomic<int64_t>[by_rows ? layers_ : 0]);
     for (int64_t l = 0; by_rows && l < layers_; ++l) next_item[l].store(0, std::memory_order_relaxed);
-    auto bf = torch::TensorOptions().dtype(at::kBFloat16);
-    auto qkv = torch::empty({M, qkv_w}, bf), q = torch::empty({M, H * D}, bf), attn = torch::empty({M, H * D}, bf);
-    auto o = torch::empty({M, hid}, bf), gu = torch::empty({M, 2 * I}, bf), act = torch::empty({M, I}, bf);
-    auto down = torch::empty({M, hid}, bf), logits = torch::empty({R, vocab_}, bf);
-    auto logits_f32 = torch::empty({R, vocab_}, torch::TensorOptions().dtype(at::kFloat));
+    auto bf = at::TensorOptions().dtype(at::kBFloat16);
+    auto qkv = tm_cpu::empty({M, qkv_w}, bf), q = tm_cpu::empty({M, H * D}, bf), attn = tm_cpu::empty({M, H * D}, bf);
+    auto o = tm_cpu::empty({M, hid}, bf), gu = tm_cpu::empty({M, 2 * I}, bf), act = tm_cpu::empty({M, I}, bf);
+    auto down = tm_cpu::empty({M, hid}, bf), logits = tm_cpu::empty({R, vocab_}, bf);
+    auto logits_f32 = tm_cpu::empty({R, vocab_}, at::TensorOptions().dtype(at::kFloat));
     BF16* logits_b = logits.data_ptr<BF16>();
     float* logits_f = logits_f32.data_ptr<float>();
     std::vector<float> part_ml(S > 1 ? M * S * H * 2 : 0), part_acc(S > 1 ? M * S * H * D : 0);
@@ -647,19 +643,16 @@ class FusedDecoder {
   // the outputs of o_proj and down_proj are summed over the ranks in the step (shm_allreduce.cpp),
   // and the logits returned are this rank's vocab columns. `tp_seq` continues the sequence
   // numbers of the Python side's all-reduces (distributed/comm.py).
-  void set_tensor_parallel(torch::Tensor slots, torch::Tensor words, int64_t rank, int64_t world, int64_t spin_ns) {
+  void set_tensor_parallel(at::Tensor slots, at::Tensor words, int64_t rank, int64_t world,
+                           int64_t spin_ns) override {
     tp_args_ = shm_all_reduce_args(slots, words, rank, world, spin_ns);
     tp_slots_ = slots;
     tp_words_ = words;
     tp_ = world > 1;
   }
-  int64_t tp_seq_ = 0;
-
-  bool adaptive_spin_ = true;  // StepBarrier's adaptive budget (off: always spin_ns_)
-  bool count_waits_ = false;   // keep wait_stats_ (benchmarks)
-  StepBarrier::Stats wait_stats_;
+  StepBarrier::Stats wait_stats_;  // kept while count_waits_
   // (spun, slept after spinning, slept at once, total wait ns) over the calls since the last read
-  std::tuple<int64_t, int64_t, int64_t, int64_t> take_wait_stats() {
+  std::tuple<int64_t, int64_t, int64_t, int64_t> take_wait_stats() override {
     auto& w = wait_stats_;
     return {w.spun.exchange(0), w.slept_after_spin.exchange(0), w.slept_at_once.exchange(0), w.wait_ns.exchange(0)};
   }
@@ -667,7 +660,7 @@ class FusedDecoder {
   // (A, Bt, ranks, slice_bounds) as lora.h describes, bf16, for this rank's shard of the layer.
   // The tensors are kept and read at every step (Python rewrites them in place); slice_bounds is
   // copied. forward(row_slots=...) then adds each row's adapter (-1: none).
-  void set_lora(std::vector<c10::optional<LoraSpec>> specs) {
+  void set_lora(std::vector<c10::optional<LoraSpec>> specs) override {
     TORCH_CHECK(static_cast<int64_t>(specs.size()) == 4 * layers_, "set_lora: 4 entries per layer (qkv, o, gate_up, "
                 "down; None where a linear has no LoRA): ", 4 * layers_, " here, got ", specs.size());
     static const char* names[] = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"};
@@ -685,21 +678,21 @@ class FusedDecoder {
     lora_slots_ = slots == INT64_MAX ? 0 : slots;
     lora_h_size_ = std::max<int64_t>(1, h_size);
   }
-  void clear_lora() {
+  void clear_lora() override {
     lora_.clear();
     lora_slots_ = 0;
   }
 
-  int64_t spin_ns() const { return spin_ns_; }
-  void set_spin_ns(int64_t ns) {
+  int64_t spin_ns() const override { return spin_ns_; }
+  void set_spin_ns(int64_t ns) override {
     TORCH_CHECK(ns >= 0, "FusedDecoder: spin_ns must be >= 0");
     spin_ns_ = ns;
   }
 
  private:
-  std::vector<torch::Tensor> norms_, kv_caches_, kv_scales_;  // kv_scales_: int8 / float8 caches only
+  std::vector<at::Tensor> norms_, kv_caches_, kv_scales_;  // kv_scales_: int8 / float8 caches only
   bool scaled_ = false, fp8_ = false;
-  torch::Tensor cos_, sin_;
+  at::Tensor cos_, sin_;
   std::vector<Linear> qkv_, o_, gate_up_, down_;
   Linear lm_head_, embed_;
   int64_t w8a8_max_k_ = 0;  // the widest W8A8 linear's padded inputs (0: none)
@@ -711,7 +704,7 @@ class FusedDecoder {
   int64_t spin_ns_ = 100000;  // the most a barrier spins before it sleeps (StepBarrier)
   bool tp_ = false;
   ShmAllReduceArgs tp_args_{};
-  torch::Tensor tp_slots_, tp_words_;  // keep the shared buffers alive
+  at::Tensor tp_slots_, tp_words_;  // keep the shared buffers alive
   std::vector<std::unique_ptr<LoraTarget>> lora_;  // set_lora: 4 per layer (null: none), or empty
   int64_t lora_slots_ = 0, lora_h_size_ = 1;        // the fewest slots of any target; the most h floats of a row
 
@@ -743,7 +736,7 @@ class FusedDecoder {
   }
 
   // The adapted rows of row_slots (int32 [M]), checked here: nothing inside the step may throw.
-  LoraBatch lora_batch_of(const torch::Tensor& row_slots, int64_t M) const {
+  LoraBatch lora_batch_of(const at::Tensor& row_slots, int64_t M) const {
     TORCH_CHECK(row_slots.scalar_type() == at::kInt && row_slots.is_contiguous() && row_slots.dim() == 1 &&
                     row_slots.numel() == M, "FusedDecoder: row_slots must be contiguous int32 [rows]");
     const int32_t* rs = row_slots.data_ptr<int32_t>();
@@ -771,39 +764,44 @@ class FusedDecoder {
   }
 };
 
-void bind_fused_decoder(pybind11::module_& m) {
-  namespace py = pybind11;
-  py::class_<FusedDecoder>(m, "FusedDecoder", "A whole decode step of a Llama-family model in one parallel region")
-      .def(py::init<torch::Tensor, c10::optional<torch::Tensor>, int64_t, std::vector<torch::Tensor>,
-                    std::vector<LinearSpec>, std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, int64_t,
-                    int64_t, int64_t, int64_t, int64_t, double, int64_t, double, std::vector<torch::Tensor>>(),
-           py::arg("embed"), py::arg("embed_scales"), py::arg("embed_bits"), py::arg("norms"), py::arg("linears"),
-           py::arg("kv_caches"), py::arg("cos"), py::arg("sin"), py::arg("heads"), py::arg("kv_heads"),
-           py::arg("head_dim"), py::arg("intermediate"), py::arg("vocab_size"), py::arg("eps"), py::arg("block_size"),
-           py::arg("scale"), py::arg("kv_scales") = std::vector<torch::Tensor>{})
-      .def("forward", &FusedDecoder::forward, py::arg("ids"), py::arg("positions"), py::arg("slots"),
-           py::arg("block_tables"), py::arg("seq_lens"), py::arg("logits_rows"), py::arg("query_start_loc") = py::none(),
-           py::arg("row_slots") = py::none(), py::call_guard<py::gil_scoped_release>())
-      .def("set_lora", &FusedDecoder::set_lora, py::arg("specs"),
-           "multi-LoRA buffers: 4 per layer (qkv, o, gate_up, down), each (A, Bt, ranks, slice_bounds) or None")
-      .def("clear_lora", &FusedDecoder::clear_lora)
-      .def_property("spin_ns", &FusedDecoder::spin_ns, &FusedDecoder::set_spin_ns,
-                    "the most a thread spins at a barrier of the step before it sleeps (ns; 0: at once)")
-      .def_readwrite("count_waits", &FusedDecoder::count_waits_, "count how the step's barrier waits go (benchmarks)")
-      .def("take_wait_stats", &FusedDecoder::take_wait_stats,
-           "(waits that spun, slept after spinning, slept at once, total wait ns) since the last call")
-      .def("set_tensor_parallel", &FusedDecoder::set_tensor_parallel, py::arg("slots"), py::arg("words"),
-           py::arg("rank"), py::arg("world"), py::arg("spin_ns"))
-      .def_readwrite("tp_seq", &FusedDecoder::tp_seq_, "the next all-reduce's sequence number, less one")
-      .def_readwrite("adaptive_spin", &FusedDecoder::adaptive_spin_,
-                     "cut a thread's spin budget when its spins run out, grow it back when they succeed");
-  m.def("barrier_next_spin_budget", &StepBarrier::next_spin_budget, py::arg("budget"), py::arg("max_spin_ns"),
-        py::arg("waited_ns"), "the fused step's barrier: a thread's spin budget after a wait (waited_ns < 0: its "
-        "spin saw the wait end; else the wait's whole length, spin and sleep)");
+namespace tm_cpu {
+
+bool fused_decoder_built() { return true; }
+
+std::unique_ptr<FusedDecoderApi> make_fused_decoder(
+    at::Tensor embed, c10::optional<at::Tensor> embed_scales, int64_t embed_bits, std::vector<at::Tensor> norms,
+    std::vector<LinearSpec> linears, std::vector<at::Tensor> kv_caches, at::Tensor cos, at::Tensor sin, int64_t heads,
+    int64_t kv_heads, int64_t head_dim, int64_t intermediate, int64_t vocab_size, double eps, int64_t block_size,
+    double scale, std::vector<at::Tensor> kv_scales) {
+  return std::make_unique<FusedDecoder>(embed, embed_scales, embed_bits, std::move(norms), std::move(linears),
+                                        std::move(kv_caches), cos, sin, heads, kv_heads, head_dim, intermediate,
+                                        vocab_size, eps, block_size, scale, std::move(kv_scales));
 }
+
+int64_t barrier_next_spin_budget(int64_t budget, int64_t max_spin_ns, int64_t waited_ns) {
+  return StepBarrier::next_spin_budget(budget, max_spin_ns, waited_ns);
+}
+
+}  // namespace tm_cpu
 
 #else  // neither AVX512-BF16 nor AVX2 + FMA: no panel kernel, no fused decode step (the model runs op by op)
 
-void bind_fused_decoder(pybind11::module_&) {}
+namespace tm_cpu {
+
+bool fused_decoder_built() { return false; }
+
+std::unique_ptr<FusedDecoderApi> make_fused_decoder(at::Tensor, c10::optional<at::Tensor>, int64_t,
+                                                    std::vector<at::Tensor>, std::vector<LinearSpec>,
+                                                    std::vector<at::Tensor>, at::Tensor, at::Tensor, int64_t, int64_t,
+                                                    int64_t, int64_t, int64_t, double, int64_t, double,
+                                                    std::vector<at::Tensor>) {
+  TORCH_CHECK(false, "FusedDecoder needs AVX512-BF16 or AVX2 with FMA");
+}
+
+int64_t barrier_next_spin_budget(int64_t, int64_t, int64_t) {
+  TORCH_CHECK(false, "FusedDecoder needs AVX512-BF16 or AVX2 with FMA");
+}
+
+}  // namespace tm_cpu
 
 #endif

@@ -3,8 +3,7 @@
 // Two passes on ATen's thread pool: the rows' h (shrink, tiles of rows of one slot), then the
 // deltas (expand, tiles x column chunks). Small calls (a decode step's few rows) run in the
 // calling thread: their few microseconds of work cost less than waking the pool twice.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_lite.h"
 
 #include <cstdint>
 #include <vector>
@@ -56,8 +55,8 @@ void run(const LoraWeights<T>& w, const int32_t* row_slots, int64_t M, const T* 
 }  // namespace
 
 // y [M, N] += each row's LoRA delta (rows with slot -1 untouched), in place; see lora.h.
-void lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor A, torch::Tensor Bt, torch::Tensor ranks,
-              torch::Tensor slice_bounds, torch::Tensor row_slots) {
+void lora_add(at::Tensor y, at::Tensor x, at::Tensor A, at::Tensor Bt, at::Tensor ranks,
+              at::Tensor slice_bounds, at::Tensor row_slots) {
   const auto dt = A.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "lora_add: A must be float32 or bfloat16");
   TORCH_CHECK(Bt.scalar_type() == dt && x.scalar_type() == dt && y.scalar_type() == dt,
