@@ -85,6 +85,24 @@ def test_an_unknown_flag_prints_the_subcommands_usage(argv, usage, capsys):
     assert f"{command}: error: unrecognized arguments: --bogus" in err
 
 
+def test_a_gguf_file_is_served_under_its_model_name(tiny_llama_dir, tmp_path, monkeypatch):
+    """Not under its path: clients send "model": "SmolLM2-135M-Instruct" whatever file serves it. The
+    path and the file's stem are still accepted."""
+    from conftest import running_server
+    from gguf_writer import write_gguf_from_hf
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    path = str(write_gguf_from_hf(tiny_llama_dir, tmp_path / "tiny-chat.Q8_0.gguf", "Q8_0", name="Tiny Chat 1M"))
+    with running_server(path) as (server, _):
+        assert [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]] == ["tiny-chat"]
+        for model, status in (("tiny-chat", 200), (path, 200), ("tiny-chat.Q8_0", 200), ("tiny", 404)):
+            body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+            r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == status, (model, r.text)
+            if status == 200:
+                assert r.json()["model"] == "tiny-chat"
+
+
 def test_sigterm_drains_in_flight_request_and_exits_0(tiny_llama_dir, tmp_path):
     port = _free_port()
     url = f"http://127.0.0.1:{port}"

@@ -58,8 +58,10 @@ _ENGINE_HELP = {
                               "'{\"pooling_type\": \"MEAN\", \"normalize\": true}' (pooling_type LAST | MEAN | CLS; "
                               "default: the sentence-transformers folder's pooling, else CLS for encoders and LAST "
                               "for decoders, normalized)",
-    "served_model_name": "model name reported by the API and expected in requests "
-                         "(default: --model, or SmolLM2-135M-Instruct)",
+    "served_model_name": "model name reported by the API and expected in requests (default: a .gguf file's "
+                         "general.name if it is a usable id, else the file name without .gguf and its "
+                         "quantization, e.g. SmolLM2-135M-Instruct; a folder's --model as given; without "
+                         "--model SmolLM2-135M-Instruct)",
     "enable_lora": "serve LoRA adapters (PEFT folders) over the base model, mixed in one batch; a request "
                    "picks one by name (OpenAI: \"model\", TGI: parameters.adapter_id)",
     "lora_modules": "adapters served from start-up (with --enable-lora): name=path, or JSON '{\"name\": ..., "

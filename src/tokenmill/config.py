@@ -124,6 +124,7 @@ class ModelConfig:
     load_format: str = "auto"
     pooler: object | None = None  # model.pooling.PoolerConfig: the engine runs embeddings (--task embed)
     quantization_calibration: str | None = None  # w8a8's calibration file (None: the packaged set)
+    aliases: tuple[str, ...] = ()  # other names requests may give for `name` (a GGUF file's path)
 
     @property
     def num_layers(self) -> int:

@@ -71,6 +71,27 @@ def resolve_model_path(model: str | None) -> str:
     raise ValueError(f"model path {model!r} does not exist")
 
 
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the built-in default model's served name
+
+
+def served_names(model: str | None, served_model_name: str | None = None) -> tuple[str, tuple[str, ...]]:
+    """The name the API serves a model under, and other names requests may give for it:
+    --served-model-name; else for a .gguf file its metadata's or file's name (gguf_loader.served_name),
+    with the file's stem and --model itself still accepted; else --model as given (vLLM's rule),
+    or the default model's name."""
+    if served_model_name:
+        return served_model_name, ()
+    if model is None:
+        return DEFAULT_MODEL_NAME, ()
+    if model.endswith(".gguf") and os.path.isfile(model):
+        from importlib import import_module
+
+        name = import_module("tokenmill.model.gguf_loader").served_name(model)
+        others = (os.path.basename(model).removesuffix(".gguf"), model, os.path.abspath(model))
+        return name, tuple(dict.fromkeys(a for a in others if a != name))
+    return model, ()
+
+
 def model_class(hf_config) -> type:
     """The model class serving this config's architecture (load_hf_config has checked it)."""
     return MODEL_REGISTRY[hf_config.architectures[0]]
@@ -106,7 +127,6 @@ def _iter_safetensors(path: str, skip: set[str] = frozenset(), blocks: str | Non
     from it exactly (the float32 values the GGUF's Q4_0 / Q4_1 / Q8_0 / k-quant blocks stand for).
     shard_of(name) -> Shard | None: under tensor parallelism, read only this rank's slice."""
     from safetensors import safe_open
-    from tqdm import tqdm
 
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
