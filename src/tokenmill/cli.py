@@ -218,19 +218,25 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         return _serve_on_ray(ns, chat_template)
     # Before the model loads: a missing OpenTelemetry package or a bad protocol fails now.
     tracer = tracing.RequestTracer(ns.otlp_traces_endpoint) if traced else None
-    sock = bind_socket(ns.host, ns.port)  # first: a busy port fails now, not after the model has loaded
     try:
-        from tokenmill.engine.async_engine import AsyncLLMEngine
-        from tokenmill.server.app import serve
-
-        aengine = AsyncLLMEngine.from_args(max_waiting=ns.max_waiting, **vars(engine_args_from(ns)))
+        sock = bind_socket(ns.host, ns.port)  # first: a busy port fails now, not after the model has loaded
     except BaseException:
-        sock.close()
         if tracer is not None:
             tracer.shutdown()
         raise
+    from tokenmill.server.startup import serve
+
+    def load_engine():
+        """On the load's thread, while the server already answers /health (503 "loading")."""
+        from tokenmill import progress
+
+        progress.set_phase("importing the engine")
+        from tokenmill.engine.async_engine import AsyncLLMEngine
+
+        return AsyncLLMEngine.from_args(max_waiting=ns.max_waiting, **vars(engine_args_from(ns)))
+
     return serve(
-        aengine, sock=sock, host=ns.host, port=ns.port, api_key=ns.api_key, drain_timeout=ns.drain_timeout,
+        load_engine, sock=sock, host=ns.host, port=ns.port, api_key=ns.api_key, drain_timeout=ns.drain_timeout,
         max_logprobs=ns.max_logprobs, chat_template=chat_template, log_requests=not ns.disable_log_requests,
         uvicorn_log_level=ns.uvicorn_log_level, timeout_keep_alive=ns.timeout_keep_alive,
         ssl_keyfile=ns.ssl_keyfile, ssl_certfile=ns.ssl_certfile, root_path=ns.root_path,

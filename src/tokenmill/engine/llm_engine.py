@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from tokenmill import progress
 from tokenmill.config import (
     CacheConfig,
     EngineArgs,
@@ -60,11 +61,13 @@ class LLMEngine:
             torch.set_num_threads(args.num_threads)
         else:  # no more threads than the CPU quota / affinity allows (a container's cpu.max)
             cpu_threads.apply_cpu_limit()
+        progress.set_phase("finding the model")  # a GGUF file is converted here the first time
         path = resolve_model_path(args.model)
         hf_config = load_hf_config(path)
         check_tp_size(hf_config, tp, check_quantization(args.quantization))
         check_features(hf_config, tp, args.enable_lora)
         check_w8a8_args(args.quantization, args.quantization_calibration, args.enable_lora)
+        progress.set_phase("loading the tokenizer")
         self.tokenizer = load_tokenizer(args.tokenizer or path)
         # --task embed (or an encoder): a pooler, and the engine runs embeddings only (model/pooling.py)
         pooler = resolve_task(args.task, model_class(hf_config), path, hf_config, args.override_pooler_config)

@@ -594,7 +594,8 @@ def _convert(gguf_path: str, out: Path, dense_dtype: str = "float32") -> str:
     import gguf
     import torch
     from safetensors.torch import save_file
-    from tqdm import tqdm
+
+    from tokenmill import progress
 
     g = _Gguf(gguf_path)
     m = g.meta
@@ -614,7 +615,7 @@ def _convert(gguf_path: str, out: Path, dense_dtype: str = "float32") -> str:
     quantized: dict[str, torch.Tensor] = {}
     dequantized: dict[str, list[str]] = {}  # ggml type -> tensors
     names = [n for n in g.tensors if n not in _ROPE_TENSORS]  # consumed into the config
-    for name in tqdm(names, desc=f"Converting {os.path.basename(gguf_path)}", unit="tensor", disable=None):
+    for name in progress.track(names, f"Converting {os.path.basename(gguf_path)}", "tensor", leave=True):
         parts = name.split(".")
         if parts[0] == "blk" and len(parts) == 4 and parts[2] in hf_names:
             hf = f"model.layers.{parts[1]}.{hf_names[parts[2]]}.{parts[3]}"
@@ -654,6 +655,7 @@ def _convert(gguf_path: str, out: Path, dense_dtype: str = "float32") -> str:
 
     tied = "lm_head.weight" not in weights
     vocab_size = weights["model.embed_tokens.weight"].shape[0]
+    progress.set_phase("writing the converted GGUF folder")
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     if quantized:
         (out / QUANTIZED_FILE).parent.mkdir()

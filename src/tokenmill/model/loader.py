@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from tokenmill import progress
 from tokenmill.distributed.comm import NO_TP, TPGroup
 from tokenmill.distributed.sharding import Shard, shard_for
 from tokenmill.model.gguf_loader import QUANTIZED_FILE, dequantize_rows
@@ -122,7 +123,8 @@ def load_hf_config(path: str):
 
 def _iter_safetensors(path: str, skip: set[str] = frozenset(), blocks: str | None = None,
                       shard_of=lambda name: None):
-    """(name, tensor) over the folder's *.safetensors, with a progress bar on a terminal. blocks: a
+    """(name, tensor) over the folder's *.safetensors, with progress (a bar on a terminal, else log
+    lines: progress.track). blocks: a
     GGUF cache's gguf_blocks file; weights it holds that the folder stores in bfloat16 are rebuilt
     from it exactly (the float32 values the GGUF's Q4_0 / Q4_1 / Q8_0 / k-quant blocks stand for).
     shard_of(name) -> Shard | None: under tensor parallelism, read only this rank's slice."""
@@ -135,7 +137,7 @@ def _iter_safetensors(path: str, skip: set[str] = frozenset(), blocks: str | Non
              if name not in skip]
     q = safe_open(blocks, framework="pt") if blocks else None
     qkeys = set(q.keys()) if q is not None else set()
-    for st, name in tqdm(names, desc="Loading weights", unit="tensor", leave=False, disable=None):  # None: TTY only
+    for st, name in progress.track(names, "Loading weights", "tensor"):
         shard: Shard | None = shard_of(name)
         stem = name.removesuffix(".weight")
         if shard is not None and shard.zero:
@@ -189,6 +191,7 @@ def load_model(path: str, hf_config, dtype: torch.dtype, max_position: int, devi
     random weights, nothing read (vLLM's name; for benchmarks of shapes without their files)."""
     on_cpu = torch.device(device).type == "cpu"
     if on_cpu and cpu_kernels.enabled():
+        progress.set_phase("loading the CPU kernels")
         cpu_kernels.load()  # before the clock: a first run's compile takes minutes and logs its own time
     if quantization and not on_cpu:  # the quantized kernels are C++ CPU kernels
         logger.warning("--quantization %s: the GPU path has no dequantizing kernels yet; running the weights "
@@ -212,6 +215,7 @@ def load_model(path: str, hf_config, dtype: torch.dtype, max_position: int, devi
         model.load_weights(_iter_safetensors(path, skip, blocks if exact else None,
                                              lambda name: shard_for(name, hf_config, tp.rank, tp.size)))
     model.eval().requires_grad_(False)
+    progress.set_phase("preparing the weights")  # quantizing, packing for the kernels
     if quantization in BITS:
         n = quantize_model(model, BITS[quantization])
         logger.info("quantized %d linear layers to %s (groups of %d)", n, quantization, GROUP)
