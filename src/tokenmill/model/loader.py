@@ -108,7 +108,7 @@ def check_features(hf_config, tensor_parallel_size: int, enable_lora: bool) -> N
 
 
 def load_hf_config(path: str):
-    from transformers import AutoConfig
+    from tokenmill.model import hf_cache
 
     with open(os.path.join(path, "config.json")) as f:
         raw = json.load(f)
@@ -118,7 +118,7 @@ def load_hf_config(path: str):
             f"unsupported architecture {archs[0] if archs else raw.get('model_type')!r}; "
             f"supported: {', '.join(sorted(MODEL_REGISTRY))}"
         )
-    return AutoConfig.from_pretrained(path)
+    return hf_cache.load_config(path)  # AutoConfig's, remembered across starts
 
 
 def _iter_safetensors(path: str, skip: set[str] = frozenset(), blocks: str | None = None,
