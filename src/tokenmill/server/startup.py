@@ -62,11 +62,6 @@ class StartupApp:
         return self
 
     @property
-    def loading(self) -> bool:
-        """The load is still running (its thread cannot be interrupted)."""
-        return self._thread.is_alive()
-
-    @property
     def state(self):
         """The full app's state (its ServerContext as .ctx), None while loading: for DrainingServer."""
         return getattr(self.app, "state", None)
