@@ -120,12 +120,13 @@ _KQUANT_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 
 
 
 def write_gguf_from_hf(hf_dir: str | Path, out_path: str | Path, qtype: str | dict[str, str] = "F32",
-                       pre: str = "gpt-2") -> Path:
+                       pre: str = "gpt-2", name: str | None = None) -> Path:
     """Write `hf_dir` (a model_type in ARCHS) as a GGUF at `out_path`; 2-D weights are stored as `qtype`
     (e.g. "F32", "F16", "Q8_0"; or per llama.cpp tensor kind, {"attn_v": "Q6_K", ...}, the rest F32)
     where their rows fit its block size, norms stay F32 as in llama.cpp. k-quant tensors get
     random_kquant blocks: the file then holds another model than `hf_dir`, with its shapes. A
-    Qwen2-MoE shared expert's gate is written 1-D ([hidden]), as llama.cpp may store it."""
+    Qwen2-MoE shared expert's gate is written 1-D ([hidden]), as llama.cpp may store it. `name`:
+    general.name (default: the folder's name)."""
     hf_dir, out_path = Path(hf_dir), Path(out_path)
     cfg = json.loads((hf_dir / "config.json").read_text())
     if cfg["model_type"] not in ARCHS:
@@ -144,7 +145,7 @@ def write_gguf_from_hf(hf_dir: str | Path, out_path: str | Path, qtype: str | di
 
     w = gguf.GGUFWriter(str(out_path), arch)
     w.add_type(gguf.GGUFType.MODEL)
-    w.add_name(hf_dir.name)
+    w.add_name(hf_dir.name if name is None else name)
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_block_count(cfg["num_hidden_layers"])

@@ -1,7 +1,8 @@
 """What a first run shows: `--version`, the fallback C++ kernel build of an installation without
 prebuilt kernels (keyed by environment, logged before and after, visible when waiting on another
-process's build, `build-kernels`, never counted as weight loading) and progress bars on a terminal
-only. The prebuilt kernels and their ISA levels: test_kernel_isa.py."""
+process's build, `build-kernels`, never counted as weight loading), progress bars on a terminal
+only, and progress lines in the log without one (weight loading, GGUF conversion). The prebuilt
+kernels and their ISA levels: test_kernel_isa.py."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tokenmill import progress
 from tokenmill.cli import main
 from tokenmill.model import loader
 from tokenmill.model.layers import cpu_kernels
@@ -169,3 +171,32 @@ def test_progress_bars_on_a_terminal_only(tiny_llama_dir, monkeypatch):
         out = stream.getvalue()
         for bar in ("Loading weights", "Generating", "Latency runs"):
             assert (bar in out) == shown, (bar, out)
+
+
+def test_progress_lines_in_the_log_without_a_terminal(tiny_llama_dir, monkeypatch, events):
+    """Without a terminal (a log file, `kubectl logs`) a load logs where it is every LOG_INTERVAL_S
+    (0 here: after every tensor but the last); on a terminal the bar says it instead."""
+    import torch
+
+    monkeypatch.setattr(progress, "LOG_INTERVAL_S", 0.0)
+    for stream, logged in ((io.StringIO(), True), (_Tty(), False)):
+        monkeypatch.setattr(sys, "stderr", stream)
+        lines = events("Loading weights: ")
+        loader.load_model(tiny_llama_dir, loader.load_hf_config(tiny_llama_dir), torch.float32, 64)
+        got = [m for m in lines.messages if m.startswith("Loading weights: ")]
+        assert bool(got) == logged, (stream, got)
+        if logged:
+            assert got[0].startswith("Loading weights: 1/") and " tensors (" in got[0], got
+
+
+def test_gguf_conversion_logs_progress_without_a_terminal(tiny_llama_dir, tmp_path, monkeypatch, events):
+    from gguf_writer import write_gguf_from_hf
+
+    from tokenmill.model.gguf_loader import gguf_to_hf_folder
+
+    monkeypatch.setattr(progress, "LOG_INTERVAL_S", 0.0)
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    path = write_gguf_from_hf(tiny_llama_dir, tmp_path / "tiny.gguf")
+    lines = events("Converting tiny.gguf: 1/")
+    gguf_to_hf_folder(str(path), cache_dir=str(tmp_path / "cache"))
+    assert lines.seen.is_set(), lines.messages

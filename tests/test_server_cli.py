@@ -44,6 +44,65 @@ def test_serve_help_documents_every_flag(capsys):
         assert action.help and action.help.strip(), action.option_strings or action.dest
 
 
+def _help(parser: argparse.ArgumentParser, dest: str) -> str:
+    return next(a.help for a in parser._actions if a.dest == dest)
+
+
+def test_serve_help_tells_the_truth_about_methods_and_dtypes():
+    """Every speculative method the config accepts is listed; the dtypes said to run on the CPU are
+    exactly those the engine takes there (float16 is GPU-only)."""
+    from tokenmill.config import parse_dtype
+    from tokenmill.spec_decode.config import METHODS
+
+    parser = _serve_parser()
+    spec = _help(parser, "speculative_config")
+    assert all(m in spec for m in METHODS) and "draft_model" in spec, spec
+    dtype = _help(parser, "dtype")
+    cpu_said = dtype.split("the CPU runs ", 1)[1].split(",", 1)[0]
+    for name in ("float32", "bfloat16", "float16"):
+        try:
+            parse_dtype(name, "cpu")
+            runs_on_cpu = True
+        except ValueError:
+            runs_on_cpu = False
+        assert (name in cpu_said.split(" and ")) == runs_on_cpu, (name, dtype)
+        assert name in dtype.split("a GPU ", 1)[1]
+
+
+@pytest.mark.parametrize("argv, usage", [(["serve", "--bogus"], "usage: tokenmill serve "),
+                                         (["generate", "hi", "--bogus"], "usage: tokenmill generate "),
+                                         (["bench", "serve", "--base-url", "http://x", "--bogus"],
+                                          "usage: tokenmill bench serve ")])
+def test_an_unknown_flag_prints_the_subcommands_usage(argv, usage, capsys):
+    from tokenmill.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(usage), err
+    command = usage.removeprefix("usage: ").strip()
+    assert f"{command}: error: unrecognized arguments: --bogus" in err
+
+
+def test_a_gguf_file_is_served_under_its_model_name(tiny_llama_dir, tmp_path, monkeypatch):
+    """Not under its path: clients send "model": "SmolLM2-135M-Instruct" whatever file serves it. The
+    path and the file's stem are still accepted."""
+    from conftest import running_server
+    from gguf_writer import write_gguf_from_hf
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    path = str(write_gguf_from_hf(tiny_llama_dir, tmp_path / "tiny-chat.Q8_0.gguf", "Q8_0", name="Tiny Chat 1M"))
+    with running_server(path) as (server, _):
+        assert [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]] == ["tiny-chat"]
+        for model, status in (("tiny-chat", 200), (path, 200), ("tiny-chat.Q8_0", 200), ("tiny", 404)):
+            body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+            r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == status, (model, r.text)
+            if status == 200:
+                assert r.json()["model"] == "tiny-chat"
+
+
 def test_sigterm_drains_in_flight_request_and_exits_0(tiny_llama_dir, tmp_path):
     port = _free_port()
     url = f"http://127.0.0.1:{port}"

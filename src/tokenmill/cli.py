@@ -9,13 +9,15 @@ import sys
 import time
 from dataclasses import fields
 
-from tokenmill.config import EngineArgs
+from tokenmill.config import DTYPE_CHOICES, EngineArgs
+from tokenmill.spec_decode.config import METHODS as SPECULATIVE_METHODS
 
 # Help text per engine flag; every EngineArgs field becomes --field-name.
 _ENGINE_HELP = {
     "model": "HF model folder, .gguf file or hub id (default: the built-in SmolLM2-135M-Instruct)",
     "tokenizer": "tokenizer folder, if not the model's",
-    "dtype": "auto | float32 | bfloat16 | float16 (auto: bfloat16)",
+    "dtype": f"auto | {' | '.join(DTYPE_CHOICES['cuda'])} (auto: bfloat16); the CPU runs "
+             f"{' and '.join(DTYPE_CHOICES['cpu'])}, a GPU {', '.join(DTYPE_CHOICES['cuda'])}",
     "device": "auto | cpu | cuda (auto: cuda when a GPU is visible, else cpu)",
     "max_model_len": "context length (default: the model's)",
     "block_size": "tokens per KV cache block",
@@ -33,7 +35,8 @@ _ENGINE_HELP = {
     "gpu_memory_utilization": "cuda: fraction of the GPU's memory for this engine: weights, activations (profiled "
                               "at start-up), CUDA graphs, and the KV cache in what is left",
     "speculative_config": "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-                          "\"prompt_lookup_max\": 5}' (methods ngram, suffix); off by default",
+                          "\"prompt_lookup_max\": 5}' (methods: " + ", ".join(SPECULATIVE_METHODS) + "; draft_model "
+                          "takes \"model\": the draft model's path); off by default",
     "enforce_eager": "cuda: run every step eagerly (no CUDA graphs for decode steps)",
     "load_format": "auto (the checkpoint's weights) | dummy (random weights: benchmark a model's shape "
                    "without its files)",
@@ -55,8 +58,10 @@ _ENGINE_HELP = {
                               "'{\"pooling_type\": \"MEAN\", \"normalize\": true}' (pooling_type LAST | MEAN | CLS; "
                               "default: the sentence-transformers folder's pooling, else CLS for encoders and LAST "
                               "for decoders, normalized)",
-    "served_model_name": "model name reported by the API and expected in requests "
-                         "(default: --model, or SmolLM2-135M-Instruct)",
+    "served_model_name": "model name reported by the API and expected in requests (default: a .gguf file's "
+                         "general.name if it is a usable id, else the file name without .gguf and its "
+                         "quantization, e.g. SmolLM2-135M-Instruct; a folder's --model as given; without "
+                         "--model SmolLM2-135M-Instruct)",
     "enable_lora": "serve LoRA adapters (PEFT folders) over the base model, mixed in one batch; a request "
                    "picks one by name (OpenAI: \"model\", TGI: parameters.adapter_id)",
     "lora_modules": "adapters served from start-up (with --enable-lora): name=path, or JSON '{\"name\": ..., "
@@ -213,19 +218,25 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         return _serve_on_ray(ns, chat_template)
     # Before the model loads: a missing OpenTelemetry package or a bad protocol fails now.
     tracer = tracing.RequestTracer(ns.otlp_traces_endpoint) if traced else None
-    sock = bind_socket(ns.host, ns.port)  # first: a busy port fails now, not after the model has loaded
     try:
-        from tokenmill.engine.async_engine import AsyncLLMEngine
-        from tokenmill.server.app import serve
-
-        aengine = AsyncLLMEngine.from_args(max_waiting=ns.max_waiting, **vars(engine_args_from(ns)))
+        sock = bind_socket(ns.host, ns.port)  # first: a busy port fails now, not after the model has loaded
     except BaseException:
-        sock.close()
         if tracer is not None:
             tracer.shutdown()
         raise
+    from tokenmill.server.startup import serve
+
+    def load_engine():
+        """On the load's thread, while the server already answers /health (503 "loading")."""
+        from tokenmill import progress
+
+        progress.set_phase("importing the engine")
+        from tokenmill.engine.async_engine import AsyncLLMEngine
+
+        return AsyncLLMEngine.from_args(max_waiting=ns.max_waiting, **vars(engine_args_from(ns)))
+
     return serve(
-        aengine, sock=sock, host=ns.host, port=ns.port, api_key=ns.api_key, drain_timeout=ns.drain_timeout,
+        load_engine, sock=sock, host=ns.host, port=ns.port, api_key=ns.api_key, drain_timeout=ns.drain_timeout,
         max_logprobs=ns.max_logprobs, chat_template=chat_template, log_requests=not ns.disable_log_requests,
         uvicorn_log_level=ns.uvicorn_log_level, timeout_keep_alive=ns.timeout_keep_alive,
         ssl_keyfile=ns.ssl_keyfile, ssl_certfile=ns.ssl_certfile, root_path=ns.root_path,
@@ -354,10 +365,34 @@ def add_server_args(s: argparse.ArgumentParser) -> None:
                         "for vLLM work unchanged) (default: tokenmill)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, except that an unknown flag is reported by the (sub)command it was given
+    to: argparse lets subcommands collect unknown arguments and reports them from the top-level
+    parser, whose usage ("tokenmill [-h] ... {generate,chat,serve,...}") does not help."""
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        ns, extra = self.parse_known_args(args, namespace)
+        if extra:
+            getattr(ns, _COMMAND_PARSER, self).error(f"unrecognized arguments: {' '.join(extra)}")
+        return ns
+
+
+_COMMAND_PARSER = "_command_parser"  # namespace attribute: the innermost subcommand's parser
+
+
+def _tag_subcommands(p: argparse.ArgumentParser) -> None:
+    """Every subcommand's parser puts itself into the namespace (the innermost one wins)."""
+    for action in p._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                sub.set_defaults(**{_COMMAND_PARSER: sub})
+                _tag_subcommands(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from tokenmill import __version__
 
-    p = argparse.ArgumentParser(prog="tokenmill", description="LLM inference and serving engine")
+    p = _Parser(prog="tokenmill", description="LLM inference and serving engine")
     p.add_argument("--version", action="version", version=f"tokenmill {__version__}")
     p.add_argument("--log-level", default=None,
                    help="DEBUG, INFO, WARNING, ... (default: INFO for serve, WARNING otherwise)")
@@ -410,6 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenmill.watermark import add_watermark_parsers
 
     add_watermark_parsers(sub)
+    _tag_subcommands(p)
     return p
 
 

@@ -20,6 +20,9 @@ _DTYPES = {
 }
 
 
+# The --dtype names each device runs (aliases above map onto them); float16 has no fast CPU kernels.
+DTYPE_CHOICES = {"cpu": ("float32", "bfloat16"), "cuda": ("float32", "bfloat16", "float16")}
+
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
 # Caches stored with one float32 scale per (slot, kv head); vLLM's "fp8" is e4m3 on CPUs and NVIDIA GPUs.
 SCALED_KV_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
@@ -56,7 +59,7 @@ def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
         return torch.bfloat16
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, float32, bfloat16, float16")
-    if _DTYPES[dtype] == torch.float16 and device == "cpu":
+    if device == "cpu" and _DTYPES[dtype] not in {_DTYPES[d] for d in DTYPE_CHOICES["cpu"]}:
         raise ValueError("float16 runs on GPUs only (no fast CPU kernels); use bfloat16 or float32 on the CPU")
     return _DTYPES[dtype]
 
@@ -121,6 +124,7 @@ class ModelConfig:
     load_format: str = "auto"
     pooler: object | None = None  # model.pooling.PoolerConfig: the engine runs embeddings (--task embed)
     quantization_calibration: str | None = None  # w8a8's calibration file (None: the packaged set)
+    aliases: tuple[str, ...] = ()  # other names requests may give for `name` (a GGUF file's path)
 
     @property
     def num_layers(self) -> int:

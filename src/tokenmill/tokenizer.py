@@ -4,9 +4,9 @@ from __future__ import annotations
 
 
 def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
+    from tokenmill.model import hf_cache
 
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = hf_cache.load_tokenizer(path)  # AutoTokenizer's, its choice of class remembered across starts
     if not getattr(tok, "is_fast", False):
         raise ValueError(f"tokenizer at {path!r} is not a fast tokenizer (tokenizer.json needed)")
     return tok

@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from tokenmill import progress
 from tokenmill.config import (
     CacheConfig,
     EngineArgs,
@@ -47,7 +48,8 @@ DEFAULT_KV_CACHE_GIB = 4.0
 
 class LLMEngine:
     def __init__(self, args: EngineArgs):
-        from tokenmill.model.loader import check_features, load_hf_config, model_class, resolve_model_path
+        from tokenmill.model.loader import (check_features, load_hf_config, model_class, resolve_model_path,
+                                            served_names)
         from tokenmill.model.pooling import resolve_task, sentence_transformers_max_len
         from tokenmill.tokenizer import load_tokenizer
 
@@ -59,11 +61,13 @@ class LLMEngine:
             torch.set_num_threads(args.num_threads)
         else:  # no more threads than the CPU quota / affinity allows (a container's cpu.max)
             cpu_threads.apply_cpu_limit()
+        progress.set_phase("finding the model")  # a GGUF file is converted here the first time
         path = resolve_model_path(args.model)
         hf_config = load_hf_config(path)
         check_tp_size(hf_config, tp, check_quantization(args.quantization))
         check_features(hf_config, tp, args.enable_lora)
         check_w8a8_args(args.quantization, args.quantization_calibration, args.enable_lora)
+        progress.set_phase("loading the tokenizer")
         self.tokenizer = load_tokenizer(args.tokenizer or path)
         # --task embed (or an encoder): a pooler, and the engine runs embeddings only (model/pooling.py)
         pooler = resolve_task(args.task, model_class(hf_config), path, hf_config, args.override_pooler_config)
@@ -87,10 +91,10 @@ class LLMEngine:
             raise ValueError(f"unknown load_format {args.load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
         # An encoder's "auto" is its checkpoint's float32: small models whose vectors bf16 would shift.
         dtype = parse_dtype("float32" if encoder and args.dtype == "auto" else args.dtype, device)
-        name = args.served_model_name or (args.model or "SmolLM2-135M-Instruct")
+        name, aliases = served_names(args.model, args.served_model_name)
         model_config = ModelConfig(path, hf_config, dtype, max_model_len, name, device,
                                    check_kv_cache_dtype(args.kv_cache_dtype), check_quantization(args.quantization),
-                                   args.load_format, pooler, args.quantization_calibration)
+                                   args.load_format, pooler, args.quantization_calibration, aliases)
 
         block_size = args.block_size
         chunked = args.enable_chunked_prefill and not encoder  # an encoder attends over whole sequences

@@ -234,6 +234,23 @@ def default_model_path() -> str:
     )
 
 
+# A quantization label ending a GGUF file name (llama.cpp's naming: <name>-Q4_K_M.gguf, <name>.Q4_1.gguf, -f16).
+_QUANT_LABEL = re.compile(r"[.-](?:I?Q\d\w*|BF16|F16|F32|FP16|FP32)$", re.IGNORECASE)
+# A general.name usable as an API model id as it is: no spaces (convert_hf_to_gguf.py often writes
+# titles such as "Smollm2 135M 8k Lc100K Mix1 Ep2", which no client would send).
+_MODEL_ID = re.compile(r"[A-Za-z0-9][\w.+:@/-]{0,127}", re.ASCII)
+
+
+def served_name(gguf_path: str) -> str:
+    """The model name a GGUF file is served under: its general.name when that is usable as a model
+    id, else its file name without .gguf and the quantization label (SmolLM2-135M-Instruct.Q4_1.gguf
+    -> SmolLM2-135M-Instruct), as clients name the model whatever file they run."""
+    name = _Gguf.general_value(gguf_path, "general.name")
+    if isinstance(name, str) and _MODEL_ID.fullmatch(name.strip()):
+        return name.strip()
+    stem = os.path.basename(gguf_path).removesuffix(".gguf")
+    return _QUANT_LABEL.sub("", stem) or stem
+
 
 class _Gguf:
     """Metadata, tensor table and mmap'd raw tensor bytes of a GGUF v2/v3 file."""
@@ -241,14 +258,7 @@ class _Gguf:
     _FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
     def __init__(self, path: str) -> None:
-        with open(path, "rb") as f:
-            self.buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        if self.buf[:4] != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file (bad magic)")
-        version, n_tensors, n_kv = struct.unpack_from("<IQQ", self.buf, 4)
-        if version not in (2, 3):
-            raise ValueError(f"{path}: GGUF version {version} is not supported (2 and 3 are)")
-        self.pos = 24
+        n_tensors, n_kv = self._open(path)
         self.meta: dict[str, Any] = {}
         for _ in range(n_kv):
             key = self._str()
@@ -262,6 +272,36 @@ class _Gguf:
             self.tensors[name] = (tuple(reversed(dims)), qtype, offset)  # ggml lists dims fastest-first
         align = int(self.meta.get("general.alignment", 32))
         self.data_start = (self.pos + align - 1) // align * align
+
+    def _open(self, path: str) -> tuple[int, int]:
+        """Maps the file and checks its header; returns (tensor count, metadata count)."""
+        with open(path, "rb") as f:
+            self.buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        if self.buf[:4] != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file (bad magic)")
+        version, n_tensors, n_kv = struct.unpack_from("<IQQ", self.buf, 4)
+        if version not in (2, 3):
+            raise ValueError(f"{path}: GGUF version {version} is not supported (2 and 3 are)")
+        self.pos = 24
+        return n_tensors, n_kv
+
+    @classmethod
+    def general_value(cls, path: str, key: str) -> Any:
+        """One general.* metadata value (None if absent), read without parsing the rest: writers
+        put general.* first, and the vocabulary after it is most of the header's parse time."""
+        g = cls.__new__(cls)
+        _, n_kv = g._open(path)
+        try:
+            for _ in range(n_kv):
+                k = g._str()
+                if not k.startswith("general."):
+                    return None
+                value = g._value(g._u("<I"))
+                if k == key:
+                    return value
+            return None
+        finally:
+            g.buf.close()
 
     def _u(self, fmt: str) -> Any:
         (v,) = struct.unpack_from(fmt, self.buf, self.pos)
@@ -554,7 +594,8 @@ def _convert(gguf_path: str, out: Path, dense_dtype: str = "float32") -> str:
     import gguf
     import torch
     from safetensors.torch import save_file
-    from tqdm import tqdm
+
+    from tokenmill import progress
 
     g = _Gguf(gguf_path)
     m = g.meta
@@ -574,7 +615,7 @@ def _convert(gguf_path: str, out: Path, dense_dtype: str = "float32") -> str:
     quantized: dict[str, torch.Tensor] = {}
     dequantized: dict[str, list[str]] = {}  # ggml type -> tensors
     names = [n for n in g.tensors if n not in _ROPE_TENSORS]  # consumed into the config
-    for name in tqdm(names, desc=f"Converting {os.path.basename(gguf_path)}", unit="tensor", disable=None):
+    for name in progress.track(names, f"Converting {os.path.basename(gguf_path)}", "tensor", leave=True):
         parts = name.split(".")
         if parts[0] == "blk" and len(parts) == 4 and parts[2] in hf_names:
             hf = f"model.layers.{parts[1]}.{hf_names[parts[2]]}.{parts[3]}"
@@ -614,6 +655,7 @@ def _convert(gguf_path: str, out: Path, dense_dtype: str = "float32") -> str:
 
     tied = "lm_head.weight" not in weights
     vocab_size = weights["model.embed_tokens.weight"].shape[0]
+    progress.set_phase("writing the converted GGUF folder")
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     if quantized:
         (out / QUANTIZED_FILE).parent.mkdir()

@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from tokenmill import progress
 from tokenmill.distributed.comm import NO_TP, TPGroup
 from tokenmill.distributed.sharding import Shard, shard_for
 from tokenmill.model.gguf_loader import QUANTIZED_FILE, dequantize_rows
@@ -71,6 +72,27 @@ def resolve_model_path(model: str | None) -> str:
     raise ValueError(f"model path {model!r} does not exist")
 
 
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the built-in default model's served name
+
+
+def served_names(model: str | None, served_model_name: str | None = None) -> tuple[str, tuple[str, ...]]:
+    """The name the API serves a model under, and other names requests may give for it:
+    --served-model-name; else for a .gguf file its metadata's or file's name (gguf_loader.served_name),
+    with the file's stem and --model itself still accepted; else --model as given (vLLM's rule),
+    or the default model's name."""
+    if served_model_name:
+        return served_model_name, ()
+    if model is None:
+        return DEFAULT_MODEL_NAME, ()
+    if model.endswith(".gguf") and os.path.isfile(model):
+        from importlib import import_module
+
+        name = import_module("tokenmill.model.gguf_loader").served_name(model)
+        others = (os.path.basename(model).removesuffix(".gguf"), model, os.path.abspath(model))
+        return name, tuple(dict.fromkeys(a for a in others if a != name))
+    return model, ()
+
+
 def model_class(hf_config) -> type:
     """The model class serving this config's architecture (load_hf_config has checked it)."""
     return MODEL_REGISTRY[hf_config.architectures[0]]
@@ -86,7 +108,7 @@ def check_features(hf_config, tensor_parallel_size: int, enable_lora: bool) -> N
 
 
 def load_hf_config(path: str):
-    from transformers import AutoConfig
+    from tokenmill.model import hf_cache
 
     with open(os.path.join(path, "config.json")) as f:
         raw = json.load(f)
@@ -96,17 +118,17 @@ def load_hf_config(path: str):
             f"unsupported architecture {archs[0] if archs else raw.get('model_type')!r}; "
             f"supported: {', '.join(sorted(MODEL_REGISTRY))}"
         )
-    return AutoConfig.from_pretrained(path)
+    return hf_cache.load_config(path)  # AutoConfig's, remembered across starts
 
 
 def _iter_safetensors(path: str, skip: set[str] = frozenset(), blocks: str | None = None,
                       shard_of=lambda name: None):
-    """(name, tensor) over the folder's *.safetensors, with a progress bar on a terminal. blocks: a
+    """(name, tensor) over the folder's *.safetensors, with progress (a bar on a terminal, else log
+    lines: progress.track). blocks: a
     GGUF cache's gguf_blocks file; weights it holds that the folder stores in bfloat16 are rebuilt
     from it exactly (the float32 values the GGUF's Q4_0 / Q4_1 / Q8_0 / k-quant blocks stand for).
     shard_of(name) -> Shard | None: under tensor parallelism, read only this rank's slice."""
     from safetensors import safe_open
-    from tqdm import tqdm
 
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
@@ -115,7 +137,7 @@ def _iter_safetensors(path: str, skip: set[str] = frozenset(), blocks: str | Non
              if name not in skip]
     q = safe_open(blocks, framework="pt") if blocks else None
     qkeys = set(q.keys()) if q is not None else set()
-    for st, name in tqdm(names, desc="Loading weights", unit="tensor", leave=False, disable=None):  # None: TTY only
+    for st, name in progress.track(names, "Loading weights", "tensor"):
         shard: Shard | None = shard_of(name)
         stem = name.removesuffix(".weight")
         if shard is not None and shard.zero:
@@ -169,6 +191,7 @@ def load_model(path: str, hf_config, dtype: torch.dtype, max_position: int, devi
     random weights, nothing read (vLLM's name; for benchmarks of shapes without their files)."""
     on_cpu = torch.device(device).type == "cpu"
     if on_cpu and cpu_kernels.enabled():
+        progress.set_phase("loading the CPU kernels")
         cpu_kernels.load()  # before the clock: a first run's compile takes minutes and logs its own time
     if quantization and not on_cpu:  # the quantized kernels are C++ CPU kernels
         logger.warning("--quantization %s: the GPU path has no dequantizing kernels yet; running the weights "
@@ -178,7 +201,9 @@ def load_model(path: str, hf_config, dtype: torch.dtype, max_position: int, devi
     cls = model_class(hf_config)
     with torch.device("meta"):
         model = cls(hf_config, dtype, max_position, tp)
-    model = model.to_empty(device=device).to(dtype)
+    # dtype first, on meta: to_empty then allocates the weights once, in dtype (the other way round
+    # allocated them in float32 and converted them: ~1 s of a warm start for SmolLM2)
+    model = model.to(dtype).to_empty(device=device)
     if hasattr(model, "make_rope"):
         model.rope = model.make_rope(dtype).to(device)  # buffers were created on meta
     if model.tie_word_embeddings and tp.size == 1:
@@ -192,6 +217,7 @@ def load_model(path: str, hf_config, dtype: torch.dtype, max_position: int, devi
         model.load_weights(_iter_safetensors(path, skip, blocks if exact else None,
                                              lambda name: shard_for(name, hf_config, tp.rank, tp.size)))
     model.eval().requires_grad_(False)
+    progress.set_phase("preparing the weights")  # quantizing, packing for the kernels
     if quantization in BITS:
         n = quantize_model(model, BITS[quantization])
         logger.info("quantized %d linear layers to %s (groups of %d)", n, quantization, GROUP)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill import progress
 from tokenmill.config import DeviceConfig, ModelConfig, SchedulerConfig
 from tokenmill.distributed.comm import NO_TP, TPGroup
 from tokenmill.engine.scheduler import SchedulerOutput
@@ -97,9 +98,11 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.kv_cache = self.attn = None
         if not self.encoder:
+            progress.set_phase("allocating the KV cache")
             self.allocate_kv_cache(num_blocks)
         self.sampler = Sampler(seed, watermark)
         self.sampling_batches = SamplingBatches()
+        progress.set_phase("building the decode step")
         if self.device.type == "cpu" and not self.encoder:
             self.fast_decode = FusedDecode.build(self.model, self.attn, model_config.dtype, block_size, tp)
         elif self.cuda_graphs:

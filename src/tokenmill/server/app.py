@@ -1,6 +1,7 @@
 """The FastAPI app over an AsyncLLMEngine, its middleware (Bearer auth, one access-log line
-per request), and the uvicorn server that runs it: `serve()` for `tokenmill serve` (SIGTERM
-drains in-flight requests, then exits 0) and `BackgroundServer` to run one in a thread."""
+per request), and `BackgroundServer` to run one in a thread. `serve()`, for `tokenmill serve`
+(listening while the engine loads; SIGTERM drains in-flight requests, then exits 0), is
+startup.py's, re-exported here."""
 
 from __future__ import annotations
 
@@ -9,13 +10,10 @@ import contextlib
 import importlib.util
 import logging
 import secrets
-import signal
-import socket
 import threading
 import time
 from pathlib import Path
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse
@@ -23,13 +21,21 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tokenmill
-from tokenmill.engine.async_engine import AsyncLLMEngine, ServerShutdownError
+from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.server import lora_routes, misc_routes, openai_chat, openai_completions, openai_embeddings, tgi_routes
 from tokenmill.server import anthropic_messages, openai_responses, web_ui
 from tokenmill.server.errors import error_response, install_error_handlers
 from tokenmill.server.metrics import DEFAULT_METRICS_PREFIX, ServerMetrics
 from tokenmill.server.chat_template import install_template_bounds
 from tokenmill.server.serving import DEFAULT_MAX_PROMPTS, ServerContext
+from tokenmill.server.startup import (  # noqa: F401 - serve, END_STREAMS_GRACE_S: re-exported
+    END_STREAMS_GRACE_S,
+    LIVE_PATH,
+    READY_PATH,
+    DrainingServer,
+    make_config,
+    serve,
+)
 from tokenmill.server.tracing import RequestTracer
 
 # The routes that generate, served alike by `tokenmill serve` and the Ray Serve ingress.
@@ -38,11 +44,9 @@ GENERATION_ROUTES = (openai_completions, openai_chat, openai_responses, anthropi
 logger = logging.getLogger("tokenmill.server")
 access_logger = logging.getLogger("tokenmill.access")
 
-UNAUTHENTICATED_PATHS = frozenset({"/health", "/docs", "/redoc", "/openapi.json"})
+UNAUTHENTICATED_PATHS = frozenset({"/health", LIVE_PATH, READY_PATH, "/docs", "/redoc", "/openapi.json"})
 DOCS_STATIC = "/docs-static"
 DEFAULT_MAX_BODY_BYTES = 2_000_000  # TGI's --payload-limit default
-END_STREAMS_GRACE_S = 5.0  # after the drain timeout: time for aborted streams to send their last event
-ENGINE_WATCH_INTERVAL_S = 0.5  # how often `serve` looks whether the engine is still alive
 
 
 class ServerMiddleware:
@@ -211,70 +215,11 @@ def build_app(aengine: AsyncLLMEngine, *, api_key: str | None = None, max_logpro
     return app
 
 
-class DrainingServer(uvicorn.Server):
-    """uvicorn's Server, except that SIGTERM / SIGINT end in a clean exit: uvicorn stops
-    accepting, waits up to timeout_graceful_shutdown for in-flight requests, cancels what is
-    left, and then we return normally (stock uvicorn re-raises the signal, so the process would
-    die of SIGTERM instead of exiting 0)."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        sigs = (signal.SIGINT, signal.SIGTERM)
-        original = {s: signal.signal(s, self.handle_exit) for s in sigs}
-        try:
-            yield
-        finally:
-            for s, handler in original.items():
-                signal.signal(s, handler)
-
-    def handle_exit(self, sig, frame) -> None:
-        if not self.should_exit:
-            logger.info("%s received: not accepting new connections; draining in-flight requests (up to %ss)",
-                        signal.Signals(sig).name, self.drain_timeout)
-        super().handle_exit(sig, frame)
-
-    @property
-    def drain_timeout(self) -> float | None:
-        t = self.config.timeout_graceful_shutdown
-        return None if t is None else max(t - END_STREAMS_GRACE_S, 0.0)
-
-    async def shutdown(self, sockets=None) -> None:
-        """uvicorn's shutdown, except that when the drain timeout expires every request still in
-        flight is aborted with an error its client sees (an error event and [DONE] on a stream, a
-        503 otherwise); uvicorn cancels tasks only if they have not ended END_STREAMS_GRACE_S later."""
-        expiry = None
-        if self.drain_timeout is not None:
-            expiry = asyncio.get_running_loop().call_later(self.drain_timeout, self._end_streams)
-        try:
-            await super().shutdown(sockets)
-        finally:
-            if expiry is not None:
-                expiry.cancel()
-
-    def _end_streams(self) -> None:
-        ctx = getattr(getattr(self.config.app, "state", None), "ctx", None)
-        if ctx is None:
-            return
-        n = ctx.aengine.num_in_flight()
-        if n:
-            logger.warning("drain timeout (%gs) expired: aborting %d request(s) still in flight", self.drain_timeout, n)
-            ctx.aengine.abort_all(ServerShutdownError(
-                f"the server is shutting down and its drain timeout ({self.drain_timeout:g} s) expired"))
-
-
-def make_config(app: FastAPI, host: str, port: int, drain_timeout: float | None = 30.0, **kw) -> uvicorn.Config:
-    grace = None if drain_timeout is None else drain_timeout + END_STREAMS_GRACE_S
-    return uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False,
-                          timeout_graceful_shutdown=grace, **kw)
-
-
 class BackgroundServer:
     """Runs the app on a uvicorn server in a thread (tests, notebooks, embedding)."""
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, drain_timeout: float = 5.0):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, drain_timeout: float = 5.0):
+        """`app`: build_app's, or any ASGI app (a startup.StartupApp)."""
         self.server = DrainingServer(make_config(app, host, port, drain_timeout))
         self.thread = threading.Thread(target=self.server.run, name="tokenmill-http", daemon=True)
         self.host = host
@@ -305,61 +250,3 @@ class BackgroundServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def serve(aengine: AsyncLLMEngine, *, host: str = "0.0.0.0", port: int = 8000, api_key: str | None = None,
-          drain_timeout: float = 30.0, max_logprobs: int = 20, chat_template: str | None = None,
-          log_requests: bool = True, uvicorn_log_level: str = "info", timeout_keep_alive: int = 5,
-          trust_request_chat_template: bool = False, max_request_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
-          max_prompts_per_request: int = DEFAULT_MAX_PROMPTS,
-          max_stored_responses: int = openai_responses.DEFAULT_MAX_STORED,
-          enable_web_ui: bool = True,
-          ssl_keyfile: str | None = None, ssl_certfile: str | None = None, root_path: str = "",
-          sock: socket.socket | None = None, tracer: RequestTracer | None = None,
-          metrics_prefix: str = DEFAULT_METRICS_PREFIX) -> int:
-    """Serve until SIGTERM / SIGINT; returns 0 after draining. Used by `tokenmill serve`, which
-    binds `sock` (listen.bind_socket) before loading the model; without one, host:port is bound here."""
-    from tokenmill.server.listen import announce, bind_socket
-
-    sock = sock or bind_socket(host, port)
-    app = build_app(aengine, api_key=api_key, max_logprobs=max_logprobs, chat_template=chat_template,
-                    log_requests=log_requests, shutdown_engine=True,
-                    trust_request_chat_template=trust_request_chat_template,
-                    max_request_body_bytes=max_request_body_bytes, max_prompts_per_request=max_prompts_per_request,
-                    max_stored_responses=max_stored_responses, tracer=tracer, metrics_prefix=metrics_prefix,
-                    enable_web_ui=enable_web_ui)
-    if tracer is not None:
-        logger.info("OpenTelemetry: one span per request, exported to %s", tracer.endpoint)
-    config = make_config(app, host, port, drain_timeout, log_level=uvicorn_log_level,
-                         timeout_keep_alive=timeout_keep_alive, ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile,
-                         root_path=root_path)
-
-    class Server(DrainingServer):
-        engine_died = False
-
-        async def startup(self, sockets=None) -> None:
-            await super().startup(sockets=sockets)
-            if self.started:
-                announce(app, sock, https=ssl_certfile is not None)
-                self._watch = asyncio.create_task(self.watch_engine())
-
-        async def watch_engine(self) -> None:
-            """A dead engine (its loop raised, a tensor-parallel worker died) ends the server with
-            exit code 1, so that a supervisor restarts it; until then /health says 503."""
-            while not self.should_exit:
-                if not aengine.is_running:
-                    logger.error("the engine has died (%r): shutting the server down", aengine.error)
-                    self.engine_died = self.should_exit = True
-                    return
-                await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
-
-    server = Server(config)
-    try:
-        server.run(sockets=[sock])
-    finally:
-        sock.close()
-    aengine.shutdown()
-    if not server.started or server.engine_died:
-        return 1
-    logger.info("server stopped")
-    return 0

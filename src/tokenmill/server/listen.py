@@ -1,7 +1,7 @@
-"""The listening side of `tokenmill serve`: the socket is bound before the model loads, so a busy
-port fails in a second instead of after minutes of loading (vLLM does the same), and once the
-server is up it says where it listens and which routes it serves (uvicorn says nothing about a
-socket it is handed)."""
+"""The listening side of `tokenmill serve`: the socket is bound before anything else, so a busy
+port fails in a second instead of after minutes of loading (vLLM does the same); the server says
+where it listens while the engine loads, and once it is ready which routes it serves (uvicorn says
+nothing about a socket it is handed)."""
 
 from __future__ import annotations
 
@@ -41,11 +41,20 @@ def announce(app, sock: socket.socket, https: bool = False) -> None:
             logger.info("Route: %s, Methods: %s", path, ", ".join(sorted(methods)))
         else:
             logger.info("Route: %s (mounted)", path)
+    logger.info("tokenmill is serving on %s; Ctrl-C (SIGINT) or SIGTERM to stop", _url(sock, https))
+
+
+def announce_listening(sock: socket.socket, https: bool = False) -> None:
+    """Says that the server answers while the engine loads, and how to know when it is ready."""
+    logger.info("tokenmill is listening on %s while the engine loads: GET /health and /health/ready answer "
+                "503 until it is ready, /health/live 200", _url(sock, https))
+
+
+def _url(sock: socket.socket, https: bool) -> str:
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     where = " (all interfaces)" if host in ("0.0.0.0", "::") else ""
-    logger.info("tokenmill is serving on %s://%s:%d%s; Ctrl-C (SIGINT) or SIGTERM to stop",
-                "https" if https else "http", shown, port, where)
+    return f"{'https' if https else 'http'}://{shown}:{port}{where}"
 
 
 def _routes(routes):

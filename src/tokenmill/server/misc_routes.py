@@ -1,5 +1,6 @@
-"""GET /v1/models, POST /tokenize and /detokenize, GET /health, /version and /metrics, POST
-/reset_prefix_cache."""
+"""GET /v1/models, POST /tokenize and /detokenize, GET /health (and /health/live, /health/ready),
+/version and /metrics, POST /reset_prefix_cache. While `tokenmill serve` loads its engine, startup.py
+answers the health routes instead."""
 
 from __future__ import annotations
 
@@ -90,15 +91,39 @@ async def detokenize(body: DetokenizeRequest, raw: Request) -> DetokenizeRespons
 
 
 _HEALTH = {200: {"model": HealthResponse, "description": 'the engine is running: {"status": "ok"}'},
-           503: {"model": HealthResponse, "description": 'the engine loop has died: {"status": "unhealthy"}'}}
+           503: {"model": HealthResponse, "description": 'the engine is loading (`tokenmill serve`: {"status": '
+                 '"loading", "phase": ...}), failed to load ("failed") or has died ("unhealthy")'}}
+_LIVE = {200: {"model": HealthResponse, "description": 'the process serves HTTP, the engine running or still '
+                                                       'loading: {"status": "ok"} or {"status": "loading", ...}'},
+         503: {"model": HealthResponse, "description": 'the engine has died or failed to load'}}
+
+
+def _engine_health(raw: Request) -> JSONResponse:
+    ok = get_ctx(raw).aengine.is_running
+    return JSONResponse({"status": "ok" if ok else "unhealthy"}, status_code=200 if ok else 503)
 
 
 @router.get("/health", tags=["server"], response_model=None, responses=_HEALTH)
 @router.head("/health", tags=["server"], response_model=None, responses=_HEALTH)
 async def health(raw: Request) -> JSONResponse:
-    """No authentication: for load balancers and orchestrators (HEAD too: the same status, no body)."""
-    ok = get_ctx(raw).aengine.is_running
-    return JSONResponse({"status": "ok" if ok else "unhealthy"}, status_code=200 if ok else 503)
+    """No authentication: for load balancers and orchestrators (HEAD too: the same status, no body).
+    200 only when the engine can take requests: /health/ready."""
+    return _engine_health(raw)
+
+
+@router.get("/health/ready", tags=["server"], response_model=None, responses=_HEALTH)
+@router.head("/health/ready", tags=["server"], response_model=None, responses=_HEALTH)
+async def health_ready(raw: Request) -> JSONResponse:
+    """Readiness (a Kubernetes readinessProbe): 200 when the engine can take requests, else 503."""
+    return _engine_health(raw)
+
+
+@router.get("/health/live", tags=["server"], response_model=None, responses=_LIVE)
+@router.head("/health/live", tags=["server"], response_model=None, responses=_LIVE)
+async def health_live(raw: Request) -> JSONResponse:
+    """Liveness (a Kubernetes livenessProbe): 200 while the process serves, also while the engine
+    loads; 503 once the engine has died (`tokenmill serve` then exits 1 itself)."""
+    return _engine_health(raw)
 
 
 @router.get("/version", response_model=VersionResponse, tags=["server"])

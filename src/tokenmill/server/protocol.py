@@ -460,7 +460,13 @@ class VersionResponse(BaseModel):
 
 
 class HealthResponse(BaseModel):
-    status: Literal["ok", "unhealthy"]
+    status: Literal["ok", "loading", "failed", "unhealthy"]
+    phase: str | None = Field(None, description="while loading: what the load is doing, e.g. 'loading weights'")
+    done: int | None = Field(None, description="while loading: items of the phase done (with total, unit)")
+    total: int | None = None
+    unit: str | None = None
+    elapsed_s: float | None = Field(None, description="while loading: seconds since the load started")
+    error: str | None = Field(None, description="failed: why the engine did not load")
 
 
 # ---- LoRA adapters at run time (--allow-runtime-lora-updating) -----------------------------

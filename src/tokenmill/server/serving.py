@@ -78,6 +78,11 @@ class ServerContext:
         return self.aengine.engine.config.model.vocab_size
 
     @property
+    def model_aliases(self) -> tuple[str, ...]:
+        """Other names requests may give for the served model (a GGUF file's path: ModelConfig.aliases)."""
+        return getattr(self.aengine.engine.config.model, "aliases", ())
+
+    @property
     def lora(self):
         """The engine's LoRARegistry (lora/registry.py), or None without --enable-lora."""
         return getattr(self.aengine.engine, "lora", None)
@@ -91,7 +96,7 @@ def get_ctx(request: Request) -> ServerContext:
 def check_model(ctx: ServerContext, name: str | None) -> LoRARequest | None:
     """The LoRA adapter a request's `model` names: None for the base model (its served name, or no
     name), the adapter's LoRARequest for a registered adapter (--enable-lora); else a 404."""
-    if not name or name == ctx.model_name:
+    if not name or name == ctx.model_name or name in ctx.model_aliases:
         return None
     lora = lora_request(ctx, name)
     if lora is None:

@@ -139,7 +139,7 @@ def _validate(ctx: ServerContext, req: TGIRequest) -> tuple[list[int], SamplingP
     """TGI's checks and messages; returns (input ids, params, sampling?, the adapter)."""
     p = req.parameters
     lora = None
-    if p.adapter_id and p.adapter_id != ctx.model_name:
+    if p.adapter_id and p.adapter_id != ctx.model_name and p.adapter_id not in ctx.model_aliases:
         lora = lora_request(ctx, p.adapter_id)
         if lora is None:  # TGI itself would serve the base model; a typo must not go unnoticed
             raise _bad(f"`adapter_id` {p.adapter_id!r} is not a loaded LoRA adapter"

@@ -8,9 +8,15 @@ import math
 import torch
 
 
+# The tables are computed on the CPU whatever the ambient device: under the loader's
+# torch.device("meta") the same ops would run torch's Python meta decompositions, whose first use
+# imports torch._dynamo (~2 s of a warm start); the loader computes them again after loading.
+_TABLE_DEVICE = "cpu"
+
+
 def _inv_freq(head_dim: int, base: float, scaling: dict | None, max_position: int) -> tuple[torch.Tensor, float]:
     """(inverse frequencies, factor on cos and sin) as transformers computes them."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=_TABLE_DEVICE).float() / head_dim
     inv_freq = 1.0 / (base**exponents)
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "default":
@@ -45,7 +51,7 @@ def _longrope(exponents: torch.Tensor, base: float, scaling: dict, max_position:
     attention_factor = scaling.get("attention_factor")
     if attention_factor is None:
         attention_factor = math.sqrt(1 + math.log(factor) / math.log(orig)) if factor > 1.0 else 1.0
-    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base**exponents), attention_factor
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32, device=_TABLE_DEVICE) * base**exponents), attention_factor
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -54,7 +60,7 @@ class RotaryEmbedding(torch.nn.Module):
         super().__init__()
         self.head_dim, self.rotary_dim = head_dim, rotary_dim or head_dim
         inv_freq, mscale = _inv_freq(self.rotary_dim, base, scaling, max_position)
-        t = torch.arange(max_position, dtype=torch.float32)
+        t = torch.arange(max_position, dtype=torch.float32, device=_TABLE_DEVICE)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         # Cached in the compute dtype, as HF casts cos/sin to the activations' dtype.

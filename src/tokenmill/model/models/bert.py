@@ -18,6 +18,7 @@ from torch import nn
 
 from tokenmill.distributed.comm import NO_TP, TPGroup
 from tokenmill.model.layers.attention import AttentionMetadata
+from tokenmill.model.layers.embedding import embedding
 
 _ACTIVATIONS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                 "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
@@ -105,9 +106,9 @@ class BertModel(nn.Module):
                              f"(only absolute)")
         self.cfg = cfg
         self.tie_word_embeddings = False
-        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
-        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
+        self.word_embeddings = embedding(cfg.vocab_size, cfg.hidden_size)
+        self.position_embeddings = embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.token_type_embeddings = embedding(cfg.type_vocab_size, cfg.hidden_size)
         self.embed_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         # Not called `layers`: that name means decoder layers to the decode-step code (weight arena).
         self.blocks = nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_hidden_layers))

@@ -25,6 +25,7 @@ from torch import nn
 from tokenmill.distributed.comm import NO_TP, TPGroup
 from tokenmill.model.layers import cpu_kernels
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata, LayerAttention
+from tokenmill.model.layers.embedding import embedding
 from tokenmill.model.layers.rotary import RotaryEmbedding
 from tokenmill.model.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, sliding_windows
 
@@ -131,7 +132,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self.tp, self.cfg, self.max_position = tp, cfg, max_position
         self.gemma3 = self.ARCHITECTURES[arch]
         types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         # transformers multiplies by sqrt(hidden) cast to the weights' dtype (55.4256 -> 55.5 in bf16).
         self.embed_scale = float(torch.tensor(cfg.hidden_size**0.5, dtype=dtype, device="cpu"))
         self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, i, self.gemma3, types[i]) for i in range(len(types)))

@@ -21,6 +21,7 @@ from tokenmill.distributed.comm import NO_TP, TPGroup
 from tokenmill.distributed.sharding import lm_head_rows
 from tokenmill.model.layers import cpu_kernels
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata, LayerAttention
+from tokenmill.model.layers.embedding import embedding
 from tokenmill.model.layers.norm import RMSNorm
 from tokenmill.model.layers.quantization import GROUP, QuantEmbedding, QuantLinear
 from tokenmill.model.layers.rotary import RotaryEmbedding
@@ -131,7 +132,7 @@ class LlamaForCausalLM(nn.Module):
         arch = (getattr(cfg, "architectures", None) or ["LlamaForCausalLM"])[0]
         qkv_bias = self.ARCHITECTURES.get(arch, False) or getattr(cfg, "attention_bias", False)
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(self.decoder_layer_cls(cfg, i, qkv_bias, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
