@@ -33,6 +33,11 @@ import torch
 
 
 BINDINGS = """#include <torch/extension.h>
+namespace tm_cpu {  // torch_lite.h's allocation helpers (kernels/csrc/bindings.cpp defines them in the package)
+at::Tensor empty(at::IntArrayRef sizes, at::TensorOptions options) { return at::empty(sizes, options); }
+at::Tensor empty_like(const at::Tensor& x) { return at::empty_like(x); }
+at::Tensor zeros(at::IntArrayRef sizes, at::TensorOptions options) { return at::zeros(sizes, options); }
+}
 torch::Tensor paged_decode(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, double,
                            c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, int64_t, double);
 torch::Tensor paged_rows(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
@@ -50,17 +55,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
 
 def load_source(path: str, tag: str):
-    """A stand-alone paged_attention.cpp (the package's headers) with bindings of its two ops."""
+    """A stand-alone paged_attention.cpp (with paged_rows.cpp beside it, where the rows kernel has a
+    file of its own; the package's headers otherwise) with bindings of its two ops, compiled for the
+    ISA level this machine loads (TOKENMILL_CPU_ISA caps it)."""
     from torch.utils.cpp_extension import load
 
-    from tokenmill.model.layers import cpu_kernels
+    from tokenmill.kernels import build as kernel_build
+    from tokenmill.kernels import isa
 
     build = Path(tempfile.gettempdir()) / f"tokenmill_bench_{tag}"
     build.mkdir(parents=True, exist_ok=True)
     bindings = build / "bench_bindings.cpp"
     bindings.write_text(BINDINGS)
-    return load(name=f"tokenmill_bench_{tag}", sources=[path, str(bindings)], extra_cflags=cpu_kernels._flags(),
-                extra_include_paths=[str(cpu_kernels.SOURCES[0].parent)], build_directory=str(build), verbose=False)
+    sources = [path] + [str(p) for p in [Path(path).with_name("paged_rows.cpp")] if p.exists()]
+    flags = [f for f in kernel_build.COMMON_FLAGS if f not in ("-std=c++20", "-fvisibility=hidden")]
+    return load(name=f"tokenmill_bench_{tag}", sources=[*sources, str(bindings)],
+                extra_cflags=flags + list(isa.selected_level().compile_flags),
+                extra_include_paths=[str(Path(path).parent), str(kernel_build.CSRC)], build_directory=str(build),
+                verbose=False)
 
 
 def make_case(B: int, args, cache: str, gen: torch.Generator, context: int, rows: int = 1):
