@@ -132,3 +132,18 @@ def test_the_cap_selects_the_module_a_process_loads():
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == want
+
+
+def test_the_package_modules_are_skipped_when_they_no_longer_match(monkeypatch, caplog):
+    """Built against another torch, or from other sources (an editable install whose csrc was edited
+    since): not loaded (the fallback compiles the level instead), and the log says why."""
+    level = isa.selected_level()
+    if cpu_kernels._packaged(level) is None:
+        pytest.skip("this installation has no prebuilt kernels for this CPU")
+    monkeypatch.setattr(build, "sources_digest", lambda: "edited")
+    assert cpu_kernels._packaged(level) is None
+    assert "built from other sources" in caplog.text
+    monkeypatch.undo()
+    monkeypatch.setattr(torch, "__version__", "0.0.0")
+    assert cpu_kernels._packaged(level) is None
+    assert "and this is torch 0.0.0" in caplog.text

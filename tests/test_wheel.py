@@ -18,7 +18,10 @@ import pytest
 from tokenmill.kernels import build, isa
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.skipif(not (ROOT / "pyproject.toml").exists(), reason="needs the source tree")
+# The build only links where the tree's own install compiled the kernels (objects kept in build/); the venv's
+# install of torch and the dependencies takes minutes more.
+pytestmark = [pytest.mark.skipif(not (ROOT / "pyproject.toml").exists(), reason="needs the source tree"),
+              pytest.mark.timeout(2400)]
 
 
 def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:

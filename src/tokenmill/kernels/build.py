@@ -321,6 +321,7 @@ def build(out_dir: Path, levels: list[str] | None = None, work: Path | None = No
         built[name] = out_dir / module_file(name)
         _link(tc, links[name], built[name])
     info = {"torch": tc.torch_version, "python": sys.version.split()[0], "compiler": tc.version, "levels": levels,
+            "sources": sources_digest(),
             "objects": {name: sorted(f"{j.source.name}:{j.level or 'any'}" for j in links[name]) for name in levels}}
     (out_dir / BUILD_INFO).write_text(json.dumps(info, indent=1) + "\n")
     try:
@@ -340,6 +341,13 @@ def _prune(work: Path, keep: list[Job]) -> None:
     for p in (work / "obj").glob("*.o"):
         if p.name not in wanted:
             p.unlink(missing_ok=True)
+
+
+def sources_digest() -> str:
+    """What the modules are compiled from (every csrc file): recorded in the build's info, so that a
+    source tree edited since its install compiles again rather than load stale kernels."""
+    files = sorted(CSRC.glob("*.cpp")) + sorted(CSRC.glob("*.h"))
+    return hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in files)).hexdigest()[:16]
 
 
 def read_build_info(out_dir: Path) -> dict | None:

@@ -246,12 +246,7 @@ void decode_merge(const DecodeArgs<T, C>& a, int64_t begin, int64_t end) {
 #define TM_INSTANTIATE(T, C)                                                      \
   template void decode_items<T, C>(const DecodeArgs<T, C>&, int64_t, int64_t); \
   template void decode_merge<T, C>(const DecodeArgs<T, C>&, int64_t, int64_t);
-TM_INSTANTIATE(float, float)
-TM_INSTANTIATE(c10::BFloat16, c10::BFloat16)
-TM_INSTANTIATE(float, int8_t)
-TM_INSTANTIATE(c10::BFloat16, int8_t)
-TM_INSTANTIATE(float, c10::Float8_e4m3fn)
-TM_INSTANTIATE(c10::BFloat16, c10::Float8_e4m3fn)
+TM_QUERY_CACHE_TYPES(TM_INSTANTIATE)
 #undef TM_INSTANTIATE
 
 }  // namespace tm_cpu

@@ -310,12 +310,7 @@ void rows_item(const RowsArgs<T, C>& a, const RowsItem& it) {
 }
 
 #define TM_INSTANTIATE(T, C) template void rows_item<T, C>(const RowsArgs<T, C>&, const RowsItem&);
-TM_INSTANTIATE(float, float)
-TM_INSTANTIATE(c10::BFloat16, c10::BFloat16)
-TM_INSTANTIATE(float, int8_t)
-TM_INSTANTIATE(c10::BFloat16, int8_t)
-TM_INSTANTIATE(float, c10::Float8_e4m3fn)
-TM_INSTANTIATE(c10::BFloat16, c10::Float8_e4m3fn)
+TM_QUERY_CACHE_TYPES(TM_INSTANTIATE)
 #undef TM_INSTANTIATE
 
 }  // namespace tm_cpu

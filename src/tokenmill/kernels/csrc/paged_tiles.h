@@ -22,6 +22,10 @@
 #endif
 
 #define TM_HEAD_DIMS(X) X(16) X(32) X(64) X(80) X(96) X(128) X(256)
+// (query, cache) element types both kernels are instantiated for
+#define TM_QUERY_CACHE_TYPES(X)                                                   \
+  X(float, float) X(c10::BFloat16, c10::BFloat16) X(float, int8_t) X(c10::BFloat16, int8_t) \
+  X(float, c10::Float8_e4m3fn) X(c10::BFloat16, c10::Float8_e4m3fn)
 
 namespace {
 

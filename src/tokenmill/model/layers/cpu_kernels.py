@@ -3,8 +3,9 @@
 The package ships them compiled, one extension module per x86 level
 (`tokenmill.kernels._C_<level>`, built by `pip install` / `python -m build`: kernels/build.py);
 the highest level the CPU has is loaded, or the one `TOKENMILL_CPU_ISA` caps it to
-(kernels/isa.py). A source tree without them, a package built for other levels, or a torch other
-than the one they were built against compiles the one level needed on first use (the fallback:
+(kernels/isa.py). A source tree without them, a package built for other levels, against a torch
+other than the one running, or from other sources (an editable install whose csrc was edited
+since) compiles the one level needed on first use (the fallback:
 about a minute, logged unit by unit) into `$TOKENMILL_CACHE_DIR/kernels` (default
 ~/.cache/tokenmill/kernels), keyed by sources, torch, Python and the environment, so later
 starts load it. If that fails too, callers use pure-torch code (TOKENMILL_NO_CPP_KERNELS=1
@@ -89,6 +90,10 @@ def _packaged(level):
     if info.get("torch") != torch.__version__:
         logger.warning("the package's CPU kernels were built against torch %s, and this is torch %s",
                        info.get("torch", "(unknown)"), torch.__version__)
+        return None
+    if info.get("sources") != kernel_build.sources_digest():  # an editable install, its csrc edited since
+        logger.warning("the package's CPU kernels were built from other sources than %s holds now",
+                       kernel_build.CSRC)
         return None
     module = importlib.import_module(name)
     _origin = "package"
