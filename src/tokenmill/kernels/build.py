@@ -33,7 +33,7 @@ import sys
 import sysconfig
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -163,10 +163,7 @@ class Job:
     level: str              # the level whose flags compile it ("" for bindings: no ISA flags)
     flags: list[str]
     obj: Path
-    text: str = ""
     seconds: float = 0.0
-    cached: bool = False
-    for_levels: list[str] = field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -188,7 +185,9 @@ def plan(levels: list[str], tc: Toolchain, work: Path) -> tuple[list[Job], dict[
     def job(src: Path, lv: str, flags: list[str]) -> Job:
         key = (src.name, lv)
         if key not in jobs:
-            keyed = [f for f in flags if not f.startswith("/")]  # the include folders' paths: see env_key
+            # not the include folders' paths (see env_key; csrc's files are hashed themselves): a clone
+            # or a pip build elsewhere of the same sources hits the same objects
+            keyed = [f for f in flags if not f.startswith(("/", "-I"))]
             digest = hashlib.sha256(src.read_bytes() + headers + " ".join(keyed).encode() + env_key).hexdigest()[:16]
             jobs[key] = Job(src, lv, flags, work / "obj" / f"{src.stem}.{lv or 'any'}.{digest}.o")
         return jobs[key]
@@ -208,8 +207,6 @@ def plan(levels: list[str], tc: Toolchain, work: Path) -> tuple[list[Job], dict[
             objs.append(j)
         init = job(CSRC / MODULE_INIT, name, base + list(generic) + [f"-DTM_ISA_LEVEL={name}"])
         links[name] = [*objs, init, bindings]  # bindings last: the kernel units' copies of shared inlines win
-        for j in links[name]:
-            j.for_levels.append(name)
     return list(jobs.values()), links
 
 
@@ -291,8 +288,6 @@ def build(out_dir: Path, levels: list[str] | None = None, work: Path | None = No
     except (OSError, ValueError):
         timings = {}
     fresh = [j for j in todo if not j.obj.exists()]
-    for j in todo:
-        j.cached = j not in fresh
     jobs = jobs or default_jobs()
     log(f"compiling the CPU kernels for {len(levels)} ISA level(s) ({', '.join(levels)}): {len(fresh)} of "
         f"{len(todo)} units to compile ({len(todo) - len(fresh)} already compiled in {work}), {jobs} at a time, "

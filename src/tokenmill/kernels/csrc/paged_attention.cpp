@@ -282,17 +282,6 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
     at::parallel_for(0, B * S, 1, [&](int64_t begin, int64_t end) { decode_items(a, begin, end); });
     if (S > 1) at::parallel_for(0, B * H, 16, [&](int64_t begin, int64_t end) { decode_merge(a, begin, end); });
   };
-  auto with_q = [&](auto* qp, auto* op) {
-    using T = std::remove_pointer_t<decltype(qp)>;
-    with_cache<T>(k_cache, v_cache, [&](auto* kp, auto* vp) { run(qp, kp, vp, op); });
-  };
-  if (q.scalar_type() == at::kFloat) {
-    with_q(q.data_ptr<float>(), out.data_ptr<float>());
-  } else if (q.scalar_type() == at::kBFloat16) {
-    using BF = c10::BFloat16;
-    with_q(q.data_ptr<BF>(), out.data_ptr<BF>());
-  } else {
-    TORCH_CHECK(false, "paged_decode: float32 or bfloat16 queries only");
-  }
+  with_query_and_cache(q, out, k_cache, v_cache, "paged_decode", run);
   return out;
 }

@@ -360,18 +360,7 @@ at::Tensor paged_rows(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::
       for (int64_t i; (i = next.fetch_add(1)) < n;) rows_item(a, items[i]);
     });
   };
-  auto with_q = [&](auto* qp, auto* op) {
-    using TT = std::remove_pointer_t<decltype(qp)>;
-    with_cache<TT>(k_cache, v_cache, [&](auto* kp, auto* vp) { run(qp, kp, vp, op); });
-  };
   if (T == 0) return out;
-  if (q.scalar_type() == at::kFloat) {
-    with_q(q.data_ptr<float>(), out.data_ptr<float>());
-  } else if (q.scalar_type() == at::kBFloat16) {
-    using BF = c10::BFloat16;
-    with_q(q.data_ptr<BF>(), out.data_ptr<BF>());
-  } else {
-    TORCH_CHECK(false, "paged_rows: float32 or bfloat16 queries only");
-  }
+  with_query_and_cache(q, out, k_cache, v_cache, "paged_rows", run);
   return out;
 }

@@ -356,4 +356,22 @@ void portable_heads(const T* q_row, T* out_row, int64_t lo, int64_t L, const int
 
 #endif  // __AVX512F__
 
+// run(q, k, v, out) with q and out typed by q's dtype (float32 or bfloat16), k and v by the cache's:
+// both kernels' entry points.
+template <typename F>
+void with_query_and_cache(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const char* op, F&& run) {
+  auto typed = [&](auto* qp, auto* op_) {
+    using T = std::remove_pointer_t<decltype(qp)>;
+    with_cache<T>(k_cache, v_cache, [&](auto* kp, auto* vp) { run(qp, kp, vp, op_); });
+  };
+  if (q.scalar_type() == at::kFloat) {
+    typed(q.data_ptr<float>(), out.data_ptr<float>());
+  } else if (q.scalar_type() == at::kBFloat16) {
+    typed(q.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>());
+  } else {
+    TORCH_CHECK(false, op, ": float32 or bfloat16 queries only");
+  }
+}
+
 }  // namespace
