@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 import sys
 from pathlib import Path
 
@@ -179,3 +180,10 @@ def record_multi_row_fused_steps(llm) -> list[int]:
 
         fd.accepts = accepts
     return multi
+
+
+def free_port() -> int:
+    """A free loopback port (bound, then released for a server to take)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

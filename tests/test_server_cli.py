@@ -17,13 +17,11 @@ import time
 import httpx
 import pytest
 
+from conftest import free_port
+
 from tokenmill.cli import build_parser
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _serve_parser() -> argparse.ArgumentParser:
@@ -104,7 +102,7 @@ def test_a_gguf_file_is_served_under_its_model_name(tiny_llama_dir, tmp_path, mo
 
 
 def test_sigterm_drains_in_flight_request_and_exits_0(tiny_llama_dir, tmp_path):
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "serve.log", "w+")
     env = {**os.environ, "TOKENMILL_API_KEY": "k3y"}

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,8 @@ from contextlib import suppress
 
 import httpx
 import pytest
+
+from conftest import free_port
 
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.model import loader
@@ -100,7 +101,7 @@ def test_every_other_route_is_a_503_in_its_apis_shape_while_loading(held):
 def test_a_failed_load_ends_serve_with_its_error(capsys):
     from tokenmill.cli import main
 
-    assert main(["serve", "/no/such/model", "--host", "127.0.0.1", "--port", str(_free_port())]) == 2
+    assert main(["serve", "/no/such/model", "--host", "127.0.0.1", "--port", str(free_port())]) == 2
     assert "tokenmill: error: model path '/no/such/model' does not exist" in capsys.readouterr().err
 
 
@@ -138,7 +139,7 @@ sys.exit(main(sys.argv[1:]))
 
 
 def test_sigterm_while_loading_exits_0_at_once(tiny_llama_dir, tmp_path):
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen([sys.executable, "-c", _HELD_SERVE, "serve", tiny_llama_dir, "--host", "127.0.0.1",
@@ -168,7 +169,3 @@ def test_sigterm_while_loading_exits_0_at_once(tiny_llama_dir, tmp_path):
         log.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

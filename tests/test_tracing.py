@@ -10,7 +10,6 @@ from __future__ import annotations
 import gzip
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import openai
 import pytest
+
+from conftest import free_port
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
@@ -95,10 +96,6 @@ def _value(v):
     return getattr(v, kind)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _attrs(span: Span) -> dict:
@@ -107,7 +104,7 @@ def _attrs(span: Span) -> dict:
 
 def test_one_server_span_per_request_child_of_the_callers_trace(tiny_llama_dir, tmp_path):
     log_path = tmp_path / "serve.log"
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     # A batch delay of 10 minutes: spans leave only with the flush at shutdown (or a full batch of 512).
     env = {**os.environ, "OTEL_SERVICE_NAME": "tokenmill-test", "OTEL_BSP_SCHEDULE_DELAY": "600000"}

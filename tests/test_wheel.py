@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from conftest import free_port
 from tokenmill.kernels import build, isa
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,22 +66,22 @@ def test_the_installed_server_answers_without_compiling(installed, tmp_path):
     venv, _ = installed
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TOKENMILL_", "PYTHON"))}
     env.update(CXX="false", PATH=f"{venv / 'bin'}:/usr/bin:/bin", HOME=os.environ.get("HOME", str(tmp_path)))
-    with socket_port() as port:
-        log = tmp_path / "serve.log"
-        with open(log, "w") as out:
-            proc = subprocess.Popen([str(venv / "bin" / "tokenmill"), "serve", "--host", "127.0.0.1", "--port",
-                                     str(port)], cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            _wait_ready(proc, url, log)
-            r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
-                "model": _model_id(url), "messages": [{"role": "user", "content": "Say hello."}],
-                "max_tokens": 8, "temperature": 0})
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["message"]["content"]
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=120)
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(venv / "bin" / "tokenmill"), "serve", "--host", "127.0.0.1", "--port",
+                                 str(port)], cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_ready(proc, url, log)
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+            "model": _model_id(url), "messages": [{"role": "user", "content": "Say hello."}],
+            "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
     text = log.read_text()
     assert "compiling" not in text, text
     level = isa.host_level().name
@@ -104,17 +105,3 @@ def _wait_ready(proc: subprocess.Popen, url: str, log: Path, limit_s: float = 60
             pass
         time.sleep(0.5)
     pytest.fail(f"not ready in {limit_s} s:\n{log.read_text()[-4000:]}")
-
-
-class socket_port:
-    """A free loopback port (bound, then released for the server to take)."""
-
-    def __enter__(self) -> int:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
-    def __exit__(self, *exc) -> None:
-        pass
