@@ -86,6 +86,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None  # default: max(2048, max_model_len) capped
     scheduling_policy: str = "fcfs"  # fcfs | priority (requests' priority: lower first, ties by arrival)
     enable_chunked_prefill: bool = True
+    itl_target_ms: float = 250.0  # while requests decode, prompt tokens per step keep it this long (0: off)
     enable_prefix_caching: bool = True
     watermark_gamma: float = 0.5  # green fraction of the vocabulary for requests with watermark on
     watermark_delta: float = 2.0  # logit bonus of green tokens
@@ -173,6 +174,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     max_loras: int = 0  # distinct LoRA adapters one step may hold (0: LoRA off)
     policy: str = "fcfs"  # fcfs | priority (see scheduler.py)
+    # while requests decode, a step's prompt tokens keep it within this inter-token latency (engine/
+    # step_budget.py); 0: every step takes the whole token budget
+    itl_target_ms: float = 250.0
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from tokenmill.config import EngineConfig
@@ -67,6 +68,7 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[CoreOutput]:
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.empty:
             return []
@@ -79,6 +81,7 @@ class EngineCore:
                 sampled[req.request_id], logprobs[req.request_id] = out.tokens_of(i)
         num_outputs = {s.request.request_id: s.request.num_output_tokens for s in sched.scheduled}
         self.scheduler.update(sched, sampled)
+        self.scheduler.observe_step(sched, time.perf_counter() - t0)
         if self.drafter is not None:
             self.drafter.observe(sched, sampled)
         results = []

@@ -29,6 +29,9 @@ class RequestState:
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
+        # each token's text for logprobs, decoded once: n=128 beams ask for 256 logprobs each a round,
+        # 32,768 decodes on the engine thread (between two steps of every other request) otherwise
+        self._token_text: dict[int, str] = {}
         self.states: dict[str, RequestState] = {}
 
     def add_request(self, req: Request) -> None:
@@ -126,8 +129,14 @@ class OutputProcessor:
                              req.num_cached_tokens, state.prompt_logprobs)
 
     def _logprob_dict(self, token_id: int, lp) -> dict[int, Logprob]:
-        d = {token_id: Logprob(lp.token_logprob, lp.rank, self.tokenizer.decode([token_id], skip_special_tokens=False))}
+        d = {token_id: Logprob(lp.token_logprob, lp.rank, self._text(token_id))}
         for rank, (tid, val) in enumerate(lp.top, start=1):
             if tid not in d:
-                d[tid] = Logprob(val, rank, self.tokenizer.decode([tid], skip_special_tokens=False))
+                d[tid] = Logprob(val, rank, self._text(tid))
         return d
+
+    def _text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text

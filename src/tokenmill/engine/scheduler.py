@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from tokenmill.config import SchedulerConfig
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.step_budget import StepBudget
 
 
 @dataclass
@@ -48,6 +49,11 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
+    num_decode_rows: int = 0  # the first num_decode_rows of `scheduled` decode (drafts included)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled[: self.num_decode_rows])
 
     @property
     def empty(self) -> bool:
@@ -68,6 +74,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.by_priority = config.policy == "priority"
+        self.step_budget = StepBudget(config.itl_target_ms / 1000, config.max_num_batched_tokens)
 
     # ---- queue management -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -110,43 +117,55 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         scheduled_ids: set[str] = set()
 
-        # 1. Running requests, in arrival (or priority) order, so preemption takes the last first. A
-        # decoding request with draft tokens gets slots for them too (lookahead), budget and pool permitting.
+        # 1. Running requests, decode rows first (a token each, and a decoding request's draft tokens,
+        # budget and pool permitting), then the next chunks of prompts being prefilled; each group in
+        # arrival (or priority) order, and a preemption takes the last running request not yet scheduled.
         if self.by_priority:
             self.running.sort(key=policy_key)  # last step's admissions were appended at the end
         loras: set[int] = set()  # the step's LoRA adapters (at most max_loras)
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            if not self._lora_fits(req, loras):
-                i += 1  # its adapter waits for a step with a free slot
-                continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            spec = req.spec_token_ids[: budget - 1] if n == 1 else []
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
+        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        stopped = False  # a request could not get its blocks even after preempting every other
+        for req in decoding:
+            if budget <= 0 or stopped:
+                break
+            if req.status != RequestStatus.RUNNING or not self._lora_fits(req, loras):
+                continue  # preempted this step, or its adapter waits for a step with a free slot
+            spec = req.spec_token_ids[: budget - 1]
             probs = req.spec_draft_probs[: len(spec)] if spec and req.spec_draft_probs is not None else None
             req.spec_token_ids, req.spec_draft_probs = [], None
             if spec and not self.kv.allocate_slots(req, 1 + len(spec)):
                 spec = []  # no room to speculate: decode one token, preempting only for that
-            while not spec and not self.kv.allocate_slots(req, n):
-                victim = self.running[-1]
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is req:
-                    break
-            else:
-                n += len(spec)
-                out.scheduled.append(ScheduledRequest(req, n, self.kv.block_ids(req.request_id), spec,
-                                                      probs if spec else None))
-                scheduled_ids.add(req.request_id)
-                budget -= n
-                i += 1
+            if not spec and not self._allocate_preempting(req, 1, scheduled_ids, out):
+                stopped = True
+                break
+            n = 1 + len(spec)
+            out.scheduled.append(ScheduledRequest(req, n, self.kv.block_ids(req.request_id), spec,
+                                                  probs if spec else None))
+            scheduled_ids.add(req.request_id)
+            budget -= n
+        out.num_decode_rows = len(out.scheduled)
+        # Prompt tokens: within the budget, and while any request decodes within what keeps the step
+        # at the target inter-token latency (step_budget.py).
+        prompt_budget = min(budget, self.step_budget.prefill_tokens(out.num_decode_rows > 0))
+        for req in prefilling:
+            if prompt_budget <= 0 or stopped:
+                break
+            if req.status != RequestStatus.RUNNING or not self._lora_fits(req, loras):
                 continue
-            break  # the request preempted itself: nothing after it can fit either
+            n = min(req.num_tokens - req.num_computed_tokens, prompt_budget)
+            if not self._allocate_preempting(req, n, scheduled_ids, out):
+                stopped = True
+                break
+            out.scheduled.append(ScheduledRequest(req, n, self.kv.block_ids(req.request_id)))
+            scheduled_ids.add(req.request_id)
+            prompt_budget -= n
 
         # 2. Waiting requests in queue order (FCFS, or by priority); never admit while a preemption
         # happened this step.
         w = 0
-        while w < len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs and not out.preempted:
+        while (w < len(self.waiting) and prompt_budget > 0 and len(self.running) < cfg.max_num_seqs
+               and not out.preempted and not stopped):
             req = self.waiting[w]
             if not self._lora_fits(req, loras):
                 w += 1  # FCFS among the requests this step's adapters allow
@@ -156,9 +175,9 @@ class Scheduler:
             computed = self.kv.get_computed_blocks(req)
             num_cached = len(computed) * self.kv.block_size
             remaining = req.num_tokens - num_cached
-            if not cfg.enable_chunked_prefill and remaining > budget:
+            if not cfg.enable_chunked_prefill and remaining > prompt_budget:
                 break
-            n = min(remaining, budget)
+            n = min(remaining, prompt_budget)
             if not self.kv.allocate_slots(req, n, computed):
                 break
             self.kv.record_admission(req, num_cached)
@@ -170,10 +189,25 @@ class Scheduler:
                 req.scheduled_time = time.monotonic()
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n, self.kv.block_ids(req.request_id)))
-            budget -= n
+            prompt_budget -= n
 
-        out.num_batched_tokens = cfg.max_num_batched_tokens - budget
+        out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
         return out
+
+    def _allocate_preempting(self, req: Request, n: int, scheduled_ids: set[str], out: SchedulerOutput) -> bool:
+        """Slots for n more tokens of req, preempting the last running request not yet scheduled this
+        step (req itself last of all) until they fit. False when req had to preempt itself."""
+        while not self.kv.allocate_slots(req, n):
+            victim = next(r for r in reversed(self.running) if r.request_id not in scheduled_ids)
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is req:
+                return False
+        return True
+
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """The time a scheduled step took (schedule to update), for the next steps' prompt budget."""
+        self.step_budget.observe(out.num_batched_tokens - out.num_decode_tokens, out.num_decode_rows, seconds)
 
     def _lora_fits(self, req: Request, loras: set[int]) -> bool:
         """Whether req's adapter fits this step (taking its slot if so): a step holds at most
