@@ -140,13 +140,16 @@ class StructuredOutputManager:
         with self._lock:
             template = self._compiled.get(grammar)
             if template is not None:
+                self._compiled.move_to_end(grammar)
                 matcher = template.deep_copy()
-                # Copies share their template's lexer: one that ran out of fuel at run time broke it for good.
-                if not _error_of(matcher, self.vocab_size):
-                    self._compiled.move_to_end(grammar)
-                    return matcher
-                del self._compiled[grammar]
-        template = LLMatcher(lltok, grammar, log_level=0)  # without the lock: it drops the GIL to compile
+        if template is not None:
+            # Copies share their template's lexer: one that ran out of fuel at run time broke it for good.
+            if _error_of(matcher, self.vocab_size) is None:
+                return matcher
+            with self._lock:
+                if self._compiled.get(grammar) is template:
+                    del self._compiled[grammar]
+        template = LLMatcher(lltok, grammar)  # without the lock: it drops the GIL to compile
         error = _first_line(template.get_error()) if template.is_error() else self._probe(template)
         if error:
             raise ValueError(f"invalid guided decoding grammar: {error}")
