@@ -114,7 +114,8 @@ def one_run(src: str | None, serve_args: list[str], settle: float) -> dict:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    return {"ready_s": ready_s, "usual_gap": usual, "alone": ("-", 0.0, alone), "first": (s1, b1 - a1, longest_gap(times, a1, b1)),
+    return {"ready_s": ready_s, "usual_gap": usual, "alone": ("-", 0.0, alone),
+            "first": (s1, b1 - a1, longest_gap(times, a1, b1)),
             "second": (s2, b2 - a2, longest_gap(times, a2, b2))}
 
 

@@ -87,11 +87,14 @@ WHY = "too many expressions constructed"
 
 def test_a_grammar_that_cannot_be_followed_is_a_400_in_every_api(smollm2_server):
     client, model, url = smollm2_server.client, smollm2_server.model, smollm2_server.url
+
+    def complete(**extra):
+        return client.completions.create(model=model, prompt="Say a", max_tokens=20, extra_body=extra)
+
     openai_calls = [
-        lambda: client.completions.create(model=model, prompt="Say a", max_tokens=20, extra_body={"guided_regex": BOMB}),
-        lambda: client.completions.create(model=model, prompt="x", max_tokens=20, extra_body={"guided_json": BOMB_SCHEMA}),
-        lambda: client.completions.create(model=model, prompt="x", max_tokens=20,
-                                          extra_body={"guided_grammar": f"start: /{BOMB}/"}),
+        lambda: complete(guided_regex=BOMB),
+        lambda: complete(guided_json=BOMB_SCHEMA),
+        lambda: complete(guided_grammar=f"start: /{BOMB}/"),
         lambda: client.chat.completions.create(model=model, messages=ASK, max_tokens=20, response_format={
             "type": "json_schema", "json_schema": {"name": "s", "schema": BOMB_SCHEMA}}),
         lambda: client.chat.completions.create(model=model, messages=ASK, max_tokens=20, stream=True,
