@@ -8,6 +8,7 @@ import re
 import httpx
 import openai
 import pytest
+from conftest import wait_engine_idle
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30}, "age": {"type": "integer"},
                                            "tags": {"type": "array", "maxItems": 3,
@@ -75,6 +76,50 @@ def test_regex_choice_and_grammar(smollm2_client, smollm2_model, url):
 def test_bad_grammar_is_a_400(smollm2_client, smollm2_model):
     with pytest.raises(openai.BadRequestError, match="grammar"):
         smollm2_client.completions.create(model=smollm2_model, prompt="x", max_tokens=5, extra_body={"guided_regex": "(unclosed"})
+
+
+# Compiles, but llguidance builds its lexer lazily and runs out of budget a few tokens in: it used to
+# answer 200 with an empty output (finish "stop") that does not match, and only the log said why.
+BOMB = "((a{1,1000}){1,1000}){1,1000}"
+BOMB_SCHEMA = {"type": "object", "properties": {"s": {"type": "string", "pattern": f"^{BOMB}$"}}, "required": ["s"]}
+WHY = "too many expressions constructed"
+
+
+def test_a_grammar_that_cannot_be_followed_is_a_400_in_every_api(smollm2_server):
+    client, model, url = smollm2_server.client, smollm2_server.model, smollm2_server.url
+
+    def complete(**extra):
+        return client.completions.create(model=model, prompt="Say a", max_tokens=20, extra_body=extra)
+
+    openai_calls = [
+        lambda: complete(guided_regex=BOMB),
+        lambda: complete(guided_json=BOMB_SCHEMA),
+        lambda: complete(guided_grammar=f"start: /{BOMB}/"),
+        lambda: client.chat.completions.create(model=model, messages=ASK, max_tokens=20, response_format={
+            "type": "json_schema", "json_schema": {"name": "s", "schema": BOMB_SCHEMA}}),
+        lambda: client.chat.completions.create(model=model, messages=ASK, max_tokens=20, stream=True,
+                                               extra_body={"guided_regex": BOMB}),
+    ]
+    for call in openai_calls:
+        with pytest.raises(openai.BadRequestError, match=WHY) as e:
+            call()
+        assert e.value.status_code == 400 and e.value.body["message"].startswith("invalid guided decoding grammar")
+    anth = httpx.post(url + "/v1/messages", timeout=60, json={
+        "model": model, "max_tokens": 20, "messages": ASK,
+        "output_config": {"format": {"type": "json_schema", "schema": BOMB_SCHEMA}}})
+    assert anth.status_code == 400 and anth.json()["type"] == "error", anth.text
+    assert WHY in anth.json()["error"]["message"] and anth.json()["error"]["type"] == "invalid_request_error"
+    resp = httpx.post(url + "/v1/responses", timeout=60, json={
+        "model": model, "input": "x", "max_output_tokens": 20,
+        "text": {"format": {"type": "json_schema", "name": "s", "schema": BOMB_SCHEMA}}})
+    assert resp.status_code == 400 and WHY in resp.json()["error"]["message"], resp.text
+    tgi = httpx.post(url + "/generate", timeout=60, json={
+        "inputs": "x", "parameters": {"max_new_tokens": 20, "grammar": {"type": "regex", "value": BOMB}}})
+    assert tgi.status_code == 422 and WHY in tgi.json()["error"], tgi.text
+    assert wait_engine_idle(smollm2_server.aengine)  # nothing was queued, no KV block held
+    ok = client.completions.create(model=model, prompt="Call me at", max_tokens=20, temperature=0,
+                                   extra_body={"guided_regex": "[0-9]{3}-[0-9]{4}"})
+    assert re.fullmatch("[0-9]{3}-[0-9]{4}", ok.choices[0].text)
 
 
 def test_grammar_masks_match_the_matchers_bitmasks(tiny_llama_llm):

@@ -180,6 +180,10 @@ def build_app(aengine: AsyncLLMEngine, *, api_key: str | None = None, max_logpro
     requests (tracing.py), shut down (flushed) with the app; `metrics_prefix`: of /metrics' names;
     enable_web_ui serves the playground and dashboard at / (web_ui.py)."""
     model_name = aengine.engine.config.model.name
+    if aengine.engine.task == "generate":
+        # In the background from now, as the server becomes ready: the first structured-output request
+        # then finds the grammar backend built (or waits for it off the engine thread and event loop).
+        aengine.engine.structured_output.start_background_init()
     if not install_template_bounds():
         logger.warning("this transformers version compiles chat templates elsewhere: template operators unbounded")
     ctx = ServerContext(aengine=aengine, model_name=model_name,
