@@ -24,7 +24,7 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured_output import GuidedDecodingParams
-from tokenmill.server.errors import APIError, openai_error_body
+from tokenmill.server.errors import APIError, internal_error_message, openai_error_body
 from tokenmill.server.tracing import trace_headers
 
 logger = logging.getLogger("tokenmill.server")
@@ -516,18 +516,19 @@ def sse(obj: Any) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-def stream_error(e: BaseException) -> APIError:
-    """An error after a stream started, as the APIError its client is sent (unexpected ones: 500, logged)."""
+def stream_error(e: BaseException, request_id: str) -> APIError:
+    """An error after a stream started, as the APIError its client is sent (unexpected ones: a
+    generic 500 naming `request_id`; the exception is logged under it, as errors.py's 500s)."""
     err = _as_api_error(e)
     if isinstance(err, APIError):
         return err
-    logger.exception("error while streaming", exc_info=e)
-    return APIError(f"internal server error: {e!r}", 500)
+    logger.error("error while streaming (request id %s)", request_id, exc_info=e)
+    return APIError(internal_error_message(request_id), 500)
 
 
-def stream_error_chunk(e: BaseException) -> bytes:
+def stream_error_chunk(e: BaseException, request_id: str) -> bytes:
     """An error after the stream started: vLLM sends it as a data chunk, then [DONE]."""
-    err = stream_error(e)
+    err = stream_error(e, request_id)
     return sse(openai_error_body(err.message, err.status, err.param))
 
 
