@@ -549,22 +549,32 @@ async def run_beam_search(ctx: ServerContext, prompt_ids: list[int], body, max_t
         rids = [f"{request_id}-beam{search.rounds}-{i}" for i in range(len(search.beams))]
         gens = [generate(ctx, b.tokens, search.round_params(), rid, lora=lora, tracker=extras)
                 for rid, b in zip(rids, search.beams)]
+        finished: set[str] = set()
         try:
-            search.advance(await asyncio.gather(*[_last_output(g) for g in gens]))
-        except BaseException:
-            if lora is not None:  # finished rounds are forgotten by the metrics as they finish
-                for rid in rids:
+            search.advance(await asyncio.gather(*[_last_output(g, rid, finished) for rid, g in zip(rids, gens)]))
+        except BaseException as e:
+            # Finished rounds were counted (and forgotten) by the metrics as they finished. Cancelled
+            # (the client went away): the round's unfinished requests were aborted, and count as such,
+            # as engine_stream counts its own; refused: they never ran.
+            for rid in rids:
+                if rid in finished:
+                    continue
+                if not isinstance(e, Exception):
+                    ctx.metrics.on_abort(rid if lora is not None else None)
+                elif lora is not None:
                     ctx.metrics.forget(rid)
             raise
     return search.result(lambda t: ctx.tokenizer.decode(t, skip_special_tokens=True))
 
 
-async def _last_output(gen: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
+async def _last_output(gen: AsyncGenerator[RequestOutput, None], request_id: str, finished: set[str]) -> RequestOutput:
+    """The last output of one beam's round; its id goes into `finished` once it finished."""
     out = None
     try:
         async with aclosing(gen):
             async for out in gen:
-                pass
+                if out.finished:
+                    finished.add(request_id)
     except (ValueError, QueueFullError, EngineDeadError, ServerShutdownError) as e:
         raise _as_api_error(e) from None
     return out
