@@ -179,11 +179,16 @@ class CheckedRoute(APIRoute):
         handler = super().get_route_handler()
 
         async def checked(request: Request) -> Response:
-            raw = await request.body()
+            try:
+                raw = await request.body()
+            except StarletteHTTPException:  # a body over --max-request-body-bytes: its 413
+                raise
+            except Exception:  # noqa: BLE001 - the client went away mid-body: FastAPI answers it as before
+                return await handler(request)
             if raw and _MAYBE_SURROGATE.search(raw):
                 try:
                     data = await request.json()
-                except ValueError:  # not JSON: FastAPI's own parse reports it
+                except (ValueError, RecursionError):  # not JSON, or nested too deeply: FastAPI's parse says so
                     data = None
                 where = lone_surrogate_at(data) if data is not None else None
                 if where is not None:
