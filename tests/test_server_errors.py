@@ -1,9 +1,14 @@
-"""Bad input gets a 4xx with OpenAI's error body (one test per case), auth, and a full waiting
-queue gets 503 + Retry-After; nothing is left behind in the engine."""
+"""Bad input gets a 4xx with OpenAI's error body (one test per case), auth, a full waiting
+queue gets 503 + Retry-After, an unexpected error a generic 500 on a connection that stays open;
+nothing is left behind in the engine."""
 
 from __future__ import annotations
 
+import json
+import logging
+import re
 import time
+from http.client import HTTPConnection
 
 import httpx
 import openai
@@ -223,3 +228,56 @@ def test_engine_clean_after_errors(served):
     while kv.num_free_blocks != kv.num_usable_blocks and time.monotonic() < deadline:
         time.sleep(0.02)
     assert kv.num_free_blocks == kv.num_usable_blocks and aengine.is_running
+
+
+# ---- unexpected errors: a generic 500 with a request id, and the connection stays open ------------
+SECRET = "contents of /etc/shadow"
+
+
+@pytest.fixture
+def failing_encode(served):
+    """Every tokenization raises an error a client must not see (it quotes a file)."""
+    engine = served[1].engine
+
+    def boom(*args, **kwargs):
+        raise RuntimeError(SECRET)
+
+    engine.encode = boom
+    yield
+    del engine.encode  # the class's method again
+
+
+@pytest.mark.parametrize("path,body,shape", [
+    ("/tokenize", {"prompt": "Hi"}, "openai"),
+    ("/v1/messages/count_tokens", {"model": "MODEL", "messages": USER}, "anthropic"),
+    ("/generate", {"inputs": "Hi"}, "tgi"),
+])
+def test_internal_error_is_generic_and_keeps_the_connection(served, model, failing_encode, caplog, path, body, shape):
+    """One keep-alive connection: the 500 names a request id, never the exception (that is in the
+    log, under the id), and the next request on the connection is answered."""
+    body = {k: model if v == "MODEL" else v for k, v in body.items()}
+    conn = HTTPConnection("127.0.0.1", served[0].port, timeout=30)
+    try:
+        with caplog.at_level(logging.ERROR, logger="tokenmill.server"):
+            conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+            r = conn.getresponse()
+            raw = r.read()
+        assert r.status == 500 and r.getheader("connection", "").lower() != "close"
+        assert SECRET not in raw.decode() and "RuntimeError" not in raw.decode()
+        err = json.loads(raw)
+        message = {"openai": lambda: err["error"]["message"], "anthropic": lambda: err["error"]["message"],
+                   "tgi": lambda: err["error"]}[shape]()
+        if shape == "anthropic":
+            assert err["type"] == "error" and err["error"]["type"] == "api_error"
+        elif shape == "tgi":
+            assert err["error_type"] == "generation"
+        else:
+            assert err["error"]["code"] == 500 and err["error"]["type"] == "InternalServerError"
+        request_id = re.search(r"request id (\S+?)\)", message).group(1)
+        logged = [rec for rec in caplog.records if request_id in rec.getMessage()]
+        assert logged and SECRET in str(logged[0].exc_info[1])
+        conn.request("GET", "/v1/models")  # the same connection, after the 500
+        r = conn.getresponse()
+        assert r.status == 200 and json.loads(r.read())["data"][0]["id"] == model
+    finally:
+        conn.close()

@@ -178,6 +178,52 @@ def test_lone_surrogate_is_a_client_error(http, served, path, body):
         assert "surrogate" in r.json()["error"]["message"]
 
 
+# Echoed fields: the unknown model's 404 quotes `model`, a response echoes `user` and `metadata`; each
+# failed while its answer was encoded (500, or a cut stream). Every string is now checked at the edge.
+@pytest.mark.parametrize("path,body,param", [
+    (C, {"model": "x\ud800", "prompt": "Hi", "max_tokens": 2}, "model"),
+    (CHAT, {"model": "x\ud800", "messages": MSGS, "max_tokens": 2}, "model"),
+    ("/v1/responses", {"model": "x\ud800", "input": "Hi", "max_output_tokens": 2}, "model"),
+    ("/tokenize", {"model": "x\ud800", "prompt": "Hi"}, "model"),
+    ("/detokenize", {"model": "x\ud800", "tokens": [1, 2]}, "model"),
+    ("/v1/responses", {"input": "Hi", "max_output_tokens": 2, "user": "\udc00"}, "user"),
+    ("/v1/responses", {"input": "Hi", "max_output_tokens": 2, "metadata": {"k": "\ud800"}}, "metadata"),
+    ("/v1/responses", {"input": "Hi", "max_output_tokens": 2, "metadata": {"\ud800": "v"}}, "metadata"),
+    ("/v1/responses", {"input": "Hi", "max_output_tokens": 2, "stream": True, "user": "\ud800"}, "user"),
+], ids=["completions-model", "chat-model", "responses-model", "tokenize-model", "detokenize-model",
+        "responses-user", "responses-metadata", "responses-metadata-key", "responses-stream-user"])
+def test_echoed_lone_surrogate_is_400_naming_the_field(http, served, path, body, param):
+    r = http.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and "surrogate" in err["message"] and err["type"] == "BadRequestError"
+    assert _idle(served[1])  # refused before anything was generated
+
+
+def test_lone_surrogate_on_anthropic_route_is_its_400(http):
+    body = {"model": "x", "max_tokens": 2, "messages": MSGS, "metadata": {"user_id": "\ud800"}}
+    r = http.post("/v1/messages", content=json.dumps(body), headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+    assert "metadata.user_id" in r.json()["error"]["message"]
+
+
+def test_every_post_route_refuses_a_lone_surrogate(http, served):
+    """Whatever the route (the LoRA routes too, answered even when off): a 400, TGI's 422, never a 500;
+    also when the surrogate comes as raw bytes (JSON parsers read those with surrogatepass)."""
+    paths = [p for p, ops in http.get("/openapi.json").json()["paths"].items() if "post" in ops]
+    paths += ["/v1/load_lora_adapter", "/v1/unload_lora_adapter"]
+    assert len(paths) >= 12
+    escaped = '{"model": "m\\ud800", "prompt": "Hi", "inputs": "Hi", "input": "Hi", "messages": []}'
+    raw = escaped.replace("\\ud800", "").encode().replace(b'"m"', b'"m\xed\xa0\x80"')
+    for path in paths:
+        for content in (escaped.encode(), raw):
+            r = http.post(path, content=content, headers={"Content-Type": "application/json"})
+            assert r.status_code == (422 if path.startswith("/generate") else 400), (path, r.text)
+            assert "surrogate" in r.text, (path, r.text)
+    assert _idle(served[1])
+
+
 # ---- 7. constraints that cannot both hold -------------------------------------------------------
 def test_empty_only_grammar_with_min_tokens_is_400(http):
     r = http.post(C, json={"prompt": "Hi", "guided_regex": "", "min_tokens": 3, "max_tokens": 8})

@@ -392,6 +392,39 @@ def test_non_streaming_disconnect_aborts(url, model, aengine):
     assert _scrape(url)["tokenmill:request_success_total|finished_reason=abort"] == aborts + 1
 
 
+def test_beam_search_disconnect_counts_its_aborted_round(url, model, aengine):
+    """A client gone mid-beam-search: the round in flight (one engine request per beam) counts as
+    aborted, as a sampled request's disconnect does."""
+    assert _wait_idle(aengine)
+    aborts = _scrape(url)["tokenmill:request_success_total|finished_reason=abort"]
+    held, release = threading.Event(), threading.Event()
+
+    def hold(outputs, _dt):  # after the first round finished, the engine waits until the client is gone
+        if not held.is_set() and any(o.finished for o in outputs):
+            held.set()
+            release.wait(30)
+
+    aengine.step_observers.append(hold)
+    try:
+        body = json.dumps({"model": model, "prompt": "Hello world", "max_tokens": 8, "n": 3, "use_beam_search": True,
+                           "ignore_eos": True}).encode()
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            assert held.wait(30)
+            deadline = time.monotonic() + 30
+            while aengine.num_in_flight() != 3:  # the second round: one request per beam, queued
+                assert time.monotonic() < deadline, "the second round did not start"
+                time.sleep(0.01)
+        _wait_dropped(aengine)
+    finally:
+        release.set()
+        aengine.step_observers.remove(hold)
+    assert _wait_idle(aengine)
+    assert _scrape(url)["tokenmill:request_success_total|finished_reason=abort"] == aborts + 3
+
+
 def test_32_concurrent_streams_each_get_their_own_text(url, model, aengine, tiny_llama_llm):
     prompts = [f"{p} {i}" for i, p in enumerate(PROMPTS * 4)]
     assert len(prompts) == 32

@@ -77,6 +77,10 @@ _ENGINE_HELP = {
     "allow_runtime_lora_updating": "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with "
                                    "--enable-lora; default: off, or on when VLLM_ALLOW_RUNTIME_LORA_UPDATING is "
                                    "True or 1)",
+    "lora_path_allowlist": "folders LoRA adapters may be read from, their subfolders included (symlinks are "
+                           "followed, then checked); an adapter path elsewhere is refused with one message "
+                           "whether or not it exists. Set it when clients may load adapters at run time "
+                           "(default: anywhere the server can read)",
 }
 
 # vLLM's switch for the runtime LoRA routes, honoured as the default of --allow-runtime-lora-updating.
@@ -99,6 +103,10 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
         if f.name == "lora_modules":  # vLLM's: --lora-modules a=/x b=/y (repeatable here)
             g.add_argument(flag, dest=f.name, nargs="+", action="extend", default=None,
                            metavar="NAME=PATH|JSON", help=help_text)
+            continue
+        if f.name == "lora_path_allowlist":  # --lora-path-allowlist /a /b (repeatable)
+            g.add_argument(flag, dest=f.name, nargs="+", action="extend", default=None, metavar="DIR",
+                           help=help_text)
             continue
         if f.type in ("bool", bool):
             default = f.default or (f.name == "allow_runtime_lora_updating" and _env_flag(RUNTIME_LORA_ENV))

@@ -106,6 +106,7 @@ class EngineArgs:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     allow_runtime_lora_updating: bool = False  # the server's /v1/load_lora_adapter and /v1/unload_lora_adapter
+    lora_path_allowlist: list | None = None  # folders adapters may be read from (None: anywhere)
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -392,7 +392,7 @@ def _lora_config(args: EngineArgs):
     from tokenmill.lora.config import LoRAConfig, parse_lora_modules
 
     return LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras, parse_lora_modules(args.lora_modules),
-                      args.allow_runtime_lora_updating)
+                      args.allow_runtime_lora_updating, args.lora_path_allowlist)
 
 
 def _eos_ids(path: str, tokenizer, hf_config) -> frozenset[int]:

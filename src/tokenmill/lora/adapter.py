@@ -11,7 +11,10 @@ module whole: each slice then gets the one A and its rows of B.
 
 Refused at load, with a message naming the problem (the server answers 400): modules_to_save,
 embedding or LM-head adapters, DoRA, LoRA biases, ranks above --max-lora-rank, tensors whose
-shapes do not fit the base model (an adapter trained for another model).
+shapes do not fit the base model (an adapter trained for another model), a config that is not
+UTF-8 JSON, larger than MAX_CONFIG_BYTES or nested too deeply, a lora_alpha or alpha_pattern that
+is not what PEFT writes, rank-0 weights. Messages quote a config's values only shortened: the
+folder may not be the client's own.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import logging
 import math
 import os
 import re
+import reprlib
 from dataclasses import dataclass, field
 
 import torch
@@ -90,40 +94,92 @@ class LoRAAdapter:
         return sum(a.nbytes + b.nbytes for parts in self.weights.values() for _, a, b in parts)
 
 
+# PEFT writes a config of a few KB (target_modules, alpha_pattern and rank_pattern grow it with the
+# model's depth); anything near this is not an adapter config, and is refused before it is read.
+MAX_CONFIG_BYTES = 1 << 20
+_SHORT = reprlib.Repr()  # Python 3.11's takes no arguments
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdict = 2, 60, 60, 4, 4
+
+
+def _short(value: object) -> str:
+    """A config value as a message quotes it: bounded in length and depth."""
+    return _SHORT.repr(value)
+
+
 def read_adapter_config(path: str) -> dict:
     cfg_path = os.path.join(path, "adapter_config.json")
     if not os.path.isdir(path):
         raise LoRAError(f"LoRA adapter folder {path!r} does not exist")
     if not os.path.isfile(cfg_path):
         raise LoRAError(f"{path!r} is not a PEFT adapter folder: no adapter_config.json")
+    too_large = f"{cfg_path}: larger than the {MAX_CONFIG_BYTES:,} bytes an adapter config may have"
     try:
-        with open(cfg_path) as f:
-            cfg = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise LoRAError(f"{cfg_path}: cannot be read as JSON ({e})") from None
+        with open(cfg_path, "rb") as f:
+            if os.fstat(f.fileno()).st_size > MAX_CONFIG_BYTES:
+                raise LoRAError(too_large)
+            raw = f.read(MAX_CONFIG_BYTES + 1)  # bounded even if the file grows after the check
+    except OSError as e:
+        raise LoRAError(f"{cfg_path}: cannot be read ({e.strerror or type(e).__name__})") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise LoRAError(too_large)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:  # its str() is safe; its repr() holds the whole file
+        raise LoRAError(f"{cfg_path}: not UTF-8 text (byte {e.start} is invalid)") from None
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise LoRAError(f"{cfg_path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except RecursionError:
+        raise LoRAError(f"{cfg_path}: JSON nested too deeply") from None
     if not isinstance(cfg, dict):
         raise LoRAError(f"{cfg_path}: not a JSON object")
     return cfg
 
 
+def _finite_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _check_config(cfg: dict, path: str) -> None:
-    peft_type = str(cfg.get("peft_type", "LORA")).upper()
-    if peft_type != "LORA":
-        raise LoRAError(f"{path}: peft_type {peft_type} is not LoRA")
+    peft_type = cfg.get("peft_type", "LORA")
+    if not isinstance(peft_type, str) or peft_type.upper() != "LORA":
+        raise LoRAError(f"{path}: peft_type {_short(peft_type)} is not LoRA")
     if cfg.get("modules_to_save"):
-        raise LoRAError(f"{path}: modules_to_save ({cfg['modules_to_save']}) is not supported: the adapter "
+        raise LoRAError(f"{path}: modules_to_save ({_short(cfg['modules_to_save'])}) is not supported: the adapter "
                         f"replaces whole modules, which cannot be batched with other adapters")
     if cfg.get("use_dora"):
         raise LoRAError(f"{path}: DoRA adapters (use_dora) are not supported")
     if cfg.get("bias", "none") not in (None, "none"):
-        raise LoRAError(f"{path}: LoRA biases (bias={cfg['bias']!r}) are not supported")
+        raise LoRAError(f"{path}: LoRA biases (bias={_short(cfg['bias'])}) are not supported")
+    # PEFT's defaults apply when a key is absent; a key that is there must be what PEFT writes.
+    if "lora_alpha" in cfg and not _finite_number(cfg["lora_alpha"]):
+        raise LoRAError(f"{path}: lora_alpha must be a finite number, got {_short(cfg['lora_alpha'])}")
+    patterns = cfg.get("alpha_pattern")
+    if patterns is None:
+        return
+    if not isinstance(patterns, dict):
+        raise LoRAError(f"{path}: alpha_pattern must be an object of module-name patterns to numbers, "
+                        f"got {_short(patterns)}")
+    for pattern, value in patterns.items():
+        try:
+            re.compile(_alpha_regex(pattern))
+        except (re.error, RecursionError, OverflowError):
+            raise LoRAError(f"{path}: alpha_pattern key {_short(pattern)} is not a valid regular expression") from None
+        if not _finite_number(value):
+            raise LoRAError(f"{path}: alpha_pattern[{_short(pattern)}] must be a finite number, got {_short(value)}")
+
+
+def _alpha_regex(pattern: str) -> str:
+    """PEFT's match of an alpha_pattern key: the module name ends with it, after a dot."""
+    return rf"(.*\.)?({pattern})$"
 
 
 def _scaling(module: str, rank: int, cfg: dict) -> float:
     """PEFT's scaling for one module: its alpha (alpha_pattern, else lora_alpha) over r (or sqrt r)."""
     alpha = cfg.get("lora_alpha", 8)
     for pattern, value in (cfg.get("alpha_pattern") or {}).items():
-        if re.match(rf"(.*\.)?({pattern})$", module):
+        if re.match(_alpha_regex(pattern), module):
             alpha = value
             break
     return alpha / (math.sqrt(rank) if cfg.get("use_rslora") else rank)
@@ -181,11 +237,13 @@ def load_adapter(name: str, uid: int, path: str, shapes: dict[str, LinearShape],
         ours, i = _SLICE_OF.get(module, (module, None))  # None: a fused module adapted whole, every slice
         shape = shapes[ours]
         out = shape.out_features if i is None else shape.slices[i]
-        r = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != shape.in_features or b.shape != (out, r):
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != shape.in_features or b.shape != (out, a.shape[0]):
             raise LoRAError(
                 f"{path}: layer {layer} {module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the base "
                 f"model ({module} is {shape.in_features} -> {out}): an adapter for another base model?")
+        r = a.shape[0]
+        if r == 0:  # PEFT never writes one; its scaling would divide by zero
+            raise LoRAError(f"{path}: layer {layer} {module}: rank 0 (lora_A has no rows)")
         if r > max_rank:
             raise LoRAError(f"{path}: rank {r} ({module}) is above --max-lora-rank {max_rank}")
         rank = max(rank, r)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 
 from tokenmill.lora.request import LoRARequest
@@ -15,6 +16,8 @@ class LoRAConfig:
     max_cpu_loras: int | None = None  # loaded adapters kept in host memory, LRU; default max(max_loras, modules)
     lora_modules: list[LoRARequest] = field(default_factory=list)  # served from start-up
     allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    # Folders adapters may be read from (their subfolders too); None: anywhere. Kept as real paths.
+    lora_path_allowlist: list[str] | None = None
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:
@@ -25,9 +28,26 @@ class LoRAConfig:
             self.max_cpu_loras = max(self.max_loras, len(self.lora_modules))
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be >= --max-loras ({self.max_loras})")
+        if self.lora_path_allowlist is not None:
+            roots = []
+            for root in self.lora_path_allowlist:
+                if not os.path.isdir(root):  # a typo would otherwise refuse every adapter without saying why
+                    raise ValueError(f"--lora-path-allowlist {root!r} is not a folder")
+                roots.append(os.path.realpath(root))
+            self.lora_path_allowlist = roots
         names = [m.lora_name for m in self.lora_modules]
         if len(set(names)) != len(names):
             raise ValueError(f"--lora-modules names the same adapter twice: {names}")
+
+
+def path_allowed(path: str, allowlist: list[str]) -> str | None:
+    """`path`'s real path (symlinks resolved: a link inside cannot lead out) when it lies in one
+    of the allowlist's real folders, else None."""
+    real = os.path.realpath(path)
+    for root in allowlist:
+        if real == root or real.startswith(root.rstrip(os.sep) + os.sep):
+            return real
+    return None
 
 
 def parse_lora_modules(specs: list[str | dict] | None) -> list[LoRARequest]:

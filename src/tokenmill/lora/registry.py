@@ -2,6 +2,9 @@
 request names offline; loaded copies kept in host memory, least recently used dropped past
 --max-cpu-loras (a request holding one keeps it alive; the next request reloads it from disk).
 
+With --lora-path-allowlist, an adapter is read only from inside the allowed folders, through its
+real path (checked once, then read from there: a symlink swapped afterwards cannot redirect it).
+
 Runs on the request-preparation threads (never the engine thread): loading reads the folder and
 checks it against the base model there, so a slow disk or a bad adapter never stalls a step.
 """
@@ -16,7 +19,7 @@ from collections import OrderedDict
 import torch
 
 from tokenmill.lora.adapter import LinearShape, LoRAAdapter, LoRAError, load_adapter
-from tokenmill.lora.config import LoRAConfig
+from tokenmill.lora.config import LoRAConfig, path_allowed
 from tokenmill.lora.request import LoRARequest
 
 logger = logging.getLogger("tokenmill")
@@ -91,7 +94,14 @@ class LoRARegistry:
     def _load(self, req: LoRARequest, uid: int) -> LoRAAdapter:
         if not req.lora_path:
             raise LoRAError(f"LoRA adapter {req.lora_name!r} has no path")
-        return load_adapter(req.lora_name, uid, req.lora_path, self._shapes, self._num_layers,
+        path = req.lora_path
+        allowlist = self.config.lora_path_allowlist
+        if allowlist is not None:
+            path = path_allowed(path, allowlist)
+            if path is None:  # one message whether or not it exists: the disk outside stays unseen
+                raise LoRAError(f"LoRA adapter path {req.lora_path!r} is outside the folders adapters may be "
+                                f"loaded from (--lora-path-allowlist)")
+        return load_adapter(req.lora_name, uid, path, self._shapes, self._num_layers,
                             self.config.max_lora_rank, self._dtype, req.base_model_name or self._base)
 
     def _keep(self, adapter: LoRAAdapter) -> None:

@@ -31,7 +31,7 @@ from tokenmill.server.anthropic_protocol import (
     AnthropicToolUseOut,
     AnthropicUsage,
 )
-from tokenmill.server.errors import APIError, anthropic_error_body
+from tokenmill.server.errors import APIError, CheckedRoute, anthropic_error_body
 from tokenmill.server.protocol import ChatContentPart, ChatMessage, sse_content
 from tokenmill.server.serving import (
     SSEResponse,
@@ -45,7 +45,7 @@ from tokenmill.server.serving import (
 from tokenmill.server.tool_calls import CallArgs, CallEnd, CallStart, ToolPlan, function_tool, plan_tools
 from tokenmill.structured_output import GuidedDecodingParams
 
-router = APIRouter(tags=["Anthropic"])
+router = APIRouter(tags=["Anthropic"], route_class=CheckedRoute)
 
 ERRORS = {
     400: {"model": AnthropicErrorResponse, "description": "bad input (invalid_request_error)"},
@@ -231,5 +231,5 @@ async def _stream(gen: conversation.Generation):
         yield b"".join([*blocks.close(), _event({"type": "message_delta", "delta": delta, "usage": usage}),
                         _event({"type": "message_stop"})])
     except (ValueError, RuntimeError, APIError) as e:
-        err = stream_error(e)
+        err = stream_error(e, gen.request_id)
         yield _event(anthropic_error_body(err.message, err.status))

@@ -24,10 +24,10 @@ import tokenmill
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.server import lora_routes, misc_routes, openai_chat, openai_completions, openai_embeddings, tgi_routes
 from tokenmill.server import anthropic_messages, openai_responses, web_ui
-from tokenmill.server.errors import error_response, install_error_handlers
+from tokenmill.server.errors import error_response, install_error_handlers, internal_error_response
 from tokenmill.server.metrics import DEFAULT_METRICS_PREFIX, ServerMetrics
 from tokenmill.server.chat_template import install_template_bounds
-from tokenmill.server.serving import DEFAULT_MAX_PROMPTS, ServerContext
+from tokenmill.server.serving import DEFAULT_MAX_PROMPTS, ServerContext, new_request_id
 from tokenmill.server.startup import (  # noqa: F401 - serve, END_STREAMS_GRACE_S: re-exported
     END_STREAMS_GRACE_S,
     LIVE_PATH,
@@ -50,8 +50,9 @@ DEFAULT_MAX_BODY_BYTES = 2_000_000  # TGI's --payload-limit default
 
 
 class ServerMiddleware:
-    """Pure ASGI (it must not buffer streams): Bearer auth, then one access-log line per request
-    once its response is fully sent (streams included)."""
+    """Pure ASGI (it must not buffer streams): Bearer auth, the 500 of an unexpected exception
+    (errors.internal_error_response), then one access-log line per request once its response is
+    fully sent (streams included)."""
 
     def __init__(self, app, ctx: ServerContext, log_requests: bool = True):
         self.app = app
@@ -87,7 +88,17 @@ class ServerMiddleware:
                 if length is not None and length.isdigit() and int(length) > limit:
                     return await error_response(path, _too_large(limit), 413)(scope, receive, send_wrapper)
                 receive = _limited(receive, limit)
-            return await self.app(scope, receive, send_wrapper)
+            try:
+                return await self.app(scope, receive, send_wrapper)
+            except Exception as exc:
+                if status[0]:  # the response started: closing the connection is how HTTP says it is cut
+                    raise
+                # Answered here, not re-raised: uvicorn closes a connection whose app raised, and the
+                # client's next request on it would meet a reset.
+                tracker = (scope.get("state") or {}).get("tracker")
+                request_id = tracker.request_id if tracker is not None else new_request_id("req")
+                resp = internal_error_response(scope.get("method", ""), path, exc, request_id)
+                return await resp(scope, receive, send_wrapper)
         finally:
             if self.log_requests:
                 self._log(scope, path, status[0], time.perf_counter() - t0, client_id)

@@ -1,7 +1,16 @@
 """Errors as OpenAI's body `{"error": {"message", "type", "param", "code"}}` (vLLM's types and
 integer codes); on the TGI routes as TGI's body `{"error": "...", "error_type": "..."}`, which
 TGI clients parse; on Anthropic's /v1/messages routes as Anthropic's
-`{"type": "error", "error": {"type": "invalid_request_error", "message": "..."}}`."""
+`{"type": "error", "error": {"type": "invalid_request_error", "message": "..."}}`.
+
+An unexpected exception is a 500 whose message is generic and carries a request id; the
+exception, under that id, goes to the log only (a message built from it could hold a server file,
+a path or a secret). ServerMiddleware (app.py) answers it, not an exception handler: Starlette
+re-raises an exception after its handler ran, and uvicorn then drops the keep-alive connection.
+
+Every route's JSON body is checked once for lone UTF-16 surrogates before validation (CheckedRoute):
+JSON may carry "\\ud800", UTF-8 cannot, so any field echoed back (an unknown `model` in a 404,
+`user` or `metadata` in a response) would fail while its answer is encoded."""
 
 from __future__ import annotations
 
@@ -12,9 +21,13 @@ from http import HTTPStatus
 from types import UnionType
 from typing import Annotated, Union, get_args, get_origin
 
-from fastapi import FastAPI, Request
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -87,6 +100,17 @@ def anthropic_error_body(message: str, status: int) -> dict:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
+class ErrorJSONResponse(JSONResponse):
+    """An error body that always renders: a message quoting a client's text with a lone surrogate
+    (which UTF-8 cannot encode) is written with JSON's \\u escapes instead of failing."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
 def error_response(path: str, message: str, status: int, param: str | None = None,
                    headers: dict[str, str] | None = None, tgi_type: str = "validation") -> JSONResponse:
     if is_anthropic_path(path):
@@ -97,7 +121,82 @@ def error_response(path: str, message: str, status: int, param: str | None = Non
             status = 422  # TGI answers validation errors (malformed JSON included) with 422
     else:
         body = openai_error_body(message, status, param)
-    return JSONResponse(body, status_code=status, headers=headers)
+    return ErrorJSONResponse(body, status_code=status, headers=headers)
+
+
+def internal_error_message(request_id: str) -> str:
+    return f"internal server error (request id {request_id}); the details are in the server's log"
+
+
+def internal_error_response(method: str, path: str, exc: BaseException, request_id: str) -> JSONResponse:
+    """The 500 for an unexpected exception: logged with its traceback under `request_id`, which
+    the client is given instead of the exception (whose text may quote files, paths or secrets)."""
+    logger.error("unhandled error on %s %s (request id %s)", method, path, request_id, exc_info=exc)
+    return error_response(path, internal_error_message(request_id), 500, tgi_type="generation")
+
+
+# Where a lone surrogate can come from in a JSON body: a \\uD800-\\uDFFF escape, or (json.loads reads
+# bytes with surrogatepass) UTF-8-style bytes of one. A body with neither is not walked.
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+_KEY = "[key]"  # a location's last part when the surrogate is in a dict key (the key itself is not quoted)
+
+
+def _has_surrogate(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def lone_surrogate_at(data: Any) -> tuple | None:
+    """The location (keys and list indexes) of the first string of parsed JSON holding a lone
+    UTF-16 surrogate, or None. Iterative, in document order: a deeply nested body cannot overflow
+    the stack here."""
+    stack: list[tuple[tuple, Any]] = [((), data)]
+    while stack:
+        loc, x = stack.pop()
+        if isinstance(x, str):
+            if _has_surrogate(x):
+                return loc
+        elif isinstance(x, dict):
+            for k in x:
+                if isinstance(k, str) and _has_surrogate(k):
+                    return (*loc, _KEY)
+            stack.extend(((*loc, k), v) for k, v in reversed(x.items()))
+        elif isinstance(x, list):
+            stack.extend(((*loc, i), v) for i, v in reversed(list(enumerate(x))))
+    return None
+
+
+class CheckedRoute(APIRoute):
+    """A route whose JSON body is refused (400, or TGI's 422, in the route's error shape) when any
+    string in it, keys included, holds a lone surrogate: checked once here, before the body is
+    validated, so no route can fail later while echoing such a string. FastAPI then reads the
+    body parsed here (Starlette's Request keeps it)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def checked(request: Request) -> Response:
+            try:
+                raw = await request.body()
+            except StarletteHTTPException:  # a body over --max-request-body-bytes: its 413
+                raise
+            except Exception:  # noqa: BLE001 - the client went away mid-body: FastAPI answers it as before
+                return await handler(request)
+            if raw and _MAYBE_SURROGATE.search(raw):
+                try:
+                    data = await request.json()
+                except (ValueError, RecursionError):  # not JSON, or nested too deeply: FastAPI's parse says so
+                    data = None
+                where = lone_surrogate_at(data) if data is not None else None
+                if where is not None:
+                    raise RequestValidationError([{"type": "string_unicode", "loc": ("body", *where),
+                                                   "msg": "not valid Unicode text", "input": None}])
+            return await handler(request)
+
+        return checked
 
 
 # Fields typed as a Union: pydantic reports one error per arm; say what is accepted instead. A request
@@ -286,8 +385,3 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 404 and detail == "Not Found":
             detail = f"no route {request.method} {request.url.path}"
         return error_response(request.url.path, detail, exc.status_code, headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, exc: Exception):
-        logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(request.url.path, f"internal server error: {exc!r}", 500, tgi_type="generation")

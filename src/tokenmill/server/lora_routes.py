@@ -6,7 +6,9 @@ Without the flag (or without --enable-lora) both answer 404 with a message sayin
 them on, and are left out of /openapi.json. An adapter is read and checked against the base
 model on the prep pool, never on the event loop or the engine thread; one that cannot serve
 (no such folder, shapes of another model, a rank above --max-lora-rank, modules_to_save, ...)
-is a 400 whose message is the loader's, as is a name already loaded. Unloading forgets the
+is a 400 whose message is the loader's, as is a name already loaded; with --lora-path-allowlist, so
+is a path outside it (one message, whether or not the path exists). Any other failure is a 500
+that names a request id, never the exception (which could quote the folder's files). Unloading forgets the
 name at once: new requests naming it get 404, requests already running with it finish with it.
 """
 
@@ -14,21 +16,25 @@ from __future__ import annotations
 
 import itertools
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import PlainTextResponse
 
 from tokenmill.lora.adapter import LoRAError
 from tokenmill.lora.request import LoRARequest
-from tokenmill.server.errors import APIError
+from tokenmill.server.errors import APIError, CheckedRoute
 from tokenmill.server.protocol import ErrorResponse, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from tokenmill.server.serving import ServerContext, get_ctx
 
-router = APIRouter(tags=["LoRA"])
+router = APIRouter(tags=["LoRA"], route_class=CheckedRoute)
 
-_OK = {200: {"content": {"text/plain": {}}, "description": "Success: LoRA adapter '<name>' added / removed "
-                                                         "successfully."}}
+# The routes declare response_class=Response (no media type) so that FastAPI documents the error
+# models as the JSON they are; with PlainTextResponse it files them under text/plain, the success's type.
+_OK = {200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+             "description": "Success: LoRA adapter '<name>' added / removed successfully."}}
 _ERR = {401: {"model": ErrorResponse, "description": "missing or wrong API key"},
-        413: {"model": ErrorResponse, "description": "body over --max-request-body-bytes"}}
+        413: {"model": ErrorResponse, "description": "body over --max-request-body-bytes"},
+        500: {"model": ErrorResponse, "description": "an unexpected error (the message names a request id; the "
+                                                     "details are in the server's log)"}}
 
 
 def runtime_updating_allowed(ctx: ServerContext) -> bool:
@@ -52,9 +58,11 @@ def _next_id(raw: Request, registry) -> int:
     return next(ids)
 
 
-@router.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses={
-    **_OK, 400: {"model": ErrorResponse, "description": "an adapter that cannot serve on this base model, or a "
-                                                        "name already loaded"},
+@router.post("/v1/load_lora_adapter", response_class=Response, responses={
+    **_OK, 400: {"model": ErrorResponse, "description": "an adapter that cannot serve on this base model (a "
+                                                        "malformed config, weights of another model, ...), a path "
+                                                        "outside --lora-path-allowlist, a name already loaded, or "
+                                                        "a malformed body"},
     404: {"model": ErrorResponse, "description": "runtime loading is off"}, **_ERR})
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, raw: Request) -> PlainTextResponse:
     """Reads, checks and registers a PEFT adapter folder; requests then name it as `model`."""
@@ -73,8 +81,8 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, raw: Request) -> Plain
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
-@router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses={
-    **_OK, 404: {"model": ErrorResponse, "description": "no adapter of this name, or runtime loading is off"},
+@router.post("/v1/unload_lora_adapter", response_class=Response, responses={
+    **_OK, 400: {"model": ErrorResponse, "description": "a malformed body (no lora_name)"}, 404: {"model": ErrorResponse, "description": "no adapter of this name, or runtime loading is off"},
     **_ERR})
 async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, raw: Request) -> PlainTextResponse:
     """Forgets an adapter: new requests naming it get 404; those running with it finish."""

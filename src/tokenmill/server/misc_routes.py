@@ -14,7 +14,7 @@ import tokenmill
 from tokenmill.engine.async_engine import EngineDeadError
 from tokenmill.lora.request import LoRARequest
 from tokenmill.server.chat_template import render_chat
-from tokenmill.server.errors import APIError
+from tokenmill.server.errors import APIError, CheckedRoute
 from tokenmill.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -30,7 +30,7 @@ from tokenmill.server.protocol import (
 from tokenmill.server.serving import ServerContext, check_model, check_token_ids, get_ctx
 
 logger = logging.getLogger("tokenmill.server")
-router = APIRouter()
+router = APIRouter(route_class=CheckedRoute)
 _ERR = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
         413: {"model": ErrorResponse}}
 

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 
 from tokenmill.llm import merge_samples
 from tokenmill.outputs import Logprob, RequestOutput
-from tokenmill.server.errors import APIError
+from tokenmill.server.errors import APIError, CheckedRoute
 from tokenmill.server.openai_completions import ERROR_RESPONSES
 from tokenmill.server.protocol import (
     ChatChoiceLogProbs,
@@ -53,7 +53,7 @@ from tokenmill.server.serving import (
 from tokenmill.server.chat_template import render_chat
 from tokenmill.server.tool_calls import ToolPlan, apply_tool_grammar, parse_tool_calls, plan_tools
 
-router = APIRouter(tags=["OpenAI"])
+router = APIRouter(tags=["OpenAI"], route_class=CheckedRoute)
 
 @router.post(
     "/v1/chat/completions",
@@ -194,5 +194,5 @@ async def _stream(ctx: ServerContext, body: ChatCompletionRequest, request_id: s
         if include_usage:
             yield sse({**base, "choices": [], "usage": usage()})
     except (ValueError, RuntimeError, APIError) as e:
-        yield stream_error_chunk(e)
+        yield stream_error_chunk(e, request_id)
     yield SSE_DONE

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from tokenmill.outputs import Logprob, RequestOutput
-from tokenmill.server.errors import APIError
+from tokenmill.server.errors import APIError, CheckedRoute
 from tokenmill.server.protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -50,7 +50,7 @@ from tokenmill.server.serving import (
 )
 from tokenmill.server.serving import clamp_logprob as _clamp
 
-router = APIRouter(tags=["OpenAI"])
+router = APIRouter(tags=["OpenAI"], route_class=CheckedRoute)
 
 ERROR_RESPONSES = {
     400: {"model": ErrorResponse, "description": "bad input"},
@@ -273,5 +273,5 @@ async def _stream(ctx: ServerContext, body: CompletionRequest, request_id: str, 
             yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
                        "choices": [], "usage": usage()})
     except (ValueError, RuntimeError, APIError) as e:
-        yield stream_error_chunk(e)
+        yield stream_error_chunk(e, request_id)
     yield SSE_DONE

@@ -13,7 +13,7 @@ from fastapi.responses import Response
 
 from tokenmill.engine.async_engine import EngineDeadError, QueueFullError, ServerShutdownError
 from tokenmill.pooling_params import PoolingParams
-from tokenmill.server.errors import APIError
+from tokenmill.server.errors import APIError, CheckedRoute
 from tokenmill.server.openai_completions import ERROR_RESPONSES
 from tokenmill.server.protocol import MAX_EMBEDDING_INPUTS, EmbeddingRequest, EmbeddingResponse
 from tokenmill.server.serving import (
@@ -27,7 +27,7 @@ from tokenmill.server.serving import (
     track,
 )
 
-router = APIRouter(tags=["OpenAI"])
+router = APIRouter(tags=["OpenAI"], route_class=CheckedRoute)
 
 
 @router.post("/v1/embeddings", response_model=None,

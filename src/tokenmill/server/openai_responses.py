@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from tokenmill.server import conversation
-from tokenmill.server.errors import APIError
+from tokenmill.server.errors import APIError, CheckedRoute
 from tokenmill.server.openai_completions import ERROR_RESPONSES
 from tokenmill.server.protocol import ChatContentPart, ChatMessage, ErrorResponse, sse_content
 from tokenmill.server.responses_protocol import (
@@ -49,7 +49,7 @@ from tokenmill.server.serving import (
 from tokenmill.server.tool_calls import CallArgs, CallEnd, CallStart, ToolPlan, function_tool, plan_tools
 from tokenmill.structured_output import GuidedDecodingParams
 
-router = APIRouter(tags=["OpenAI Responses"])
+router = APIRouter(tags=["OpenAI Responses"], route_class=CheckedRoute)
 
 DEFAULT_MAX_STORED = 1000
 
@@ -306,5 +306,5 @@ async def _stream(ctx: ServerContext, body: ResponsesRequest, gen: conversation.
         done = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         yield b"".join([*last, out.event(done, response=response)])
     except (ValueError, RuntimeError, APIError) as e:
-        err = stream_error(e)
+        err = stream_error(e, gen.request_id)
         yield out.event("error", code=str(err.status), message=err.message, param=err.param)

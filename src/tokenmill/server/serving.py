@@ -24,7 +24,7 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured_output import GuidedDecodingParams
-from tokenmill.server.errors import APIError, openai_error_body
+from tokenmill.server.errors import APIError, internal_error_message, openai_error_body
 from tokenmill.server.tracing import trace_headers
 
 logger = logging.getLogger("tokenmill.server")
@@ -516,18 +516,19 @@ def sse(obj: Any) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-def stream_error(e: BaseException) -> APIError:
-    """An error after a stream started, as the APIError its client is sent (unexpected ones: 500, logged)."""
+def stream_error(e: BaseException, request_id: str) -> APIError:
+    """An error after a stream started, as the APIError its client is sent (unexpected ones: a
+    generic 500 naming `request_id`; the exception is logged under it, as errors.py's 500s)."""
     err = _as_api_error(e)
     if isinstance(err, APIError):
         return err
-    logger.exception("error while streaming", exc_info=e)
-    return APIError(f"internal server error: {e!r}", 500)
+    logger.error("error while streaming (request id %s)", request_id, exc_info=e)
+    return APIError(internal_error_message(request_id), 500)
 
 
-def stream_error_chunk(e: BaseException) -> bytes:
+def stream_error_chunk(e: BaseException, request_id: str) -> bytes:
     """An error after the stream started: vLLM sends it as a data chunk, then [DONE]."""
-    err = stream_error(e)
+    err = stream_error(e, request_id)
     return sse(openai_error_body(err.message, err.status, err.param))
 
 
@@ -548,22 +549,32 @@ async def run_beam_search(ctx: ServerContext, prompt_ids: list[int], body, max_t
         rids = [f"{request_id}-beam{search.rounds}-{i}" for i in range(len(search.beams))]
         gens = [generate(ctx, b.tokens, search.round_params(), rid, lora=lora, tracker=extras)
                 for rid, b in zip(rids, search.beams)]
+        finished: set[str] = set()
         try:
-            search.advance(await asyncio.gather(*[_last_output(g) for g in gens]))
-        except BaseException:
-            if lora is not None:  # finished rounds are forgotten by the metrics as they finish
-                for rid in rids:
+            search.advance(await asyncio.gather(*[_last_output(g, rid, finished) for rid, g in zip(rids, gens)]))
+        except BaseException as e:
+            # Finished rounds were counted (and forgotten) by the metrics as they finished. Cancelled
+            # (the client went away): the round's unfinished requests were aborted, and count as such,
+            # as engine_stream counts its own; refused: they never ran.
+            for rid in rids:
+                if rid in finished:
+                    continue
+                if not isinstance(e, Exception):
+                    ctx.metrics.on_abort(rid if lora is not None else None)
+                elif lora is not None:
                     ctx.metrics.forget(rid)
             raise
     return search.result(lambda t: ctx.tokenizer.decode(t, skip_special_tokens=True))
 
 
-async def _last_output(gen: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
+async def _last_output(gen: AsyncGenerator[RequestOutput, None], request_id: str, finished: set[str]) -> RequestOutput:
+    """The last output of one beam's round; its id goes into `finished` once it finished."""
     out = None
     try:
         async with aclosing(gen):
             async for out in gen:
-                pass
+                if out.finished:
+                    finished.add(request_id)
     except (ValueError, QueueFullError, EngineDeadError, ServerShutdownError) as e:
         raise _as_api_error(e) from None
     return out

@@ -15,7 +15,7 @@ from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured_output import GuidedDecodingParams
-from tokenmill.server.errors import APIError
+from tokenmill.server.errors import APIError, CheckedRoute
 from tokenmill.server.protocol import sse_content
 from tokenmill.server.serving import (
     SSEResponse,
@@ -30,10 +30,11 @@ from tokenmill.server.serving import (
     run_cancellable,
     sse,
     start_streams,
+    stream_error,
     track,
 )
 
-router = APIRouter(tags=["TGI"])
+router = APIRouter(tags=["TGI"], route_class=CheckedRoute)
 
 MAX_STOP_SEQUENCES = 4
 MAX_TOP_N_TOKENS = 5
@@ -284,10 +285,10 @@ async def generate_stream(body: TGIRequest, raw: Request):
 
 async def _generate_stream(ctx: ServerContext, body: TGIRequest, raw: Request):
     ids, streams, seed = await _start(ctx, body, raw)
-    return SSEResponse(_events(ctx, body, ids, streams, seed))
+    return SSEResponse(_events(ctx, body, ids, streams, seed, raw.state.tracker.request_id))
 
 
-async def _events(ctx: ServerContext, body: TGIRequest, ids: list[int], streams, seed):
+async def _events(ctx: ServerContext, body: TGIRequest, ids: list[int], streams, seed, request_id: str):
     top_n = body.parameters.top_n_tokens or 0
     index = 0
     try:
@@ -313,7 +314,7 @@ async def _events(ctx: ServerContext, body: TGIRequest, ids: list[int], streams,
                             input_length=len(ids)).model_dump()
                 yield sse(event)
     except (ValueError, RuntimeError, APIError) as e:
-        yield sse({"error": str(e), "error_type": "generation"})
+        yield sse({"error": stream_error(e, request_id).message, "error_type": "generation"})
 
 
 @router.get("/info")
