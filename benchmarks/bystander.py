@@ -15,21 +15,13 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 
 import httpx
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from server_client import longest_gap, start_server, stop_server, stream_times
 
 
 def token_ids(n: int, salt: int) -> list[int]:
@@ -48,42 +40,22 @@ def hostile_requests(long_tokens: int) -> dict[str, dict]:
 
 class Server:
     def __init__(self, itl_target_ms: float, extra: list[str]):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile("w+")
-        cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-               "--itl-target-ms", str(itl_target_ms), *extra]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc, self.url, _ = start_server(None, ["--itl-target-ms", str(itl_target_ms), *extra], self.log)
+        self.model = httpx.get(self.url + "/v1/models").json()["data"][0]["id"]
+        # the KV cache's pages are faulted in by a background thread after start-up (a core's worth
+        # of work for seconds): measure after it, as benchmarks/compare/run.py does
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.log.seek(0)
-                raise RuntimeError(f"the server exited:\n{self.log.read()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.model = httpx.get(self.url + "/v1/models").json()["data"][0]["id"]
+            self.log.seek(0)
+            text = self.log.read()
+            if "faulted in by a background thread" in text or "pages fault in on first write" in text:
+                break
+            time.sleep(0.5)
 
     def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(60)
+        stop_server(self.proc)
         self.log.close()
-
-
-def stream(server: Server, started: threading.Event, stop: threading.Event, times: list[float]) -> None:
-    body = {"model": server.model, "prompt": "Once upon a time", "max_tokens": 3000, "temperature": 0,
-            "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=600) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                times.append(time.perf_counter())
-                if len(times) == 10:
-                    started.set()
-                if stop.is_set():
-                    break
 
 
 def probe_health(server: Server, stop: threading.Event, worst: list[float]) -> None:
@@ -97,7 +69,7 @@ def probe_health(server: Server, stop: threading.Event, worst: list[float]) -> N
 
 def one(server: Server, body: dict, salt: int) -> dict[str, float]:
     started, stop, times = threading.Event(), threading.Event(), []
-    bystander = threading.Thread(target=stream, args=(server, started, stop, times))
+    bystander = threading.Thread(target=stream_times, args=(server.url, server.model, started, stop, times, 3000))
     bystander.start()
     assert started.wait(600), "the bystander's stream did not start"
     time.sleep(0.5)  # the stream's usual gaps first
@@ -116,8 +88,7 @@ def one(server: Server, body: dict, salt: int) -> dict[str, float]:
     stop.set()
     bystander.join(600)
     gaps = [b - a for a, b in zip(times, times[1:])]
-    during = [b - a for a, b in zip(times, times[1:]) if a < t_end and b > t0]
-    return {"status": r.status_code, "took": took, "max_gap": max(during or gaps),
+    return {"status": r.status_code, "took": took, "max_gap": longest_gap(times, t0, t_end),
             "usual_gap": statistics.median(gaps[: max(n_before - 1, 1)]), "health": worst[0]}
 
 

@@ -16,70 +16,17 @@ It prints figures; it asserts nothing.
 from __future__ import annotations
 
 import argparse
-import os
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 
 import httpx
+from server_client import longest_gap, start_server, stop_server, stream_times
 
 FIRST = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
          "required": ["name", "age"], "additionalProperties": False}
 SECOND = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(src: str | None, serve_args: list[str], log, timeout_s: float = 300.0):
-    """(process, url, seconds from its start to /health 200)."""
-    port = _free_port()
-    env = dict(os.environ, **({"PYTHONPATH": src} if src else {}))
-    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *serve_args]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    while True:
-        if proc.poll() is not None:
-            log.seek(0)
-            raise RuntimeError(f"the server exited with {proc.returncode}:\n{log.read()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url, time.perf_counter() - t0
-        except httpx.HTTPError:
-            pass
-        if time.perf_counter() - t0 > timeout_s:
-            proc.kill()
-            raise RuntimeError("no /health 200")
-        time.sleep(0.02)
-
-
-def stream_times(url: str, model: str, started: threading.Event, stop: threading.Event, out: list[float]) -> None:
-    """Arrival time of each chunk of a long streamed completion, until `stop`."""
-    body = {"model": model, "prompt": "Once upon a time", "max_tokens": 4000, "temperature": 0, "stream": True,
-            "ignore_eos": True}
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                out.append(time.perf_counter())
-                if len(out) == 10:
-                    started.set()
-                if stop.is_set():
-                    break
-
-
-def longest_gap(times: list[float], start: float, end: float) -> float:
-    """The longest gap between chunks that overlaps [start, end]."""
-    gaps = [b - a for a, b in zip(times, times[1:]) if b >= start and a <= end]
-    return max(gaps, default=float("nan"))
 
 
 def grammar_request(url: str, model: str, schema: dict) -> tuple[int, float, float]:
@@ -91,7 +38,7 @@ def grammar_request(url: str, model: str, schema: dict) -> tuple[int, float, flo
 
 def one_run(src: str | None, serve_args: list[str], settle: float) -> dict:
     with tempfile.TemporaryFile("w+") as log:
-        proc, url, ready_s = start_server(src, serve_args, log)
+        proc, url, ready_s = start_server(src, serve_args, log, 300.0)
         try:
             model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
             time.sleep(settle)
@@ -109,11 +56,7 @@ def one_run(src: str | None, serve_args: list[str], settle: float) -> dict:
             stop.set()
             t.join(300)
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
     return {"ready_s": ready_s, "usual_gap": usual, "alone": ("-", 0.0, alone),
             "first": (s1, b1 - a1, longest_gap(times, a1, b1)),
             "second": (s2, b2 - a2, longest_gap(times, a2, b2))}
