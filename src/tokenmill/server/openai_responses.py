@@ -262,8 +262,9 @@ class _Items:
             out.append(self.event("response.function_call_arguments.delta", item_id=cur["id"],
                                   output_index=len(self.items), delta=e.delta))
         elif isinstance(e, CallEnd):
+            # Left open: the next item closes it; or, when it is the last, the end of the answer does,
+            # with the response's status (a forced call cut by max_output_tokens is "incomplete").
             cur["arguments"] = e.arguments
-            out += self.close()
         return out
 
     def close(self, status: str = "completed") -> list[bytes]:
