@@ -128,6 +128,23 @@ def test_any_tool_choice_and_count_tokens(client, model):
     assert client.messages.count_tokens(model=model, messages=ASK, tools=TOOLS).input_tokens > bare
 
 
+@pytest.mark.parametrize("choice", [{"type": "any", "disable_parallel_tool_use": True},
+                                    {"type": "tool", "name": "get_weather"}])
+def test_forced_tool_use_cut_by_max_tokens_is_a_tool_use_block(client, model, choice):
+    """A forced call cut by max_tokens is a tool_use block (stop_reason max_tokens), whole or streamed,
+    never a text block of partial JSON."""
+    kw = {"model": model, "messages": ASK, "tools": [WEATHER], "tool_choice": choice, "extra_body": GREEDY}
+    whole = client.messages.create(**kw, max_tokens=100)  # greedy: the cut one is its prefix
+    kw["max_tokens"] = whole.usage.output_tokens - 3  # cut inside the input
+    m = client.messages.create(**kw)
+    assert [(b.type, b.name) for b in m.content] == [("tool_use", "get_weather")] and m.stop_reason == "max_tokens"
+    with client.messages.stream(**kw) as stream:
+        kinds = [e.delta.type for e in stream if e.type == "content_block_delta"]
+        streamed = stream.get_final_message()
+    assert set(kinds) == {"input_json_delta"} and streamed.stop_reason == "max_tokens"
+    assert [(b.type, b.name) for b in streamed.content] == [("tool_use", "get_weather")]
+
+
 def test_structured_output(client, model):
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
               "additionalProperties": False}

@@ -121,6 +121,26 @@ def test_required_tool_choice_one_call(client, model):
     assert [(i.type, i.name) for i in r.output] == [("function_call", "get_weather")]
 
 
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "get_weather"}])
+def test_forced_call_cut_by_max_output_tokens_is_an_incomplete_function_call(client, model, choice):
+    """As OpenAI answers: a function_call item with the arguments so far, item and response incomplete
+    (reason max_output_tokens), whole or streamed; never an output_text message of partial JSON."""
+    kw = {"model": model, "input": ASK, "tools": [WEATHER], "tool_choice": choice, "temperature": 0, "store": False,
+          "parallel_tool_calls": False}  # required: one call, then the answer ends
+    whole = client.responses.create(**kw, max_output_tokens=100)  # greedy: the cut one is its prefix
+    kw["max_output_tokens"] = whole.usage.output_tokens - 3  # cut inside the arguments
+    r = client.responses.create(**kw)
+    (call,) = r.output
+    assert (call.type, call.name, call.status) == ("function_call", "get_weather", "incomplete")
+    assert call.arguments and r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    events = list(client.responses.create(**kw, stream=True))
+    (done,) = [e for e in events if e.type == "response.output_item.done"]
+    assert (done.item.type, done.item.status, done.item.arguments) == ("function_call", "incomplete", call.arguments)
+    assert events[-1].type == "response.incomplete"
+    assert [(i.type, i.status) for i in events[-1].response.output] == [("function_call", "incomplete")]
+    assert not [e for e in events if e.type == "response.output_text.delta"]
+
+
 def test_store_retrieve_delete(client, served, model):
     r = client.responses.create(model=model, input="Hi", max_output_tokens=4, temperature=0)
     got = client.responses.retrieve(r.id)

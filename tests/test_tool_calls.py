@@ -131,4 +131,45 @@ def test_tool_call_stream_splits_text_and_calls_however_the_text_arrives():
     required = plan_tools(TOOLS, "required")
     assert _events(required, ['[{"name": "get_time", ', '"arguments": {"timezone": "UTC"}}]']) == (
         "|", [["get_time", '{"timezone": "UTC"}']])
-    assert _events(required, ['[{"name": "get_ti']) == ('[{"name": "get_ti', [])  # cut short: text
+    # cut short (max_tokens): still a call, named once its name can only be one tool's, arguments so far
+    assert _events(required, ['[{"name": "get_ti']) == ("|", [["get_time", ""]])
+    assert _events(required, ['[{"name": "get_time", "arguments": {"timezone": "U']) == (
+        "|", [["get_time", '{"timezone": "U']])
+
+
+def test_required_calls_cut_short_are_parsed_as_calls():
+    """tool_choice required cut by max_tokens anywhere: the whole calls, then the cut one (its name when
+    it can only be one tool's, its arguments as far as they got); never content."""
+    plan = plan_tools(TOOLS, "required")
+    for text, want in (("", [("", "")]), ("[\n{\n  \"name", [("", "")]), ('[{"name": "get_w', [("get_weather", "")]),
+                       ('[{"name": "get_time", "arguments": {"timezone": "U', [("get_time", '{"timezone": "U')]),
+                       ('[{"name": "get_time", "arguments": {}}, {"arguments": {"city', [
+                           ("get_time", "{}"), ("", '{"city')]),
+                       ('[{"name": "get_time", "arguments": {}}, ', [("get_time", "{}")])):
+        content, calls = parse_tool_calls(plan, text)
+        assert content is None and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == want, text
+    one = plan_tools(TOOLS[:1], "required")  # one tool: the cut call is that tool's whatever was written
+    assert [c["function"]["name"] for c in parse_tool_calls(one, "[")[1]] == ["get_weather"]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_call_cut_by_max_tokens_is_a_tool_call(smollm2_client, smollm2_model, choice):
+    """As OpenAI answers: tool_calls entries, the last with the arguments so far, finish_reason length;
+    never content."""
+    kw = {"model": smollm2_model, "messages": ASK, "tools": TOOLS[:1], "tool_choice": choice, "temperature": 0,
+          "max_tokens": 100}
+    whole = smollm2_client.chat.completions.create(**kw)  # greedy: a shorter answer is its prefix
+    if whole.choices[0].finish_reason != "length":  # (required may go on calling until max_tokens anyway)
+        kw["max_tokens"] = whole.usage.completion_tokens - 3  # cut inside the (last) call's arguments
+    r = smollm2_client.chat.completions.create(**kw)
+    choice0 = r.choices[0]
+    calls = [(t.function.name, t.function.arguments) for t in choice0.message.tool_calls]
+    assert choice0.finish_reason == "length" and choice0.message.content is None
+    assert {name for name, _ in calls} == {"get_weather"} and calls[-1][1]
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(calls[-1][1])  # partial
+    chunks = list(smollm2_client.chat.completions.create(**kw, stream=True))
+    streamed = [t for ch in chunks for c in ch.choices for t in c.delta.tool_calls or []]
+    assert [(t.function.name, t.function.arguments) for t in streamed] == calls
+    assert not any(c.delta.content for ch in chunks for c in ch.choices)
+    assert [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason] == ["length"]

@@ -254,7 +254,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         ssl_keyfile=ns.ssl_keyfile, ssl_certfile=ns.ssl_certfile, root_path=ns.root_path,
         trust_request_chat_template=ns.trust_request_chat_template,
         max_request_body_bytes=ns.max_request_body_bytes or None, max_prompts_per_request=ns.max_prompts_per_request,
-        max_stored_responses=ns.max_stored_responses,
+        max_response_values=ns.max_response_values, max_stored_responses=ns.max_stored_responses,
         tracer=tracer, metrics_prefix=ns.metrics_prefix,
         enable_web_ui=not ns.disable_web_ui,
     )
@@ -281,6 +281,7 @@ def _serve_on_ray(ns: argparse.Namespace, chat_template: str | None) -> int:
         api_key=ns.api_key, max_logprobs=ns.max_logprobs, chat_template=chat_template,
         trust_request_chat_template=ns.trust_request_chat_template,
         max_request_body_bytes=ns.max_request_body_bytes or None, max_prompts_per_request=ns.max_prompts_per_request,
+        max_response_values=ns.max_response_values,
         log_requests=not ns.disable_log_requests, enable_web_ui=not ns.disable_web_ui,
         max_stored_responses=ns.max_stored_responses)
     cluster = ray_serve.ClusterOptions(
@@ -352,6 +353,11 @@ def add_server_args(s: argparse.ArgumentParser) -> None:
                         "0: no limit)")
     g.add_argument("--max-prompts-per-request", type=int, default=256,
                    help="most prompts one /v1/completions request may carry (default 256)")
+    g.add_argument("--max-response-values", type=int, default=4_000_000,
+                   help="refuse with 400 a non-streamed request whose response could hold more values than this: "
+                        "tokens of text, logprob entries (each token's and its top ones) and embedding numbers, "
+                        "counted from n, max_tokens, logprobs and the inputs (default 4000000; 0: no limit; "
+                        "streamed responses are not counted)")
     g.add_argument("--max-stored-responses", type=int, default=1000,
                    help="Responses API: responses kept in memory for GET /v1/responses/{id} and "
                         "previous_response_id, least recently used dropped first (default 1000; 0: none)")

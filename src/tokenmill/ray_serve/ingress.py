@@ -24,7 +24,7 @@ from tokenmill.server import misc_routes, openai_embeddings, openai_responses, w
 from tokenmill.server.app import DEFAULT_MAX_BODY_BYTES, GENERATION_ROUTES, ServerMiddleware, _add_offline_docs
 from tokenmill.server.chat_template import install_template_bounds
 from tokenmill.server.errors import install_error_handlers
-from tokenmill.server.serving import DEFAULT_MAX_PROMPTS, ServerContext, get_ctx
+from tokenmill.server.serving import DEFAULT_MAX_PROMPTS, DEFAULT_MAX_RESPONSE_VALUES, ServerContext, get_ctx
 
 logger = logging.getLogger("tokenmill.ray_serve")
 
@@ -42,6 +42,7 @@ class IngressOptions:
     trust_request_chat_template: bool = False
     max_request_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS
+    max_response_values: int = DEFAULT_MAX_RESPONSE_VALUES
     log_requests: bool = True
     enable_web_ui: bool = True
     max_stored_responses: int = openai_responses.DEFAULT_MAX_STORED
@@ -76,6 +77,7 @@ def build_ingress_app(client: ReplicaEngineClient, handle, options: IngressOptio
                         trust_request_chat_template=options.trust_request_chat_template,
                         max_request_body_bytes=options.max_request_body_bytes,
                         max_prompts_per_request=options.max_prompts_per_request,
+                        max_response_values=options.max_response_values,
                         response_store=openai_responses.ResponseStore(options.max_stored_responses))
     app = FastAPI(title="tokenmill", version=tokenmill.__version__, docs_url=None, redoc_url=None,
                   description="OpenAI-compatible and TGI-compatible LLM server (Ray Serve replicas).",

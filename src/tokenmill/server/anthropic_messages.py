@@ -11,7 +11,6 @@ import json
 from contextlib import aclosing
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 
 from tokenmill.server import conversation
 from tokenmill.server.anthropic_protocol import (
@@ -33,6 +32,7 @@ from tokenmill.server.anthropic_protocol import (
 )
 from tokenmill.server.errors import APIError, CheckedRoute, anthropic_error_body
 from tokenmill.server.protocol import ChatContentPart, ChatMessage, sse_content
+from tokenmill.server.response_body import json_response
 from tokenmill.server.serving import (
     SSEResponse,
     check_model,
@@ -72,7 +72,7 @@ async def count_tokens(body: AnthropicCountTokensRequest, raw: Request) -> Anthr
     """The prompt's tokens as /v1/messages would render it (system, messages and tools)."""
     ctx = get_ctx(raw)
     check_model(ctx, body.model)
-    messages, continue_final = chat_messages(body)
+    messages, continue_final = await ctx.offload(chat_messages, body)  # 10,000s of blocks: off the event loop
     ids = await conversation.prompt_ids(ctx, messages, tool_plan(body), continue_final)
     return AnthropicCountTokensResponse(input_tokens=len(ids))
 
@@ -80,7 +80,7 @@ async def count_tokens(body: AnthropicCountTokensRequest, raw: Request) -> Anthr
 async def _create_message(body: AnthropicMessagesRequest, raw: Request):
     log_ignored_fields(body)
     ctx = get_ctx(raw)
-    messages, continue_final = chat_messages(body)
+    messages, continue_final = await ctx.offload(chat_messages, body)  # 10,000s of blocks: off the event loop
     fmt = body.output_config.format if body.output_config is not None else None
     guided = structured_output("json_schema", fmt.schema_, param="output_config.format") if fmt else None
     sampling = conversation.Sampling(max_tokens=body.max_tokens, max_param="max_tokens", temperature=body.temperature,
@@ -89,14 +89,18 @@ async def _create_message(body: AnthropicMessagesRequest, raw: Request):
     gen = await conversation.start(ctx, raw, "msg", body, messages, tool_plan(body), sampling, continue_final)
     if body.stream:
         return SSEResponse(_stream(gen))
-    answer = await conversation.answer(gen)
-    content = [AnthropicTextOut(text=p) if isinstance(p, str)
-               else AnthropicToolUseOut(id=_tool_id(p.id), name=p.name, input=_input(p.arguments))
+    return await json_response(ctx, _message, gen, await conversation.answer(gen))
+
+
+def _message(gen: conversation.Generation, answer: conversation.Answer) -> dict:
+    """The whole Message (on the prep pool, by json_response), its blocks dumped one at a time."""
+    content = [(AnthropicTextOut(text=p) if isinstance(p, str)
+                else AnthropicToolUseOut(id=_tool_id(p.id), name=p.name, input=_input(p.arguments))).model_dump()
                for p in answer.parts]
-    msg = AnthropicMessage(id=gen.request_id, model=gen.model, content=content, stop_reason=_stop_reason(answer),
+    msg = AnthropicMessage(id=gen.request_id, model=gen.model, content=[], stop_reason=_stop_reason(answer),
                            stop_sequence=answer.stop_string,
                            usage=AnthropicUsage(input_tokens=gen.prompt_tokens, output_tokens=answer.output_tokens))
-    return JSONResponse(msg.model_dump())
+    return {**msg.model_dump(), "content": content}
 
 
 # ---- Anthropic's request -> the chat route's ----------------------------------------------

@@ -27,7 +27,7 @@ from tokenmill.server import anthropic_messages, openai_responses, web_ui
 from tokenmill.server.errors import error_response, install_error_handlers, internal_error_response
 from tokenmill.server.metrics import DEFAULT_METRICS_PREFIX, ServerMetrics
 from tokenmill.server.chat_template import install_template_bounds
-from tokenmill.server.serving import DEFAULT_MAX_PROMPTS, ServerContext, new_request_id
+from tokenmill.server.serving import DEFAULT_MAX_PROMPTS, DEFAULT_MAX_RESPONSE_VALUES, ServerContext, new_request_id
 from tokenmill.server.startup import (  # noqa: F401 - serve, END_STREAMS_GRACE_S: re-exported
     END_STREAMS_GRACE_S,
     LIVE_PATH,
@@ -184,6 +184,7 @@ def build_app(aengine: AsyncLLMEngine, *, api_key: str | None = None, max_logpro
               trust_request_chat_template: bool = False,
               max_request_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
               max_prompts_per_request: int = DEFAULT_MAX_PROMPTS,
+              max_response_values: int = DEFAULT_MAX_RESPONSE_VALUES,
               max_stored_responses: int = openai_responses.DEFAULT_MAX_STORED, tracer: RequestTracer | None = None,
               metrics_prefix: str = DEFAULT_METRICS_PREFIX, enable_web_ui: bool = True) -> FastAPI:
     """The HTTP app over a running AsyncLLMEngine. With shutdown_engine, the app stops the
@@ -202,7 +203,7 @@ def build_app(aengine: AsyncLLMEngine, *, api_key: str | None = None, max_logpro
                         api_key=api_key or None, max_logprobs=max_logprobs, chat_template=chat_template,
                         trust_request_chat_template=trust_request_chat_template,
                         max_request_body_bytes=max_request_body_bytes,
-                        max_prompts_per_request=max_prompts_per_request,
+                        max_prompts_per_request=max_prompts_per_request, max_response_values=max_response_values,
                         response_store=openai_responses.ResponseStore(max_stored_responses), tracer=tracer)
 
     @contextlib.asynccontextmanager

@@ -16,6 +16,7 @@ from fastapi import Request
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.chat_template import render_chat
 from tokenmill.server.protocol import ChatMessage
+from tokenmill.server.response_body import check_response_values, sequence_values
 from tokenmill.server.serving import (
     ServerContext,
     build_sampling_params,
@@ -84,6 +85,8 @@ async def start(ctx: ServerContext, raw: Request, prefix: str, body, messages: l
         max_tokens=max_tokens, temperature=_opt(sampling.temperature, 1.0), top_p=_opt(sampling.top_p, 1.0),
         top_k=_opt(sampling.top_k, -1), stop=sampling.stop, seed=sampling.seed, guided_decoding=sampling.guided)
     parse_plan = apply_tool_grammar(params, plan)
+    if not getattr(body, "stream", False):
+        check_response_values(ctx, sequence_values(max_tokens, None), sampling.max_param)
     request_id = new_request_id(prefix, sep="_")  # msg_..., resp_...: the APIs' own style
     tracker = track(raw, request_id, body)
     tracker.prompt_tokens = len(ids)

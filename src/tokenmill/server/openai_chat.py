@@ -13,13 +13,10 @@ from tokenmill.outputs import Logprob, RequestOutput
 from tokenmill.server.errors import APIError, CheckedRoute
 from tokenmill.server.openai_completions import ERROR_RESPONSES
 from tokenmill.server.protocol import (
-    ChatChoiceLogProbs,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     ChatCompletionStreamResponse,
-    ChatLogProb,
-    ChatLogProbsContent,
     ChatResponseMessage,
     ErrorResponse,
     UsageInfo,
@@ -51,6 +48,7 @@ from tokenmill.server.serving import (
     track,
 )
 from tokenmill.server.chat_template import render_chat
+from tokenmill.server.response_body import check_response_values, json_response, prompt_values, sequence_values
 from tokenmill.server.tool_calls import ToolPlan, apply_tool_grammar, parse_tool_calls, plan_tools
 
 router = APIRouter(tags=["OpenAI"], route_class=CheckedRoute)
@@ -88,6 +86,9 @@ async def _create_chat_completion(ctx: ServerContext, body: ChatCompletionReques
     max_tokens = resolve_max_tokens(ctx, len(ids), requested, "messages", max_param)
     params = sampling_params(body, max_tokens, top_n)
     plan = apply_tool_grammar(params, plan)
+    if not body.stream:
+        sequences = (body.n or 1) * sequence_values(max_tokens, top_n)
+        check_response_values(ctx, sequences + prompt_values(len(ids), body.prompt_logprobs), max_param)
 
     request_id = new_request_id("chatcmpl")
     tracker = track(raw, request_id, body)
@@ -106,21 +107,26 @@ async def _create_chat_completion(ctx: ServerContext, body: ChatCompletionReques
     created = int(time.time())
     if body.stream:
         return SSEResponse(_stream(ctx, body, request_id, created, streams, top_n, len(ids), plan, model))
-    out = merge_samples(await collect_all(streams), params)
+    outs = await collect_all(streams)
+    return await json_response(ctx, _response, request_id, created, model, merge_samples(outs, params), plan, top_n)
+
+
+def _response(request_id: str, created: int, model: str, out: RequestOutput, plan: ToolPlan | None,
+              top_n: int | None) -> dict:
+    """The whole response (on the prep pool, by json_response). Logprobs stay plain dicts: as pydantic
+    models they cost an object per entry, and dumping them is one call that holds the GIL throughout."""
     choices = []
     for c in out.outputs:
-        lp = None
-        if top_n is not None and c.logprobs is not None:
-            lp = ChatChoiceLogProbs(content=chat_logprobs(c.token_ids, c.logprobs, top_n))
         content, calls = parse_tool_calls(plan, c.text) if plan is not None else (c.text, [])
-        choices.append(ChatCompletionResponseChoice(
-            index=c.index, message=ChatResponseMessage(content=content, tool_calls=calls or None), logprobs=lp,
-            finish_reason=_finish(plan, calls, c.finish_reason), stop_reason=c.stop_reason))
-    resp = ChatCompletionResponse(
-        id=request_id, created=created, model=model, choices=choices,
-        usage=UsageInfo.from_outputs([out]), prompt_logprobs=prompt_logprobs_json(out),
-    )
-    return JSONResponse(resp.model_dump())
+        choice = ChatCompletionResponseChoice(
+            index=c.index, message=ChatResponseMessage(content=content, tool_calls=calls or None),
+            finish_reason=_finish(plan, calls, c.finish_reason), stop_reason=c.stop_reason).model_dump()
+        if top_n is not None and c.logprobs is not None:
+            choice["logprobs"] = {"content": chat_logprobs(c.token_ids, c.logprobs, top_n)}
+        choices.append(choice)
+    resp = ChatCompletionResponse(id=request_id, created=created, model=model, choices=[],
+                                  usage=UsageInfo.from_outputs([out])).model_dump()
+    return {**resp, "choices": choices, "prompt_logprobs": prompt_logprobs_json(out)}
 
 
 def _entry(e: Logprob) -> dict:
@@ -128,12 +134,12 @@ def _entry(e: Logprob) -> dict:
     return {"token": token, "logprob": clamp_logprob(e.logprob), "bytes": list(token.encode("utf-8"))}
 
 
-def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], top_n: int) -> list[ChatLogProbsContent]:
+def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], top_n: int) -> list[dict]:
+    """OpenAI's logprobs.content entries (ChatLogProbsContent's shape, as plain dicts)."""
     content = []
     for tid, step in zip(token_ids, logprobs):
         tops = sorted((e for e in step.values() if e.rank is not None and e.rank <= top_n), key=lambda e: e.rank)
-        content.append(ChatLogProbsContent(**_entry(step[tid]),
-                                           top_logprobs=[ChatLogProb(**_entry(e)) for e in tops[:top_n]]))
+        content.append({**_entry(step[tid]), "top_logprobs": [_entry(e) for e in tops[:top_n]]})
     return content
 
 
@@ -176,8 +182,7 @@ async def _stream(ctx: ServerContext, body: ChatCompletionRequest, request_id: s
             lp = None
             if top_n is not None and c.logprobs is not None and c.delta_token_ids:
                 k = len(c.delta_token_ids)
-                content = chat_logprobs(c.delta_token_ids, c.logprobs[n - k:], top_n)
-                lp = {"content": [x.model_dump() for x in content]}
+                lp = {"content": chat_logprobs(c.delta_token_ids, c.logprobs[n - k:], top_n)}
             if plan is not None:
                 if out.finished:
                     content, calls = parse_tool_calls(plan, c.text)

@@ -49,6 +49,8 @@ from tokenmill.server.serving import (
     track,
 )
 from tokenmill.server.serving import clamp_logprob as _clamp
+from tokenmill.server.response_body import check_response_values, json_response, prompt_values, sequence_values
+from tokenmill.sampling_params import SamplingParams
 
 router = APIRouter(tags=["OpenAI"], route_class=CheckedRoute)
 
@@ -119,6 +121,9 @@ async def _create_completion(ctx: ServerContext, body: CompletionRequest, raw: R
             sp.prompt_logprobs = max(body.logprobs, sp.prompt_logprobs or 0)
         params.append(sp)
 
+    if not body.stream:
+        check_response_values(ctx, _response_values(body, prompts, params), "max_tokens")
+
     request_id = new_request_id("cmpl")
     tracker = track(raw, request_id, body)
     tracker.prompt_tokens = sum(len(ids) for _, ids in prompts)
@@ -141,8 +146,29 @@ async def _create_completion(ctx: ServerContext, body: CompletionRequest, raw: R
                                    served_name(ctx, lora)))
     outs = await collect_all(streams)
     merged = [merge_samples(outs[i * S : (i + 1) * S], sp) for i, sp in enumerate(params)]
-    return JSONResponse(_response(ctx, body, request_id, created, merged, texts, score_only,
-                                  served_name(ctx, lora)).model_dump())
+    return await json_response(ctx, _response_json, ctx, body, request_id, created, merged, texts, score_only,
+                               served_name(ctx, lora))
+
+
+def _response_values(body: CompletionRequest, prompts, params: list[SamplingParams]) -> int:
+    """What the whole response may hold (response_body.check_response_values): per returned choice its
+    tokens and their logprobs, and the prompt's logprobs when echoed with logprobs or asked for."""
+    total = 0
+    for (_, ids), sp in zip(prompts, params):
+        echoed = len(ids) if body.echo and body.logprobs is not None else 0
+        per_choice = (sequence_values(sp.max_tokens, body.logprobs) + prompt_values(echoed, body.logprobs)
+                      + prompt_values(len(ids), body.prompt_logprobs))
+        total += (body.n or 1) * per_choice
+    return total
+
+
+def _response_json(*args) -> dict:
+    """_response as JSON values, one choice at a time (on the prep pool, by json_response): one
+    model_dump of the whole response held the GIL for all of its choices."""
+    resp = _response(*args)
+    choices = [c.model_dump() for c in resp.choices]
+    resp.choices = []
+    return {**resp.model_dump(), "choices": choices}
 
 
 def _echo_texts(ctx: ServerContext, prompts) -> list[str]:

@@ -17,12 +17,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from tokenmill.server import conversation
 from tokenmill.server.errors import APIError, CheckedRoute
 from tokenmill.server.openai_completions import ERROR_RESPONSES
 from tokenmill.server.protocol import ChatContentPart, ChatMessage, ErrorResponse, sse_content
+from tokenmill.server.response_body import encode_json
 from tokenmill.server.responses_protocol import (
     STREAM_EVENTS,
     ResponsesDeleted,
@@ -128,7 +129,7 @@ async def _create_response(ctx: ServerContext, body: ResponsesRequest, raw: Requ
     history = []
     if body.previous_response_id is not None:
         history = store_of(ctx).get(body.previous_response_id, "previous_response_id").messages
-    turn = history + input_messages(body)
+    turn = history + await ctx.offload(input_messages, body)  # 10,000s of items: off the event loop
     messages = ([ChatMessage(role="system", content=body.instructions)] if body.instructions else []) + turn
     fmt = body.text.format if body.text is not None else None
     guided = structured_output(fmt.type, getattr(fmt, "schema_", None), param="text.format") if fmt else None
@@ -139,10 +140,16 @@ async def _create_response(ctx: ServerContext, body: ResponsesRequest, raw: Requ
     if body.stream:
         return SSEResponse(_stream(ctx, body, gen, created, turn))
     answer = await conversation.answer(gen)
-    items = [_item(p, "completed") for p in answer.parts]
-    response = _response(body, gen, created, items, answer)
-    _store(ctx, body, response, turn, answer)
-    return JSONResponse(response)
+    response, content = await ctx.offload(_whole, body, gen, created, answer)
+    _store(ctx, body, response, turn, answer)  # here: the store is the event loop's
+    return Response(content, media_type="application/json")
+
+
+def _whole(body: ResponsesRequest, gen: conversation.Generation, created: int,
+           answer: conversation.Answer) -> tuple[dict, bytes]:
+    """The Response object and its JSON (on the prep pool, as response_body.json_response builds)."""
+    response = _response(body, gen, created, [_item(p, "completed") for p in answer.parts], answer)
+    return response, encode_json(response)
 
 
 # ---- the Responses request -> the chat route's ---------------------------------------------
@@ -262,8 +269,9 @@ class _Items:
             out.append(self.event("response.function_call_arguments.delta", item_id=cur["id"],
                                   output_index=len(self.items), delta=e.delta))
         elif isinstance(e, CallEnd):
+            # Left open: the next item closes it; or, when it is the last, the end of the answer does,
+            # with the response's status (a forced call cut by max_output_tokens is "incomplete").
             cur["arguments"] = e.arguments
-            out += self.close()
         return out
 
     def close(self, status: str = "completed") -> list[bytes]:

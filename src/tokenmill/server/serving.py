@@ -31,6 +31,9 @@ logger = logging.getLogger("tokenmill.server")
 
 RETRY_AFTER_S = 1  # seconds a client is told to wait when the waiting queue is full
 DEFAULT_MAX_PROMPTS = 256  # prompts in one /v1/completions request (--max-prompts-per-request)
+# Values (tokens, logprob entries, embedding numbers) one non-streamed response may hold
+# (--max-response-values; response_body.py): such a response is built whole in memory.
+DEFAULT_MAX_RESPONSE_VALUES = 4_000_000
 T = TypeVar("T")
 
 
@@ -45,6 +48,7 @@ class ServerContext:
     trust_request_chat_template: bool = False
     max_request_body_bytes: int | None = None
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS
+    max_response_values: int = DEFAULT_MAX_RESPONSE_VALUES  # 0: no bound
     response_store: Any = None  # openai_responses.ResponseStore: the Responses API's stored responses
     tracer: Any = None  # tracing.RequestTracer with --otlp-traces-endpoint, else None (no cost)
     started: float = field(default_factory=time.time)

@@ -7,6 +7,8 @@ a generic system prompt lists them and asks for `<tool_call>{"name": ..., "argum
 - "auto" (default with tools): the answer is parsed for `<tool_call>` blocks;
 - "required": the JSON-schema grammar forces a list of one or more calls of the given tools;
 - {"type": "function", "function": {"name": X}}: the grammar forces the arguments of X.
+A forced call (required, or a named function) cut short by max_tokens is still a call, with the
+arguments as far as they got (finish_reason "length"), as OpenAI answers.
 """
 
 from __future__ import annotations
@@ -130,8 +132,10 @@ def parse_tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]
         try:
             calls = json.loads(text)
             return None, [_call(c["name"], c["arguments"]) for c in calls]
-        except (json.JSONDecodeError, KeyError, TypeError):  # cut short by max_tokens
-            return text, []
+        except (json.JSONDecodeError, KeyError, TypeError):
+            # The grammar allowed nothing but calls, so this is a list of calls cut short (by max_tokens
+            # or a stop string): as OpenAI does, the calls so far, the last with partial arguments.
+            return None, [_call(name, args) for name, args in cut_calls(text, [f["name"] for f in plan.tools])]
     if plan.mode == "auto":
         names = {f["name"] for f in plan.tools}
         calls = [c for c in (_parse_call(m.group(1), names) for m in _TOOL_CALL_RE.finditer(text)) if c]
@@ -139,6 +143,74 @@ def parse_tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]
             rest = _TOOL_CALL_RE.sub("", text).strip()
             return rest or None, calls
     return text, []
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _skip(text: str, pos: int, chars: str = " \t\r\n") -> int:
+    while pos < len(text) and text[pos] in chars:
+        pos += 1
+    return pos
+
+
+def cut_calls(text: str, names: list[str]) -> list[tuple[str, str]]:
+    """(name, arguments JSON text) of each call in `required`'s list of calls cut short: the whole
+    ones, then the one being written when it stopped (its arguments as far as they got). At least
+    one call: the grammar forced one, even if the cut came before its first character."""
+    calls: list[tuple[str, str]] = []
+    pos = _skip(text, 0)
+    if text.startswith("[", pos):
+        pos += 1
+        while True:
+            pos = _skip(text, pos, " \t\r\n,")
+            if pos >= len(text) or text[pos] != "{":
+                break
+            try:
+                call, pos = _DECODER.raw_decode(text, pos)
+            except json.JSONDecodeError:
+                calls.append(_cut_call(text[pos:], names))
+                break
+            if isinstance(call, dict):
+                args = call.get("arguments", {})
+                calls.append((str(call.get("name", "")), args if isinstance(args, str) else json.dumps(args)))
+    return calls or [(_name_from(None, names), "")]
+
+
+def _cut_call(text: str, names: list[str]) -> tuple[str, str]:
+    """One call object cut short (`text` starts at its `{`): its name, if written (or the only tool
+    its first characters can name), and its arguments as far as they got."""
+    name, prefix, args, pos = None, None, "", 1
+    while True:
+        pos = _skip(text, pos, " \t\r\n,")
+        try:
+            key, pos = _DECODER.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            break
+        pos = _skip(text, pos)
+        if not text.startswith(":", pos):
+            break
+        pos = _skip(text, pos + 1)
+        try:
+            value, pos = _DECODER.raw_decode(text, pos)
+        except json.JSONDecodeError:  # the value being written when it stopped
+            if key == "name" and text.startswith('"', pos):
+                prefix = text[pos + 1:].rstrip("\\")
+            elif key == "arguments":
+                args = text[pos:].strip()
+            break
+        if key == "name" and isinstance(value, str):
+            name = value
+        elif key == "arguments":
+            args = value if isinstance(value, str) else json.dumps(value)
+    return (name if name is not None else _name_from(prefix, names)), args
+
+
+def _name_from(prefix: str | None, names: list[str]) -> str:
+    """The tool a cut-short name can only be (the only tool, or the only one starting with the
+    characters written); empty when it could still be several."""
+    fits = [n for n in names if n.startswith(prefix or "")]
+    return fits[0] if len(fits) == 1 else ""
 
 
 def _parse_call(body: str, names: set[str]) -> dict | None:
