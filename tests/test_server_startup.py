@@ -6,6 +6,7 @@ here is held on a threading.Event inside the real loading step, never on timing.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -68,8 +69,10 @@ def test_health_is_503_while_loading_then_200(held):
     live = httpx.get(url + "/health/live")  # the process serves: a liveness probe must not kill it
     assert live.status_code == 200 and live.json()["phase"] == "loading weights"
 
+    frozen = gc.get_freeze_count()
     held.release.set()
     held.gate.done.result(120)
+    assert gc.get_freeze_count() > frozen  # start-up's objects left out of full collections
     for path in ("/health", "/health/ready", "/health/live"):  # no API key needed, like /health
         r = httpx.get(url + path)
         assert (r.status_code, r.json()) == (200, {"status": "ok"}), path
