@@ -1,10 +1,10 @@
 """Does a long prompt stall the requests already streaming? Starts `tokenmill serve` (the default
 model) once with each --itl-target-ms given (0: every step takes the whole token budget, as before
-the time-sized budget), and for each hostile request: a bystander streams a completion, and once
-its stream flows the hostile request is sent. Printed per server and hostile request (medians of
---repeat runs): the bystander's largest gap between two chunks, its usual gap, the largest /health
-latency meanwhile (probed every 50 ms), and the hostile request's time; then the prefill
-throughput of the long prompt with nothing else running.
+the time-sized budget), all at once, and runs them interleaved. For each hostile request: a
+bystander streams a completion, and once its stream flows the hostile request is sent. Printed per
+server and hostile request (medians of --repeat runs): the bystander's largest gap between two
+chunks, its usual gap, the largest /health latency meanwhile (probed every 50 ms), and the hostile
+request's time; then the prefill throughput of the long prompt with nothing else running.
 
     python benchmarks/bystander.py --repeat 3                      # --itl-target-ms 0 and 250
     python benchmarks/bystander.py --targets 0 100 250 --repeat 3
@@ -111,32 +111,38 @@ def main() -> None:
     print("| --itl-target-ms | hostile request | status | its time (s) | bystander's largest gap (s) | "
           "its usual gap (s) | largest /health latency (s) |")
     print("|---|---|---|---|---|---|---|")
-    alone = {}
-    salt = 0
-    for target in ns.targets:
-        server = Server(target, ns.serve_args.split())
-        try:
-            for name, body in hostile_requests(ns.long_tokens).items():
-                runs = []
-                for _ in range(ns.repeat):
-                    salt += 1
-                    runs.append(one(server, body, salt))
-                med = {k: statistics.median(r[k] for r in runs) for k in ("took", "max_gap", "usual_gap", "health")}
-                status = "/".join(sorted({str(r["status"]) for r in runs}))
-                print(f"| {target:g} | {name} | {status} | {med['took']:.2f} | {med['max_gap']:.3f} | "
-                      f"{med['usual_gap']:.3f} | {med['health']:.3f} |", flush=True)
-            rates = []
+    servers = {}
+    try:
+        for target in ns.targets:  # all up at once, runs interleaved: the machine's drift hits each alike
+            servers[target] = Server(target, ns.serve_args.split())
+        salt = 0
+        rows = {}
+        for name, body in hostile_requests(ns.long_tokens).items():
+            runs = {t: [] for t in servers}
             for _ in range(ns.repeat):
+                for target, server in servers.items():
+                    salt += 1
+                    runs[target].append(one(server, body, salt))
+            rows[name] = runs
+        alone = {t: [] for t in servers}
+        for _ in range(ns.repeat):
+            for target, server in servers.items():
                 salt += 1
-                rates.append(prefill_alone(server, ns.long_tokens, salt))
-            alone[target] = statistics.median(rates)
-        finally:
+                alone[target].append(prefill_alone(server, ns.long_tokens, salt))
+    finally:
+        for server in servers.values():
             server.close()
+    for target in servers:
+        for name, runs in rows.items():
+            med = {k: statistics.median(r[k] for r in runs[target]) for k in ("took", "max_gap", "usual_gap", "health")}
+            status = "/".join(sorted({str(r["status"]) for r in runs[target]}))
+            print(f"| {target:g} | {name} | {status} | {med['took']:.2f} | {med['max_gap']:.3f} | "
+                  f"{med['usual_gap']:.3f} | {med['health']:.3f} |")
     print()
-    print("| --itl-target-ms | prefill alone, {} tokens (tokens/s, median) |".format(ns.long_tokens))
+    print(f"| --itl-target-ms | prefill alone, {ns.long_tokens} tokens: tokens/s, median (each run) |")
     print("|---|---|")
-    for target, rate in alone.items():
-        print(f"| {target:g} | {rate:.0f} |")
+    for target, rates in alone.items():
+        print(f"| {target:g} | {statistics.median(rates):.0f} ({', '.join(f'{r:.0f}' for r in rates)}) |")
 
 
 if __name__ == "__main__":

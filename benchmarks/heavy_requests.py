@@ -24,6 +24,7 @@ import threading
 import time
 
 import httpx
+from server_client import stream_times
 
 TEMPLATE_BOMB = "{{ 'ab ' * 10000000 }}"
 
@@ -95,28 +96,13 @@ def probe_during(url: str, model: str, path: str, body: dict) -> tuple[int, floa
     return status, t1 - t0, max(during), statistics.median(before)
 
 
-def stream_gaps(url: str, model: str, started: threading.Event, stop: threading.Event) -> list[float]:
-    body = {"model": model, "prompt": "Once upon a time", "max_tokens": 4000, "temperature": 0, "stream": True,
-            "ignore_eos": True}
-    times = []
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                times.append(time.perf_counter())
-                if len(times) == 10:
-                    started.set()
-                if stop.is_set():
-                    break
-    return [b - a for a, b in zip(times, times[1:])]
-
-
 def one(url: str, model: str, path: str, body: dict) -> tuple[int, float, float, float]:
-    started, stop, gaps = threading.Event(), threading.Event(), []
-    t = threading.Thread(target=lambda: gaps.extend(stream_gaps(url, model, started, stop)))
+    started, stop, times = threading.Event(), threading.Event(), []
+    t = threading.Thread(target=stream_times, args=(url, model, started, stop, times))
     t.start()
     assert started.wait(300), "the stream did not start"
     time.sleep(0.5)  # some quiet gaps first: the baseline
-    n_before = len(gaps) or 1
+    n_before = max(len(times) - 1, 1)
     t0 = time.perf_counter()
     try:
         status = httpx.post(url + path, json={"model": model, **body}, timeout=300).status_code
@@ -126,6 +112,7 @@ def one(url: str, model: str, path: str, body: dict) -> tuple[int, float, float,
     time.sleep(0.5)
     stop.set()
     t.join(300)
+    gaps = [b - a for a, b in zip(times, times[1:])]
     return status, took, max(gaps), statistics.median(gaps[:n_before] or gaps)
 
 

@@ -4,6 +4,7 @@ streaming and not) and by httpx for raw SSE, against a real uvicorn server on lo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -365,6 +366,17 @@ def test_stream_disconnect_aborts_and_frees_blocks(url, model, aengine):
     assert _scrape(url)["tokenmill:request_success_total|finished_reason=abort"] == aborts + 1
 
 
+@contextlib.contextmanager
+def _raw_post(url: str, body: dict):
+    """POST /v1/completions on a bare socket, the client gone when the block ends."""
+    data = json.dumps(body).encode()
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+        yield s
+
+
 def test_non_streaming_disconnect_aborts(url, model, aengine):
     assert _wait_idle(aengine)
     aborts = _scrape(url)["tokenmill:request_success_total|finished_reason=abort"]
@@ -377,12 +389,8 @@ def test_non_streaming_disconnect_aborts(url, model, aengine):
 
     aengine.step_observers.append(hold)
     try:
-        body = json.dumps({"model": model, "prompt": "Hello world", "max_tokens": 480, "temperature": 0,
-                           "ignore_eos": True}).encode()
-        host, port = url.removeprefix("http://").split(":")
-        with socket.create_connection((host, int(port)), timeout=30) as s:
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        with _raw_post(url, {"model": model, "prompt": "Hello world", "max_tokens": 480, "temperature": 0,
+                             "ignore_eos": True}):
             assert running.wait(30)  # generating, and held: it cannot finish before we hang up
         _wait_dropped(aengine)
     finally:
@@ -406,12 +414,8 @@ def test_beam_search_disconnect_counts_its_aborted_round(url, model, aengine):
 
     aengine.step_observers.append(hold)
     try:
-        body = json.dumps({"model": model, "prompt": "Hello world", "max_tokens": 8, "n": 3, "use_beam_search": True,
-                           "ignore_eos": True}).encode()
-        host, port = url.removeprefix("http://").split(":")
-        with socket.create_connection((host, int(port)), timeout=30) as s:
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        with _raw_post(url, {"model": model, "prompt": "Hello world", "max_tokens": 8, "n": 3,
+                             "use_beam_search": True, "ignore_eos": True}):
             assert held.wait(30)
             deadline = time.monotonic() + 30
             while aengine.num_in_flight() != 3:  # the second round: one request per beam, queued
