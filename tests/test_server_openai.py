@@ -334,6 +334,28 @@ def test_metrics_present_and_counting(client, url, model, aengine):
 
 
 # ---- disconnects and concurrency ------------------------------------------------------------
+@contextlib.contextmanager
+def _observed(aengine, hook, release: threading.Event):
+    """hook(outputs, dt) after every engine step while the block runs; then release set, hook gone."""
+    aengine.step_observers.append(hook)
+    try:
+        yield
+    finally:
+        release.set()
+        aengine.step_observers.remove(hook)
+
+
+@contextlib.contextmanager
+def _raw_post(url: str, body: dict):
+    """POST /v1/completions on a bare socket, the client gone when the block ends."""
+    data = json.dumps(body).encode()
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+        yield s
+
+
 def test_stream_disconnect_aborts_and_frees_blocks(url, model, aengine):
     assert _wait_idle(aengine)
     kv = aengine.engine.core.kv
@@ -348,8 +370,7 @@ def test_stream_disconnect_aborts_and_frees_blocks(url, model, aengine):
         if len(steps) >= 3:
             release.wait(30)
 
-    aengine.step_observers.append(hold)
-    try:
+    with _observed(aengine, hold, release):
         with httpx.Client(base_url=url, timeout=30) as h:
             with h.stream("POST", "/v1/completions", json=body) as r:
                 lines = r.iter_lines()
@@ -358,23 +379,9 @@ def test_stream_disconnect_aborts_and_frees_blocks(url, model, aengine):
                 assert kv.num_free_blocks < baseline  # the request holds blocks while it runs
             # leaving the block closes the connection mid-stream
         _wait_dropped(aengine)
-    finally:
-        release.set()
-        aengine.step_observers.remove(hold)
     assert _wait_idle(aengine), "the aborted request's KV blocks did not come back"
     assert kv.num_free_blocks == baseline
     assert _scrape(url)["tokenmill:request_success_total|finished_reason=abort"] == aborts + 1
-
-
-@contextlib.contextmanager
-def _raw_post(url: str, body: dict):
-    """POST /v1/completions on a bare socket, the client gone when the block ends."""
-    data = json.dumps(body).encode()
-    host, port = url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=30) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
-        yield s
 
 
 def test_non_streaming_disconnect_aborts(url, model, aengine):
@@ -387,15 +394,11 @@ def test_non_streaming_disconnect_aborts(url, model, aengine):
             running.set()
             release.wait(30)
 
-    aengine.step_observers.append(hold)
-    try:
+    with _observed(aengine, hold, release):
         with _raw_post(url, {"model": model, "prompt": "Hello world", "max_tokens": 480, "temperature": 0,
                              "ignore_eos": True}):
             assert running.wait(30)  # generating, and held: it cannot finish before we hang up
         _wait_dropped(aengine)
-    finally:
-        release.set()
-        aengine.step_observers.remove(hold)
     assert _wait_idle(aengine)
     assert _scrape(url)["tokenmill:request_success_total|finished_reason=abort"] == aborts + 1
 
@@ -412,8 +415,7 @@ def test_beam_search_disconnect_counts_its_aborted_round(url, model, aengine):
             held.set()
             release.wait(30)
 
-    aengine.step_observers.append(hold)
-    try:
+    with _observed(aengine, hold, release):
         with _raw_post(url, {"model": model, "prompt": "Hello world", "max_tokens": 8, "n": 3,
                              "use_beam_search": True, "ignore_eos": True}):
             assert held.wait(30)
@@ -422,9 +424,6 @@ def test_beam_search_disconnect_counts_its_aborted_round(url, model, aengine):
                 assert time.monotonic() < deadline, "the second round did not start"
                 time.sleep(0.01)
         _wait_dropped(aengine)
-    finally:
-        release.set()
-        aengine.step_observers.remove(hold)
     assert _wait_idle(aengine)
     assert _scrape(url)["tokenmill:request_success_total|finished_reason=abort"] == aborts + 3
 
