@@ -40,6 +40,11 @@ from tokenmill.sampling_params import SamplingParams
 logger = logging.getLogger("tokenmill")
 
 
+# What a client is told: the cause is in the server's log ("engine loop died", with its traceback), not
+# in an API's error body, which must not carry the server's internals.
+ENGINE_DEAD = "the engine is not running (its error is in the server log)"
+
+
 class EngineDeadError(RuntimeError):
     pass
 
@@ -107,7 +112,7 @@ class AsyncLLMEngine:
         Raises ValueError for bad input (or a request id already in flight), before the first output
         (lora.adapter.LoRAError, a ValueError, for an adapter that cannot serve)."""
         if not self.is_running:
-            raise EngineDeadError(f"the engine is not running: {self._error!r}")
+            raise EngineDeadError(ENGINE_DEAD)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._streams:  # a second stream under one id would take the first one's tokens
             raise ValueError(f"request id {rid!r} is already in use")
@@ -143,7 +148,7 @@ class AsyncLLMEngine:
         can take them all. Raises ValueError for bad input before anything is queued (QueueFullError
         when the queue is full); cancelling aborts what is still running."""
         if not self.is_running:
-            raise EngineDeadError(f"the engine is not running: {self._error!r}")
+            raise EngineDeadError(ENGINE_DEAD)
         base = request_id or f"embd-{next(self._ids)}"
         rids = [f"{base}-{i}" for i in range(len(prompts))]
         if any(rid in self._streams for rid in rids):
@@ -179,7 +184,7 @@ class AsyncLLMEngine:
     async def reset_prefix_cache(self) -> int:
         """LLMEngine.reset_prefix_cache, on the engine thread (which owns the block pool)."""
         if not self.is_running:
-            raise EngineDeadError(f"the engine is not running: {self._error!r}")
+            raise EngineDeadError(ENGINE_DEAD)
         return await self.call(lambda engine: engine.reset_prefix_cache())
 
     def abort_all(self, error: BaseException) -> None:
@@ -232,7 +237,7 @@ class AsyncLLMEngine:
             logger.exception("engine loop died")
             self._error = e
             for stream in list(self._streams.values()):
-                stream.put(EngineDeadError(f"engine loop died: {e!r}"))
+                stream.put(EngineDeadError(ENGINE_DEAD))
         finally:
             engine.shutdown()
 
