@@ -58,7 +58,7 @@ def test_decode_rows_go_first_and_the_prompt_gets_what_fits():
     # priority: the long prompt (priority 0) is served before the stream (priority 5) and so comes
     # first among the running requests; the stream's decode row still goes first in every step
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=8192,
-                                      policy="priority"), kv)
+                                      policy="priority", itl_target_ms=250), kv)
     short = Request("short", [1, 2, 3], SamplingParams(max_tokens=500), priority=5)
     sched.add_request(short)
     out = sched.schedule()
@@ -88,7 +88,7 @@ def test_decode_rows_go_first_and_the_prompt_gets_what_fits():
 def test_a_bystander_streams_between_the_chunks_of_a_long_prompt(tiny_llama_dir):
     """End to end on the engine: every step that runs part of the long prompt also gives the
     streaming request its next token, and the prompt goes in chunks that fit the target."""
-    llm = LLM(tiny_llama_dir, dtype="float32", max_num_batched_tokens=2048)
+    llm = LLM(tiny_llama_dir, dtype="float32", max_num_batched_tokens=2048, itl_target_ms=250)
     token_s = 0.005  # slower still: the tiny model's 512 positions make a few chunks
     engine, sched = llm.engine, llm.engine.core.scheduler
     budget = sched.step_budget
@@ -122,3 +122,20 @@ def test_a_bystander_streams_between_the_chunks_of_a_long_prompt(tiny_llama_dir)
     assert all(s.get(stream) == 1 for s in with_long)  # the stream got a token in each of those steps
     engine.abort_request(stream)
     assert llm.engine.core.kv.num_free_blocks == llm.engine.core.kv.num_usable_blocks
+
+
+def test_a_server_sizes_prompt_tokens_offline_takes_the_whole_budget(tiny_llama_dir):
+    from tokenmill.engine.async_engine import AsyncLLMEngine
+
+    llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.05)  # a batch: throughput first
+    assert llm.engine.core.scheduler.step_budget.target_s == 0
+    aengine = AsyncLLMEngine.from_args(tiny_llama_dir, dtype="float32", kv_cache_memory=0.05)  # tokenmill serve's
+    try:
+        assert aengine.engine.core.scheduler.step_budget.target_s == 0.25
+    finally:
+        aengine.shutdown()
+    off = AsyncLLMEngine.from_args(tiny_llama_dir, dtype="float32", kv_cache_memory=0.05, itl_target_ms=0)
+    try:
+        assert off.engine.core.scheduler.step_budget.target_s == 0
+    finally:
+        off.shutdown()

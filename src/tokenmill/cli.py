@@ -48,7 +48,7 @@ _ENGINE_HELP = {
     "itl_target_ms": "while requests stream tokens, each step takes only the prompt tokens that keep it within "
                      "this inter-token latency, measured on this machine as the engine runs (long prompts are "
                      "prefilled in smaller chunks between decode steps); 0: every step takes the whole "
-                     "--max-num-batched-tokens (default 250)",
+                     "--max-num-batched-tokens (default: 250 for serve, 0 offline: generate, chat, bench)",
     "watermark_gamma": "green fraction of the vocabulary for watermarked requests (Kirchenbauer et al.)",
     "watermark_delta": "logit bonus of green tokens for watermarked requests",
     "enable_prefix_caching": "reuse the KV blocks of prompt prefixes seen before (automatic prefix caching)",

@@ -64,6 +64,11 @@ def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     return _DTYPES[dtype]
 
 
+# A server's default --itl-target-ms: streams keep flowing while long prompts are prefilled. Offline
+# (LLM.generate, bench) nothing streams beside a batch, and steps take the whole token budget.
+DEFAULT_SERVING_ITL_TARGET_MS = 250.0
+
+
 @dataclass
 class EngineArgs:
     """Everything needed to build an engine. CLI flags map 1:1 onto these fields."""
@@ -86,7 +91,9 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None  # default: max(2048, max_model_len) capped
     scheduling_policy: str = "fcfs"  # fcfs | priority (requests' priority: lower first, ties by arrival)
     enable_chunked_prefill: bool = True
-    itl_target_ms: float = 250.0  # while requests decode, prompt tokens per step keep it this long (0: off)
+    # while requests decode, a step's prompt tokens keep it this long (engine/step_budget.py; 0: off); None:
+    # DEFAULT_SERVING_ITL_TARGET_MS in a server (AsyncLLMEngine), 0 offline (LLM: throughput first)
+    itl_target_ms: float | None = None
     enable_prefix_caching: bool = True
     watermark_gamma: float = 0.5  # green fraction of the vocabulary for requests with watermark on
     watermark_delta: float = 2.0  # logit bonus of green tokens
@@ -177,7 +184,7 @@ class SchedulerConfig:
     policy: str = "fcfs"  # fcfs | priority (see scheduler.py)
     # while requests decode, a step's prompt tokens keep it within this inter-token latency (engine/
     # step_budget.py); 0: every step takes the whole token budget
-    itl_target_ms: float = 250.0
+    itl_target_ms: float = 0.0
 
 
 @dataclass

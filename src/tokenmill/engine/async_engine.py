@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
+from tokenmill.config import DEFAULT_SERVING_ITL_TARGET_MS
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.outputs import PoolingRequestOutput, RequestOutput
 from tokenmill.pooling_params import PoolingParams
@@ -83,6 +84,8 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_args(cls, model: str | None = None, max_waiting: int | None = None, **kw) -> "AsyncLLMEngine":
+        if kw.get("itl_target_ms") is None:  # a server: requests stream beside each other
+            kw["itl_target_ms"] = DEFAULT_SERVING_ITL_TARGET_MS
         return cls(lambda: LLMEngine.from_args(model, **kw), max_waiting)
 
     # ---- public API (event loop side) --------------------------------------------------

@@ -112,7 +112,7 @@ class LLMEngine:
             model=model_config,
             cache=CacheConfig(block_size, num_blocks, args.enable_prefix_caching),
             scheduler=SchedulerConfig(args.max_num_seqs, batched, max_model_len, chunked,
-                                      policy=args.scheduling_policy, itl_target_ms=args.itl_target_ms),
+                                      policy=args.scheduling_policy, itl_target_ms=args.itl_target_ms or 0.0),
             seed=args.seed,
             watermark=WatermarkConfig(args.watermark_gamma, args.watermark_delta),
             parallel=ParallelConfig(tp, args.num_threads),
