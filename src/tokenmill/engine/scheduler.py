@@ -125,9 +125,9 @@ class Scheduler:
         loras: set[int] = set()  # the step's LoRA adapters (at most max_loras)
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        stopped = False  # a request could not get its blocks even after preempting every other
+        stopped = False  # a request preempted itself: it could not get its blocks even after every other went
         for req in decoding:
-            if budget <= 0 or stopped:
+            if budget <= 0:
                 break
             if req.status != RequestStatus.RUNNING or not self._lora_fits(req, loras):
                 continue  # preempted this step, or its adapter waits for a step with a free slot
@@ -165,7 +165,7 @@ class Scheduler:
         # happened this step.
         w = 0
         while (w < len(self.waiting) and prompt_budget > 0 and len(self.running) < cfg.max_num_seqs
-               and not out.preempted and not stopped):
+               and not out.preempted):
             req = self.waiting[w]
             if not self._lora_fits(req, loras):
                 w += 1  # FCFS among the requests this step's adapters allow
