@@ -183,7 +183,7 @@ def main() -> None:
     for src in args.source:
         mods[Path(src).stem] = load_source(src, "src_" + hashlib.sha256(Path(src).read_bytes()).hexdigest()[:12])
     if not args.source or args.compare:
-        from tokenmill.model.layers import cpu_kernels
+        from tokenmill.kernels import cpu_kernels
 
         mods["package"] = cpu_kernels.load()
         if mods["package"] is None:

@@ -18,6 +18,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from tokenmill.engine.arg_utils import add_engine_args, engine_args_from
 from tokenmill.model.layers.linear import onednn_bf16_fast
 
 
@@ -201,8 +202,6 @@ def run_roofline(llm, ns: argparse.Namespace) -> int:
 
 def add_offline_parsers(b) -> None:
     """Adds throughput, latency and roofline to the `tokenmill bench` sub-parsers."""
-    from tokenmill.cli import add_engine_args
-
     t = b.add_parser("throughput", help="offline throughput straight into the engine")
     add_engine_args(t)
     add_workload_args(t, 256, 128)
@@ -227,7 +226,6 @@ def add_offline_parsers(b) -> None:
 
 
 def _run_offline(ns: argparse.Namespace) -> int:
-    from tokenmill.cli import engine_args_from
     from tokenmill.llm import LLM
 
     llm = LLM(**vars(engine_args_from(ns)))

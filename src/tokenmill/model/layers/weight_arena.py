@@ -27,6 +27,9 @@ import weakref
 import torch
 from torch import nn
 
+from tokenmill.model.layers.linear import PackedLinear
+from tokenmill.model.layers.quantization import QuantEmbedding, QuantLinear
+
 logger = logging.getLogger("tokenmill")
 
 HUGE_PAGE = 2 << 20
@@ -121,8 +124,6 @@ def _stop_populating(lock: threading.RLock, stop: threading.Event) -> None:
 
 def _decode_tensors(model: nn.Module) -> list[tuple[nn.Module, str]]:
     """(module, attribute) of every weight a small-batch step streams, in the order it reads them."""
-    from tokenmill.model.layers.linear import PackedLinear
-    from tokenmill.model.layers.quantization import QuantEmbedding, QuantLinear
 
     def of(m: nn.Module) -> list[tuple[nn.Module, str]]:
         if isinstance(m, PackedLinear) and m.panels is not None:

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed.comm import NO_TP, TPGroup
-from tokenmill.distributed.sharding import lm_head_rows
-from tokenmill.model.layers import cpu_kernels
+from tokenmill.model.sharding import lm_head_rows
+from tokenmill.kernels import cpu_kernels
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata, LayerAttention
 from tokenmill.model.layers.embedding import embedding
 from tokenmill.model.layers.norm import RMSNorm

@@ -14,19 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.config import WatermarkConfig
+from tokenmill.model.loader import load_hf_config, resolve_model_path
+from tokenmill.tokenizer import load_tokenizer
+
 HASH_KEY = 15485863  # TGI's (a large prime): the seed is HASH_KEY * previous token id
-
-
-@dataclass(frozen=True)
-class WatermarkConfig:
-    gamma: float = 0.5  # fraction of the vocabulary that is green at each step
-    delta: float = 2.0  # logit bonus of green tokens
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.gamma < 1.0:
-            raise ValueError(f"watermark gamma must be in (0, 1), got {self.gamma}")
-        if self.delta <= 0.0:
-            raise ValueError(f"watermark delta must be positive, got {self.delta}")
 
 
 def greenlist(prev_token: int, vocab_size: int, gamma: float) -> torch.Tensor:
@@ -77,36 +69,6 @@ def detect(token_ids: list[int], vocab_size: int, gamma: float = 0.5) -> Waterma
 
 def detect_text(text: str, model: str | None = None, gamma: float = 0.5) -> WatermarkScore:
     """Score text as the model's tokenizer splits it (no model weights needed)."""
-    from tokenmill.model.loader import load_hf_config, resolve_model_path
-    from tokenmill.tokenizer import load_tokenizer
-
     path = resolve_model_path(model)
     ids = load_tokenizer(path).encode(text, add_special_tokens=False)
     return detect(ids, load_hf_config(path).vocab_size, gamma)
-
-
-def add_watermark_parsers(sub) -> None:
-    w = sub.add_parser("watermark", help="watermark tools").add_subparsers(dest="watermark_command", required=True)
-    d = w.add_parser("detect", help="z-score of a text against the green-list watermark",
-                     description="Re-derive each token's green list from the token before it and count green "
-                                 "tokens; prints a JSON score. z > 4 means watermarked with near certainty.")
-    d.add_argument("text", nargs="?", help="the text (or use --file)")
-    d.add_argument("--file", help="read the text from this file ('-' for stdin)")
-    d.add_argument("--model", default=None, help="the model whose tokenizer made the text (default: built-in)")
-    d.add_argument("--gamma", type=float, default=0.5, help="the server's --watermark-gamma (default 0.5)")
-    d.add_argument("--threshold", type=float, default=4.0, help="z-score above which it is watermarked")
-    d.set_defaults(func=_cmd_detect)
-
-
-def _cmd_detect(ns) -> int:
-    import json
-    import sys
-
-    if (ns.text is None) == (ns.file is None):
-        raise ValueError("give the text or --file, not both")
-    text = ns.text if ns.file is None else (sys.stdin.read() if ns.file == "-" else open(ns.file).read())
-    score = detect_text(text, ns.model, ns.gamma)
-    print(json.dumps({"z_score": round(score.z_score, 3), "green_fraction": round(score.green_fraction, 4),
-                      "num_tokens_scored": score.num_tokens_scored, "num_green_tokens": score.num_green_tokens,
-                      "watermarked": score.detected(ns.threshold)}))
-    return 0

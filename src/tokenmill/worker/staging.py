@@ -1,4 +1,4 @@
-"""A step's index tensors: built on the host from lists of ints (index_tensor), and on a GPU
+"""A step's flat batch (StepInputs), its index tensors built on the host (attention.index_tensor) and, on a GPU,
 moved to the device in one non_blocking copy from pinned host memory (PinnedStaging).
 
 Two pinned buffers take turns; before a buffer is filled again its last copy must have left it
@@ -7,20 +7,25 @@ Two pinned buffers take turns; before a buffer is filled again its last copy mus
 
 from __future__ import annotations
 
-from array import array
+from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill.model.layers.attention import AttentionMetadata
+from tokenmill.model.pooling import PoolingMetadata
 
-def index_tensor(values: list[int], *shape: int) -> torch.Tensor:
-    """torch.tensor(values, dtype=torch.long), viewed as `shape` when given (rows, columns), at a
-    third of its cost: the tensor takes an array's buffer as its memory, with no per-element type
-    inference. A step builds several of these right after a forward that has evicted the caches,
-    where torch.tensor's ~15 us each add up to a few percent of a batch-1 decode step."""
-    if not values:
-        return torch.empty(shape or (0,), dtype=torch.long)
-    t = torch.frombuffer(array("q", values), dtype=torch.long)
-    return t.view(shape) if shape else t
+
+@dataclass
+class StepInputs:
+    """One step's flat batch: everything every rank needs to run it."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor  # [R] rows whose next token is sampled
+    prompt_rows: list[tuple[int, int]] = field(default_factory=list)  # row ranges scored for prompt logprobs
+    lora_rows: torch.Tensor | None = None  # [T] int32 each row's LoRA slot (-1: base model); None: no adapters
+    pooling: PoolingMetadata | None = None  # the pooling requests' rows (embeddings; model/pooling.py)
 
 
 class PinnedStaging:

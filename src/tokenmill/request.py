@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import enum
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
+    
+    from tokenmill.lora.adapter import LoRAAdapter
+
 
 
 class RequestStatus(enum.IntEnum):
@@ -44,14 +53,14 @@ class Request:
     cache_salt: str | None = None  # requests share cached prefixes only with the same salt
     priority: int = 0  # --scheduling-policy priority: lower runs first (ties by arrival)
     parent_id: str | None = None  # the samples of one n > 1 request share a parent
-    matcher: object | None = None  # llguidance matcher when the output is constrained (structured output)
-    lora: object | None = None  # the LoRA adapter it runs with (lora.adapter.LoRAAdapter), None: the base model
+    matcher: LLMatcher | None = None  # when the output is constrained (structured output)
+    lora: LoRAAdapter | None = None  # the LoRA adapter it runs with; None: the base model
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # from SamplingParams.bad_words
     # prompt_logprobs[i]: logprobs of prompt token i + 1 (filled as prompt chunks run; None until then)
     prompt_logprobs: list | None = None
     # A pooling (embedding) request: its prompt runs once, no token is sampled, and it finishes with its
     # embedding in pooled_data (model/pooling.py); its KV blocks go back at once, never prefix-cached.
-    pooling_params: object | None = None  # pooling_params.PoolingParams
+    pooling_params: PoolingParams | None = None
     pooled_data: torch.Tensor | None = None
 
     status: RequestStatus = RequestStatus.WAITING

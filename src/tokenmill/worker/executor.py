@@ -22,12 +22,24 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
 from tokenmill.distributed.comm import ShmAllReduce, TPAborted, TPGroup, rank_device, uses_nccl
-from tokenmill.model.layers import cpu_threads
+from tokenmill.config import ModelConfig
+from tokenmill.kernels import cpu_threads
+from tokenmill.worker.staging import StepInputs
+
+
+class StepRunner(Protocol):
+    """What a rank runs: the model runner, as the executor sees it."""
+
+    def to_device(self, step: StepInputs) -> StepInputs: ...
+
+    def run(self, step: StepInputs) -> Any: ...
 
 logger = logging.getLogger("tokenmill")
 
@@ -51,11 +63,10 @@ class WorkerSpec:
     shm_path: str
     shm_bytes: int
     cores: list[int]
-    model_config: object  # ModelConfig
-    num_blocks: int  # 0: sized on the GPUs, all ranks agreeing on the smallest
-    block_size: int
-    device_config: object = None  # DeviceConfig
-    scheduler_config: object = None  # SchedulerConfig
+    model_config: ModelConfig  # this rank's (its device)
+    # Builds this rank's runner from (model_config, tp=group): handed in by whoever starts the
+    # workers, so that the executor does not depend on which runner it runs.
+    build_runner: Callable[..., StepRunner]
 
 
 def plan_cores(size: int, num_threads: int | None) -> tuple[int, list[list[int]]]:
@@ -93,8 +104,8 @@ def _free_port() -> int:
 class TPWorkers:
     """Rank 0's side: starts ranks 1..N-1, connects rank 0's group, broadcasts steps."""
 
-    def __init__(self, size: int, num_threads: int | None, model_config, num_blocks: int, block_size: int,
-                 shm_bytes: int, device_config=None, scheduler_config=None):
+    def __init__(self, size: int, num_threads: int | None, model_config: ModelConfig,
+                 build_runner: Callable[..., StepRunner], shm_bytes: int):
         self.size = size
         self.threads, self.cores = plan_cores(size, num_threads)
         fd, self.shm_path = tempfile.mkstemp(prefix="tokenmill-tp-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
@@ -108,7 +119,7 @@ class TPWorkers:
             parent, child = ctx.Pipe()
             spec = WorkerSpec(rank, size, port, self.shm_path, shm_bytes, self.cores[rank],
                               dataclasses.replace(model_config, device=rank_device(model_config.device, rank)),
-                              num_blocks, block_size, device_config, scheduler_config)
+                              build_runner)
             p = ctx.Process(target=_worker_entry, args=(spec, child, os.getpid()), daemon=True,
                             name=f"tokenmill-tp{rank}")
             p.start()
@@ -218,12 +229,9 @@ def _worker_entry(spec: WorkerSpec, conn, parent_pid: int) -> None:
     torch.set_num_threads(len(spec.cores))
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s tp{spec.rank}: %(message)s")
     try:
-        from tokenmill.model.runner import ModelRunner
-
         group = TPGroup.connect(spec.rank, spec.size, spec.port, spec.shm_path, spec.shm_bytes,
                                 device=spec.model_config.device)
-        runner = ModelRunner(spec.model_config, spec.num_blocks, spec.block_size, tp=group,
-                             device_config=spec.device_config, scheduler_config=spec.scheduler_config)
+        runner = spec.build_runner(spec.model_config, tp=group)
     except BaseException as e:  # noqa: BLE001 - reported to rank 0, which raises it
         conn.send(("error", f"{type(e).__name__}: {e}"))
         raise SystemExit(1) from e

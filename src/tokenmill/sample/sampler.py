@@ -20,10 +20,11 @@ from itertools import chain
 
 import torch
 
-from tokenmill.engine.request import Request
-from tokenmill.model.layers import cpu_kernels
-from tokenmill.structured_output import apply_grammar_masks
-from tokenmill.watermark import WatermarkConfig, apply_watermark
+from tokenmill.request import Request
+from tokenmill.kernels import cpu_kernels
+from tokenmill.sample.structured_output import apply_grammar_masks
+from tokenmill.config import WatermarkConfig
+from tokenmill.sample.watermark import apply_watermark
 
 
 @dataclass
@@ -216,10 +217,10 @@ def score_tokens(logits: torch.Tensor, targets: list[int], top_n: int) -> list[S
     """Logprob and rank of targets[i] under row i of logits, plus each row's top N."""
     lp = torch.log_softmax(logits.float(), dim=-1)
     tgt = _to(torch.tensor(targets, dtype=torch.long), lp.device)
-    return _host_logprobs(lp, tgt, [top_n] * len(targets))
+    return host_logprobs(lp, tgt, [top_n] * len(targets))
 
 
-def _host_logprobs(lp: torch.Tensor, chosen: torch.Tensor, top_ns: list[int],
+def host_logprobs(lp: torch.Tensor, chosen: torch.Tensor, top_ns: list[int],
                    extra: torch.Tensor | None = None) -> list:
     """Row i's SampleLogprobs for token chosen[i] with its top top_ns[i], computed for all rows
     at once and brought to the host in one copy. `extra` (the sampled ids) rides in the same
@@ -266,9 +267,9 @@ class Sampler:
                              f"{logits.device}: pass device=logits.device to SamplingBatch.from_requests")
         want = [i for i, n in enumerate(batch.num_logprobs) if n is not None]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want else None
-        logits = self._process_logits(logits, batch)
+        logits = self.process_logits(logits, batch)
         if batch.all_greedy:
-            tokens = _argmax(logits)
+            tokens = argmax_tokens(logits)
         else:
             tokens = self._sample(logits, batch)
         if raw_logprobs is None:
@@ -278,13 +279,13 @@ class Sampler:
             raw_logprobs, chosen = raw_logprobs[rows], tokens[rows]
         else:
             chosen = tokens
-        token_list, *wanted = _host_logprobs(raw_logprobs, chosen, [batch.num_logprobs[i] for i in want], tokens)
+        token_list, *wanted = host_logprobs(raw_logprobs, chosen, [batch.num_logprobs[i] for i in want], tokens)
         lps: list[SampleLogprobs | None] = [None] * len(token_list)
         for i, lp in zip(want, wanted):
             lps[i] = lp
         return SamplerOutput(token_list, lps)
 
-    def _process_logits(self, logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    def process_logits(self, logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
         if b.repetition_penalty is None and b.banned is None and b.logit_bias is None and not b.watermark_rows \
                 and b.matchers is None:
             return logits
@@ -320,7 +321,7 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
         greedy_rows = b.temperature == 0
-        greedy_tokens = _argmax(logits)
+        greedy_tokens = argmax_tokens(logits)
         probs = sampling_probs(logits, b)
         sampled = draw_inverse_cdf(probs, b.generators, self._generator_for(probs.device))
         return torch.where(greedy_rows, greedy_tokens, sampled)
@@ -340,7 +341,7 @@ def sampling_probs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return probs
 
 
-def _argmax(logits: torch.Tensor) -> torch.Tensor:
+def argmax_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Each row's first largest logit's index: the C++ kernel on CPU (one pass; torch's max over
     32 x 49152 takes ~1.3 ms on 2 cores), else torch (max is faster than argmax, same tie rule)."""
     ops = cpu_kernels.ops_for(logits)

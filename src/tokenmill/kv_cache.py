@@ -25,7 +25,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from tokenmill.engine.request import Request
+from tokenmill.request import Request
 
 
 def hash_block(parent: bytes | None, token_ids: list[int], extra: bytes = b"") -> bytes:

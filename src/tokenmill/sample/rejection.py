@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.model.layers.sampler import draw_inverse_cdf, per_row
+from tokenmill.sample.sampler import argmax_tokens, draw_inverse_cdf, per_row, sampling_probs
 
 
 @dataclass
@@ -186,8 +186,6 @@ def target_distributions(sampler, logits: torch.Tensor, batch) -> tuple[torch.Te
     logits, their argmax with the same kernel, then sampling_probs (temperature, top-k/top-p, min-p).
     `batch` is a SamplingBatch with one row per verified position. probs is None when every row
     is greedy."""
-    from tokenmill.model.layers.sampler import _argmax, sampling_probs
-
-    processed = sampler._process_logits(logits, batch)
-    argmax = _argmax(processed)
+    processed = sampler.process_logits(logits, batch)
+    argmax = argmax_tokens(processed)
     return (None if batch.all_greedy else sampling_probs(processed, batch)), argmax

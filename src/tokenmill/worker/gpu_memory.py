@@ -14,6 +14,7 @@ import logging
 import torch
 
 from tokenmill.model.layers.attention import SeqChunk
+from tokenmill.worker.staging import StepInputs
 
 logger = logging.getLogger("tokenmill")
 GiB = 2**30
@@ -33,8 +34,6 @@ def _profile_step(runner, lengths: list[int], sample_rows: int) -> int:
         seqs.append(SeqChunk(row, n, 0, table))
         slots.extend(table[p // bs] * bs + p % bs for p in range(n))
         row += n
-    from tokenmill.model.runner import StepInputs
-
     total = sum(lengths)
     rows = torch.arange(total - sample_rows, total, dtype=torch.long)
     step = runner.to_device(StepInputs(torch.zeros(total, dtype=torch.long), torch.tensor(

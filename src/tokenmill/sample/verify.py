@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.engine.request import Request
-from tokenmill.model.layers.sampler import Sampler, SamplerOutput, SamplingBatch, _host_logprobs
-from tokenmill.spec_decode.rejection import rejection_sample, target_distributions
+from tokenmill.request import Request
+from tokenmill.sample.sampler import Sampler, SamplerOutput, SamplingBatch, host_logprobs
+from tokenmill.sample.rejection import rejection_sample, target_distributions
 
 
 class MatcherAt:
@@ -91,7 +91,7 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, scheduled: list) -> Sa
         flat = [r for i in want for r in rows[i]]
         chosen = [t for i in want for t in accepted_ids[i] + [next_ids[i]]]
         idx = torch.tensor(flat, dtype=torch.long, device=dev)
-        lps = _host_logprobs(raw_logprobs[idx], torch.tensor(chosen, dtype=torch.long, device=dev),
+        lps = host_logprobs(raw_logprobs[idx], torch.tensor(chosen, dtype=torch.long, device=dev),
                              [scheduled[i].request.sampling_params.logprobs for i in want for _ in rows[i]])
         it = iter(lps)
         for i in want:

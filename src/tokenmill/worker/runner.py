@@ -18,19 +18,21 @@ import torch
 from tokenmill import progress
 from tokenmill.config import DeviceConfig, ModelConfig, SchedulerConfig
 from tokenmill.distributed.comm import NO_TP, TPGroup
-from tokenmill.engine.scheduler import SchedulerOutput
-from tokenmill.model import gpu_memory
-from tokenmill.model.cuda_graphs import CudaGraphDecode
-from tokenmill.model.fused_decode import FusedDecode
-from tokenmill.model.layers import cpu_kernels
+from tokenmill.lora.layers import LoRASlots
+from tokenmill.step import SchedulerOutput
+from tokenmill.worker import gpu_memory
+from tokenmill.worker.cuda_graphs import CudaGraphDecode
+from tokenmill.worker.fused_decode import FusedDecode
+from tokenmill.kernels import cpu_kernels
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata, SeqChunk
-from tokenmill.model.layers.sampler import Sampler, SamplerOutput, SamplingBatches, score_tokens
+from tokenmill.sample.sampler import Sampler, SamplerOutput, SamplingBatches, score_tokens
 from tokenmill.model.layers.weight_arena import huge_page_empty, populate_in_background
 from tokenmill.model.loader import load_model
 from tokenmill.model.pooling import Pooler, PoolingMetadata
-from tokenmill.model.staging import PinnedStaging, index_tensor
-from tokenmill.spec_decode.verify import verify_drafts
-from tokenmill.watermark import WatermarkConfig
+from tokenmill.model.layers.attention import index_tensor
+from tokenmill.worker.staging import PinnedStaging, StepInputs
+from tokenmill.sample.verify import verify_drafts
+from tokenmill.config import WatermarkConfig
 
 logger = logging.getLogger("tokenmill")
 
@@ -45,22 +47,9 @@ def attention_backend_for(device: torch.device):
         raise ValueError("the C++ attention kernels run on the CPU only")
     if choice == "cpu":
         return AttentionBackend
-    from tokenmill.model.layers.gpu_attention import TritonAttentionBackend
+    from tokenmill.model.layers.gpu_attention import TritonAttentionBackend  # lazy: imports triton, which a CPU never needs
 
     return TritonAttentionBackend
-
-
-@dataclass
-class StepInputs:
-    """One step's flat batch: everything every rank needs to run it."""
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    logits_rows: torch.Tensor  # [R] rows whose next token is sampled
-    prompt_rows: list[tuple[int, int]] = field(default_factory=list)  # row ranges scored for prompt logprobs
-    lora_rows: torch.Tensor | None = None  # [T] int32 each row's LoRA slot (-1: base model); None: no adapters
-    pooling: PoolingMetadata | None = None  # the pooling requests' rows (embeddings; model/pooling.py)
 
 
 class ModelRunner:
@@ -111,8 +100,6 @@ class ModelRunner:
             self._add_lora_slots(lora_config)
 
     def _add_lora_slots(self, lora_config) -> None:
-        from tokenmill.lora.layers import LoRASlots
-
         self.lora = LoRASlots(self.model, lora_config.max_loras, lora_config.max_lora_rank, self.config.dtype,
                               self.device)
         if self.fast_decode is not None and not getattr(self.fast_decode, "set_lora", None):

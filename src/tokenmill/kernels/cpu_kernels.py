@@ -41,7 +41,7 @@ PACKAGE = "tokenmill.kernels"
 def _kernels():
     """tokenmill.kernels' build and isa modules, imported when first needed rather than with the
     package (`python -m tokenmill.kernels.isa` runs isa as __main__ after importing tokenmill)."""
-    from tokenmill.kernels import build, isa
+    from tokenmill.kernels import build, isa  # lazy: see above
 
     return build, isa
 

@@ -35,7 +35,8 @@ import torch
 from torch import nn
 
 from tokenmill.distributed.comm import NO_TP, SPIN_NS, TPAborted, TPGroup
-from tokenmill.model.layers import cpu_kernels, cpu_threads
+from tokenmill.kernels import cpu_kernels
+from tokenmill.kernels import cpu_threads
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata
 from tokenmill.model.layers.linear import SMALL_BATCH, PackedLinear
 from tokenmill.model.layers.quantization import QuantEmbedding, QuantLinear
