@@ -59,7 +59,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         tp = args.tensor_parallel_size
         if tp > 1:
-            pass  # each rank's threads and cores: distributed/executor.py
+            pass  # each rank's threads and cores: worker/executor.py
         elif args.num_threads:
             torch.set_num_threads(args.num_threads)
         else:  # no more threads than the CPU quota / affinity allows (a container's cpu.max)

@@ -201,7 +201,7 @@ class SampleLogprobs:
 class SamplerOutput:
     token_ids: list[int]  # each row's next token
     logprobs: list[SampleLogprobs | None]
-    # Speculative steps: each row's accepted draft tokens, which come before token_ids' (spec_decode/verify.py).
+    # Speculative steps: each row's accepted draft tokens, which come before token_ids' (sample/verify.py).
     accepted_ids: list[list[int]] | None = None
     accepted_logprobs: list[list[SampleLogprobs | None]] | None = None
 

@@ -61,7 +61,7 @@ class ModelRunner:
         self.config = model_config
         self.block_size = block_size
         self.device = torch.device(model_config.device)
-        self.tp, self.workers = tp, workers  # workers: rank 0's TPWorkers (distributed/executor.py)
+        self.tp, self.workers = tp, workers  # workers: rank 0's TPWorkers (worker/executor.py)
         self.device_config = device_config or DeviceConfig()
         self.scheduler_config = scheduler_config or SchedulerConfig()
         self.model = load_model(

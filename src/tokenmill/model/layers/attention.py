@@ -25,7 +25,7 @@ where they are read (in the kernels, a row at a time).
 
 Each layer may attend its own way (`LayerAttention`, from the model): a sliding window (a query
 sees only its last `sliding_window` keys, and no kernel reads a key before that, so the KV manager
-may free those blocks: engine/kv_cache.py), tanh soft-capping of the scores and its own scale
+may free those blocks: kv_cache.py), tanh soft-capping of the scores and its own scale
 (Gemma). Every path, C++, Triton and torch, takes them.
 """
 
