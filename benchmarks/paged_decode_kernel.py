@@ -97,7 +97,7 @@ def make_case(B: int, args, cache: str, gen: torch.Generator, context: int, rows
         vc = torch.randn(slots, Hkv, D, generator=gen).to(torch.bfloat16)
         extra = ()
     if not args.small_pages:  # as the engine allocates its cache (runner.allocate_kv_cache)
-        from tokenmill.model.layers.weight_arena import huge_page_empty
+        from tokenmill.kernels.memory import huge_page_empty
 
         def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
             return huge_page_empty(tuple(t.shape), t.dtype).copy_(t)

@@ -26,7 +26,7 @@ from tokenmill.worker.fused_decode import FusedDecode
 from tokenmill.kernels import cpu_kernels
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata, SeqChunk
 from tokenmill.sample.sampler import Sampler, SamplerOutput, SamplingBatches, score_tokens
-from tokenmill.model.layers.weight_arena import huge_page_empty, populate_in_background
+from tokenmill.kernels.memory import huge_page_empty, populate_in_background
 from tokenmill.model.loader import load_model
 from tokenmill.model.pooling import Pooler, PoolingMetadata
 from tokenmill.model.layers.attention import index_tensor
