@@ -12,6 +12,7 @@ import gc
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,10 +35,15 @@ from tokenmill.worker.staging import PinnedStaging, StepInputs
 from tokenmill.sample.verify import verify_drafts
 from tokenmill.config import WatermarkConfig
 
+if TYPE_CHECKING:
+    from tokenmill.lora.config import LoRAConfig
+    from tokenmill.model.layers.gpu_attention import TritonAttentionBackend
+    from tokenmill.worker.executor import TPWorkers
+
 logger = logging.getLogger("tokenmill")
 
 
-def attention_backend_for(device: torch.device):
+def attention_backend_for(device: torch.device) -> type[AttentionBackend] | type[TritonAttentionBackend]:
     """The C++ kernels on the CPU, Triton on a GPU; TOKENMILL_ATTENTION_BACKEND=triton runs the
     Triton one on the CPU too (set TRITON_INTERPRET=1 before triton is imported: CI's test of it)."""
     choice = os.environ.get("TOKENMILL_ATTENTION_BACKEND") or ("triton" if device.type == "cuda" else "cpu")
@@ -54,9 +60,9 @@ def attention_backend_for(device: torch.device):
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, num_blocks: int, block_size: int, seed: int = 0,
-                 watermark: WatermarkConfig | None = None, tp: TPGroup = NO_TP, workers=None,
+                 watermark: WatermarkConfig | None = None, tp: TPGroup = NO_TP, workers: TPWorkers | None = None,
                  device_config: DeviceConfig | None = None, scheduler_config: SchedulerConfig | None = None,
-                 lora_config=None):
+                 lora_config: LoRAConfig | None = None) -> None:
         """num_blocks 0: as many as fit the GPU's memory budget (--gpu-memory-utilization)."""
         self.config = model_config
         self.block_size = block_size
@@ -74,8 +80,8 @@ class ModelRunner:
         self.pooler = Pooler(model_config.pooler, self.model.final_hidden) if model_config.pooler else None
         # Index tensors go to a GPU in one pinned copy per step; on the CPU they are used as built.
         self.staging = PinnedStaging(self.device) if self.device.type == "cuda" else None
-        self.fast_decode = None  # a decode-only step's fast path: the fused C++ step, or CUDA graphs
-        self.lora = None  # the adapters' slots beside the linears (lora/layers.py), with --enable-lora;
+        self.fast_decode: FusedDecode | CudaGraphDecode | None = None  # a decode-only step's fast path: the fused C++ step, or CUDA graphs
+        self.lora: LoRASlots | None = None  # the adapters' slots beside the linears (lora/layers.py), with --enable-lora;
         # set before the GPU's memory-profiling step and graph capture, which run the model
         # Not under tensor parallelism: NCCL calls inside captured graphs are left for when they can be tested.
         self.cuda_graphs = (self.device.type == "cuda" and not self.device_config.enforce_eager and tp.size == 1
@@ -85,7 +91,8 @@ class ModelRunner:
         if num_blocks == 0:  # every rank sizes its own GPU; all take the smallest count
             num_blocks = gpu_memory.check_fits(self, tp.min(gpu_memory.num_kv_blocks(self)))
         self.num_blocks = num_blocks
-        self.kv_cache = self.attn = None
+        self.kv_cache: torch.Tensor | None = None
+        self.attn: AttentionBackend | TritonAttentionBackend | None = None
         if not self.encoder:
             progress.set_phase("allocating the KV cache")
             self.allocate_kv_cache(num_blocks)
@@ -99,7 +106,7 @@ class ModelRunner:
         if lora_config is not None:
             self._add_lora_slots(lora_config)
 
-    def _add_lora_slots(self, lora_config) -> None:
+    def _add_lora_slots(self, lora_config: LoRAConfig) -> None:
         self.lora = LoRASlots(self.model, lora_config.max_loras, lora_config.max_lora_rank, self.config.dtype,
                               self.device)
         if self.fast_decode is not None and not getattr(self.fast_decode, "set_lora", None):
