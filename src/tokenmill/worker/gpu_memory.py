@@ -41,6 +41,7 @@ def _profile_step(runner: ModelRunner, lengths: list[int], sample_rows: int) -> 
         slots.extend(table[p // bs] * bs + p % bs for p in range(n))
         row += n
     total = sum(lengths)
+    assert runner.attn is not None  # allocated above
     rows = torch.arange(total - sample_rows, total, dtype=torch.long)
     step = runner.to_device(StepInputs(torch.zeros(total, dtype=torch.long), torch.tensor(
         [p for n in lengths for p in range(n)], dtype=torch.long), runner.attn.build_metadata(seqs, slots, bs),

@@ -12,7 +12,7 @@ import gc
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -70,10 +70,12 @@ class ModelRunner:
         self.tp, self.workers = tp, workers  # workers: rank 0's TPWorkers (worker/executor.py)
         self.device_config = device_config or DeviceConfig()
         self.scheduler_config = scheduler_config or SchedulerConfig()
-        self.model = load_model(
+        # a model/models class (an nn.Module): its forward, compute_logits and final_hidden are called by name
+        model: Any = load_model(
             model_config.path, model_config.hf_config, model_config.dtype, model_config.max_model_len, self.device,
             model_config.quantization, tp, model_config.load_format, model_config.quantization_calibration,
         )
+        self.model = model
         self.backend = attention_backend_for(self.device)
         # An encoder (BERT) attends within whole sequences and keeps no K/V: no cache, no decode steps.
         self.encoder = getattr(self.model, "IS_ENCODER", False)
@@ -100,6 +102,7 @@ class ModelRunner:
         self.sampling_batches = SamplingBatches()
         progress.set_phase("building the decode step")
         if self.device.type == "cpu" and not self.encoder:
+            assert self.attn is not None  # allocated above
             self.fast_decode = FusedDecode.build(self.model, self.attn, model_config.dtype, block_size, tp)
         elif self.cuda_graphs:
             self.fast_decode = CudaGraphDecode.capture(self)
@@ -109,11 +112,12 @@ class ModelRunner:
     def _add_lora_slots(self, lora_config: LoRAConfig) -> None:
         self.lora = LoRASlots(self.model, lora_config.max_loras, lora_config.max_lora_rank, self.config.dtype,
                               self.device)
-        if self.fast_decode is not None and not getattr(self.fast_decode, "set_lora", None):
+        set_lora = getattr(self.fast_decode, "set_lora", None)
+        if self.fast_decode is not None and not set_lora:
             self.fast_decode = None  # a fast path without adapters (CUDA graphs): steps run op by op
             logger.info("LoRA: decode steps run op by op (this backend's fast path has no adapters)")
-        elif self.fast_decode is not None:
-            self.fast_decode.set_lora(self.lora.specs())
+        elif set_lora is not None:
+            set_lora(self.lora.specs())
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         cfg, tp = self.config, self.tp
@@ -204,6 +208,7 @@ class ModelRunner:
             raise (self.workers.check(e) if self.workers is not None else e) from e
         self._score_prompt_logprobs(sched, prompt_logits)
         if step.pooling is not None:
+            assert self.pooler is not None  # pooling rows come from an embed engine
             self.pooler.update(sched.scheduled, step.pooling)
         if logits is None:
             return None
@@ -224,23 +229,25 @@ class ModelRunner:
             self.lora.row_slots = step.lora_rows  # the LoRA linears read it (lora/layers.py)
         hidden = self.model(step.input_ids, step.positions, self.attn, step.meta)
         if step.pooling is not None and self.tp.rank == 0:
+            assert self.pooler is not None  # pooling rows come from an embed engine
             self.pooler(hidden, step.pooling)
         prompt_logits = [self.model.compute_logits(hidden[a:b]) for a, b in step.prompt_rows]
         logits = self.model.compute_logits(hidden[step.logits_rows]) if len(step.logits_rows) else None
         return logits, prompt_logits
 
     @staticmethod
-    def _score_prompt_logprobs(sched: SchedulerOutput, prompt_logits: list[torch.Tensor]) -> None:
+    def _score_prompt_logprobs(sched: SchedulerOutput, prompt_logits: list[torch.Tensor | None]) -> None:
         """Scores the prompt tokens this step's chunks predict (position p predicts token p + 1)
         into request.prompt_logprobs, in the order prepare() listed the ranges."""
         ranges = iter(prompt_logits)
         for s in sched.scheduled:
             req, start = s.request, s.request.num_computed_tokens
             if req.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
-                logits = next(ranges)
+                logits, top_n = next(ranges), req.sampling_params.prompt_logprobs
+                assert logits is not None and top_n is not None  # rank 0's; set with req.prompt_logprobs
                 end = start + logits.shape[0]
                 targets = req.prompt_token_ids[start + 1 : end + 1]
-                req.prompt_logprobs[start:end] = score_tokens(logits, targets, req.sampling_params.prompt_logprobs)
+                req.prompt_logprobs[start:end] = score_tokens(logits, targets, top_n)
 
     def check_health(self) -> None:
         if self.workers is not None and self.workers.dead:
