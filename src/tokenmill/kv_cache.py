@@ -23,7 +23,9 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from tokenmill.request import Request
 
@@ -102,7 +104,7 @@ class BlockPool:
             out.append(block)
         return out
 
-    def touch(self, blocks: list[KVBlock]) -> None:
+    def touch(self, blocks: Sequence[KVBlock]) -> None:
         """Take a reference on blocks that may sit in the free queue (a prefix-cache hit); null
         entries (blocks a sliding window skips) take none."""
         for b in blocks:
@@ -218,7 +220,8 @@ class KVCacheManager:
         for k in range(len(found), 0, -1):
             skip = self.skippable(k * self.block_size)
             if misses[k] == misses[skip]:
-                return [self.pool.null_block] * skip + found[skip:k]
+                # found[skip:k] holds no None (no misses among them)
+                return [self.pool.null_block] * skip + cast("list[KVBlock]", found[skip:k])
         return []
 
     def _free_skipped(self, request_id: str, blocks: list[KVBlock], first_pos: int) -> None:
@@ -231,7 +234,7 @@ class KVCacheManager:
         blocks[done:n] = [self.pool.null_block] * (n - done)
         self.num_skipped[request_id] = n
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, computed: list[KVBlock] = ()) -> bool:
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed: Sequence[KVBlock] = ()) -> bool:
         """Make room for the request's K/V up to num_computed_tokens + num_new_tokens, after the
         prefix-cache hits `computed` (which the caller counts as computed once this succeeds).
         Returns False (and allocates nothing) when the pool cannot give that many blocks."""

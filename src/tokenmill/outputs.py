@@ -61,7 +61,7 @@ class RequestOutput:
 
 @dataclass
 class PoolingOutput:
-    data: torch.Tensor  # float32 [dimensions] on the CPU (the embedding)
+    data: torch.Tensor | None  # float32 [dimensions] on the CPU (the embedding); None: aborted before it pooled
 
 
 @dataclass

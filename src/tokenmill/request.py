@@ -15,8 +15,9 @@ from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
-    
+
     from tokenmill.lora.adapter import LoRAAdapter
+    from tokenmill.sample.sampler import SampleLogprobs
 
 
 
@@ -57,7 +58,7 @@ class Request:
     lora: LoRAAdapter | None = None  # the LoRA adapter it runs with; None: the base model
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # from SamplingParams.bad_words
     # prompt_logprobs[i]: logprobs of prompt token i + 1 (filled as prompt chunks run; None until then)
-    prompt_logprobs: list | None = None
+    prompt_logprobs: list[SampleLogprobs | None] | None = None
     # A pooling (embedding) request: its prompt runs once, no token is sampled, and it finishes with its
     # embedding in pooled_data (model/pooling.py); its KV blocks go back at once, never prefix-cached.
     pooling_params: PoolingParams | None = None
@@ -75,7 +76,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_draft_probs: torch.Tensor | None = None  # [len(spec_token_ids), V] for sampled drafts (draft model)
     generator: torch.Generator | None = None  # the seed's CPU generator (see generator_for)
-    _device_generators: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # device -> generator
+    _device_generators: dict[torch.device, torch.Generator] = field(default_factory=dict, init=False, repr=False, compare=False)  # device -> generator
     # Timing, for metrics.
     scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -95,7 +96,9 @@ class Request:
             return self.generator
         g = self._device_generators.get(device)
         if g is None:
-            g = self._device_generators[device] = torch.Generator(device=device).manual_seed(self.sampling_params.seed)
+            seed = self.sampling_params.seed
+            assert seed is not None  # a generator is made only for a seeded request
+            g = self._device_generators[device] = torch.Generator(device=device).manual_seed(seed)
         return g
 
     @property

@@ -244,7 +244,7 @@ class Scheduler:
         if req.num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and tok in req.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-            if tok in p.stop_token_ids:
+            if tok in (p.stop_token_ids or ()):  # a list after SamplingParams.__post_init__
                 req.stop_reason = tok
                 return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:

@@ -27,11 +27,25 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+
+class KernelModule(Protocol):
+    """The compiled module (csrc/bindings.cpp) as typed callers see it: the functions they call
+    typed here, any other through __getattr__."""
+
+    def argmax_rows(self, logits: torch.Tensor, /) -> torch.Tensor: ...
+    def top_k_top_p(self, logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                    /) -> torch.Tensor: ...
+    def __getattr__(self, name: str) -> Any: ...
 
 
 logger = logging.getLogger("tokenmill")
 _lock = threading.Lock()
-_module = None
+_module: KernelModule | None = None
 _failed = False
 _error: str | None = None  # why the kernels are unavailable (for `tokenmill build-kernels`)
 _origin: str | None = None  # where the loaded module came from: "package" or its cache folder
@@ -46,7 +60,7 @@ def _kernels():
     return build, isa
 
 
-def load():
+def load() -> KernelModule | None:
     """The compiled module for this CPU's level, or None when unavailable."""
     global _module, _failed, _error
     if _module is not None or _failed:
@@ -203,7 +217,7 @@ def set_batch_invariant(on: bool | None) -> None:
 _CPU_DTYPES = None
 
 
-def ops_for(x):
+def ops_for(x: torch.Tensor) -> KernelModule | None:
     """The kernel module when x is a CPU float32/bfloat16 tensor and kernels are on, else None."""
     global _CPU_DTYPES
     if _CPU_DTYPES is None:

@@ -184,7 +184,7 @@ def _load_gguf_quantized(model: torch.nn.Module, path: str, dtype: torch.dtype) 
     return used
 
 
-def load_model(path: str, hf_config, dtype: torch.dtype, max_position: int, device: str = "cpu",
+def load_model(path: str, hf_config, dtype: torch.dtype, max_position: int, device: str | torch.device = "cpu",
                quantization: str | None = None, tp: TPGroup = NO_TP, load_format: str = "auto",
                calibration: str | None = None) -> torch.nn.Module:
     """quantization: None (weights in `dtype`), "int4" / "int8" (quantized here, groups of 32),

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.sample.sampler import argmax_tokens, draw_inverse_cdf, per_row, sampling_probs
+from tokenmill.sample.sampler import Sampler, SamplingBatch, argmax_tokens, draw_inverse_cdf, per_row, sampling_probs
 
 
 @dataclass
@@ -116,11 +116,13 @@ def rejection_sample(
     n_acc = torch.zeros(B, dtype=torch.long, device=dev)
     z = zq = None  # row masses: acceptance compares normalised probabilities
     if any_random and n_drafts:
+        assert target_probs is not None  # checked above
         z = None if probs_normalized else target_probs.sum(dim=1)
         zq = None if draft_probs is None or probs_normalized else draft_probs.sum(dim=1)
     if n_drafts:
         accept = torch.zeros(n_drafts, dtype=torch.bool, device=dev)
         if any_greedy:
+            assert target_argmax is not None  # checked above
             accept = drafts == target_argmax[rows].long()
         if any_random:
             # Uniforms: a seeded request's from its generator; the unseeded ones' in one draw.
@@ -133,6 +135,7 @@ def rejection_sample(
                 if not greedy[i] and ks[i] and gens[i] is not None:
                     u[draft_start[i]: draft_start[i] + ks[i]] = torch.rand(ks[i], generator=gens[i], device=dev)
             # Accept with probability min(1, p(x) / q(x)), as u * q(x) < p(x): no division, q = 0 < p accepts.
+            assert target_probs is not None  # checked above
             p_x = target_probs[rows, drafts].float()
             rhs = u if z is None else u * z[rows]
             if draft_probs is not None:
@@ -147,8 +150,10 @@ def rejection_sample(
     final_rows = row_start_t + n_acc
     final = torch.zeros(B, dtype=torch.long, device=dev)
     if any_greedy:
+        assert target_argmax is not None  # checked above
         final = target_argmax[final_rows].long()
     if any_random:
+        assert target_probs is not None  # checked above
         rand_idx = [i for i in range(B) if not greedy[i]]
         ridx = torch.tensor(rand_idx, dtype=torch.long).to(dev)
         f_rows = final_rows[ridx]
@@ -180,7 +185,8 @@ def rejection_sample(
     return VerifyOutput(tokens, n_acc_h)
 
 
-def target_distributions(sampler, logits: torch.Tensor, batch) -> tuple[torch.Tensor | None, torch.Tensor]:
+def target_distributions(sampler: Sampler, logits: torch.Tensor,
+                         batch: SamplingBatch) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(probs, argmax) for rejection_sample from the target's logits over the verification rows,
     computed as Sampler.__call__ computes them (the same functions, so the same bits): processed
     logits, their argmax with the same kernel, then sampling_probs (temperature, top-k/top-p, min-p).

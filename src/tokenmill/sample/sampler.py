@@ -15,8 +15,10 @@ puts the batch there, and a step waits for the device once, to copy its results 
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import chain
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -25,6 +27,32 @@ from tokenmill.kernels import cpu_kernels
 from tokenmill.sample.structured_output import apply_grammar_masks
 from tokenmill.config import WatermarkConfig
 from tokenmill.sample.watermark import apply_watermark
+
+if TYPE_CHECKING:
+    from tokenmill.sampling_params import SamplingParams
+
+
+class SamplingRow(Protocol):
+    """What SamplingBatch.from_requests reads of a row: a Request, or a request at one of its draft
+    positions (sample/verify.py's DraftPosition)."""
+
+    @property
+    def sampling_params(self) -> SamplingParams: ...
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+    @property
+    def bad_words_token_ids(self) -> list[list[int]]: ...
+    @property
+    def output_token_ids(self) -> list[int]: ...
+    @property
+    def all_token_ids(self) -> list[int]: ...
+    @property
+    def matcher(self) -> Any: ...  # an llguidance LLMatcher, a verify.MatcherAt, or None
+    @property
+    def num_output_tokens(self) -> int: ...
+    @property
+    def num_tokens(self) -> int: ...
+    def generator_for(self, device: torch.device) -> torch.Generator | None: ...
 
 
 @dataclass
@@ -49,14 +77,15 @@ class SamplingBatch:
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, biases)
     watermark_rows: list[int]
     watermark_prev: list[int]  # the token before each watermarked row's next one
-    matchers: list | None = None  # structured output: a grammar matcher per row (None: free)
+    # structured output: a grammar matcher per row (None: free), an LLMatcher or a verify.MatcherAt
+    matchers: list[Any] | None = None
     device: torch.device | None = None  # where the tensors are (from_requests' device)
     # Nothing in it follows the requests' output so far (penalties, min_tokens or bad-word bans,
     # the watermark): the same requests' next step samples with this batch again (SamplingBatches).
     reusable: bool = False
 
     @classmethod
-    def from_requests(cls, reqs: list[Request], vocab_size: int,
+    def from_requests(cls, reqs: Sequence[SamplingRow], vocab_size: int,
                       device: torch.device | str | None = None) -> "SamplingBatch":
         """device: the logits' (None: CPU). Small tensors are built on the CPU and each moved in
         one copy; [B, V] ones are scattered on the device from flat index lists."""
@@ -78,29 +107,39 @@ class SamplingBatch:
         if use_pen:
             floats += [[p.repetition_penalty for p in ps], [p.presence_penalty for p in ps],
                        [p.frequency_penalty for p in ps]]
-        rows = iter(())
+        rows: Iterator[torch.Tensor] = iter(())
         if floats:
             packed = _to(torch.tensor(floats, dtype=torch.float32), dev)
             rows = iter(packed.unbind(0))
         temps = None if all_greedy else next(rows)
         top_p = next(rows) if use_top_p else None
         min_p = next(rows) if use_min_p else None
-        top_k = None
+        top_k: torch.Tensor | None = None
         if any(p.top_k > 0 for p in sampling):
             top_k = _to(torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in ps], dtype=torch.long), dev)
 
-        rep = pres = freq = counts = seen = None
+        rep: torch.Tensor | None = None
+        pres: torch.Tensor | None = None
+        freq: torch.Tensor | None = None
+        counts: torch.Tensor | None = None
+        seen: torch.Tensor | None = None
         if use_pen:
             rep, pres, freq = next(rows), next(rows), next(rows)
             counts, seen = _penalty_counts(reqs, vocab_size, dev)
 
-        ban_rows, ban_ids, bias_rows, bias_ids, bias_vals, wm_rows, wm_prev = [], [], [], [], [], [], []
-        banned_rows = []
+        ban_rows: list[int] = []
+        ban_ids: list[int] = []
+        bias_rows: list[int] = []
+        bias_ids: list[int] = []
+        bias_vals: list[float] = []
+        wm_rows: list[int] = []
+        wm_prev: list[int] = []
+        banned_rows: list[int] = []
         for i, r in enumerate(reqs):
             p = r.sampling_params
-            ids = []
+            ids: list[int] = []
             if r.num_output_tokens < p.min_tokens:
-                ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
+                ids = list(p.stop_token_ids or []) + ([] if p.ignore_eos else list(r.eos_token_ids))
             ids += _bad_word_bans(r)
             if ids:
                 banned_rows.append(i)
@@ -113,7 +152,8 @@ class SamplingBatch:
             if p.watermark:
                 wm_rows.append(i)
                 wm_prev.append(r.all_token_ids[-1])
-        banned = bias = None
+        banned: tuple[torch.Tensor, torch.Tensor] | None = None
+        bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         if ban_ids:
             idx = _to(torch.tensor([ban_rows, ban_ids], dtype=torch.long), dev)
             banned = (idx[0], idx[1])
@@ -157,7 +197,7 @@ def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
 
 
-def _penalty_counts(reqs: list[Request], vocab_size: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _penalty_counts(reqs: Sequence[SamplingRow], vocab_size: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, V] output-token counts and prompt-or-output mask, scattered on dev from the flat
     token lists (one copy of B + B + n_out + n_all ints, not two [B, V] tensors)."""
     B = len(reqs)
@@ -178,7 +218,7 @@ def _penalty_counts(reqs: list[Request], vocab_size: int, dev: torch.device) -> 
     return counts, seen
 
 
-def _bad_word_bans(r: Request) -> list[int]:
+def _bad_word_bans(r: SamplingRow) -> list[int]:
     """Tokens that would complete a bad word: a one-token word always, a longer one when the
     output so far ends with all its tokens but the last (vLLM's rule)."""
     out = r.output_token_ids
@@ -209,6 +249,7 @@ class SamplerOutput:
         """Row's new tokens in order, and their logprobs."""
         if self.accepted_ids is None:
             return [self.token_ids[row]], [self.logprobs[row]]
+        assert self.accepted_logprobs is not None  # set with accepted_ids
         return (self.accepted_ids[row] + [self.token_ids[row]],
                 self.accepted_logprobs[row] + [self.logprobs[row]])
 
@@ -221,7 +262,7 @@ def score_tokens(logits: torch.Tensor, targets: list[int], top_n: int) -> list[S
 
 
 def host_logprobs(lp: torch.Tensor, chosen: torch.Tensor, top_ns: list[int],
-                   extra: torch.Tensor | None = None) -> list:
+                   extra: torch.Tensor | None = None) -> list[Any]:
     """Row i's SampleLogprobs for token chosen[i] with its top top_ns[i], computed for all rows
     at once and brought to the host in one copy. `extra` (the sampled ids) rides in the same
     copy and comes back first as a list of ints. float64 carries float32 values and ids exactly."""
@@ -234,7 +275,7 @@ def host_logprobs(lp: torch.Tensor, chosen: torch.Tensor, top_ns: list[int],
         vals, ids = lp.topk(n, dim=-1)
         parts += [vals.flatten(), ids.flatten()]
     host = torch.cat([t.to(torch.float64) for t in parts]).tolist()
-    out = []
+    out: list[Any] = []
     if extra is not None:
         out.append([int(t) for t in host[: len(extra)]])
         host = host[len(extra):]
@@ -279,7 +320,8 @@ class Sampler:
             raw_logprobs, chosen = raw_logprobs[rows], tokens[rows]
         else:
             chosen = tokens
-        token_list, *wanted = host_logprobs(raw_logprobs, chosen, [batch.num_logprobs[i] for i in want], tokens)
+        token_list, *wanted = host_logprobs(raw_logprobs, chosen, [n for n in batch.num_logprobs if n is not None],
+                                             tokens)
         lps: list[SampleLogprobs | None] = [None] * len(token_list)
         for i, lp in zip(want, wanted):
             lps[i] = lp
@@ -291,6 +333,9 @@ class Sampler:
             return logits
         logits = logits.clone()
         if b.repetition_penalty is not None:
+            # set together with repetition_penalty (from_requests' use_pen)
+            assert b.seen_mask is not None and b.output_counts is not None
+            assert b.frequency_penalty is not None and b.presence_penalty is not None
             rp = b.repetition_penalty.unsqueeze(1)
             penalized = torch.where(logits > 0, logits / rp, logits * rp)
             logits = torch.where(b.seen_mask, penalized, logits)
@@ -312,6 +357,7 @@ class Sampler:
         if b.matchers is not None:  # last: nothing may bring back a token the grammar forbids
             allowed = apply_grammar_masks(logits, b.matchers)
             if fallback:  # no per-row check on the host: a where over those rows
+                assert allowed is not None  # the fallback rows have matchers
                 grammar_rows = [i for i, m in enumerate(b.matchers) if m is not None]
                 k = _to(torch.tensor([grammar_rows.index(r) for r in fallback], dtype=torch.long), logits.device)
                 banned = logits[fb_rows]
@@ -320,6 +366,7 @@ class Sampler:
         return logits
 
     def _sample(self, logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+        assert b.temperature is not None  # not all_greedy
         greedy_rows = b.temperature == 0
         greedy_tokens = argmax_tokens(logits)
         probs = sampling_probs(logits, b)
@@ -330,6 +377,7 @@ class Sampler:
 def sampling_probs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     """The distribution non-greedy rows sample from: processed logits scaled by temperature and
     truncated by top-k / top-p / min-p (greedy rows: temperature 1, unused)."""
+    assert b.temperature is not None  # not all_greedy
     temp = torch.where(b.temperature == 0, torch.ones_like(b.temperature), b.temperature)
     logits = logits / temp.unsqueeze(1)
     if b.top_k is not None or b.top_p is not None:
@@ -375,7 +423,8 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.
     return torch.full_like(logits, float("-inf")).scatter_(1, idx, sorted_logits)
 
 
-def per_row(draw, like: torch.Tensor, gens: list[torch.Generator | None], own: torch.Generator | None) -> torch.Tensor:
+def per_row(draw: Callable[[torch.Tensor, torch.Generator | None], torch.Tensor], like: torch.Tensor,
+            gens: list[torch.Generator | None], own: torch.Generator | None) -> torch.Tensor:
     """A tensor shaped like `like`, row r filled by draw(row, gens[r]); rows without a generator in
     one draw from `own`."""
     out = torch.empty_like(like)

@@ -13,12 +13,16 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from tokenmill.sampling_params import GuidedDecodingParams
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher, LLTokenizer
 
 logger = logging.getLogger("tokenmill")
 
@@ -35,13 +39,15 @@ class StructuredOutputManager:
 
     PROBE_TOKENS = 32  # tokens of the longest-token walk that checks a new grammar (see _probe)
 
-    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: frozenset[int], cache_size: int = 256):
+    # hf_tokenizer: a Hugging Face fast tokenizer (llguidance.hf reads its tokenizers backend)
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int],
+                 cache_size: int = 256) -> None:
         self.hf_tokenizer = hf_tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
-        self._lltok = None
+        self._lltok: LLTokenizer | None = None
         self._token_bytes: np.ndarray | None = None  # each token's length in bytes (0: special), for _probe
-        self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._compiled: OrderedDict[str, LLMatcher] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()  # requests are built on the server's thread too
         self._init_lock = threading.Lock()  # held while the backend is built: later grammars wait on it
@@ -85,11 +91,12 @@ class StructuredOutputManager:
         logger.info("structured output backend ready in %.2f s", time.perf_counter() - t0)
 
     @property
-    def lltokenizer(self):
+    def lltokenizer(self) -> LLTokenizer:
         self._ensure_initialised()
+        assert self._lltok is not None  # set by _build
         return self._lltok
 
-    def matcher_for(self, params: GuidedDecodingParams):
+    def matcher_for(self, params: GuidedDecodingParams) -> LLMatcher:
         """A fresh matcher for one request; ValueError if the grammar does not compile, or cannot be
         followed (_probe)."""
         from llguidance import LLMatcher
@@ -118,7 +125,7 @@ class StructuredOutputManager:
                 self._compiled.popitem(last=False)
         return template.deep_copy()
 
-    def _probe(self, template) -> str | None:
+    def _probe(self, template: LLMatcher) -> str | None:
         """Why the grammar cannot be followed (None: it can, as far as the probe sees).
 
         llguidance builds its lexer lazily, so a grammar can compile and then exhaust the lexer's
@@ -127,6 +134,7 @@ class StructuredOutputManager:
         matching. So a new grammar is walked for up to PROBE_TOKENS tokens, taking the longest
         allowed token each time, the quickest way deep into its lexemes. The walk's lexer states stay
         with the template (later requests find them built); a grammar that fails it is not kept."""
+        assert self._token_bytes is not None  # built with the backend
         matcher = template.deep_copy()
         mask = np.zeros((self.vocab_size + 31) // 32, dtype=np.int32)
         for _ in range(self.PROBE_TOKENS):
@@ -142,14 +150,14 @@ class StructuredOutputManager:
                 return _first_line(matcher.get_error()) if matcher.is_error() else None
         return None
 
-    def allows_only_eos(self, matcher) -> bool:
+    def allows_only_eos(self, matcher: LLMatcher) -> bool:
         """True when the matcher's next token can only be EOS (the grammar accepts nothing more)."""
         bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
         allowed = np.flatnonzero(bits[: self.vocab_size])
         return set(allowed.tolist()) <= set(self.eos_token_ids)
 
 
-def _error_of(matcher, vocab_size: int) -> str | None:
+def _error_of(matcher: LLMatcher, vocab_size: int) -> str | None:
     """The matcher's error once its first mask is computed (None: none)."""
     mask = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
     matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
@@ -161,7 +169,7 @@ def _first_line(error: str) -> str:
     return error.strip().split("\n", 1)[0]
 
 
-def fill_bitmask(matcher, bitmask: torch.Tensor, row: int) -> None:
+def fill_bitmask(matcher: LLMatcher, bitmask: torch.Tensor, row: int) -> None:
     """Fill row `row` of an int32 [R, W] CPU bitmask with the matcher's allowed tokens (bit b of word
     w: token 32 w + b). llguidance.torch's function does this, but importing that module imports
     torch._dynamo and inductor (its masking function is torch.compile'd): 4-5 s on the engine thread
@@ -170,8 +178,9 @@ def fill_bitmask(matcher, bitmask: torch.Tensor, row: int) -> None:
     matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())  # drops the GIL
 
 
-def apply_grammar_masks(logits: torch.Tensor, matchers: list) -> torch.Tensor | None:
-    """In place: mask the logits of every row whose matcher is not None to its allowed tokens,
+def apply_grammar_masks(logits: torch.Tensor, matchers: Sequence[Any]) -> torch.Tensor | None:
+    """matchers: an LLMatcher, a state with a fill_bitmask method (spec_decode's MatcherAt) or None
+    per row. In place: mask the logits of every row whose matcher is not None to its allowed tokens,
     in one pass over those rows; returns those rows' [R, V] allowed mask (None when no row has a
     matcher). llguidance fills an int32 bitmask on the CPU; it goes to the logits' device in one
     copy and is unpacked there. Eager torch: llguidance's own apply_token_bitmask_inplace is

@@ -15,22 +15,30 @@ tests in tests/test_spec_decode.py). Every request gets its accepted drafts plus
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenmill.request import Request
-from tokenmill.sample.sampler import Sampler, SamplerOutput, SamplingBatch, host_logprobs
+from tokenmill.sample.sampler import SampleLogprobs, Sampler, SamplerOutput, SamplingBatch, host_logprobs
 from tokenmill.sample.rejection import rejection_sample, target_distributions
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
+
+    from tokenmill.step import ScheduledRequest
 
 
 class MatcherAt:
     """A grammar matcher as it would be after `tokens` (filled, then rolled back)."""
 
-    def __init__(self, matcher, tokens: list[int]):
+    def __init__(self, matcher: LLMatcher, tokens: list[int]) -> None:
         self.matcher, self.tokens = matcher, tokens
 
-    def fill_bitmask(self, fill, bitmask: torch.Tensor, row: int) -> None:
+    def fill_bitmask(self, fill: Callable[[LLMatcher, torch.Tensor, int], None], bitmask: torch.Tensor,
+                     row: int) -> None:
         ok = self.matcher.try_consume_tokens(self.tokens) if self.tokens else 0
         fill(self.matcher, bitmask, row)
         if ok:
@@ -60,14 +68,15 @@ class DraftPosition:
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 
-    def generator_for(self, device: torch.device):
+    def generator_for(self, device: torch.device) -> torch.Generator | None:
         return self.request.generator_for(device)
 
 
-def verify_drafts(sampler: Sampler, logits: torch.Tensor, scheduled: list) -> SamplerOutput:
+def verify_drafts(sampler: Sampler, logits: torch.Tensor, scheduled: list[ScheduledRequest]) -> SamplerOutput:
     """logits: [sum(k_i + 1), V] float32, each sampling request's rows in order (its last token's,
     then one per draft). Returns each request's accepted drafts and its next token, with logprobs."""
-    positions, starts = [], []
+    positions: list[DraftPosition] = []
+    starts: list[int] = []
     for s in scheduled:
         starts.append(len(positions))
         positions += [DraftPosition(s.request, s.spec_token_ids[:j]) for j in range(len(s.spec_token_ids) + 1)]
@@ -79,20 +88,23 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, scheduled: list) -> Sa
                                 [s.request.sampling_params.greedy for s in scheduled], _draft_probs(scheduled, probs),
                                 generators=[batch.generators[r0] for r0 in starts],
                                 generator=sampler._generator_for(dev))
-    accepted_ids, next_ids, rows = [], [], []
+    accepted_ids: list[list[int]] = []
+    next_ids: list[int] = []
+    rows: list[list[int]] = []
     for tokens, r0 in zip(verified.token_ids, starts):
         accepted_ids.append(tokens[:-1])
         next_ids.append(tokens[-1])
         rows.append(list(range(r0, r0 + len(tokens))))
-    accepted_lps: list[list] = [[None] * len(a) for a in accepted_ids]
-    next_lps: list = [None] * len(scheduled)
+    accepted_lps: list[list[SampleLogprobs | None]] = [[None] * len(a) for a in accepted_ids]
+    next_lps: list[SampleLogprobs | None] = [None] * len(scheduled)
     if raw_logprobs is not None:
-        want = [i for i, s in enumerate(scheduled) if s.request.sampling_params.logprobs is not None]
+        top_n = {i: n for i, s in enumerate(scheduled) if (n := s.request.sampling_params.logprobs) is not None}
+        want = list(top_n)
         flat = [r for i in want for r in rows[i]]
         chosen = [t for i in want for t in accepted_ids[i] + [next_ids[i]]]
         idx = torch.tensor(flat, dtype=torch.long, device=dev)
         lps = host_logprobs(raw_logprobs[idx], torch.tensor(chosen, dtype=torch.long, device=dev),
-                             [scheduled[i].request.sampling_params.logprobs for i in want for _ in rows[i]])
+                             [top_n[i] for i in want for _ in rows[i]])
         it = iter(lps)
         for i in want:
             accepted_lps[i] = [next(it) for _ in accepted_ids[i]]
@@ -100,7 +112,7 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, scheduled: list) -> Sa
     return SamplerOutput(next_ids, next_lps, accepted_ids, accepted_lps)
 
 
-def _draft_probs(scheduled: list, target_probs: torch.Tensor | None) -> torch.Tensor | None:
+def _draft_probs(scheduled: list[ScheduledRequest], target_probs: torch.Tensor | None) -> torch.Tensor | None:
     """[sum(k_i), V]: each draft's q, None when all drafts are one-hot (n-gram, suffix, argmax
     drafts); one-hot rows for the one-hot drafts of a batch where a draft model sampled others."""
     if target_probs is None or all(s.spec_draft_probs is None for s in scheduled):

@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenmill.model.layers.attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    from tokenmill.worker.runner import ModelRunner
 
 logger = logging.getLogger("tokenmill")
 
@@ -29,7 +33,7 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
 
 
 class CudaGraphDecode:
-    def __init__(self, runner, max_num_seqs: int, graphs: bool = True):
+    def __init__(self, runner: ModelRunner, max_num_seqs: int, graphs: bool = True) -> None:
         self.model, self.attn, self.graphs = runner.model, runner.attn, graphs
         self.buckets = bucket_sizes(max_num_seqs)
         n, dev = self.buckets[-1], runner.device
@@ -46,7 +50,7 @@ class CudaGraphDecode:
 
     @classmethod
     @torch.inference_mode()
-    def capture(cls, runner, max_num_seqs: int | None = None) -> CudaGraphDecode:
+    def capture(cls, runner: ModelRunner, max_num_seqs: int | None = None) -> CudaGraphDecode:
         self = cls(runner, max_num_seqs or runner.scheduler_config.max_num_seqs)
         t0 = time.perf_counter()
         free0 = torch.cuda.mem_get_info()[0]
@@ -78,6 +82,7 @@ class CudaGraphDecode:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  logits_rows: torch.Tensor) -> torch.Tensor:
         """Float32 logits of `logits_rows`, the step's K/V written, as the model's forward would."""
+        assert meta.seq_lens is not None and meta.block_tables is not None  # the varlen view (accepts)
         n = input_ids.shape[0]
         b = next(size for size in self.buckets if size >= n)
         self.input_ids[:n].copy_(input_ids)

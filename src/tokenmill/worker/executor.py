@@ -23,6 +23,8 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -83,13 +85,13 @@ def plan_cores(size: int, num_threads: int | None) -> tuple[int, list[list[int]]
 class _TensorPickler(pickle.Pickler):
     """Step inputs as numpy arrays: torch's own tensor pickling goes through torch.save (slow)."""
 
-    def reducer_override(self, obj):
+    def reducer_override(self, obj: object) -> Any:
         if isinstance(obj, torch.Tensor):
             return torch.from_numpy, (obj.numpy(),)
         return NotImplemented
 
 
-def dumps(obj) -> bytes:
+def dumps(obj: object) -> bytes:
     buf = io.BytesIO()
     _TensorPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
     return buf.getvalue()
@@ -98,14 +100,15 @@ def dumps(obj) -> bytes:
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 class TPWorkers:
     """Rank 0's side: starts ranks 1..N-1, connects rank 0's group, broadcasts steps."""
 
     def __init__(self, size: int, num_threads: int | None, model_config: ModelConfig,
-                 build_runner: Callable[..., StepRunner], shm_bytes: int):
+                 build_runner: Callable[..., StepRunner], shm_bytes: int) -> None:
         self.size = size
         self.threads, self.cores = plan_cores(size, num_threads)
         fd, self.shm_path = tempfile.mkstemp(prefix="tokenmill-tp-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
@@ -114,7 +117,8 @@ class TPWorkers:
             ShmAllReduce(self.shm_path, 0, size, shm_bytes, create=True).close()  # sized and zeroed
         port = _free_port()
         ctx = mp.get_context("spawn")  # fork would copy the engine's threads and locks
-        self.procs, self.conns = [], []
+        self.procs: list[BaseProcess] = []
+        self.conns: list[Connection] = []
         for rank in range(1, size):
             parent, child = ctx.Pipe()
             spec = WorkerSpec(rank, size, port, self.shm_path, shm_bytes, self.cores[rank],
@@ -151,7 +155,7 @@ class TPWorkers:
                 self.stop()
                 raise TPWorkerDied(f"tensor-parallel rank {rank} failed to start: {detail}")
 
-    def broadcast(self, step) -> None:
+    def broadcast(self, step: StepInputs) -> None:
         if self.dead:
             raise TPWorkerDied(self.dead)
         msg = dumps(step)
@@ -208,7 +212,7 @@ class TPWorkers:
             pass
 
 
-def _cleanup(procs, conns, shm_path: str) -> None:
+def _cleanup(procs: list[BaseProcess], conns: list[Connection], shm_path: str) -> None:
     for p in procs:
         p.join(5.0)
         if p.is_alive():
@@ -222,7 +226,7 @@ def _cleanup(procs, conns, shm_path: str) -> None:
         pass
 
 
-def _worker_entry(spec: WorkerSpec, conn, parent_pid: int) -> None:
+def _worker_entry(spec: WorkerSpec, conn: Connection, parent_pid: int) -> None:
     """Runs in the spawned process: pin, connect, load the shard, then run steps until told to stop."""
     _die_with_parent(parent_pid)
     os.sched_setaffinity(0, spec.cores)
@@ -255,7 +259,7 @@ def _worker_entry(spec: WorkerSpec, conn, parent_pid: int) -> None:
     group.close()
 
 
-def _await_message(conn) -> None:
+def _await_message(conn: Connection) -> None:
     """Polls for the next step for POLL_AFTER_STEP_S (steps come back to back while requests run:
     a blocking read would add a wake-up to every step), then blocks in recv."""
     deadline = time.perf_counter() + POLL_AFTER_STEP_S

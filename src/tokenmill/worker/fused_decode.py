@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -42,13 +43,16 @@ from tokenmill.model.layers.linear import SMALL_BATCH, PackedLinear
 from tokenmill.model.layers.quantization import QuantEmbedding, QuantLinear
 from tokenmill.model.layers.w8a8 import W8A8Linear
 
+if TYPE_CHECKING:
+    from tokenmill.model.layers.gpu_attention import TritonAttentionBackend
+
 logger = logging.getLogger("tokenmill")
 
 
 W8A8_BITS = 88  # decode_step.cpp's kBitsW8A8: a W8A8Linear in the spec
 
 
-def _linear_spec(layer: nn.Module) -> tuple | None:
+def _linear_spec(layer: nn.Module) -> tuple[Any, ...] | None:
     """(weight, scales, bits, bias) as the C++ decoder takes it, or None if it cannot run it."""
     if isinstance(layer, PackedLinear) and layer.panels is not None:
         return layer.panels, None, 16, layer.bias
@@ -66,8 +70,8 @@ MAX_Q = 16
 
 
 class FusedDecode:
-    def __init__(self, decoder, tp: TPGroup = NO_TP, vocab_size: int = 0, batch_invariant: bool = False,
-                 decode_by_rows: bool = False):
+    def __init__(self, decoder: Any, tp: TPGroup = NO_TP, vocab_size: int = 0, batch_invariant: bool = False,
+                 decode_by_rows: bool = False) -> None:
         self.decoder, self.tp, self.vocab_size = decoder, tp, vocab_size
         # Batch-invariant (as the attention backend is): every step's attention through the rows
         # kernel, so multi-row chunks run here too, each row as the op-by-op model computes it.
@@ -76,7 +80,7 @@ class FusedDecode:
         self.decode_by_rows = batch_invariant or decode_by_rows
 
     @classmethod
-    def build(cls, model: nn.Module, attn: AttentionBackend, dtype: torch.dtype, block_size: int,
+    def build(cls, model: Any, attn: AttentionBackend | TritonAttentionBackend, dtype: torch.dtype, block_size: int,
               tp: TPGroup = NO_TP) -> FusedDecode | None:
         """The fused step for this model (this rank's shard), or None (logged) when it cannot run it."""
         if os.environ.get("TOKENMILL_FUSED_DECODE") == "0":
@@ -103,7 +107,9 @@ class FusedDecode:
         if reason is not None:
             logger.info("fused decode step off: %s", reason)
             return None
+        assert kernels is not None  # reason None
         embed = model.embed_tokens
+        table: tuple[torch.Tensor, torch.Tensor | None, int]
         if isinstance(embed, QuantEmbedding):
             table = (embed.qweight, embed.scales, embed.bits)
         else:
@@ -126,6 +132,7 @@ class FusedDecode:
             return None
         decoder.spin_ns = cpu_threads.barrier_spin_ns()  # spin, then sleep: see cpu_threads
         if tp.size > 1:
+            assert tp.shm is not None  # reason None
             decoder.set_tensor_parallel(tp.shm.slots, tp.shm.words_t, tp.rank, tp.size, SPIN_NS)
         invariant = bool(getattr(attn, "batch_invariant", False))
         if invariant:
@@ -144,7 +151,7 @@ class FusedDecode:
             return True
         return self.batch_invariant and meta.query_start_loc is not None and meta.max_query_len <= MAX_Q
 
-    def set_lora(self, specs: list) -> None:
+    def set_lora(self, specs: list[Any]) -> None:
         """Multi-LoRA slot buffers: 4 entries per layer (qkv, o, gate_up, down), each (A, Bt, ranks,
         slice_bounds) as lora_add takes them, or None; kept and read at every step."""
         self.decoder.set_lora(specs)
@@ -153,19 +160,22 @@ class FusedDecode:
         self.decoder.clear_lora()
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 logits_rows: torch.Tensor, row_slots: torch.Tensor | None = None) -> torch.Tensor:
+                 logits_rows: torch.Tensor, row_slots: torch.Tensor | None = None) -> torch.Tensor | None:
         """Runs the step (K/V written, as the model would); float32 logits of `logits_rows` (any
-        rows of the step: a verification wants each of its request's rows). row_slots: int32 [rows],
+        rows of the step: a verification wants each of its request's rows; on rank 0, None on the others). row_slots: int32 [rows],
         each row's LoRA slot (-1: the base model), after set_lora."""
         rows = torch.as_tensor(logits_rows, dtype=torch.long)
+        args: tuple[torch.Tensor | None, ...]
         if self.decode_by_rows or not meta.all_decode:  # the rows kernel, over the varlen view
             args = (input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens, rows,
                     meta.query_start_loc)
         else:  # decode rows, split over the threads at small batches
             args = (input_ids, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens, rows)
         if self.tp.size == 1:
-            return self.decoder.forward(*args, row_slots=row_slots)
+            out: torch.Tensor = self.decoder.forward(*args, row_slots=row_slots)
+            return out
         shm = self.tp.shm
+        assert shm is not None  # checked by build
         self.decoder.tp_seq = shm.seq  # the step's all-reduces continue the Python side's sequence
         try:
             logits = self.decoder.forward(*args, row_slots=row_slots)

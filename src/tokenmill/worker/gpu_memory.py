@@ -10,23 +10,29 @@ on the GPU (weights, the CUDA context, other processes) and those two goes to KV
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenmill.model.layers.attention import SeqChunk
 from tokenmill.worker.staging import StepInputs
 
+if TYPE_CHECKING:
+    from tokenmill.worker.runner import ModelRunner
+
 logger = logging.getLogger("tokenmill")
 GiB = 2**30
 
 
-def _profile_step(runner, lengths: list[int], sample_rows: int) -> int:
+def _profile_step(runner: ModelRunner, lengths: list[int], sample_rows: int) -> int:
     """Peak bytes allocated above the current ones by one prompt step of these lengths (a temporary
     cache of just enough blocks included, then freed)."""
     bs = runner.block_size
     blocks = sum(-(-n // bs) for n in lengths) + 1
     runner.allocate_kv_cache(blocks)
-    seqs, slots, row, next_block = [], [], 0, 1
+    seqs: list[SeqChunk] = []
+    slots: list[int] = []
+    row, next_block = 0, 1
     for n in lengths:
         nb = -(-n // bs)
         table = list(range(next_block, next_block + nb))
@@ -35,6 +41,7 @@ def _profile_step(runner, lengths: list[int], sample_rows: int) -> int:
         slots.extend(table[p // bs] * bs + p % bs for p in range(n))
         row += n
     total = sum(lengths)
+    assert runner.attn is not None  # allocated above
     rows = torch.arange(total - sample_rows, total, dtype=torch.long)
     step = runner.to_device(StepInputs(torch.zeros(total, dtype=torch.long), torch.tensor(
         [p for n in lengths for p in range(n)], dtype=torch.long), runner.attn.build_metadata(seqs, slots, bs),
@@ -53,7 +60,7 @@ def _profile_step(runner, lengths: list[int], sample_rows: int) -> int:
     return peak
 
 
-def num_kv_blocks(runner) -> int:
+def num_kv_blocks(runner: ModelRunner) -> int:
     sched, dev = runner.scheduler_config, runner.device_config
     util = dev.gpu_memory_utilization
     if not 0.0 < util <= 1.0:
@@ -81,7 +88,7 @@ def num_kv_blocks(runner) -> int:
     return num_blocks
 
 
-def check_fits(runner, num_blocks: int) -> int:
+def check_fits(runner: ModelRunner, num_blocks: int) -> int:
     """num_blocks, if they hold one request of max_model_len tokens (else no request could run)."""
     max_len = runner.config.max_model_len
     need = -(-max_len // runner.block_size) + 1

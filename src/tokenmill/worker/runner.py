@@ -12,6 +12,7 @@ import gc
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,10 +35,15 @@ from tokenmill.worker.staging import PinnedStaging, StepInputs
 from tokenmill.sample.verify import verify_drafts
 from tokenmill.config import WatermarkConfig
 
+if TYPE_CHECKING:
+    from tokenmill.lora.config import LoRAConfig
+    from tokenmill.model.layers.gpu_attention import TritonAttentionBackend
+    from tokenmill.worker.executor import TPWorkers
+
 logger = logging.getLogger("tokenmill")
 
 
-def attention_backend_for(device: torch.device):
+def attention_backend_for(device: torch.device) -> type[AttentionBackend] | type[TritonAttentionBackend]:
     """The C++ kernels on the CPU, Triton on a GPU; TOKENMILL_ATTENTION_BACKEND=triton runs the
     Triton one on the CPU too (set TRITON_INTERPRET=1 before triton is imported: CI's test of it)."""
     choice = os.environ.get("TOKENMILL_ATTENTION_BACKEND") or ("triton" if device.type == "cuda" else "cpu")
@@ -54,9 +60,9 @@ def attention_backend_for(device: torch.device):
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, num_blocks: int, block_size: int, seed: int = 0,
-                 watermark: WatermarkConfig | None = None, tp: TPGroup = NO_TP, workers=None,
+                 watermark: WatermarkConfig | None = None, tp: TPGroup = NO_TP, workers: TPWorkers | None = None,
                  device_config: DeviceConfig | None = None, scheduler_config: SchedulerConfig | None = None,
-                 lora_config=None):
+                 lora_config: LoRAConfig | None = None) -> None:
         """num_blocks 0: as many as fit the GPU's memory budget (--gpu-memory-utilization)."""
         self.config = model_config
         self.block_size = block_size
@@ -64,18 +70,20 @@ class ModelRunner:
         self.tp, self.workers = tp, workers  # workers: rank 0's TPWorkers (worker/executor.py)
         self.device_config = device_config or DeviceConfig()
         self.scheduler_config = scheduler_config or SchedulerConfig()
-        self.model = load_model(
+        # a model/models class (an nn.Module): its forward, compute_logits and final_hidden are called by name
+        model: Any = load_model(
             model_config.path, model_config.hf_config, model_config.dtype, model_config.max_model_len, self.device,
             model_config.quantization, tp, model_config.load_format, model_config.quantization_calibration,
         )
+        self.model = model
         self.backend = attention_backend_for(self.device)
         # An encoder (BERT) attends within whole sequences and keeps no K/V: no cache, no decode steps.
         self.encoder = getattr(self.model, "IS_ENCODER", False)
         self.pooler = Pooler(model_config.pooler, self.model.final_hidden) if model_config.pooler else None
         # Index tensors go to a GPU in one pinned copy per step; on the CPU they are used as built.
         self.staging = PinnedStaging(self.device) if self.device.type == "cuda" else None
-        self.fast_decode = None  # a decode-only step's fast path: the fused C++ step, or CUDA graphs
-        self.lora = None  # the adapters' slots beside the linears (lora/layers.py), with --enable-lora;
+        self.fast_decode: FusedDecode | CudaGraphDecode | None = None  # a decode-only step's fast path: the fused C++ step, or CUDA graphs
+        self.lora: LoRASlots | None = None  # the adapters' slots beside the linears (lora/layers.py), with --enable-lora;
         # set before the GPU's memory-profiling step and graph capture, which run the model
         # Not under tensor parallelism: NCCL calls inside captured graphs are left for when they can be tested.
         self.cuda_graphs = (self.device.type == "cuda" and not self.device_config.enforce_eager and tp.size == 1
@@ -85,7 +93,8 @@ class ModelRunner:
         if num_blocks == 0:  # every rank sizes its own GPU; all take the smallest count
             num_blocks = gpu_memory.check_fits(self, tp.min(gpu_memory.num_kv_blocks(self)))
         self.num_blocks = num_blocks
-        self.kv_cache = self.attn = None
+        self.kv_cache: torch.Tensor | None = None
+        self.attn: AttentionBackend | TritonAttentionBackend | None = None
         if not self.encoder:
             progress.set_phase("allocating the KV cache")
             self.allocate_kv_cache(num_blocks)
@@ -93,20 +102,22 @@ class ModelRunner:
         self.sampling_batches = SamplingBatches()
         progress.set_phase("building the decode step")
         if self.device.type == "cpu" and not self.encoder:
+            assert self.attn is not None  # allocated above
             self.fast_decode = FusedDecode.build(self.model, self.attn, model_config.dtype, block_size, tp)
         elif self.cuda_graphs:
             self.fast_decode = CudaGraphDecode.capture(self)
         if lora_config is not None:
             self._add_lora_slots(lora_config)
 
-    def _add_lora_slots(self, lora_config) -> None:
+    def _add_lora_slots(self, lora_config: LoRAConfig) -> None:
         self.lora = LoRASlots(self.model, lora_config.max_loras, lora_config.max_lora_rank, self.config.dtype,
                               self.device)
-        if self.fast_decode is not None and not getattr(self.fast_decode, "set_lora", None):
+        set_lora = getattr(self.fast_decode, "set_lora", None)
+        if self.fast_decode is not None and not set_lora:
             self.fast_decode = None  # a fast path without adapters (CUDA graphs): steps run op by op
             logger.info("LoRA: decode steps run op by op (this backend's fast path has no adapters)")
-        elif self.fast_decode is not None:
-            self.fast_decode.set_lora(self.lora.specs())
+        elif set_lora is not None:
+            set_lora(self.lora.specs())
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         cfg, tp = self.config, self.tp
@@ -197,6 +208,7 @@ class ModelRunner:
             raise (self.workers.check(e) if self.workers is not None else e) from e
         self._score_prompt_logprobs(sched, prompt_logits)
         if step.pooling is not None:
+            assert self.pooler is not None  # pooling rows come from an embed engine
             self.pooler.update(sched.scheduled, step.pooling)
         if logits is None:
             return None
@@ -217,23 +229,25 @@ class ModelRunner:
             self.lora.row_slots = step.lora_rows  # the LoRA linears read it (lora/layers.py)
         hidden = self.model(step.input_ids, step.positions, self.attn, step.meta)
         if step.pooling is not None and self.tp.rank == 0:
+            assert self.pooler is not None  # pooling rows come from an embed engine
             self.pooler(hidden, step.pooling)
         prompt_logits = [self.model.compute_logits(hidden[a:b]) for a, b in step.prompt_rows]
         logits = self.model.compute_logits(hidden[step.logits_rows]) if len(step.logits_rows) else None
         return logits, prompt_logits
 
     @staticmethod
-    def _score_prompt_logprobs(sched: SchedulerOutput, prompt_logits: list[torch.Tensor]) -> None:
+    def _score_prompt_logprobs(sched: SchedulerOutput, prompt_logits: list[torch.Tensor | None]) -> None:
         """Scores the prompt tokens this step's chunks predict (position p predicts token p + 1)
         into request.prompt_logprobs, in the order prepare() listed the ranges."""
         ranges = iter(prompt_logits)
         for s in sched.scheduled:
             req, start = s.request, s.request.num_computed_tokens
             if req.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
-                logits = next(ranges)
+                logits, top_n = next(ranges), req.sampling_params.prompt_logprobs
+                assert logits is not None and top_n is not None  # rank 0's; set with req.prompt_logprobs
                 end = start + logits.shape[0]
                 targets = req.prompt_token_ids[start + 1 : end + 1]
-                req.prompt_logprobs[start:end] = score_tokens(logits, targets, req.sampling_params.prompt_logprobs)
+                req.prompt_logprobs[start:end] = score_tokens(logits, targets, top_n)
 
     def check_health(self) -> None:
         if self.workers is not None and self.workers.dead:

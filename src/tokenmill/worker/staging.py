@@ -29,7 +29,7 @@ class StepInputs:
 
 
 class PinnedStaging:
-    def __init__(self, device: torch.device, capacity: int = 1 << 16):
+    def __init__(self, device: torch.device, capacity: int = 1 << 16) -> None:
         self.device = device
         self.buffers = [self._alloc(capacity) for _ in range(2)]
         self.events: list[torch.cuda.Event | None] = [None, None]
@@ -43,15 +43,17 @@ class PinnedStaging:
         """int64 host tensors -> the same names on the device (views of one copied buffer)."""
         total = sum(t.numel() for t in tensors.values())
         i, self.turn = self.turn, 1 - self.turn
-        if self.events[i] is not None:
-            self.events[i].synchronize()
+        last = self.events[i]
+        if last is not None:
+            last.synchronize()
         if total > self.buffers[i].numel():
             self.buffers[i] = self._alloc(max(total, 2 * self.buffers[i].numel()))
         host = self.buffers[i][:total]
         torch.cat([t.reshape(-1).to(torch.long) for t in tensors.values()], out=host)
         flat = host.to(self.device, non_blocking=True)
-        self.events[i] = torch.cuda.Event()
-        self.events[i].record()
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch's stubs leave Event.__new__ untyped
+        event.record()
+        self.events[i] = event
         out, at = {}, 0
         for name, t in tensors.items():
             out[name] = flat[at : at + t.numel()].view(t.shape)
