@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from tokenmill.lora.adapter import LINEARS, LoRAAdapter, linear_shapes
-from tokenmill.kernels import cpu_kernels
+from tokenmill.model.layers.bind import bind_kernels
 
 logger = logging.getLogger("tokenmill")
 
@@ -35,11 +35,11 @@ class SlotWeights:
     bounds: torch.Tensor
     ranks_host: torch.Tensor  # a CPU copy (the torch path reads ranks without a device sync)
     bounds_host: list[int]
+    ops: object = None  # the kernels, bound with the model (LoRALinear.bind_kernels); None: torch
 
     def add_delta(self, y: torch.Tensor, x: torch.Tensor, slots: LoRASlots) -> None:
-        kernels = cpu_kernels.ops_for(y)
-        if kernels is not None:
-            kernels.lora_add(y, x.contiguous(), self.A, self.Bt, self.ranks, self.bounds, slots.row_slots)
+        if self.ops is not None:
+            self.ops.lora_add(y, x.contiguous(), self.A, self.Bt, self.ranks, self.bounds, slots.row_slots)
         else:
             lora_add_torch(y, x, self, slots.groups())
 
@@ -70,6 +70,9 @@ class LoRALinear(nn.Module):
         self.in_features, self.out_features = weights.A.shape[-1], weights.Bt.shape[-1]
         self._slots, self._w = slots, weights  # plain attributes: not the model's parameters
 
+    def bind_kernels(self, ops, epilogues: bool = True) -> None:
+        self._w.ops = ops
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_layer(x)
         if self._slots.row_slots is not None:
@@ -97,6 +100,9 @@ class LoRASlots:
                     torch.zeros(max_loras, n, dtype=torch.int32), shape.bounds)
                 self.weights[(l, name)] = w
                 setattr(parent, name, LoRALinear(getattr(parent, name), self, w))
+        # Bound again with the slots in: their delta's kernel, and the MLPs' gate/up projections now
+        # wrapped (no activation in an epilogue: the delta adds to the projection's output first).
+        bind_kernels(model, device, dtype)
         self.holds: list[int | None] = [None] * max_loras  # adapter uid per slot
         self._last_used = [0] * max_loras
         self._clock = 0

@@ -13,6 +13,7 @@ import torch
 from tokenmill import hf_cache
 from tokenmill import progress
 from tokenmill.distributed.comm import NO_TP, TPGroup
+from tokenmill.model.layers.bind import bind_kernels
 from tokenmill.model.layers.linear import pack_linears
 from tokenmill.model.layers.quantization import pack_quantized
 from tokenmill.model.layers.weight_arena import place_decode_weights
@@ -234,6 +235,7 @@ def load_model(path: str, hf_config, dtype: torch.dtype, max_position: int, devi
     if on_cpu:
         moved = place_decode_weights(model)
         logger.debug("%.0f MB of decode weights in one huge-page arena", moved / 1e6)
+    bind_kernels(model, device, dtype)  # last: the modules the transforms above swapped in included
     logger.info("loaded weights from %s in %.2fs (%s, %s)", "nowhere (random: --load-format dummy)"
                 if load_format == "dummy" else path, time.perf_counter() - t0, dtype, device)
     return model

@@ -20,8 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.kernels import cpu_kernels
-
 
 class Router(nn.Module):
     """The router's [E, H] weight. Not an nn.Linear, so that --quantization and the packed-linear
@@ -45,7 +43,10 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts stacked: w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I]."""
+    """E SwiGLU experts stacked: w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I]; `ops`:
+    the kernels bound at load (layers/bind.py; None: the torch loop)."""
+
+    ops = None
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -53,9 +54,12 @@ class Experts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
+    def bind_kernels(self, ops, epilogues: bool = True) -> None:
+        self.ops = ops
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H]; weights float32 [T, k]; ids int32 [T, k] -> [T, H] in x's dtype."""
-        ops = cpu_kernels.ops_for(x)
+        ops = self.ops
         if ops is not None:
             return ops.moe_experts(x, self.w13, self.w2, ids, weights)
         if x.is_cuda and torch.cuda.is_current_stream_capturing():

@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed.comm import NO_TP, TPGroup
-from tokenmill.kernels import cpu_kernels
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata, LayerAttention
 from tokenmill.model.layers.embedding import embedding
 from tokenmill.model.layers.rotary import RotaryEmbedding
@@ -31,7 +30,10 @@ from tokenmill.model.models.llama import LlamaAttention, LlamaForCausalLM, Llama
 
 
 class GemmaRMSNorm(nn.Module):
-    """x / rms(x) * (1 + w), in float32 and rounded once (the C++ kernels take the float32 factor)."""
+    """x / rms(x) * (1 + w), in float32 and rounded once (the C++ kernels take the float32 factor).
+    `ops`: the kernels bound at load (layers/bind.py; None: torch)."""
+
+    ops = None
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -47,9 +49,12 @@ class GemmaRMSNorm(nn.Module):
             self._factor, self._key = 1.0 + w.detach().float(), key
         return self._factor
 
+    def bind_kernels(self, ops, epilogues: bool = True) -> None:
+        self.ops = ops
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """As RMSNorm.forward: with `residual`, (norm(x + residual), x + residual), x then reused."""
-        ops, w = cpu_kernels.ops_for(x), self.factor()
+        ops, w = self.ops, self.factor()
         if residual is not None:
             if ops is not None and x.is_contiguous() and residual.is_contiguous():
                 ops.fused_add_rms_norm(x, residual, w, self.eps)
@@ -65,9 +70,8 @@ class GemmaRMSNorm(nn.Module):
 class GemmaMLP(LlamaMLP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        ops = cpu_kernels.ops_for(gate_up)
-        if ops is not None:
-            return self.down_proj(ops.gelu_tanh_and_mul(gate_up))
+        if self.ops is not None:
+            return self.down_proj(self.ops.gelu_tanh_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 

@@ -19,7 +19,6 @@ from torch import nn
 
 from tokenmill.distributed.comm import NO_TP, TPGroup
 from tokenmill.model.sharding import lm_head_rows
-from tokenmill.kernels import cpu_kernels
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata, LayerAttention
 from tokenmill.model.layers.embedding import embedding
 from tokenmill.model.layers.norm import RMSNorm
@@ -61,6 +60,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    """SwiGLU over a fused gate/up projection. Bound at load (layers/bind.py): `ops` (the
+    silu_and_mul kernel; None: torch) and `fused_act`, whether the projection computes the
+    activation in its epilogue (PackedLinear / W8A8Linear.fuses_silu): decided then, from the
+    projection the model holds (a LoRA-wrapped one has no epilogue; a reference model whose hooks
+    watch the projection's forward binds with epilogues=False)."""
+
+    ops = None
+    fused_act = False
+
     def __init__(self, cfg, tp: TPGroup = NO_TP, intermediate_size: int | None = None):
         super().__init__()
         self.tp = tp
@@ -69,19 +77,16 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, bias=bias)
         self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=bias)
 
+    def bind_kernels(self, ops, epilogues: bool = True) -> None:
+        self.ops = ops
+        self.fused_act = epilogues and bool(getattr(self.gate_up_proj, "fuses_silu", False))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # A linear with the activation in its epilogue (not where hooks watch its forward: LoRA's
-        # reference model, calibration)
-        proj = self.gate_up_proj
-        fused = getattr(proj, "silu_and_mul", None)
-        hooked = proj._forward_hooks or proj._forward_pre_hooks
-        act = fused(x) if fused is not None and not hooked else None
-        if act is not None:
-            return self.tp.all_reduce(self.down_proj(act))
+        if self.fused_act:  # the activation in the projection's epilogue
+            return self.tp.all_reduce(self.down_proj(self.gate_up_proj.silu_and_mul(x)))
         gate_up = self.gate_up_proj(x)
-        ops = cpu_kernels.ops_for(gate_up)
-        if ops is not None:
-            return self.tp.all_reduce(self.down_proj(ops.silu_and_mul(gate_up)))
+        if self.ops is not None:
+            return self.tp.all_reduce(self.down_proj(self.ops.silu_and_mul(gate_up)))
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
