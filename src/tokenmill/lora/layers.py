@@ -80,6 +80,36 @@ class LoRALinear(nn.Module):
         return y
 
 
+def _adapted(layer: nn.Module, name: str) -> nn.Module | None:
+    parent = getattr(layer, "self_attn" if name in ("qkv_proj", "o_proj") else "mlp", None)
+    return getattr(parent, name, None)
+
+
+def unadaptable_module(model: nn.Module) -> str | None:
+    """The first of the linears the slots take (each layer's self_attn.qkv_proj / o_proj, mlp.gate_up_proj /
+    down_proj: LINEARS) that is missing or not the shared nn.Linear, named, or None. A family built
+    from the shared attention and MLP blocks takes adapters whatever else it changes."""
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        return "the model (no decoder layers)"
+    for i, layer in enumerate(layers):
+        for name in LINEARS:
+            sub = "self_attn" if name in ("qkv_proj", "o_proj") else "mlp"
+            module = _adapted(layer, name)
+            if not isinstance(module, nn.Linear):
+                parent = getattr(layer, sub, None)
+                return (f"layers.{i}.{sub} ({type(parent).__name__}) has no {name} linear" if module is None
+                        else f"layers.{i}.{sub}.{name} is a {type(module).__name__}, not a linear")
+    return None
+
+
+def check_adaptable(model: nn.Module) -> None:
+    """Refuses --enable-lora for a model whose adaptable linears are not the shared ones, naming the first."""
+    what = unadaptable_module(model)
+    if what is not None:
+        raise ValueError(f"--enable-lora is not supported for {type(model).__name__} yet: {what}")
+
+
 class LoRASlots:
     """max_loras slots in every adaptable linear of the model, and which adapter each slot holds."""
 

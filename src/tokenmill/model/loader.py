@@ -104,13 +104,14 @@ def model_class(hf_config) -> type:
     return MODEL_REGISTRY[hf_config.architectures[0]]
 
 
-def check_features(hf_config, tensor_parallel_size: int, enable_lora: bool) -> None:
-    """Refuses what this architecture's model class has not opted in to (SUPPORTS_* attributes)."""
-    cls, arch = model_class(hf_config), hf_config.architectures[0]
-    if tensor_parallel_size > 1 and not getattr(cls, "SUPPORTS_TENSOR_PARALLEL", False):
-        raise ValueError(f"--tensor-parallel-size > 1 is not supported for {arch} yet")
-    if enable_lora and not getattr(cls, "SUPPORTS_LORA", False):
-        raise ValueError(f"--enable-lora is not supported for {arch} yet")
+def model_skeleton(hf_config) -> torch.nn.Module:
+    """The model's modules on the meta device (no weights, no memory). What the engine may do with
+    a model follows from the modules it is built from: tensor parallelism where a sharding rule
+    covers every one (sharding.check_shardable), LoRA where the adapters' linears are the shared
+    ones (lora/layers.py check_adaptable), the fused decode step where the C++ step implements
+    every decoder layer's modules (worker/fused_decode.py)."""
+    with torch.device("meta"):
+        return model_class(hf_config)(hf_config, torch.bfloat16, 64, NO_TP)
 
 
 def load_hf_config(path: str):

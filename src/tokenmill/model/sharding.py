@@ -5,13 +5,80 @@ the LM head (vocab rows, padded to equal slices). Row-parallel (a slice of the i
 then an all-reduce): o_proj and down_proj; their bias is added once, by rank 0. Replicated:
 norms and the token embedding (its 50-100 MB lookup costs no compute, and replicating it spares
 a collective per step).
+
+Which models split follows from their modules: each module type that splits (or is replicated)
+has a rule here (`sharding_rule`, registered beside the class for the model's own blocks), and a
+model runs under tensor parallelism only when every module in it is covered, by a rule of its
+own or by its parent's (check_shardable, before the model loads). A subclass keeps its parent
+class's rule while it keeps the methods the rule relies on (forward: where the all-reduce is).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch import nn
+
+from tokenmill.model.layers.norm import RMSNorm
 from tokenmill.model.layers.quantization import GROUP
+from tokenmill.model.layers.rotary import RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class ShardingRule:
+    how: str  # what each rank holds and which collective follows
+    covers: tuple[str, ...] = ()  # children this rule splits (their own rules are not asked)
+    methods: tuple[str, ...] = ("forward",)  # what a subclass must keep to keep the rule
+
+
+_RULES: dict[type, ShardingRule] = {}
+
+
+def sharding_rule(how: str, covers: tuple[str, ...] = (), methods: tuple[str, ...] = ("forward",)):
+    """Class decorator: instances split across tensor-parallel ranks as `how` says, children named
+    in `covers` with them (the class's forward does the collectives `how` needs)."""
+    def register(cls: type) -> type:
+        _RULES[cls] = ShardingRule(how, covers, methods)
+        return cls
+    return register
+
+
+for _cls, _how in ((RMSNorm, "replicated (a per-head norm: each rank normalizes its own heads)"),
+                   (nn.Embedding, "replicated"), (RotaryEmbedding, "replicated"),
+                   (nn.ModuleList, "a container"), (nn.ModuleDict, "a container")):
+    sharding_rule(_how)(_cls)
+
+
+def rule_for(module: nn.Module) -> ShardingRule | None:
+    """The rule of the module's class, or of the nearest base class whose rule's methods it keeps."""
+    cls = type(module)
+    for base in cls.__mro__:
+        rule = _RULES.get(base)
+        if rule is not None:
+            if all(getattr(cls, m, None) is getattr(base, m, None) for m in rule.methods):
+                return rule
+            return None  # it overrides what the rule relies on: a rule of its own is needed
+    return None
+
+
+def unshardable_module(module: nn.Module, name: str = "") -> str | None:
+    """The first module (its path and class) that no sharding rule covers, or None."""
+    rule = rule_for(module)
+    if rule is None:
+        return f"{name or 'the model'} ({type(module).__name__})"
+    for child_name, child in module.named_children():
+        if child_name not in rule.covers:
+            what = unshardable_module(child, f"{name}.{child_name}" if name else child_name)
+            if what is not None:
+                return what
+    return None
+
+
+def check_shardable(model: nn.Module, size: int) -> None:
+    """Refuses tensor parallelism for a model with a module no sharding rule covers, naming it."""
+    if size > 1 and (what := unshardable_module(model)) is not None:
+        raise ValueError(f"--tensor-parallel-size > 1 is not supported for {type(model).__name__} yet: "
+                         f"{what} has no sharding rule (model/sharding.py)")
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed.comm import NO_TP, TPGroup
-from tokenmill.model.sharding import lm_head_rows
+from tokenmill.model.sharding import lm_head_rows, sharding_rule
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata, LayerAttention
 from tokenmill.model.layers.embedding import embedding
 from tokenmill.model.layers.norm import RMSNorm
@@ -26,6 +26,8 @@ from tokenmill.model.layers.quantization import GROUP, QuantEmbedding, QuantLine
 from tokenmill.model.layers.rotary import RotaryEmbedding
 
 
+@sharding_rule("q/k/v column-parallel by whole heads, o_proj row-parallel, then an all-reduce",
+               covers=("qkv_proj", "o_proj"))
 class LlamaAttention(nn.Module):
     def __init__(self, cfg, layer_idx: int, qkv_bias: bool, tp: TPGroup = NO_TP):
         super().__init__()
@@ -59,6 +61,8 @@ class LlamaAttention(nn.Module):
         return self.tp.all_reduce(self.o_proj(attn.forward(self.layer_idx, q, k, v, meta)))
 
 
+@sharding_rule("gate/up column-parallel, down_proj row-parallel, then an all-reduce",
+               covers=("gate_up_proj", "down_proj"))
 class LlamaMLP(nn.Module):
     """SwiGLU over a fused gate/up projection. Bound at load (layers/bind.py): `ops` (the
     silu_and_mul kernel; None: torch) and `fused_act`, whether the projection computes the
@@ -91,6 +95,7 @@ class LlamaMLP(nn.Module):
         return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
+@sharding_rule("a container")
 class LlamaDecoderLayer(nn.Module):
     attention_cls = LlamaAttention  # a family with its own attention subclasses the layer and sets this
 
@@ -117,6 +122,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+@sharding_rule("the LM head by vocab rows, gathered on rank 0", covers=("lm_head",), methods=("compute_logits",))
 class LlamaForCausalLM(nn.Module):
     # HF architectures this class serves, and whether their q/k/v projections carry a bias.
     ARCHITECTURES = {
@@ -124,11 +130,8 @@ class LlamaForCausalLM(nn.Module):
         "MistralForCausalLM": False,
         "Qwen2ForCausalLM": True,
     }
-    # What the engine may do with this family (a new family opts in to each once it is tested):
-    # the fused C++ decode step (fused_decode.py), tensor parallelism (distributed/), LoRA (lora/).
-    SUPPORTS_FUSED_DECODE = True
-    SUPPORTS_TENSOR_PARALLEL = True
-    SUPPORTS_LORA = True
+    # What the engine may do with a model follows from its modules: the fused C++ decode step
+    # (worker/fused_decode.py), tensor parallelism (model/sharding.py's rules), LoRA (lora/layers.py).
     decoder_layer_cls = LlamaDecoderLayer
 
     def __init__(self, cfg, dtype: torch.dtype, max_position: int, tp: TPGroup = NO_TP):

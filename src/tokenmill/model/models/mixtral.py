@@ -30,10 +30,6 @@ class MixtralDecoderLayer(LlamaDecoderLayer):
 
 class MixtralForCausalLM(LlamaForCausalLM):
     ARCHITECTURES = {"MixtralForCausalLM": False}
-    # Not yet built or tested for the experts: the fused C++ decode step, tensor parallelism, LoRA.
-    SUPPORTS_FUSED_DECODE = False
-    SUPPORTS_TENSOR_PARALLEL = False
-    SUPPORTS_LORA = False
     decoder_layer_cls = MixtralDecoderLayer
 
     def fused_target(self, name: str) -> tuple[str, tuple[int, int] | None]:

@@ -46,10 +46,6 @@ class Qwen2MoeDecoderLayer(LlamaDecoderLayer):
 
 class Qwen2MoeForCausalLM(LlamaForCausalLM):
     ARCHITECTURES = {"Qwen2MoeForCausalLM": True}  # Qwen2MoeConfig.qkv_bias decides (the layer reads it)
-    # Not yet built or tested for the experts: the fused C++ decode step, tensor parallelism, LoRA.
-    SUPPORTS_FUSED_DECODE = False
-    SUPPORTS_TENSOR_PARALLEL = False
-    SUPPORTS_LORA = False
     decoder_layer_cls = Qwen2MoeDecoderLayer
 
     def fused_target(self, name: str) -> tuple[str, tuple[int, int] | None]:
