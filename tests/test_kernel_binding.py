@@ -97,11 +97,9 @@ CAPABILITIES = {
     "qwen3": (None, None, "layers.0.self_attn (QKNormAttention)"),
     "phi3": (None, None, None),  # whole heads turn: Llama's step runs it
     "phi3_partial": (None, None, "rope (RotaryEmbedding turning part of each head: the step turns whole heads)"),
-    "mixtral": ("layers.0.mlp (SparseMoeBlock)", "layers.0.mlp (SparseMoeBlock) has no gate_up_proj linear",
-                "layers.0.mlp (SparseMoeBlock)"),
-    "qwen2_moe": ("layers.0.mlp (SparseMoeBlock)", "layers.0.mlp (SparseMoeBlock) has no gate_up_proj linear",
-                  "layers.0.mlp (SparseMoeBlock)"),
-    "qwen3_moe": ("layers.1.mlp (SparseMoeBlock)", "layers.1.mlp (SparseMoeBlock) has no gate_up_proj linear",
+    "mixtral": (None, "layers.0.mlp (SparseMoeBlock) has no gate_up_proj linear", "layers.0.mlp (SparseMoeBlock)"),
+    "qwen2_moe": (None, "layers.0.mlp (SparseMoeBlock) has no gate_up_proj linear", "layers.0.mlp (SparseMoeBlock)"),
+    "qwen3_moe": (None, "layers.1.mlp (SparseMoeBlock) has no gate_up_proj linear",
                   "layers.0.self_attn (QKNormAttention)"),
     "gemma2": (None, None, "the model (GemmaForCausalLM: its own forward)"),
     "gemma3": (None, None, "the model (GemmaForCausalLM: its own forward)"),
@@ -117,10 +115,17 @@ def test_capabilities_follow_from_the_modules(family, family_dirs):
 
 
 def test_refusals_name_the_module(family_dirs):
-    path = family_dirs("mixtral")
-    for kw, what in ((dict(tensor_parallel_size=2), "--tensor-parallel-size"), (dict(enable_lora=True), "--enable-lora")):
-        with pytest.raises(ValueError, match=rf"{what} .* MixtralForCausalLM .*layers\.0\.mlp \(SparseMoeBlock\)"):
-            LLM(path, dtype="float32", kv_cache_memory=0.02, **kw)
+    """LoRA on a mixture of experts (no shared gate/up linear in its MLP), refused before loading; a
+    module without a sharding rule refuses tensor parallelism, named."""
+    from tokenmill.model.sharding import check_shardable
+
+    with pytest.raises(ValueError, match=r"--enable-lora .* MixtralForCausalLM .*layers\.0\.mlp \(SparseMoeBlock\)"):
+        LLM(family_dirs("mixtral"), dtype="float32", kv_cache_memory=0.02, enable_lora=True)
+    model = model_skeleton(load_hf_config(family_dirs("llama")))
+    model.layers[1].mlp = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size .* LlamaForCausalLM .*layers\.1\.mlp \(Sequential\)"):
+        check_shardable(model, 2)
+    check_shardable(model, 1)
 
 
 def test_fused_step_follows_from_the_modules(family_dirs):
@@ -176,3 +181,16 @@ def test_gemma_lora_matches_peft(family_dirs, tmp_path):
         {}, {"lora_request": LoRARequest("a", 1, adapter)})]
     first = [next(iter(o.logprobs[0].values())).logprob for o in runs]
     assert abs(first[0] - first[1]) > 1e-3  # the adapter matters (and the base model still serves)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_moe_tensor_parallel_matches_hf(family, family_dirs):
+    """A mixture of experts split over two ranks (each a slice of every expert's intermediate
+    rows, the partial sums all-reduced; Qwen2-MoE's shared expert and dense layer as MLPs) gives
+    transformers' greedy tokens and logprobs, as one rank does."""
+    path = family_dirs(family)
+    llm = LLM(path, tensor_parallel_size=2, device="cpu", **{**TIGHT, "num_gpu_blocks_override": 24})
+    try:
+        _check_against_hf(llm, path)
+    finally:
+        llm.shutdown()

@@ -89,11 +89,30 @@ class Shard:
     zero: bool = False  # a row-parallel bias on ranks > 0
 
 
+def _intermediate_sizes(hf_config) -> dict[str, int]:
+    """Each split intermediate dimension: the MLP's, a mixture's experts' and shared expert's."""
+    sizes = {"intermediate size": hf_config.intermediate_size}
+    if getattr(hf_config, "moe_intermediate_size", None):
+        sizes["experts' intermediate size"] = hf_config.moe_intermediate_size
+    if getattr(hf_config, "shared_expert_intermediate_size", None):
+        sizes["shared expert's intermediate size"] = hf_config.shared_expert_intermediate_size
+    return sizes
+
+
+def _intermediate_of(name: str, hf_config) -> int:
+    """The intermediate size a checkpoint tensor's rows or columns span."""
+    if ".shared_expert." in name:
+        return hf_config.shared_expert_intermediate_size
+    if ".experts." in name:
+        return getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
+    return hf_config.intermediate_size
+
+
 def valid_tp_sizes(hf_config) -> list[int]:
     heads = hf_config.num_attention_heads
     kv = getattr(hf_config, "num_key_value_heads", None) or heads
-    inter = hf_config.intermediate_size
-    return [n for n in range(1, heads + 1) if heads % n == 0 and kv % n == 0 and inter % n == 0]
+    inters = _intermediate_sizes(hf_config).values()
+    return [n for n in range(1, heads + 1) if heads % n == 0 and kv % n == 0 and all(i % n == 0 for i in inters)]
 
 
 def check_tp_size(hf_config, size: int, quantization: str | None) -> None:
@@ -106,9 +125,10 @@ def check_tp_size(hf_config, size: int, quantization: str | None) -> None:
     if size not in ok:
         heads = hf_config.num_attention_heads
         kv = getattr(hf_config, "num_key_value_heads", None) or heads
+        inters = ", ".join(f"{what} {n}" for what, n in _intermediate_sizes(hf_config).items())
         raise ValueError(
             f"tensor_parallel_size {size} does not divide the model's {heads} attention heads, {kv} kv heads and "
-            f"intermediate size {hf_config.intermediate_size}; sizes that work: {', '.join(map(str, ok))}")
+            f"{inters}; sizes that work: {', '.join(map(str, ok))}")
     if quantization == "gguf":
         raise ValueError("--quantization gguf keeps a GGUF file's blocks whole and cannot be split across ranks; "
                          "with --tensor-parallel-size use --quantization int4 or int8 (each rank quantizes its "
@@ -117,8 +137,10 @@ def check_tp_size(hf_config, size: int, quantization: str | None) -> None:
         raise ValueError("--quantization w8a8 is not supported with --tensor-parallel-size > 1 yet")
     if quantization in ("int4", "int8"):
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        shared = getattr(hf_config, "shared_expert_intermediate_size", None)
         for what, cols in (("o_proj", hf_config.num_attention_heads * head_dim),
-                           ("down_proj", hf_config.intermediate_size)):
+                           ("down_proj", hf_config.intermediate_size),
+                           *((("the shared expert's down_proj", shared),) if shared else ())):
             if (cols // size) % GROUP:
                 raise ValueError(f"--quantization {quantization} quantizes in groups of {GROUP} input columns, and "
                                  f"{what}'s {cols} columns split {size} ways are {cols // size} per rank, not a "
@@ -132,7 +154,10 @@ def shard_for(name: str, hf_config, rank: int, size: int) -> Shard | None:
     heads = hf_config.num_attention_heads
     kv = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    inter = hf_config.intermediate_size
+    inter = _intermediate_of(name, hf_config)
+    if ".experts.gate_up_proj" in name or ".experts.down_proj" in name:  # transformers >= 5's stacked experts
+        raise ValueError(f"{name}: experts stacked in one tensor cannot be split across ranks yet (per-expert "
+                         f"tensors can)")
 
     def rows(total: int) -> Shard:
         n = total // size
@@ -142,9 +167,10 @@ def shard_for(name: str, hf_config, rank: int, size: int) -> Shard | None:
         return rows(heads * head_dim)
     if ".k_proj." in name or ".v_proj." in name:
         return rows(kv * head_dim)
-    if ".gate_proj." in name or ".up_proj." in name:
+    if ".gate_proj." in name or ".up_proj." in name or ".experts." in name and (".w1." in name or ".w3." in name):
         return rows(inter)
-    for proj, cols in ((".o_proj.", heads * head_dim), (".down_proj.", inter)):
+    down = ".w2." if ".experts." in name and ".w2." in name else ".down_proj."  # Mixtral's experts: w1 / w3 / w2
+    for proj, cols in ((".o_proj.", heads * head_dim), (down, inter)):
         if proj in name:
             if name.endswith(".bias"):
                 return None if rank == 0 else Shard(0, 0, 0, zero=True)

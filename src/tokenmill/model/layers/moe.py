@@ -20,6 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.distributed.comm import NO_TP, TPGroup
+from tokenmill.model.sharding import sharding_rule
+
 
 class Router(nn.Module):
     """The router's [E, H] weight. Not an nn.Linear, so that --quantization and the packed-linear
@@ -108,16 +111,22 @@ def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids:
     return _weighted_slot_sum(y.view(T, k, -1), weights, x.dtype)
 
 
+@sharding_rule("every expert's intermediate rows split (gate/up rows, down columns), the router replicated; "
+               "the experts' partial sums all-reduced", covers=("gate", "experts", "shared_expert_gate"))
 class SparseMoeBlock(nn.Module):
     """Router + experts (+ Qwen2-MoE's gated shared expert). round_weights: the routing weights
-    rounded to the model's dtype before use (what Qwen's transformers code does)."""
+    rounded to the model's dtype before use (what Qwen's transformers code does). Under tensor
+    parallelism (`tp`) each rank holds a slice of every expert's intermediate dimension: its down
+    projection's output is a partial sum, all-reduced; the router runs whole on every rank (the
+    same input, the same experts), the shared expert (an MLP) splits and reduces as every MLP."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool,
-                 round_weights: bool = False, shared_expert: nn.Module | None = None):
+                 round_weights: bool = False, shared_expert: nn.Module | None = None, tp: TPGroup = NO_TP):
         super().__init__()
         self.top_k, self.renormalize, self.round_weights = top_k, renormalize, round_weights
+        self.tp = tp
         self.gate = Router(hidden_size, num_experts)
-        self.experts = Experts(num_experts, hidden_size, intermediate_size)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size // tp.size)
         self.shared_expert = shared_expert
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert is not None else None
 
@@ -125,7 +134,7 @@ class SparseMoeBlock(nn.Module):
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         if self.round_weights:
             weights = weights.to(x.dtype).float()
-        out = self.experts(x, weights, ids)
+        out = self.tp.all_reduce(self.experts(x, weights, ids))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

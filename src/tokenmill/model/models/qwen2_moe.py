@@ -41,7 +41,7 @@ class Qwen2MoeDecoderLayer(LlamaDecoderLayer):
         # round_weights: transformers' Qwen code rounds the routing weights to the model's dtype
         return SparseMoeBlock(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
                               renormalize=bool(getattr(cfg, "norm_topk_prob", False)), round_weights=True,
-                              shared_expert=LlamaMLP(cfg, tp, intermediate_size=size) if size else None)
+                              shared_expert=LlamaMLP(cfg, tp, intermediate_size=size) if size else None, tp=tp)
 
 
 class Qwen2MoeForCausalLM(LlamaForCausalLM):
