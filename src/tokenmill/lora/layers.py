@@ -80,11 +80,6 @@ class LoRALinear(nn.Module):
         return y
 
 
-def _adapted(layer: nn.Module, name: str) -> nn.Module | None:
-    parent = getattr(layer, "self_attn" if name in ("qkv_proj", "o_proj") else "mlp", None)
-    return getattr(parent, name, None)
-
-
 def unadaptable_module(model: nn.Module) -> str | None:
     """The first of the linears the slots take (each layer's self_attn.qkv_proj / o_proj, mlp.gate_up_proj /
     down_proj: LINEARS) that is missing or not the shared nn.Linear, named, or None. A family built
@@ -95,9 +90,9 @@ def unadaptable_module(model: nn.Module) -> str | None:
     for i, layer in enumerate(layers):
         for name in LINEARS:
             sub = "self_attn" if name in ("qkv_proj", "o_proj") else "mlp"
-            module = _adapted(layer, name)
+            parent = getattr(layer, sub, None)
+            module = getattr(parent, name, None)
             if not isinstance(module, nn.Linear):
-                parent = getattr(layer, sub, None)
                 return (f"layers.{i}.{sub} ({type(parent).__name__}) has no {name} linear" if module is None
                         else f"layers.{i}.{sub}.{name} is a {type(module).__name__}, not a linear")
     return None

@@ -58,7 +58,3 @@ def bind_kernels(model: nn.Module, device: torch.device | str, dtype: torch.dtyp
             count += 1
     return count
 
-
-def bound_ops(module: nn.Module):
-    """The kernels a module was bound to (None: unbound, or its torch forward)."""
-    return getattr(module, "ops", None)
