@@ -246,12 +246,14 @@ def host_logprobs(lp: torch.Tensor, chosen: torch.Tensor, top_ns: list[int],
 
 
 class Sampler:
-    """ops: the C++ kernels its CPU logits go through (argmax, top-k / top-p cuts), taken once when
-    made (None: torch everywhere); logits on another device take torch's ops."""
+    """device: where the model's logits are. On the CPU the C++ kernels (`ops`, taken once when
+    made: argmax, top-k / top-p cuts) sample them; elsewhere (and for logits on another device)
+    torch's ops do, and no CPU kernels are loaded."""
 
-    def __init__(self, seed: int = 0, watermark: WatermarkConfig | None = None, ops=None):
+    def __init__(self, seed: int = 0, watermark: WatermarkConfig | None = None,
+                 device: torch.device | str = "cpu"):
         self.seed = seed
-        self.ops = ops if ops is not None else kernels_for("cpu", torch.float32)
+        self.ops = kernels_for(device, torch.float32)
         self.generator = torch.Generator().manual_seed(seed)  # unseeded rows' noise on CPU
         self._device_generators: dict[torch.device, torch.Generator] = {}  # and on other devices
         self.watermark = watermark or WatermarkConfig()
