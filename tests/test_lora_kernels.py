@@ -9,6 +9,7 @@ import torch
 
 from test_fused_decode import KW, _decode_steps, _fused_or_skip, _prompts, _runner
 from tokenmill import LLM
+from tokenmill.model.layers.bind import bind_kernels
 
 
 @pytest.fixture(scope="module")
@@ -159,8 +160,10 @@ def _lora_specs(model, g):
 
 
 def _hooked(kernels, model, specs, row_slots):
-    """Forward hooks that add each row's adapter to the outputs of the adapted linears (lora_add).
-    Returns the hook handles."""
+    """Forward hooks that add each row's adapter to the outputs of the adapted linears (lora_add),
+    the model bound without activations in the gate/up projections' epilogues (so that their
+    forward, which the hooks watch, runs). Returns the hook handles."""
+    bind_kernels(model, "cpu", next(model.parameters()).dtype, epilogues=False)
     handles = []
     for l, layer in enumerate(model.layers):
         mods = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
@@ -190,6 +193,7 @@ def _fused_and_op_by_op(kernels, llm, fd, specs, ids, pos, meta, rows, kv, slots
     finally:
         for h in handles:
             h.remove()
+        bind_kernels(runner.model, "cpu", next(runner.model.parameters()).dtype)
     torch.testing.assert_close(fused_cache, runner.kv_cache, atol=0, rtol=0, equal_nan=True)
     return fused, want
 

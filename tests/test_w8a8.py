@@ -17,6 +17,7 @@ from conftest import PROMPTS
 from tokenmill import LLM, SamplingParams
 from tokenmill.model import smoothquant
 from tokenmill.kernels import cpu_kernels
+from tokenmill.model.layers.bind import bind_kernels
 from tokenmill.model.layers.w8a8 import W8A8Linear, pack, quantize_activations, quantize_weight, reference, unpack
 
 SHAPES = [(1, 1, 4), (1, 16, 64), (3, 17, 37), (4, 40, 100), (5, 15, 576), (9, 33, 128), (17, 64, 64), (33, 7, 20), (70, 50, 192)]
@@ -140,7 +141,7 @@ def test_torch_fallback_matches_kernel(kernels, monkeypatch: pytest.MonkeyPatch)
     layer = W8A8Linear(torch.randn(24, 64), torch.randn(24))
     x = torch.randn(10, 64)
     with_kernel = layer(x)
-    monkeypatch.setattr(cpu_kernels, "ops_for", lambda x: None)
+    layer.bind_kernels(None)  # the torch path
     torch.testing.assert_close(layer(x), with_kernel, rtol=1e-6, atol=1e-6)
 
 
@@ -194,6 +195,7 @@ def _fake_quantized(tiny_llama_dir, other_at_ties: bool = False) -> LLM:
         for name, child in list(parent.named_children()):
             if isinstance(child, W8A8Linear):
                 setattr(parent, name, _FakeQuantLinear(child, other_at_ties))
+    bind_kernels(_model(oracle), "cpu", torch.float32)  # modules swapped after load: bound again
     return oracle
 
 

@@ -29,8 +29,9 @@ from tokenmill.config import (
 from tokenmill.lora.adapter import LoRAError
 from tokenmill.lora.adapter import linear_shapes
 from tokenmill.lora.config import LoRAConfig, parse_lora_modules
+from tokenmill.lora.layers import check_adaptable
 from tokenmill.lora.registry import LoRARegistry
-from tokenmill.model.sharding import check_tp_size
+from tokenmill.model.sharding import check_shardable, check_tp_size
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.kv_cache import blocks_held
 from tokenmill.engine.output_processor import OutputProcessor
@@ -43,7 +44,7 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.config import SpeculativeConfig
-from tokenmill.model.loader import check_features, load_hf_config, model_class, resolve_model_path, served_names
+from tokenmill.model.loader import load_hf_config, model_class, model_skeleton, resolve_model_path, served_names
 from tokenmill.model.pooling import resolve_task, sentence_transformers_max_len
 from tokenmill.sample.structured_output import StructuredOutputManager
 from tokenmill.tokenizer import load_tokenizer
@@ -76,7 +77,11 @@ class LLMEngine:
         path = resolve_model_path(args.model)
         hf_config = load_hf_config(path)
         check_tp_size(hf_config, tp, check_quantization(args.quantization))
-        check_features(hf_config, tp, args.enable_lora)
+        if tp > 1 or args.enable_lora:  # what the model's modules allow
+            skeleton = model_skeleton(hf_config)
+            check_shardable(skeleton, tp)
+            if args.enable_lora:
+                check_adaptable(skeleton)
         check_w8a8_args(args.quantization, args.quantization_calibration, args.enable_lora)
         progress.set_phase("loading the tokenizer")
         self.tokenizer = load_tokenizer(args.tokenizer or path)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from tokenmill.lora.adapter import LINEARS, LoRAAdapter, linear_shapes
-from tokenmill.kernels import cpu_kernels
+from tokenmill.model.layers.bind import bind_kernels
 
 logger = logging.getLogger("tokenmill")
 
@@ -35,11 +35,11 @@ class SlotWeights:
     bounds: torch.Tensor
     ranks_host: torch.Tensor  # a CPU copy (the torch path reads ranks without a device sync)
     bounds_host: list[int]
+    ops: object = None  # the kernels, bound with the model (LoRALinear.bind_kernels); None: torch
 
     def add_delta(self, y: torch.Tensor, x: torch.Tensor, slots: LoRASlots) -> None:
-        kernels = cpu_kernels.ops_for(y)
-        if kernels is not None:
-            kernels.lora_add(y, x.contiguous(), self.A, self.Bt, self.ranks, self.bounds, slots.row_slots)
+        if self.ops is not None:
+            self.ops.lora_add(y, x.contiguous(), self.A, self.Bt, self.ranks, self.bounds, slots.row_slots)
         else:
             lora_add_torch(y, x, self, slots.groups())
 
@@ -70,11 +70,39 @@ class LoRALinear(nn.Module):
         self.in_features, self.out_features = weights.A.shape[-1], weights.Bt.shape[-1]
         self._slots, self._w = slots, weights  # plain attributes: not the model's parameters
 
+    def bind_kernels(self, ops, epilogues: bool = True) -> None:
+        self._w.ops = ops
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_layer(x)
         if self._slots.row_slots is not None:
             self._w.add_delta(y.view(-1, self.out_features), x.reshape(-1, self.in_features), self._slots)
         return y
+
+
+def unadaptable_module(model: nn.Module) -> str | None:
+    """The first of the linears the slots take (each layer's self_attn.qkv_proj / o_proj, mlp.gate_up_proj /
+    down_proj: LINEARS) that is missing or not the shared nn.Linear, named, or None. A family built
+    from the shared attention and MLP blocks takes adapters whatever else it changes."""
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        return "the model (no decoder layers)"
+    for i, layer in enumerate(layers):
+        for name in LINEARS:
+            sub = "self_attn" if name in ("qkv_proj", "o_proj") else "mlp"
+            parent = getattr(layer, sub, None)
+            module = getattr(parent, name, None)
+            if not isinstance(module, nn.Linear):
+                return (f"layers.{i}.{sub} ({type(parent).__name__}) has no {name} linear" if module is None
+                        else f"layers.{i}.{sub}.{name} is a {type(module).__name__}, not a linear")
+    return None
+
+
+def check_adaptable(model: nn.Module) -> None:
+    """Refuses --enable-lora for a model whose adaptable linears are not the shared ones, naming the first."""
+    what = unadaptable_module(model)
+    if what is not None:
+        raise ValueError(f"--enable-lora is not supported for {type(model).__name__} yet: {what}")
 
 
 class LoRASlots:
@@ -97,6 +125,9 @@ class LoRASlots:
                     torch.zeros(max_loras, n, dtype=torch.int32), shape.bounds)
                 self.weights[(l, name)] = w
                 setattr(parent, name, LoRALinear(getattr(parent, name), self, w))
+        # Bound again with the slots in: their delta's kernel, and the MLPs' gate/up projections now
+        # wrapped (no activation in an epilogue: the delta adds to the projection's output first).
+        bind_kernels(model, device, dtype)
         self.holds: list[int | None] = [None] * max_loras  # adapter uid per slot
         self._last_used = [0] * max_loras
         self._clock = 0

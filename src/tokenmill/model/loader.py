@@ -13,6 +13,7 @@ import torch
 from tokenmill import hf_cache
 from tokenmill import progress
 from tokenmill.distributed.comm import NO_TP, TPGroup
+from tokenmill.model.layers.bind import bind_kernels
 from tokenmill.model.layers.linear import pack_linears
 from tokenmill.model.layers.quantization import pack_quantized
 from tokenmill.model.layers.weight_arena import place_decode_weights
@@ -103,13 +104,14 @@ def model_class(hf_config) -> type:
     return MODEL_REGISTRY[hf_config.architectures[0]]
 
 
-def check_features(hf_config, tensor_parallel_size: int, enable_lora: bool) -> None:
-    """Refuses what this architecture's model class has not opted in to (SUPPORTS_* attributes)."""
-    cls, arch = model_class(hf_config), hf_config.architectures[0]
-    if tensor_parallel_size > 1 and not getattr(cls, "SUPPORTS_TENSOR_PARALLEL", False):
-        raise ValueError(f"--tensor-parallel-size > 1 is not supported for {arch} yet")
-    if enable_lora and not getattr(cls, "SUPPORTS_LORA", False):
-        raise ValueError(f"--enable-lora is not supported for {arch} yet")
+def model_skeleton(hf_config) -> torch.nn.Module:
+    """The model's modules on the meta device (no weights, no memory). What the engine may do with
+    a model follows from the modules it is built from: tensor parallelism where a sharding rule
+    covers every one (sharding.check_shardable), LoRA where the adapters' linears are the shared
+    ones (lora/layers.py check_adaptable), the fused decode step where the C++ step implements
+    every decoder layer's modules (worker/fused_decode.py)."""
+    with torch.device("meta"):
+        return model_class(hf_config)(hf_config, torch.bfloat16, 64, NO_TP)
 
 
 def load_hf_config(path: str):
@@ -234,6 +236,7 @@ def load_model(path: str, hf_config, dtype: torch.dtype, max_position: int, devi
     if on_cpu:
         moved = place_decode_weights(model)
         logger.debug("%.0f MB of decode weights in one huge-page arena", moved / 1e6)
+    bind_kernels(model, device, dtype)  # last: the modules the transforms above swapped in included
     logger.info("loaded weights from %s in %.2fs (%s, %s)", "nowhere (random: --load-format dummy)"
                 if load_format == "dummy" else path, time.perf_counter() - t0, dtype, device)
     return model

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from tokenmill.model.layers.attention import AttentionBackend, SeqChunk
+from tokenmill.model.layers.bind import bind_kernels
 from tokenmill.model.layers.norm import RMSNorm
 from tokenmill.model.layers.w8a8 import W8A8Linear
 from tokenmill.tokenizer import load_tokenizer
@@ -125,6 +126,8 @@ def collect_input_maxima(model: nn.Module, prompts: list[list[int]]) -> dict[str
             hooks.append(module.register_forward_pre_hook(record))
     a0, bs = model.layers[0].self_attn, 16
     dtype = next(model.parameters()).dtype
+    # The model's kernels (its norms, the activation), bound now: calibration runs before the loader binds it.
+    bind_kernels(model, next(model.parameters()).device, dtype)
     try:
         for ids in prompts:
             n = len(ids)

@@ -193,5 +193,5 @@ def target_distributions(sampler: Sampler, logits: torch.Tensor,
     `batch` is a SamplingBatch with one row per verified position. probs is None when every row
     is greedy."""
     processed = sampler.process_logits(logits, batch)
-    argmax = argmax_tokens(processed)
-    return (None if batch.all_greedy else sampling_probs(processed, batch)), argmax
+    argmax = argmax_tokens(processed, sampler.ops)
+    return (None if batch.all_greedy else sampling_probs(processed, batch, sampler.ops)), argmax

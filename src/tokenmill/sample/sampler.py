@@ -18,12 +18,13 @@ import operator
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import chain
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 import torch
 
 from tokenmill.request import Request
-from tokenmill.kernels import cpu_kernels
+from tokenmill.kernels.cpu_kernels import KernelModule
+from tokenmill.model.layers.bind import kernels_for
 from tokenmill.sample.structured_output import apply_grammar_masks
 from tokenmill.config import WatermarkConfig
 from tokenmill.sample.watermark import apply_watermark
@@ -287,8 +288,14 @@ def host_logprobs(lp: torch.Tensor, chosen: torch.Tensor, top_ns: list[int],
 
 
 class Sampler:
-    def __init__(self, seed: int = 0, watermark: WatermarkConfig | None = None):
+    """device: where the model's logits are. On the CPU the C++ kernels (`ops`, taken once when
+    made: argmax, top-k / top-p cuts) sample them; elsewhere (and for logits on another device)
+    torch's ops do, and no CPU kernels are loaded."""
+
+    def __init__(self, seed: int = 0, watermark: WatermarkConfig | None = None,
+                 device: torch.device | str = "cpu"):
         self.seed = seed
+        self.ops = kernels_for(device, torch.float32)
         self.generator = torch.Generator().manual_seed(seed)  # unseeded rows' noise on CPU
         self._device_generators: dict[torch.device, torch.Generator] = {}  # and on other devices
         self.watermark = watermark or WatermarkConfig()
@@ -310,7 +317,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want else None
         logits = self.process_logits(logits, batch)
         if batch.all_greedy:
-            tokens = argmax_tokens(logits)
+            tokens = argmax_tokens(logits, self.ops)
         else:
             tokens = self._sample(logits, batch)
         if raw_logprobs is None:
@@ -368,20 +375,21 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
         assert b.temperature is not None  # not all_greedy
         greedy_rows = b.temperature == 0
-        greedy_tokens = argmax_tokens(logits)
-        probs = sampling_probs(logits, b)
+        greedy_tokens = argmax_tokens(logits, self.ops)
+        probs = sampling_probs(logits, b, self.ops)
         sampled = draw_inverse_cdf(probs, b.generators, self._generator_for(probs.device))
         return torch.where(greedy_rows, greedy_tokens, sampled)
 
 
-def sampling_probs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+def sampling_probs(logits: torch.Tensor, b: SamplingBatch, ops: KernelModule | None = None) -> torch.Tensor:
     """The distribution non-greedy rows sample from: processed logits scaled by temperature and
-    truncated by top-k / top-p / min-p (greedy rows: temperature 1, unused)."""
+    truncated by top-k / top-p / min-p (greedy rows: temperature 1, unused). ops: the CPU kernels
+    (Sampler.ops) or None."""
     assert b.temperature is not None  # not all_greedy
     temp = torch.where(b.temperature == 0, torch.ones_like(b.temperature), b.temperature)
     logits = logits / temp.unsqueeze(1)
     if b.top_k is not None or b.top_p is not None:
-        logits = _top_k_top_p(logits, b.top_k, b.top_p)
+        logits = _top_k_top_p(logits, b.top_k, b.top_p, ops)
     probs = torch.softmax(logits, dim=-1)
     if b.min_p is not None:
         thresh = b.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
@@ -389,22 +397,27 @@ def sampling_probs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return probs
 
 
-def argmax_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's first largest logit's index: the C++ kernel on CPU (one pass; torch's max over
-    32 x 49152 takes ~1.3 ms on 2 cores), else torch (max is faster than argmax, same tie rule)."""
-    ops = cpu_kernels.ops_for(logits)
-    if ops is not None and logits.dtype == torch.float32 and logits.dim() == 2:
+def _on_kernels(ops: KernelModule | None, logits: torch.Tensor) -> TypeGuard[KernelModule]:
+    """Whether these logits go through the CPU kernels `ops` (float32 rows on the CPU)."""
+    return ops is not None and logits.is_cpu and logits.dtype == torch.float32 and logits.dim() == 2
+
+
+def argmax_tokens(logits: torch.Tensor, ops: KernelModule | None = None) -> torch.Tensor:
+    """Each row's first largest logit's index: the C++ kernel on CPU (ops, Sampler.ops: one pass;
+    torch's max over 32 x 49152 takes ~1.3 ms on 2 cores), else torch (max is faster than argmax,
+    same tie rule)."""
+    if _on_kernels(ops, logits):
         return ops.argmax_rows(logits)
     return logits.max(dim=-1).indices
 
 
-def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                 ops: KernelModule | None = None) -> torch.Tensor:
     """The logits with every token outside the row's top k, then outside its top-p nucleus, at
     -inf. On CPU each row's cut comes from the C++ kernel (csrc/sampling.cpp: one pass and a
     small sort; torch's sort of 32 x 49k logits takes ~60 ms on 2 cores, more than a decode
     step), which keeps every token tied with the last one kept; elsewhere from the sort."""
-    ops = cpu_kernels.ops_for(logits)
-    if ops is not None and logits.dtype == torch.float32 and logits.dim() == 2:
+    if _on_kernels(ops, logits):
         return ops.top_k_top_p(logits, top_k, top_p)
     sorted_logits, idx = logits.sort(dim=-1, descending=True)
     V = logits.shape[-1]

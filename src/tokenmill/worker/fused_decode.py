@@ -40,8 +40,11 @@ from tokenmill.kernels import cpu_kernels
 from tokenmill.kernels import cpu_threads
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata
 from tokenmill.model.layers.linear import SMALL_BATCH, PackedLinear
+from tokenmill.model.layers.norm import RMSNorm
 from tokenmill.model.layers.quantization import QuantEmbedding, QuantLinear
+from tokenmill.model.layers.rotary import RotaryEmbedding
 from tokenmill.model.layers.w8a8 import W8A8Linear
+from tokenmill.model.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
 if TYPE_CHECKING:
     from tokenmill.model.layers.gpu_attention import TritonAttentionBackend
@@ -61,6 +64,44 @@ def _linear_spec(layer: nn.Module) -> tuple[Any, ...] | None:
         return layer.qweight, layer.scales, layer.bits, bias
     if isinstance(layer, W8A8Linear):  # its per-token activation quantization runs inside the step
         return layer.packed, layer.w_scale, W8A8_BITS, layer.bias
+    return None
+
+
+# What csrc/decode_step.cpp implements, module by module: Llama's decoder layer (its norms, attention
+# and SwiGLU MLP, each exactly these classes: a subclass may compute something else), around it
+# the model's embedding (unscaled), final norm and LM head. The linears are checked by _linear_spec.
+_LAYER_PARTS = {"input_layernorm": RMSNorm, "self_attn": LlamaAttention, "post_attention_layernorm": RMSNorm,
+                "mlp": LlamaMLP}
+_ATTENTION_PARTS = ("qkv_proj", "o_proj")
+_MLP_PARTS = ("gate_up_proj", "down_proj")
+
+
+def unsupported_module(model: nn.Module) -> str | None:
+    """The first module of `model` the fused step does not implement (its path and class), or None.
+    Whether a family runs fused follows from what it is built of, not from its class."""
+    cls = type(model)
+    if not isinstance(model, LlamaForCausalLM) or any(getattr(cls, m) is not getattr(LlamaForCausalLM, m)
+                                                      for m in ("forward", "compute_logits")):
+        return f"the model ({cls.__name__}: its own forward)"
+    if not isinstance(model.embed_tokens, (nn.Embedding, QuantEmbedding)):
+        return f"embed_tokens ({type(model.embed_tokens).__name__})"
+    if type(model.norm) is not RMSNorm:
+        return f"norm ({type(model.norm).__name__})"
+    if type(model.rope) is not RotaryEmbedding:
+        return f"rope ({type(model.rope).__name__})"
+    if not model.rope.fusable:
+        return "rope (RotaryEmbedding turning part of each head: the step turns whole heads)"
+    for i, layer in enumerate(model.layers):
+        if type(layer).forward is not LlamaDecoderLayer.forward:
+            return f"layers.{i} ({type(layer).__name__})"
+        children = dict(layer.named_children())
+        for name, child in children.items():
+            if _LAYER_PARTS.get(name) is not type(child):
+                return f"layers.{i}.{name} ({type(child).__name__})"
+        for block, parts in (("self_attn", _ATTENTION_PARTS), ("mlp", _MLP_PARTS)):
+            extra = [n for n in dict(children[block].named_children()) if n not in parts]
+            if extra:
+                return f"layers.{i}.{block}.{extra[0]}"
     return None
 
 
@@ -87,9 +128,11 @@ class FusedDecode:
             return None
         kernels = cpu_kernels.load() if cpu_kernels.enabled() else None
         reason = None
-        if not getattr(model, "SUPPORTS_FUSED_DECODE", False):
-            reason = f"{type(model).__name__} has no fused step"
-        elif kernels is None or not hasattr(kernels, "FusedDecoder"):
+        unsupported = unsupported_module(model)
+        if unsupported is not None:
+            logger.debug("fused decode step off: it does not implement %s", unsupported)
+            return None
+        if kernels is None or not hasattr(kernels, "FusedDecoder"):
             reason = "needs the C++ kernels built with AVX512-BF16 or AVX2 + FMA"
         elif dtype != torch.bfloat16 or attn.kernels is None:
             reason = "needs bfloat16 activations"

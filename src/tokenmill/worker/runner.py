@@ -98,7 +98,7 @@ class ModelRunner:
         if not self.encoder:
             progress.set_phase("allocating the KV cache")
             self.allocate_kv_cache(num_blocks)
-        self.sampler = Sampler(seed, watermark)
+        self.sampler = Sampler(seed, watermark, self.device)
         self.sampling_batches = SamplingBatches()
         progress.set_phase("building the decode step")
         if self.device.type == "cpu" and not self.encoder:

@@ -41,7 +41,10 @@ class PackedLinear(nn.Module):
     Without AVX512-AMX it is no slower than oneDNN at prompt sizes either (benchmarks/panel_linear.py:
     1.0-1.4x at 64-2048 rows on SmolLM2's shapes, 2 cores); with AMX-BF16 the panels run on AMX
     tiles at every batch size, on par with oneDNN's AMX GEMM (one core, SmolLM2's gate/up and down:
-    633-837 GFLOP/s at 64-512 rows against 423-947)."""
+    633-837 GFLOP/s at 64-512 rows against 423-947).
+
+    `ops`: the panel kernel's module (taken when made, with panels; bound again at load:
+    layers/bind.py); `fuses_silu`: whether silu_and_mul runs in the AMX path's epilogue."""
 
     def __init__(self, linear: nn.Linear, panels: torch.Tensor | None = None, onednn: bool = True):
         super().__init__()
@@ -54,31 +57,37 @@ class PackedLinear(nn.Module):
         bias = linear.bias.detach() if linear.bias is not None else None
         self.register_buffer("bias", bias, persistent=False)
         self.panels = panels  # not a buffer: the weight arena owns it (weight_arena.py)
+        self.bind_kernels(None)
+
+    def bind_kernels(self, ops, epilogues: bool = True) -> None:
+        # Panels have no torch path: they run the kernels that packed them, whatever the binding.
+        self.ops = cpu_kernels.load() if self.panels is not None else ops
+        self.fuses_silu = bool(self.packed_weight is None and self.panels is not None and not self.out_features % 64
+                               and _amx_glu(self.ops))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is None:  # panels at every batch size
             x2 = x.reshape(-1, self.in_features)
-            y = cpu_kernels.load().panel_linear(x2, self.panels, self.out_features, self.bias)
+            y = self.ops.panel_linear(x2, self.panels, self.out_features, self.bias)
             return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
         if self.panels is not None and x.dim() == 2 and x.shape[0] <= SMALL_BATCH:
-            return cpu_kernels.load().panel_linear(x, self.panels, self.out_features, self.bias)
+            return self.ops.panel_linear(x, self.panels, self.out_features, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """For a fused gate/up projection (gate's rows first) on panels at every batch size:
         silu(gate) * up in the AMX path's epilogue (panel_linear_silu_mul), the bits of forward()
         then silu_and_mul without writing the [T, 2 I] product. None elsewhere (oneDNN's copy, no
-        AMX-BF16, I not a multiple of 32): the caller runs the two ops."""
-        if self.packed_weight is not None or self.panels is None or self.out_features % 64 or not _amx_glu():
+        AMX-BF16, I not a multiple of 32: fuses_silu): the caller runs the two ops."""
+        if not self.fuses_silu:
             return None
         x2 = x.reshape(-1, self.in_features)
-        y = cpu_kernels.load().panel_linear_silu_mul(x2, self.panels, self.out_features, self.bias)
+        y = self.ops.panel_linear_silu_mul(x2, self.panels, self.out_features, self.bias)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features // 2)
 
 
 @functools.cache
-def _amx_glu() -> bool:
-    kernels = cpu_kernels.load()
+def _amx_glu(kernels) -> bool:
     return kernels is not None and hasattr(kernels, "panel_linear_silu_mul") and kernels.panel_isa() == "amx-bf16"
 
 

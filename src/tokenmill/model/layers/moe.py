@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.kernels import cpu_kernels
+from tokenmill.distributed.comm import NO_TP, TPGroup
+from tokenmill.model.sharding import sharding_rule
 
 
 class Router(nn.Module):
@@ -45,7 +46,10 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts stacked: w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I]."""
+    """E SwiGLU experts stacked: w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I]; `ops`:
+    the kernels bound at load (layers/bind.py; None: the torch loop)."""
+
+    ops = None
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -53,9 +57,12 @@ class Experts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
+    def bind_kernels(self, ops, epilogues: bool = True) -> None:
+        self.ops = ops
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H]; weights float32 [T, k]; ids int32 [T, k] -> [T, H] in x's dtype."""
-        ops = cpu_kernels.ops_for(x)
+        ops = self.ops
         if ops is not None:
             return ops.moe_experts(x, self.w13, self.w2, ids, weights)
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -104,16 +111,22 @@ def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids:
     return _weighted_slot_sum(y.view(T, k, -1), weights, x.dtype)
 
 
+@sharding_rule("every expert's intermediate rows split (gate/up rows, down columns), the router replicated; "
+               "the experts' partial sums all-reduced", covers=("gate", "experts", "shared_expert_gate"))
 class SparseMoeBlock(nn.Module):
     """Router + experts (+ Qwen2-MoE's gated shared expert). round_weights: the routing weights
-    rounded to the model's dtype before use (what Qwen's transformers code does)."""
+    rounded to the model's dtype before use (what Qwen's transformers code does). Under tensor
+    parallelism (`tp`) each rank holds a slice of every expert's intermediate dimension: its down
+    projection's output is a partial sum, all-reduced; the router runs whole on every rank (the
+    same input, the same experts), the shared expert (an MLP) splits and reduces as every MLP."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool,
-                 round_weights: bool = False, shared_expert: nn.Module | None = None):
+                 round_weights: bool = False, shared_expert: nn.Module | None = None, tp: TPGroup = NO_TP):
         super().__init__()
         self.top_k, self.renormalize, self.round_weights = top_k, renormalize, round_weights
+        self.tp = tp
         self.gate = Router(hidden_size, num_experts)
-        self.experts = Experts(num_experts, hidden_size, intermediate_size)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size // tp.size)
         self.shared_expert = shared_expert
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert is not None else None
 
@@ -121,7 +134,7 @@ class SparseMoeBlock(nn.Module):
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         if self.round_weights:
             weights = weights.to(x.dtype).float()
-        out = self.experts(x, weights, ids)
+        out = self.tp.all_reduce(self.experts(x, weights, ids))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

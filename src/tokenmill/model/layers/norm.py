@@ -1,22 +1,26 @@
 import torch
 
-from tokenmill.kernels import cpu_kernels
-
 
 class RMSNorm(torch.nn.Module):
     """Computed in float32 and cast back, as Hugging Face does (exact parity in fp32).
     On CPU a fused C++ kernel does the same math in one pass; the residual add before it
-    fuses into the same pass (vLLM's fused_add_rms_norm)."""
+    fuses into the same pass (vLLM's fused_add_rms_norm). `ops`: the kernels bound at load
+    (layers/bind.py; None: the torch forward)."""
+
+    ops = None
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(dim))
         self.eps = eps
 
+    def bind_kernels(self, ops, epilogues: bool = True) -> None:
+        self.ops = ops
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); with `residual`: (norm(x + residual), x + residual), the C++ kernel
         updating both in place (x must then be a tensor the caller no longer needs)."""
-        ops = cpu_kernels.ops_for(x)
+        ops = self.ops
         if residual is not None:
             if ops is not None and x.is_contiguous() and residual.is_contiguous():
                 ops.fused_add_rms_norm(x, residual, self.weight, self.eps)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.kernels import cpu_kernels
+from tokenmill.model.layers.bind import kernels_for
 from tokenmill.model.layers.linear import onednn_bf16_fast
 
 logger = logging.getLogger("tokenmill")
@@ -159,7 +160,9 @@ def _dequantized(qweight: torch.Tensor, scales: torch.Tensor, bits: int, rows: i
 
 
 class QuantLinear(nn.Module):
-    """A linear layer with int4 / int8 weights; bias (if any) stays a float parameter."""
+    """A linear layer with int4 / int8 weights; bias (if any) stays a float parameter. `ops`: the
+    kernels (those for its weights' device when made, then bound at load: layers/bind.py; None:
+    the torch path)."""
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bits: int, bias: torch.Tensor | None = None):
         super().__init__()
@@ -170,6 +173,12 @@ class QuantLinear(nn.Module):
         self.register_buffer("scales", scales, persistent=False)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.panels = False  # qweight / scales in output panels (to_panels), see pack_quantized
+        self.bind_kernels(kernels_for(qweight.device))
+
+    def bind_kernels(self, ops, epilogues: bool = True) -> None:
+        self.ops = ops
+        # bf16 prompt steps without oneDNN's bf16 GEMM (AVX2): its float32 GEMM, not torch's slow bf16
+        self.f32_gemm = not onednn_bf16_fast()
 
     def to_panels(self) -> None:
         self.qweight, self.scales = to_panels(self.qweight, self.scales, self.bits)
@@ -187,10 +196,10 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        ops = cpu_kernels.ops_for(x2)
+        ops = self.ops
         # panels (int8 activations) are faster than the GEMM at any size
         if ops is not None and x2.shape[0] >= LARGE_BATCH and not self.panels:  # prompts: oneDNN, dequantized copy
-            if x2.dtype == torch.bfloat16 and not onednn_bf16_fast():  # AVX2: its float32 GEMM, not its slow bf16
+            if x2.dtype == torch.bfloat16 and self.f32_gemm:  # AVX2: its float32 GEMM, not its slow bf16
                 y = F.linear(x2.float(), self._dequantize(ops, torch.float32)).to(x2.dtype)
             else:
                 y = F.linear(x2, self._dequantize(ops, x2.dtype))
@@ -216,7 +225,7 @@ class QuantLinear(nn.Module):
 
 
 class QuantEmbedding(nn.Module):
-    """Token embeddings read from an int4 / int8 table (shared with a tied lm_head)."""
+    """Token embeddings read from an int4 / int8 table (shared with a tied lm_head). `ops`: as QuantLinear's."""
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bits: int, dtype: torch.dtype):
         super().__init__()
@@ -225,6 +234,10 @@ class QuantEmbedding(nn.Module):
         self.register_buffer("scales", scales, persistent=False)
         self.rows = qweight.shape[0]
         self.panels = False  # the tied lm_head's panels (pack_quantized): rows read across them
+        self.bind_kernels(kernels_for(qweight.device))
+
+    def bind_kernels(self, ops, epilogues: bool = True) -> None:
+        self.ops = ops
 
     def share_panels(self, head: QuantLinear) -> None:
         self.qweight, self.scales, self.panels = head.qweight, head.scales, True
@@ -233,9 +246,8 @@ class QuantEmbedding(nn.Module):
         return _dequantized(self.qweight, self.scales, self.bits, self.rows, self.panels)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        kernels = cpu_kernels.load() if cpu_kernels.enabled() and ids.device.type == "cpu" else None
-        if kernels is not None:
-            return kernels.quant_embedding(ids.reshape(-1), self.qweight, self.scales, self.bits, self.dtype,
+        if self.ops is not None:
+            return self.ops.quant_embedding(ids.reshape(-1), self.qweight, self.scales, self.bits, self.dtype,
                                            self.rows if self.panels else -1).reshape(*ids.shape, -1)
         if self.panels:  # (kernels turned off after packing: slow, but the same numbers)
             return self.dequantized()[ids].to(self.dtype)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.kernels import cpu_kernels
+from tokenmill.model.layers.bind import kernels_for
 
 PANEL, QUAD = 16, 4  # the packed layout: panels of 16 output rows, inputs in groups of 4
 
@@ -86,7 +86,9 @@ def _fused_silu(ops) -> bool:
 
 
 class W8A8Linear(nn.Module):
-    """A linear layer with int8 weights (per output row) run on per-token int8 activations."""
+    """A linear layer with int8 weights (per output row) run on per-token int8 activations. `ops`:
+    the kernels (those for its weights' device when made, then bound at load: layers/bind.py;
+    None: the torch path); `fuses_silu`: whether silu_and_mul runs in the kernel's epilogue."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -96,6 +98,11 @@ class W8A8Linear(nn.Module):
         self.register_buffer("w_scale", scale.contiguous(), persistent=False)
         self.register_buffer("rowsum", q.sum(1, dtype=torch.int32), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
+        self.bind_kernels(kernels_for(weight.device))
+
+    def bind_kernels(self, ops, epilogues: bool = True) -> None:
+        self.ops = ops
+        self.fuses_silu = ops is not None and not self.out_features % 32 and _fused_silu(ops)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "W8A8Linear":
@@ -106,9 +113,8 @@ class W8A8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        ops = cpu_kernels.ops_for(x2)
-        if ops is not None:
-            y = ops.w8a8_linear(x2, self.packed, self.w_scale, self.rowsum, self.bias, self.out_features)
+        if self.ops is not None:
+            y = self.ops.w8a8_linear(x2, self.packed, self.w_scale, self.rowsum, self.bias, self.out_features)
         else:  # no C++ kernels: the same integers and epilogue in torch (slow)
             y = reference(x2, self.weight_int8(), self.w_scale, self.bias)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
@@ -117,12 +123,11 @@ class W8A8Linear(nn.Module):
         """For a fused gate/up projection (gate's rows first): silu(gate) * up computed in the
         kernel's epilogue, the bits of forward() then silu_and_mul, without writing the [T, 2 I]
         product (~8% of a W8A8 prompt step on SmolLM2 went to that pass). None where the kernel
-        cannot (no AVX-512 build, I not a multiple of 16): the caller runs the two ops."""
-        x2 = x.reshape(-1, self.in_features)
-        ops = cpu_kernels.ops_for(x2)
-        if ops is None or self.out_features % 32 or not _fused_silu(ops):
+        cannot (no AVX-512 build, I not a multiple of 16: fuses_silu): the caller runs the two ops."""
+        if not self.fuses_silu:
             return None
-        y = ops.w8a8_linear_silu_mul(x2, self.packed, self.w_scale, self.rowsum, self.bias, self.out_features)
+        x2 = x.reshape(-1, self.in_features)
+        y = self.ops.w8a8_linear_silu_mul(x2, self.packed, self.w_scale, self.rowsum, self.bias, self.out_features)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features // 2)
 
     def extra_repr(self) -> str:

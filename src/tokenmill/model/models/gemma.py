@@ -23,15 +23,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed.comm import NO_TP, TPGroup
-from tokenmill.kernels import cpu_kernels
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata, LayerAttention
 from tokenmill.model.layers.embedding import embedding
 from tokenmill.model.layers.rotary import RotaryEmbedding
+from tokenmill.model.sharding import lm_head_rows, sharding_rule
 from tokenmill.model.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, sliding_windows
 
 
+@sharding_rule("replicated (q/k norms: each rank normalizes its own heads)")
 class GemmaRMSNorm(nn.Module):
-    """x / rms(x) * (1 + w), in float32 and rounded once (the C++ kernels take the float32 factor)."""
+    """x / rms(x) * (1 + w), in float32 and rounded once (the C++ kernels take the float32 factor).
+    `ops`: the kernels bound at load (layers/bind.py; None: torch)."""
+
+    ops = None
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -47,9 +51,12 @@ class GemmaRMSNorm(nn.Module):
             self._factor, self._key = 1.0 + w.detach().float(), key
         return self._factor
 
+    def bind_kernels(self, ops, epilogues: bool = True) -> None:
+        self.ops = ops
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """As RMSNorm.forward: with `residual`, (norm(x + residual), x + residual), x then reused."""
-        ops, w = cpu_kernels.ops_for(x), self.factor()
+        ops, w = self.ops, self.factor()
         if residual is not None:
             if ops is not None and x.is_contiguous() and residual.is_contiguous():
                 ops.fused_add_rms_norm(x, residual, w, self.eps)
@@ -62,20 +69,23 @@ class GemmaRMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * w).to(x.dtype)
 
 
+@sharding_rule("as LlamaMLP's: gate/up column-parallel, down_proj row-parallel, then an all-reduce",
+               covers=("gate_up_proj", "down_proj"))
 class GemmaMLP(LlamaMLP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        ops = cpu_kernels.ops_for(gate_up)
-        if ops is not None:
-            return self.down_proj(ops.gelu_tanh_and_mul(gate_up))
+        if self.ops is not None:
+            return self.tp.all_reduce(self.down_proj(self.ops.gelu_tanh_and_mul(gate_up)))
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.tp.all_reduce(self.down_proj(F.gelu(gate, approximate="tanh") * up))
 
 
+@sharding_rule("as LlamaAttention's: q/k/v by whole heads, o_proj row-parallel, then an all-reduce",
+               covers=("qkv_proj", "o_proj"))
 class GemmaAttention(LlamaAttention):
-    def __init__(self, cfg, layer_idx: int, qk_norm: bool):
+    def __init__(self, cfg, layer_idx: int, qk_norm: bool, tp: TPGroup = NO_TP):
         bias = bool(getattr(cfg, "attention_bias", False))
-        super().__init__(cfg, layer_idx, qkv_bias=bias)
+        super().__init__(cfg, layer_idx, qkv_bias=bias, tp=tp)
         if bias:  # Gemma's o_proj has a bias whenever q/k/v do
             self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=True)
         self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
@@ -90,15 +100,17 @@ class GemmaAttention(LlamaAttention):
         q = self.q_norm(q.reshape(T, self.num_heads, self.head_dim))
         k = self.k_norm(k.reshape(T, self.num_kv_heads, self.head_dim))
         q, k = rope(positions, q, k)
-        return self.o_proj(attn.forward(self.layer_idx, q, k, v.reshape(T, self.num_kv_heads, self.head_dim), meta))
+        out = attn.forward(self.layer_idx, q, k, v.reshape(T, self.num_kv_heads, self.head_dim), meta)
+        return self.tp.all_reduce(self.o_proj(out))
 
 
+@sharding_rule("a container")
 class GemmaDecoderLayer(nn.Module):
-    def __init__(self, cfg, layer_idx: int, qk_norm: bool, rope_key: str):
+    def __init__(self, cfg, layer_idx: int, qk_norm: bool, rope_key: str, tp: TPGroup = NO_TP):
         super().__init__()
         self.rope_key = rope_key  # which of the model's rotary tables this layer uses
-        self.self_attn = GemmaAttention(cfg, layer_idx, qk_norm)
-        self.mlp = GemmaMLP(cfg)
+        self.self_attn = GemmaAttention(cfg, layer_idx, qk_norm, tp)
+        self.mlp = GemmaMLP(cfg, tp)
         for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                      "post_feedforward_layernorm"):
             setattr(self, name, GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
@@ -114,12 +126,11 @@ class GemmaDecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
+@sharding_rule("the LM head by vocab rows, gathered on rank 0 (soft-capped there)", covers=("lm_head",),
+               methods=("compute_logits",))
 class GemmaForCausalLM(LlamaForCausalLM):
     # HF architectures this class serves: whether the layers have q/k norms and per-type ropes (Gemma 3).
     ARCHITECTURES = {"Gemma2ForCausalLM": False, "Gemma3ForCausalLM": True}
-    SUPPORTS_FUSED_DECODE = False  # its norms, GeGLU and windows are not in the fused C++ step
-    SUPPORTS_TENSOR_PARALLEL = False
-    SUPPORTS_LORA = False
 
     def __init__(self, cfg, dtype: torch.dtype, max_position: int, tp: TPGroup = NO_TP):
         nn.Module.__init__(self)
@@ -135,11 +146,11 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         # transformers multiplies by sqrt(hidden) cast to the weights' dtype (55.4256 -> 55.5 in bf16).
         self.embed_scale = float(torch.tensor(cfg.hidden_size**0.5, dtype=dtype, device="cpu"))
-        self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, i, self.gemma3, types[i]) for i in range(len(types)))
+        self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, i, self.gemma3, types[i], tp) for i in range(len(types)))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", True))
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if self.tie_word_embeddings:
+        self.lm_head = nn.Linear(cfg.hidden_size, lm_head_rows(cfg.vocab_size, tp.size), bias=False)
+        if self.tie_word_embeddings and tp.size == 1:  # split: load_weights copies this rank's rows
             self.lm_head.weight = self.embed_tokens.weight
         self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
         self.rope = self.make_rope(dtype)
@@ -175,8 +186,13 @@ class GemmaForCausalLM(LlamaForCausalLM):
             x, residual = layer(x, residual, positions, self.rope[layer.rope_key], attn, meta)
         return x + residual
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(self.norm(hidden)).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits of these rows, soft-capped; under tensor parallelism on rank 0 only (None elsewhere)."""
+        logits = self.tp.gather_to_first(self.lm_head(self.norm(hidden)).float())
+        if logits is None:
+            return None
+        if self.tp.size > 1:
+            logits = logits[:, : self.cfg.vocab_size]
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

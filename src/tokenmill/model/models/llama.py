@@ -18,8 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed.comm import NO_TP, TPGroup
-from tokenmill.model.sharding import lm_head_rows
-from tokenmill.kernels import cpu_kernels
+from tokenmill.model.sharding import lm_head_rows, sharding_rule
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata, LayerAttention
 from tokenmill.model.layers.embedding import embedding
 from tokenmill.model.layers.norm import RMSNorm
@@ -27,6 +26,8 @@ from tokenmill.model.layers.quantization import GROUP, QuantEmbedding, QuantLine
 from tokenmill.model.layers.rotary import RotaryEmbedding
 
 
+@sharding_rule("q/k/v column-parallel by whole heads, o_proj row-parallel, then an all-reduce",
+               covers=("qkv_proj", "o_proj"))
 class LlamaAttention(nn.Module):
     def __init__(self, cfg, layer_idx: int, qkv_bias: bool, tp: TPGroup = NO_TP):
         super().__init__()
@@ -60,7 +61,18 @@ class LlamaAttention(nn.Module):
         return self.tp.all_reduce(self.o_proj(attn.forward(self.layer_idx, q, k, v, meta)))
 
 
+@sharding_rule("gate/up column-parallel, down_proj row-parallel, then an all-reduce",
+               covers=("gate_up_proj", "down_proj"))
 class LlamaMLP(nn.Module):
+    """SwiGLU over a fused gate/up projection. Bound at load (layers/bind.py): `ops` (the
+    silu_and_mul kernel; None: torch) and `fused_act`, whether the projection computes the
+    activation in its epilogue (PackedLinear / W8A8Linear.fuses_silu): decided then, from the
+    projection the model holds (a LoRA-wrapped one has no epilogue; a reference model whose hooks
+    watch the projection's forward binds with epilogues=False)."""
+
+    ops = None
+    fused_act = False
+
     def __init__(self, cfg, tp: TPGroup = NO_TP, intermediate_size: int | None = None):
         super().__init__()
         self.tp = tp
@@ -69,23 +81,21 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, bias=bias)
         self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=bias)
 
+    def bind_kernels(self, ops, epilogues: bool = True) -> None:
+        self.ops = ops
+        self.fused_act = epilogues and bool(getattr(self.gate_up_proj, "fuses_silu", False))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # A linear with the activation in its epilogue (not where hooks watch its forward: LoRA's
-        # reference model, calibration)
-        proj = self.gate_up_proj
-        fused = getattr(proj, "silu_and_mul", None)
-        hooked = proj._forward_hooks or proj._forward_pre_hooks
-        act = fused(x) if fused is not None and not hooked else None
-        if act is not None:
-            return self.tp.all_reduce(self.down_proj(act))
+        if self.fused_act:  # the activation in the projection's epilogue
+            return self.tp.all_reduce(self.down_proj(self.gate_up_proj.silu_and_mul(x)))
         gate_up = self.gate_up_proj(x)
-        ops = cpu_kernels.ops_for(gate_up)
-        if ops is not None:
-            return self.tp.all_reduce(self.down_proj(ops.silu_and_mul(gate_up)))
+        if self.ops is not None:
+            return self.tp.all_reduce(self.down_proj(self.ops.silu_and_mul(gate_up)))
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
+@sharding_rule("a container")
 class LlamaDecoderLayer(nn.Module):
     attention_cls = LlamaAttention  # a family with its own attention subclasses the layer and sets this
 
@@ -112,6 +122,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+@sharding_rule("the LM head by vocab rows, gathered on rank 0", covers=("lm_head",), methods=("compute_logits",))
 class LlamaForCausalLM(nn.Module):
     # HF architectures this class serves, and whether their q/k/v projections carry a bias.
     ARCHITECTURES = {
@@ -119,11 +130,8 @@ class LlamaForCausalLM(nn.Module):
         "MistralForCausalLM": False,
         "Qwen2ForCausalLM": True,
     }
-    # What the engine may do with this family (a new family opts in to each once it is tested):
-    # the fused C++ decode step (fused_decode.py), tensor parallelism (distributed/), LoRA (lora/).
-    SUPPORTS_FUSED_DECODE = True
-    SUPPORTS_TENSOR_PARALLEL = True
-    SUPPORTS_LORA = True
+    # What the engine may do with a model follows from its modules: the fused C++ decode step
+    # (worker/fused_decode.py), tensor parallelism (model/sharding.py's rules), LoRA (lora/layers.py).
     decoder_layer_cls = LlamaDecoderLayer
 
     def __init__(self, cfg, dtype: torch.dtype, max_position: int, tp: TPGroup = NO_TP):

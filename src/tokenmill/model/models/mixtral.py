@@ -25,15 +25,11 @@ class MixtralDecoderLayer(LlamaDecoderLayer):
     def make_mlp(self, cfg, layer_idx: int, tp: TPGroup) -> nn.Module:
         check_silu(cfg)
         return SparseMoeBlock(cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts, cfg.num_experts_per_tok,
-                              renormalize=True)
+                              renormalize=True, tp=tp)
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
     ARCHITECTURES = {"MixtralForCausalLM": False}
-    # Not yet built or tested for the experts: the fused C++ decode step, tensor parallelism, LoRA.
-    SUPPORTS_FUSED_DECODE = False
-    SUPPORTS_TENSOR_PARALLEL = False
-    SUPPORTS_LORA = False
     decoder_layer_cls = MixtralDecoderLayer
 
     def fused_target(self, name: str) -> tuple[str, tuple[int, int] | None]:

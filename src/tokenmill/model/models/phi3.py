@@ -19,9 +19,6 @@ from tokenmill.model.models.llama import LlamaForCausalLM
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     ARCHITECTURES = {"Phi3ForCausalLM": False}
-    SUPPORTS_FUSED_DECODE = False  # op by op: the fused step turns whole heads (Phi-4-mini turns 3/4)
-    SUPPORTS_TENSOR_PARALLEL = True
-    SUPPORTS_LORA = True  # PEFT adapts the fused qkv_proj / gate_up_proj whole (lora/adapter.py)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._split_fused(weights))

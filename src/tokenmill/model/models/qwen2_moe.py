@@ -41,15 +41,11 @@ class Qwen2MoeDecoderLayer(LlamaDecoderLayer):
         # round_weights: transformers' Qwen code rounds the routing weights to the model's dtype
         return SparseMoeBlock(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
                               renormalize=bool(getattr(cfg, "norm_topk_prob", False)), round_weights=True,
-                              shared_expert=LlamaMLP(cfg, tp, intermediate_size=size) if size else None)
+                              shared_expert=LlamaMLP(cfg, tp, intermediate_size=size) if size else None, tp=tp)
 
 
 class Qwen2MoeForCausalLM(LlamaForCausalLM):
     ARCHITECTURES = {"Qwen2MoeForCausalLM": True}  # Qwen2MoeConfig.qkv_bias decides (the layer reads it)
-    # Not yet built or tested for the experts: the fused C++ decode step, tensor parallelism, LoRA.
-    SUPPORTS_FUSED_DECODE = False
-    SUPPORTS_TENSOR_PARALLEL = False
-    SUPPORTS_LORA = False
     decoder_layer_cls = Qwen2MoeDecoderLayer
 
     def fused_target(self, name: str) -> tuple[str, tuple[int, int] | None]:

@@ -32,7 +32,4 @@ class Qwen3DecoderLayer(LlamaDecoderLayer):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     ARCHITECTURES = {"Qwen3ForCausalLM": False}  # q/k/v (and o) biases only with attention_bias
-    SUPPORTS_FUSED_DECODE = False  # the fused C++ decode step has no q/k norms
-    SUPPORTS_TENSOR_PARALLEL = True  # the norms are per head: each rank applies them to its own heads
-    SUPPORTS_LORA = True
     decoder_layer_cls = Qwen3DecoderLayer
