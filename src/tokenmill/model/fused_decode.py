@@ -29,11 +29,11 @@ row_slots adds each row's adapter to the adapted linears inside the step (lora_a
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
 
+from tokenmill import envs
 from tokenmill.distributed.comm import NO_TP, SPIN_NS, TPAborted, TPGroup
 from tokenmill.model.layers import cpu_kernels, cpu_threads
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata
@@ -78,7 +78,7 @@ class FusedDecode:
     def build(cls, model: nn.Module, attn: AttentionBackend, dtype: torch.dtype, block_size: int,
               tp: TPGroup = NO_TP) -> FusedDecode | None:
         """The fused step for this model (this rank's shard), or None (logged) when it cannot run it."""
-        if os.environ.get("TOKENMILL_FUSED_DECODE") == "0":
+        if not envs.TOKENMILL_FUSED_DECODE:
             return None
         kernels = cpu_kernels.load() if cpu_kernels.enabled() else None
         reason = None

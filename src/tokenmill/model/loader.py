@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from tokenmill import envs
 from tokenmill import progress
 from tokenmill.distributed.comm import NO_TP, TPGroup
 from tokenmill.distributed.sharding import Shard, shard_for
@@ -226,7 +227,7 @@ def load_model(path: str, hf_config, dtype: torch.dtype, max_position: int, devi
 
         logger.info("w8a8: %d linear layers in int8, activations quantized per token",
                     quantize_model_w8a8(model, path, calibration))
-    if on_cpu and os.environ.get("TOKENMILL_NO_PACKED_LINEAR") != "1":
+    if on_cpu and not envs.TOKENMILL_NO_PACKED_LINEAR:
         from tokenmill.model.layers.linear import pack_linears
 
         pack_linears(model, dtype)

@@ -19,7 +19,7 @@ Anthropic's Messages API, TGI routes, Prometheus metrics and API-key auth over a
     web_ui.py              the web playground and live dashboard at / (static files in web/)
 """
 
-__all__ = ["build_app", "serve", "BackgroundServer"]
+__all__ = ["build_app", "serve", "BackgroundServer", "ServerArgs"]
 
 
 def __getattr__(name: str):
