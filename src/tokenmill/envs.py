@@ -87,7 +87,7 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     "TOKENMILL_CACHE_DIR": EnvVar(
         "~/.cache/tokenmill", _cache_dir,
         "Where tokenmill caches what it derives from models and the machine: converted GGUF checkpoints "
-        "(`gguf/`), W8A8 calibration statistics (`w8a8/`), the Hugging Face hub lookups (`hf/`) and C++ "
+        "(`gguf/`), W8A8 calibration statistics (`w8a8/`), snapshots of model folders' transformers configs and tokenizer classes (`hf/`) and C++ "
         "kernels compiled on first use (`kernels/`)."),
     # ---- CPU kernels
     "TOKENMILL_CPU_ISA": EnvVar(
@@ -176,3 +176,7 @@ def markdown_table() -> str:
     for name, var in ENVIRONMENT_VARIABLES.items():
         rows.append(f"| `{name}` | {var.default} | {var.when} | {var.doc} |")
     return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":  # python -m tokenmill.envs: the table of docs/environment-variables.md
+    print(markdown_table(), end="")
