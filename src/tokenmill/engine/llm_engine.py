@@ -25,12 +25,16 @@ from tokenmill.config import (
     parse_dtype,
     resolve_device,
 )
-from tokenmill.distributed.sharding import check_tp_size
+from tokenmill.lora.adapter import LoRAError
+from tokenmill.lora.adapter import linear_shapes
+from tokenmill.lora.config import LoRAConfig, parse_lora_modules
+from tokenmill.lora.registry import LoRARegistry
+from tokenmill.model.sharding import check_tp_size
 from tokenmill.engine.engine_core import EngineCore
-from tokenmill.engine.kv_cache import blocks_held
+from tokenmill.kv_cache import blocks_held
 from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.engine.request import Request, RequestStatus
-from tokenmill.model.layers import cpu_threads
+from tokenmill.request import Request, RequestStatus
+from tokenmill.kernels import cpu_threads
 from tokenmill.model.layers.attention import LayerAttention, kv_window
 from tokenmill.model.layers.quantization import check_quantization, check_w8a8_args
 from tokenmill.model.models.llama import sliding_windows
@@ -38,8 +42,11 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.config import SpeculativeConfig
-from tokenmill.structured_output import StructuredOutputManager
-from tokenmill.watermark import WatermarkConfig
+from tokenmill.model.loader import check_features, load_hf_config, model_class, resolve_model_path, served_names
+from tokenmill.model.pooling import resolve_task, sentence_transformers_max_len
+from tokenmill.sample.structured_output import StructuredOutputManager
+from tokenmill.tokenizer import load_tokenizer
+from tokenmill.config import WatermarkConfig
 
 logger = logging.getLogger("tokenmill")
 
@@ -48,15 +55,11 @@ DEFAULT_KV_CACHE_GIB = 4.0
 
 class LLMEngine:
     def __init__(self, args: EngineArgs):
-        from tokenmill.model.loader import (check_features, load_hf_config, model_class, resolve_model_path,
-                                            served_names)
-        from tokenmill.model.pooling import resolve_task, sentence_transformers_max_len
-        from tokenmill.tokenizer import load_tokenizer
 
         t0 = time.perf_counter()
         tp = args.tensor_parallel_size
         if tp > 1:
-            pass  # each rank's threads and cores: distributed/executor.py
+            pass  # each rank's threads and cores: worker/executor.py
         elif args.num_threads:
             torch.set_num_threads(args.num_threads)
         else:  # no more threads than the CPU quota / affinity allows (a container's cpu.max)
@@ -125,9 +128,6 @@ class LLMEngine:
         self.core = EngineCore(self.config)
         self.lora = None  # the adapters by name (lora/registry.py), with --enable-lora
         if self.config.lora is not None:
-            from tokenmill.lora.adapter import linear_shapes
-            from tokenmill.lora.registry import LoRARegistry
-
             self.lora = LoRARegistry(self.config.lora, linear_shapes(self.core.runner.model), hf_config.num_hidden_layers,
                                      dtype, name)
         num_blocks = self.config.cache.num_blocks
@@ -292,8 +292,6 @@ class LLMEngine:
         if lora_request is None:
             return None
         if self.lora is None:
-            from tokenmill.lora.adapter import LoRAError
-
             raise LoRAError(f"LoRA adapter {lora_request.lora_name!r} requested, but LoRA is off: start the engine "
                             f"with enable_lora=True (--enable-lora)")
         return self.lora.get(lora_request)
@@ -389,7 +387,6 @@ def _lora_config(args: EngineArgs):
         return None
     if args.tensor_parallel_size > 1:
         raise ValueError("--enable-lora with --tensor-parallel-size > 1 is not supported yet")
-    from tokenmill.lora.config import LoRAConfig, parse_lora_modules
 
     return LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras, parse_lora_modules(args.lora_modules),
                       args.allow_runtime_lora_updating, args.lora_path_allowlist)

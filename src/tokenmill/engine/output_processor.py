@@ -9,7 +9,7 @@ from tokenizers import Tokenizer
 
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.engine_core import CoreOutput
-from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.request import Request, RequestStatus
 from tokenmill.outputs import (CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestMetrics,
                                RequestOutput)
 

@@ -20,7 +20,7 @@ def _load_envs():
     """tokenmill.envs; by path when this module was loaded by path (setup.py, the build backend:
     the package is not importable then). envs.py imports nothing from tokenmill."""
     if __name__.startswith("tokenmill."):
-        from tokenmill import envs as module
+        from tokenmill import envs as module  # lazy: loaded by path (setup.py), tokenmill is not importable
 
         return module
     name = "tokenmill_envs"

@@ -38,7 +38,7 @@ from tokenmill.server.context import get_ctx
 from tokenmill.server.sampling import structured_output
 from tokenmill.server.sse import run_cancellable, SSEResponse, stream_error
 from tokenmill.server.tool_calls import CallArgs, CallEnd, CallStart, ToolPlan, function_tool, plan_tools
-from tokenmill.structured_output import GuidedDecodingParams
+from tokenmill.sampling_params import GuidedDecodingParams
 
 router = APIRouter(tags=["Anthropic"], route_class=CheckedRoute)
 

@@ -44,7 +44,7 @@ from tokenmill.server.context import get_ctx, ServerContext
 from tokenmill.server.sampling import structured_output
 from tokenmill.server.sse import run_cancellable, SSEResponse, stream_error
 from tokenmill.server.tool_calls import CallArgs, CallEnd, CallStart, ToolPlan, function_tool, plan_tools
-from tokenmill.structured_output import GuidedDecodingParams
+from tokenmill.sampling_params import GuidedDecodingParams
 
 router = APIRouter(tags=["OpenAI Responses"], route_class=CheckedRoute)
 

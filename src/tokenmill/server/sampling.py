@@ -8,9 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Callable
 
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import GuidedDecodingParams, SamplingParams
 from tokenmill.server.errors import APIError
-from tokenmill.structured_output import GuidedDecodingParams
 
 
 @dataclass

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from tokenmill import envs
-from tokenmill.model.layers import cpu_kernels
+from tokenmill.kernels import cpu_kernels
 
 logger = logging.getLogger("tokenmill")
 
