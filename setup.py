@@ -12,7 +12,6 @@ Everything else about the package is in pyproject.toml. Settings (environment):
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -25,8 +24,9 @@ sys.path.insert(0, str(HERE / "build_backend"))
 from tokenmill_backend import KERNELS, kernel_modules  # noqa: E402 - the path just above
 
 isa, kernel_build = kernel_modules()
-SKIP = os.environ.get("TOKENMILL_SKIP_KERNEL_BUILD") == "1"
-LEVELS = [s.strip() for s in os.environ.get("TOKENMILL_KERNEL_LEVELS", "").split(",") if s.strip()] or isa.level_names()
+envs = isa.envs  # src/tokenmill/envs.py, loaded by path with isa
+SKIP = envs.TOKENMILL_SKIP_KERNEL_BUILD
+LEVELS = envs.TOKENMILL_KERNEL_LEVELS or isa.level_names()
 for _name in LEVELS:
     isa.level(_name)  # an unknown name fails here, naming the choices
 

@@ -89,9 +89,10 @@ def main(argv=None) -> dict:
 
         from tokenmill.engine.async_engine import AsyncLLMEngine
         from tokenmill.server.app import BackgroundServer, build_app
+        from tokenmill.server.args import ServerArgs
 
         aengine = AsyncLLMEngine.from_args(path, dtype=args.dtype, served_model_name="minilm")
-        server = BackgroundServer(build_app(aengine, log_requests=False)).start()
+        server = BackgroundServer(build_app(aengine, ServerArgs(disable_log_requests=True))).start()
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         systems["tokenmill-server"] = lambda b: tokenmill_server(client, "minilm", texts, b)
     try:

@@ -84,7 +84,7 @@ class LocalServe:
         if "tokenmill" in serve.status().applications:
             serve.delete("tokenmill")
         t0 = time.perf_counter()
-        serve.run(build_app(engine, replicas, IngressOptions(log_requests=False)), name="tokenmill",
+        serve.run(build_app(engine, replicas, IngressOptions(disable_log_requests=True)), name="tokenmill",
                   route_prefix="/")
         return time.perf_counter() - t0
 

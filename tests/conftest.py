@@ -86,13 +86,14 @@ def smollm2_llm(smollm2_dir):
 
 @contextlib.contextmanager
 def running_server(model_dir: str, app_kwargs: dict | None = None, **engine_kwargs):
-    """A real uvicorn server on a free loopback port over a fresh engine (build_app's app_kwargs:
-    api_key, ...); always stopped."""
+    """A real uvicorn server on a free loopback port over a fresh engine (app_kwargs: ServerArgs
+    fields, api_key, ...); always stopped."""
     from tokenmill.engine.async_engine import AsyncLLMEngine
     from tokenmill.server.app import BackgroundServer, build_app
+    from tokenmill.server.args import ServerArgs
 
     aengine = AsyncLLMEngine.from_args(model_dir, **{"dtype": "float32", "kv_cache_memory": 0.05, **engine_kwargs})
-    server = BackgroundServer(build_app(aengine, **(app_kwargs or {})))
+    server = BackgroundServer(build_app(aengine, ServerArgs(**(app_kwargs or {}))))
     try:
         server.start()
         yield server, aengine

@@ -53,9 +53,10 @@ def _server(model_dir: str, api_key: str | None = None, **engine_kwargs):
     """running_server, with an API key."""
     from tokenmill.engine.async_engine import AsyncLLMEngine
     from tokenmill.server.app import BackgroundServer, build_app
+    from tokenmill.server.args import ServerArgs
 
     aengine = AsyncLLMEngine.from_args(model_dir, dtype="float32", kv_cache_memory=0.05, **engine_kwargs)
-    server = BackgroundServer(build_app(aengine, api_key=api_key))
+    server = BackgroundServer(build_app(aengine, ServerArgs(api_key=api_key)))
     try:
         yield server.start(), aengine
     finally:

@@ -24,6 +24,7 @@ from conftest import free_port
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.model import loader
 from tokenmill.server.app import BackgroundServer, build_app
+from tokenmill.server.args import ServerArgs
 from tokenmill.server.startup import LOADING_RETRY_AFTER_S, StartupApp
 
 
@@ -43,7 +44,7 @@ def held(tiny_llama_dir, monkeypatch):
 
     monkeypatch.setattr(loader, "_iter_safetensors", held_weights)
     gate = StartupApp(lambda: AsyncLLMEngine.from_args(tiny_llama_dir, dtype="float32", kv_cache_memory=0.05),
-                      lambda aengine: build_app(aengine, api_key="k3y"))
+                      lambda aengine: build_app(aengine, ServerArgs(api_key="k3y")))
     server = BackgroundServer(gate).start()
     gate.start()
     try:

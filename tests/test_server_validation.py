@@ -12,7 +12,7 @@ import pytest
 from conftest import running_server
 
 from tokenmill import SamplingParams
-from tokenmill.server import protocol, serving
+from tokenmill.server import checks, protocol
 
 C, CHAT, GEN, GEN_STREAM = "/v1/completions", "/v1/chat/completions", "/generate", "/generate_stream"
 USER = '"messages": [{"role": "user", "content": "Hi"}]'
@@ -188,7 +188,7 @@ def test_schema_documents_content_types_and_statuses(openapi):
 
 
 def test_max_n_is_the_servers():
-    assert protocol.MAX_N == serving.MAX_N
+    assert protocol.MAX_N == checks.MAX_N
 
 
 # ---- SamplingParams (the offline API) ------------------------------------------------------------

@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.server.app import BackgroundServer, build_app
+from tokenmill.server.args import ServerArgs
 
 KEY = "sk-extras"
 # Long enough for several full KV blocks (16 tokens) under the tiny model's tokenizer.
@@ -32,7 +33,7 @@ VLLM_OTHER_FAMILIES = ["vllm:request_inference_time_seconds", "vllm:prefix_cache
 def server(tiny_llama_dir):
     aengine = AsyncLLMEngine.from_args(tiny_llama_dir, dtype="float32", kv_cache_memory=0.05,
                                        served_model_name="tiny")
-    srv = BackgroundServer(build_app(aengine, api_key=KEY, metrics_prefix="vllm"))
+    srv = BackgroundServer(build_app(aengine, ServerArgs(api_key=KEY, metrics_prefix="vllm")))
     try:
         srv.start()
         with openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=120) as client:

@@ -168,7 +168,7 @@ def test_page_is_public_and_its_data_calls_need_the_key(served):
 
 
 def test_disable_web_ui_gives_404(tiny_llama_dir):
-    with running_server(tiny_llama_dir, app_kwargs={"enable_web_ui": False}) as (server, _):
+    with running_server(tiny_llama_dir, app_kwargs={"disable_web_ui": True}) as (server, _):
         with httpx.Client(base_url=server.url, timeout=30) as h:
             assert h.get("/").status_code == 404
             assert h.get("/ui/main.js").status_code == 404

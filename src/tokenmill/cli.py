@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
 
 from tokenmill.engine.arg_utils import RUNTIME_LORA_ENV, add_engine_args, engine_args_from
+from tokenmill.server.args import ServerArgs
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
@@ -93,31 +93,28 @@ def _cmd_chat(ns: argparse.Namespace) -> int:
 def _cmd_serve(ns: argparse.Namespace) -> int:
     from tokenmill.server.listen import bind_socket
 
-    chat_template = ns.chat_template
-    if chat_template and os.path.isfile(chat_template):
-        with open(chat_template, encoding="utf-8") as f:
-            chat_template = f.read()
-    if ns.max_waiting is not None and ns.max_waiting < 0:
-        raise ValueError(f"--max-waiting must be >= 0, got {ns.max_waiting}")
+    args = ServerArgs.from_cli_args(ns).with_chat_template_file()
+    if args.max_waiting is not None and args.max_waiting < 0:
+        raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
     if ns.allow_runtime_lora_updating and not ns.enable_lora:
         logging.getLogger("tokenmill").warning("--allow-runtime-lora-updating (or %s) without --enable-lora: "
                                                "the LoRA routes stay off", RUNTIME_LORA_ENV)
     from tokenmill.server import tracing
     from tokenmill.server.metrics import check_metrics_prefix
 
-    check_metrics_prefix(ns.metrics_prefix)
-    traced = tracing.tracing_requested(ns.otlp_traces_endpoint)
+    check_metrics_prefix(args.metrics_prefix)
+    traced = tracing.tracing_requested(args.otlp_traces_endpoint)
     if _wants_ray(ns):
         if ns.enable_lora:
             raise ValueError("--enable-lora with Ray Serve replicas is not supported yet")
-        if traced or ns.metrics_prefix != "tokenmill":
+        if traced or args.metrics_prefix != "tokenmill":
             raise ValueError("--otlp-traces-endpoint and --metrics-prefix with Ray Serve replicas are not supported "
                              "yet")
-        return _serve_on_ray(ns, chat_template)
+        return _serve_on_ray(ns, args)
     # Before the model loads: a missing OpenTelemetry package or a bad protocol fails now.
-    tracer = tracing.RequestTracer(ns.otlp_traces_endpoint) if traced else None
+    tracer = tracing.RequestTracer(args.otlp_traces_endpoint) if traced else None
     try:
-        sock = bind_socket(ns.host, ns.port)  # first: a busy port fails now, not after the model has loaded
+        sock = bind_socket(args.host, args.port)  # first: a busy port fails now, not after the model has loaded
     except BaseException:
         if tracer is not None:
             tracer.shutdown()
@@ -131,19 +128,9 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         progress.set_phase("importing the engine")
         from tokenmill.engine.async_engine import AsyncLLMEngine
 
-        return AsyncLLMEngine.from_args(max_waiting=ns.max_waiting, **vars(engine_args_from(ns)))
+        return AsyncLLMEngine.from_args(max_waiting=args.max_waiting, **vars(engine_args_from(ns)))
 
-    return serve(
-        load_engine, sock=sock, host=ns.host, port=ns.port, api_key=ns.api_key, drain_timeout=ns.drain_timeout,
-        max_logprobs=ns.max_logprobs, chat_template=chat_template, log_requests=not ns.disable_log_requests,
-        uvicorn_log_level=ns.uvicorn_log_level, timeout_keep_alive=ns.timeout_keep_alive,
-        ssl_keyfile=ns.ssl_keyfile, ssl_certfile=ns.ssl_certfile, root_path=ns.root_path,
-        trust_request_chat_template=ns.trust_request_chat_template,
-        max_request_body_bytes=ns.max_request_body_bytes or None, max_prompts_per_request=ns.max_prompts_per_request,
-        max_response_values=ns.max_response_values, max_stored_responses=ns.max_stored_responses,
-        tracer=tracer, metrics_prefix=ns.metrics_prefix,
-        enable_web_ui=not ns.disable_web_ui,
-    )
+    return serve(load_engine, args, sock=sock, tracer=tracer)
 
 
 RAY_FLAGS = ("num_replicas", "min_replicas", "max_replicas", "ray_address")
@@ -153,8 +140,9 @@ def _wants_ray(ns: argparse.Namespace) -> bool:
     return any(getattr(ns, f, None) is not None for f in RAY_FLAGS)
 
 
-def _serve_on_ray(ns: argparse.Namespace, chat_template: str | None) -> int:
-    """`serve --num-replicas N` (or --ray-address / --min-replicas / --max-replicas): Ray Serve."""
+def _serve_on_ray(ns: argparse.Namespace, args) -> int:
+    """`serve --num-replicas N` (or --ray-address / --min-replicas / --max-replicas): Ray Serve.
+    `args`: the ServerArgs (the ingress reads server.args.RAY_INGRESS_FIELDS of them)."""
     try:
         from tokenmill import ray_serve
     except ImportError as e:
@@ -162,18 +150,11 @@ def _serve_on_ray(ns: argparse.Namespace, chat_template: str | None) -> int:
     replicas = ray_serve.ReplicaOptions(
         num_replicas=ns.num_replicas or ns.min_replicas or 1, min_replicas=ns.min_replicas,
         max_replicas=ns.max_replicas, target_ongoing_requests=ns.target_ongoing_requests, routing=ns.routing,
-        max_waiting=ns.max_waiting, drain_timeout=ns.drain_timeout)
-    server = ray_serve.IngressOptions(
-        api_key=ns.api_key, max_logprobs=ns.max_logprobs, chat_template=chat_template,
-        trust_request_chat_template=ns.trust_request_chat_template,
-        max_request_body_bytes=ns.max_request_body_bytes or None, max_prompts_per_request=ns.max_prompts_per_request,
-        max_response_values=ns.max_response_values,
-        log_requests=not ns.disable_log_requests, enable_web_ui=not ns.disable_web_ui,
-        max_stored_responses=ns.max_stored_responses)
+        max_waiting=args.max_waiting, drain_timeout=args.drain_timeout)
     cluster = ray_serve.ClusterOptions(
-        ray_address=ns.ray_address, host=ns.host, port=ns.port, keep_alive_timeout_s=ns.timeout_keep_alive,
-        ssl_keyfile=ns.ssl_keyfile, ssl_certfile=ns.ssl_certfile, root_path=ns.root_path)
-    return ray_serve.run_cli(engine_args_from(ns), replicas, server, cluster)
+        ray_address=ns.ray_address, host=args.host, port=args.port, keep_alive_timeout_s=args.timeout_keep_alive,
+        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, root_path=args.root_path)
+    return ray_serve.run_cli(engine_args_from(ns), replicas, args, cluster)
 
 
 def add_ray_args(s: argparse.ArgumentParser) -> None:
@@ -215,58 +196,7 @@ def _cmd_bench_serve(ns: argparse.Namespace) -> int:
 
 
 def add_server_args(s: argparse.ArgumentParser) -> None:
-    g = s.add_argument_group("server")
-    g.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all interfaces, 0.0.0.0)")
-    g.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    g.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY") or None,
-                   help="require 'Authorization: Bearer <key>' on every route but /health and the API docs "
-                        "(default: $TOKENMILL_API_KEY; none: no authentication)")
-    g.add_argument("--max-waiting", type=int, default=None,
-                   help="refuse new requests with 503 + Retry-After while this many wait for the engine "
-                        "(default: no limit)")
-    g.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="on SIGTERM / SIGINT, seconds to let in-flight requests finish before they are "
-                        "aborted; then the server exits 0 (default 30)")
-    g.add_argument("--max-logprobs", type=int, default=20,
-                   help="largest logprobs / top_logprobs a request may ask for (default 20)")
-    g.add_argument("--chat-template", default=None,
-                   help="Jinja chat template (a file path or the template itself) instead of the model's")
-    g.add_argument("--trust-request-chat-template", action="store_true",
-                   help="accept a chat_template sent in a request (default: refused with 400; a template is a "
-                        "program the server runs)")
-    g.add_argument("--max-request-body-bytes", type=int, default=2_000_000,
-                   help="refuse larger request bodies with 413 (default 2000000, as TGI's --payload-limit; "
-                        "0: no limit)")
-    g.add_argument("--max-prompts-per-request", type=int, default=256,
-                   help="most prompts one /v1/completions request may carry (default 256)")
-    g.add_argument("--max-response-values", type=int, default=4_000_000,
-                   help="refuse with 400 a non-streamed request whose response could hold more values than this: "
-                        "tokens of text, logprob entries (each token's and its top ones) and embedding numbers, "
-                        "counted from n, max_tokens, logprobs and the inputs (default 4000000; 0: no limit; "
-                        "streamed responses are not counted)")
-    g.add_argument("--max-stored-responses", type=int, default=1000,
-                   help="Responses API: responses kept in memory for GET /v1/responses/{id} and "
-                        "previous_response_id, least recently used dropped first (default 1000; 0: none)")
-    g.add_argument("--disable-log-requests", action="store_true",
-                   help="do not write the access-log line of each request (id, tokens in/out, TTFT, latency)")
-    g.add_argument("--disable-web-ui", action="store_true",
-                   help="do not serve the web playground and live dashboard at / (its data calls need --api-key "
-                        "like every route)")
-    g.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"],
-                   help="log level of uvicorn's own messages (default info)")
-    g.add_argument("--timeout-keep-alive", type=int, default=5,
-                   help="seconds an idle keep-alive connection stays open (default 5)")
-    g.add_argument("--ssl-keyfile", default=None, help="TLS private key file (serve HTTPS)")
-    g.add_argument("--ssl-certfile", default=None, help="TLS certificate file (serve HTTPS)")
-    g.add_argument("--root-path", default="", help="ASGI root_path, when behind a path-based proxy")
-    g.add_argument("--otlp-traces-endpoint", default=None,
-                   help="send one OpenTelemetry span per request (vLLM's GenAI attributes) to this OTLP collector "
-                        "URL, e.g. http://localhost:4318/v1/traces (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or "
-                        "$OTEL_EXPORTER_OTLP_ENDPOINT if set, else off); pip install 'tokenmill[otel]'")
-    g.add_argument("--metrics-prefix", default="tokenmill",
-                   help="prefix of the /metrics names: tokenmill (tokenmill:*) or vllm (vllm:*, so dashboards made "
-                        "for vLLM work unchanged) (default: tokenmill)")
+    ServerArgs.add_cli_args(s)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -24,6 +24,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from tokenmill import envs
+
 logger = logging.getLogger("tokenmill")
 
 SNAPSHOT_VERSION = 1  # bump when the snapshot's format or meaning changes
@@ -77,7 +79,7 @@ def _decode(v: Any) -> Any:
 
 
 def _root() -> Path:
-    return Path(os.environ.get("TOKENMILL_CACHE_DIR") or Path.home() / ".cache" / "tokenmill") / "hf"
+    return Path(envs.TOKENMILL_CACHE_DIR) / "hf"
 
 
 def _key(kind: str, *parts: bytes | str) -> str:

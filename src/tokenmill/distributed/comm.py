@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from tokenmill import envs
 from tokenmill.kernels import cpu_kernels
 
 SPIN_BEFORE_YIELD_S = 50e-6  # then sched_yield: a rank may share its core with the rank it waits for
@@ -173,7 +174,7 @@ class TPGroup:
             pg = dist.ProcessGroupNCCL(store, rank, size, opts)
         else:
             pg = dist.ProcessGroupGloo(store, rank, size, timeout)
-            if os.environ.get("TOKENMILL_TP_ALLREDUCE", "shm") != "gloo":
+            if envs.TOKENMILL_TP_ALLREDUCE != "gloo":
                 shm = ShmAllReduce(shm_path, rank, size, shm_bytes, create=False)
         group = cls(rank, size, pg, shm, nccl)
         group._store = store  # the store must outlive the group

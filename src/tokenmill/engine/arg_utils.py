@@ -4,9 +4,9 @@ arg_utils), shared by `tokenmill serve`, `generate`, `chat` and the offline benc
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import fields
 
+from tokenmill import envs
 from tokenmill.config import DTYPE_CHOICES, EngineArgs
 from tokenmill.spec_decode.config import METHODS as SPECULATIVE_METHODS
 
@@ -85,10 +85,6 @@ _ENGINE_HELP = {
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true")
-
-
 def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) -> None:
     g = p.add_argument_group("engine")
     for f in fields(EngineArgs):
@@ -107,7 +103,7 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = False) 
                            help=help_text)
             continue
         if f.type in ("bool", bool):
-            default = f.default or (f.name == "allow_runtime_lora_updating" and _env_flag(RUNTIME_LORA_ENV))
+            default = f.default or (f.name == "allow_runtime_lora_updating" and envs.value(RUNTIME_LORA_ENV))
             g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
                            help=help_text)
             continue

@@ -42,6 +42,8 @@ class KernelModule(Protocol):
                     /) -> torch.Tensor: ...
     def __getattr__(self, name: str) -> Any: ...
 
+from tokenmill import envs
+
 
 logger = logging.getLogger("tokenmill")
 _lock = threading.Lock()
@@ -125,7 +127,7 @@ def cache_directory(level: str | None = None) -> Path:
     sources = sorted(kernel_build.CSRC.glob("*.cpp")) + sorted(kernel_build.CSRC.glob("*.h"))
     env = [level, torch.__version__, sys.version, sys.prefix, os.environ.get("CXX", "")]
     key = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + "|".join(env).encode()).hexdigest()[:16]
-    root = Path(os.environ.get("TOKENMILL_CACHE_DIR") or Path.home() / ".cache" / "tokenmill")
+    root = Path(envs.TOKENMILL_CACHE_DIR)
     return root / "kernels" / f"{level}-{key}"
 
 
@@ -193,7 +195,7 @@ def _acquire(guard, folder: Path) -> None:
 
 
 def enabled() -> bool:
-    return os.environ.get("TOKENMILL_NO_CPP_KERNELS") != "1"
+    return not envs.TOKENMILL_NO_CPP_KERNELS
 
 
 def batch_invariant() -> bool:
@@ -203,15 +205,12 @@ def batch_invariant() -> bool:
     after (oneDNN for prompt steps, the prefill attention kernel, decode attention split over the
     threads at small batches: faster prompts where oneDNN has AMX, but bf16 results that depend on
     the batch). Read from the environment so that tensor-parallel workers, spawned processes, agree."""
-    return os.environ.get("TOKENMILL_BATCH_INVARIANT", "1") != "0"
+    return envs.TOKENMILL_BATCH_INVARIANT
 
 
 def set_batch_invariant(on: bool | None) -> None:
     """Sets TOKENMILL_BATCH_INVARIANT for models loaded from now on (None: unsets it: on)."""
-    if on is None:
-        os.environ.pop("TOKENMILL_BATCH_INVARIANT", None)
-    else:
-        os.environ["TOKENMILL_BATCH_INVARIANT"] = "1" if on else "0"
+    envs.override("TOKENMILL_BATCH_INVARIANT", None if on is None else "1" if on else "0")
 
 
 _CPU_DTYPES = None

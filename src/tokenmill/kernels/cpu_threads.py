@@ -21,6 +21,8 @@ import os
 import sys
 from pathlib import Path
 
+from tokenmill import envs
+
 logger = logging.getLogger("tokenmill")
 
 DEFAULT_SPIN_US = 100.0
@@ -214,12 +216,7 @@ def openmp_wait_policy() -> str:
 
 def barrier_spin_ns() -> int:
     """The most the fused step's barriers spin before sleeping: TOKENMILL_SPIN_US (default 100)."""
-    raw = os.environ.get("TOKENMILL_SPIN_US")
-    try:
-        us = float(raw) if raw not in (None, "") else DEFAULT_SPIN_US
-    except ValueError:
-        logger.warning("TOKENMILL_SPIN_US=%r is not a number; using %g", raw, DEFAULT_SPIN_US)
-        us = DEFAULT_SPIN_US
+    us = envs.TOKENMILL_SPIN_US  # not a number: the default, with a warning
     return max(0, int(us * 1000))
 
 

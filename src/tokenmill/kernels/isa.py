@@ -9,10 +9,30 @@ module before torch is importable in the build's environment.
 
 from __future__ import annotations
 
-import os
+import importlib.util
 import platform
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
+
+def _load_envs():
+    """tokenmill.envs; by path when this module was loaded by path (setup.py, the build backend:
+    the package is not importable then). envs.py imports nothing from tokenmill."""
+    if __name__.startswith("tokenmill."):
+        from tokenmill import envs as module  # lazy: loaded by path (setup.py), tokenmill is not importable
+
+        return module
+    name = "tokenmill_envs"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent.parent / "envs.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+envs = _load_envs()
 ISA_ENV = "TOKENMILL_CPU_ISA"
 
 
@@ -112,7 +132,7 @@ def selected_level(flags: frozenset[str] | None = None) -> IsaLevel:
     """The level to load: the CPU's highest, capped by TOKENMILL_CPU_ISA when set. A cap above the
     CPU's own level is an error (that code would die on an illegal instruction)."""
     top = host_level(flags)
-    cap = os.environ.get(ISA_ENV, "").strip().lower()
+    cap = envs.TOKENMILL_CPU_ISA
     if not cap:
         return top
     want = level(cap)
@@ -146,6 +166,4 @@ def _main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    import sys
-
     raise SystemExit(_main(sys.argv[1:]))

@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from tokenmill import envs
 from tokenmill import progress
 
 logger = logging.getLogger("tokenmill")
@@ -711,7 +712,7 @@ def gguf_to_hf_folder(gguf_path: str, cache_dir: str | None = None, dense_dtype:
     if dense_dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dense_dtype must be 'float32' or 'bfloat16', got {dense_dtype!r}")
     gguf_path = os.path.abspath(gguf_path)
-    root = Path(cache_dir or os.environ.get("TOKENMILL_CACHE_DIR") or Path.home() / ".cache" / "tokenmill")
+    root = Path(cache_dir or envs.TOKENMILL_CACHE_DIR)
     digest = _file_key(gguf_path)
     final = root / "gguf" / (digest[:16] + ("-bf16" if dense_dtype == "bfloat16" else ""))
     if _complete(final):

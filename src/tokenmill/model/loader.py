@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from tokenmill import hf_cache
+from tokenmill import envs, hf_cache
 from tokenmill import progress
 from tokenmill.distributed.comm import NO_TP, TPGroup
 from tokenmill.model.layers.bind import bind_kernels
@@ -229,7 +229,7 @@ def load_model(path: str, hf_config, dtype: torch.dtype, max_position: int, devi
     elif quantization == "w8a8":
         logger.info("w8a8: %d linear layers in int8, activations quantized per token",
                     quantize_model_w8a8(model, path, calibration))
-    if on_cpu and os.environ.get("TOKENMILL_NO_PACKED_LINEAR") != "1":
+    if on_cpu and not envs.TOKENMILL_NO_PACKED_LINEAR:
         pack_linears(model, dtype)
     if on_cpu and cpu_kernels.enabled():
         pack_quantized(model)

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tokenmill import envs
 from tokenmill.model.layers.attention import AttentionBackend, SeqChunk
 from tokenmill.model.layers.bind import bind_kernels
 from tokenmill.model.layers.norm import RMSNorm
@@ -159,7 +160,7 @@ def cached_input_maxima(model: nn.Module, path: str, calibration: str | None) ->
 
     docs = read_calibration(calibration)
     dtype = next(model.parameters()).dtype
-    root = Path(os.environ.get("TOKENMILL_CACHE_DIR") or Path.home() / ".cache" / "tokenmill") / "w8a8"
+    root = Path(envs.TOKENMILL_CACHE_DIR) / "w8a8"
     file = root / f"{_cache_key(path, docs, dtype)}.safetensors"
     if file.exists():
         logger.info("w8a8: calibration statistics from %s", file)
@@ -246,7 +247,7 @@ def quantize_model_w8a8(model: nn.Module, path: str, calibration: str | None = N
             parent = getattr(layer, sub)
             setattr(parent, name, W8A8Linear.from_linear(getattr(parent, name)))
             count += 1
-    if os.environ.get("TOKENMILL_W8A8_LM_HEAD") != "0" and type(getattr(model, "lm_head", None)) is nn.Linear:
+    if envs.TOKENMILL_W8A8_LM_HEAD and type(getattr(model, "lm_head", None)) is nn.Linear:
         model.lm_head = W8A8Linear.from_linear(model.lm_head)  # a tied embedding table keeps its weights
         count += 1
     return count

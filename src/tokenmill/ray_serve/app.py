@@ -17,9 +17,10 @@ from ray.serve.config import RequestRouterConfig
 
 from tokenmill.config import EngineArgs
 from tokenmill.model.loader import resolve_model_path
-from tokenmill.ray_serve.ingress import IngressOptions, TokenmillIngress
+from tokenmill.ray_serve.ingress import TokenmillIngress
 from tokenmill.ray_serve.replica import EngineReplica
 from tokenmill.ray_serve.routing import POLICIES, TokenmillRouter
+from tokenmill.server.args import RAY_INGRESS_FIELDS, ServerArgs
 
 logger = logging.getLogger("tokenmill.ray_serve")
 
@@ -85,16 +86,17 @@ def replica_resources(engine: EngineArgs) -> dict[str, Any]:
 
 
 def build_app(engine: EngineArgs | dict | None = None, replicas: ReplicaOptions | None = None,
-              server: IngressOptions | None = None,
+              server: ServerArgs | None = None,
               replica_setup: Callable[[Any], None] | None = None) -> serve.Application:
     """The tokenmill app as a Serve application: an ingress deployment (the OpenAI + TGI routes)
     over `replicas.num_replicas` engine replicas. `engine`: EngineArgs (or its fields as a dict);
+    `server`: the ServerArgs of `tokenmill serve`, whose RAY_INGRESS_FIELDS the ingress reads;
     `replica_setup(aengine)` runs in each replica once its engine is built.
     Run it with `serve.run(build_app(...), name="tokenmill", route_prefix="/")`."""
     args = engine if isinstance(engine, EngineArgs) else EngineArgs(**(engine or {}))
     replicas = replicas or ReplicaOptions()
     replicas.check()
-    server = server or IngressOptions()
+    server = server or ServerArgs()
     scaling: dict[str, Any]
     if replicas.autoscaling:
         lo, hi = replicas.bounds
@@ -118,19 +120,29 @@ def build_app(engine: EngineArgs | dict | None = None, replicas: ReplicaOptions 
     return ingress.bind(engine_deployment.bind(asdict(args), replicas.max_waiting, replica_setup), server)
 
 
+# app_builder's keys of the ingress's former options (IngressOptions), as ServerArgs fields.
+_FORMER_KEYS = {"log_requests": "disable_log_requests", "enable_web_ui": "disable_web_ui"}
+
+
 def app_builder(args: dict) -> serve.Application:
     """For a Serve config file (`import_path: tokenmill.ray_serve:app_builder`): `args` holds any
     EngineArgs field (model, dtype, num_threads, ...), ReplicaOptions field (num_replicas,
-    routing, ...) and IngressOptions field (api_key, ...). Unknown keys are refused."""
-    groups: dict[type, dict] = {EngineArgs: {}, ReplicaOptions: {}, IngressOptions: {}}
+    routing, ...) and ServerArgs field the ingress reads (server.args.RAY_INGRESS_FIELDS: api_key,
+    ...; log_requests and enable_web_ui as before, the opposites of disable_log_requests and
+    disable_web_ui). Unknown keys are refused."""
+    groups: dict[str, dict] = {"engine": {}, "replicas": {}, "server": {}}
+    owners = {"engine": {f.name for f in fields(EngineArgs)}, "replicas": {f.name for f in fields(ReplicaOptions)},
+              "server": set(RAY_INGRESS_FIELDS)}
     for key, value in (args or {}).items():
-        owner = next((cls for cls in groups if key in {f.name for f in fields(cls)}), None)
+        if key in _FORMER_KEYS:
+            key, value = _FORMER_KEYS[key], not value
+        owner = next((group for group, names in owners.items() if key in names), None)
         if owner is None:
-            known = sorted(f.name for cls in groups for f in fields(cls))
+            known = sorted({*(n for names in owners.values() for n in names), *_FORMER_KEYS})
             raise ValueError(f"unknown tokenmill application argument {key!r}; known: {', '.join(known)}")
         groups[owner][key] = value
-    return build_app(EngineArgs(**groups[EngineArgs]), ReplicaOptions(**groups[ReplicaOptions]),
-                     IngressOptions(**groups[IngressOptions]))
+    return build_app(EngineArgs(**groups["engine"]), ReplicaOptions(**groups["replicas"]),
+                     ServerArgs(**groups["server"]))
 
 
 @dataclass
@@ -162,7 +174,7 @@ def start_ray(ray_address: str | None) -> None:
         ray.init(num_cpus=local_cpus(), include_dashboard=False, _node_ip_address="127.0.0.1")
 
 
-def run_cli(engine: EngineArgs, replicas: ReplicaOptions, server: IngressOptions, cluster: ClusterOptions) -> int:
+def run_cli(engine: EngineArgs, replicas: ReplicaOptions, server: ServerArgs, cluster: ClusterOptions) -> int:
     """`tokenmill serve --num-replicas N`: deploy on Ray Serve, serve until SIGTERM / SIGINT, then
     delete the app (Serve drains the replicas) and stop Ray if we started it."""
     replicas.check()

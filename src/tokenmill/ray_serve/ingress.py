@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
@@ -21,10 +21,11 @@ from tokenmill.ray_serve.client import ReplicaEngineClient
 from tokenmill.ray_serve.metrics import merge_replica_metrics
 from tokenmill.ray_serve.replica import EngineFrontend, ReplicaStats
 from tokenmill.server import misc_routes, openai_embeddings, openai_responses, web_ui
-from tokenmill.server.app import DEFAULT_MAX_BODY_BYTES, GENERATION_ROUTES, ServerMiddleware, _add_offline_docs
+from tokenmill.server.app import GENERATION_ROUTES, ServerMiddleware, _add_offline_docs
+from tokenmill.server.args import ServerArgs
 from tokenmill.server.chat_template import install_template_bounds
 from tokenmill.server.errors import install_error_handlers
-from tokenmill.server.serving import DEFAULT_MAX_PROMPTS, DEFAULT_MAX_RESPONSE_VALUES, ServerContext, get_ctx
+from tokenmill.server.context import get_ctx, ServerContext
 
 logger = logging.getLogger("tokenmill.ray_serve")
 
@@ -32,20 +33,9 @@ STATS_TIMEOUT_S = 10.0  # a replica that does not answer /health or /metrics wit
 _REPLICA_ROUTES = {"/health", "/metrics"}  # answered here over every replica, not by misc_routes
 
 
-@dataclass
-class IngressOptions:
-    """The server flags of `tokenmill serve` that apply behind Ray Serve's proxy."""
-
-    api_key: str | None = None
-    max_logprobs: int = 20
-    chat_template: str | None = None
-    trust_request_chat_template: bool = False
-    max_request_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES
-    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS
-    max_response_values: int = DEFAULT_MAX_RESPONSE_VALUES
-    log_requests: bool = True
-    enable_web_ui: bool = True
-    max_stored_responses: int = openai_responses.DEFAULT_MAX_STORED
+# The ingress takes the server's own ServerArgs and reads its RAY_INGRESS_FIELDS (the rest are the
+# listener's: Ray Serve's HTTP proxy has them, from ClusterOptions). The old name, kept for callers.
+IngressOptions = ServerArgs
 
 
 class _IngressMetrics:
@@ -66,19 +56,13 @@ async def replica_stats(handle, timeout_s: float = STATS_TIMEOUT_S) -> list[Repl
     return sorted((r for r in results if isinstance(r, ReplicaStats)), key=lambda s: s.replica)
 
 
-def build_ingress_app(client: ReplicaEngineClient, handle, options: IngressOptions) -> FastAPI:
+def build_ingress_app(client: ReplicaEngineClient, handle, options: ServerArgs) -> FastAPI:
     """The same app as tokenmill.server.app.build_app, over the replicas."""
     if not install_template_bounds():
         logger.warning("this transformers version compiles chat templates elsewhere: template operators unbounded")
     model_name = client.engine.config.model.name
     ctx = ServerContext(aengine=client, model_name=model_name, metrics=_IngressMetrics(),  # type: ignore[arg-type]
-                        api_key=options.api_key or None, max_logprobs=options.max_logprobs,
-                        chat_template=options.chat_template,
-                        trust_request_chat_template=options.trust_request_chat_template,
-                        max_request_body_bytes=options.max_request_body_bytes,
-                        max_prompts_per_request=options.max_prompts_per_request,
-                        max_response_values=options.max_response_values,
-                        response_store=openai_responses.ResponseStore(options.max_stored_responses))
+                        args=options, response_store=openai_responses.ResponseStore(options.max_stored_responses))
     app = FastAPI(title="tokenmill", version=tokenmill.__version__, docs_url=None, redoc_url=None,
                   description="OpenAI-compatible and TGI-compatible LLM server (Ray Serve replicas).",
                   strict_content_type=False)
@@ -90,9 +74,9 @@ def build_ingress_app(client: ReplicaEngineClient, handle, options: IngressOptio
     misc.routes.extend(r for r in misc_routes.router.routes if getattr(r, "path", None) not in _REPLICA_ROUTES)
     for router in (*(m.router for m in GENERATION_ROUTES), openai_embeddings.router, misc):
         app.include_router(router)
-    if options.enable_web_ui:
+    if not options.disable_web_ui:
         web_ui.install(app)
-    app.add_middleware(ServerMiddleware, ctx=ctx, log_requests=options.log_requests)
+    app.add_middleware(ServerMiddleware, ctx=ctx)
     return app
 
 
@@ -132,7 +116,7 @@ class TokenmillIngress:
     """Builds its app once it knows the model: the first engine replica that answers sends its
     config and tokenizer (so the ingress needs neither the weights nor the model files)."""
 
-    async def __init__(self, engine, options: IngressOptions):
+    async def __init__(self, engine, options: ServerArgs):
         self.handle = engine
         frontend: EngineFrontend = await engine.frontend.remote()
         self.client = ReplicaEngineClient(engine, frontend)

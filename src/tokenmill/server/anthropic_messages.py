@@ -33,15 +33,10 @@ from tokenmill.server.anthropic_protocol import (
 from tokenmill.server.errors import APIError, CheckedRoute, anthropic_error_body
 from tokenmill.server.protocol import ChatContentPart, ChatMessage, sse_content
 from tokenmill.server.response_body import json_response
-from tokenmill.server.serving import (
-    SSEResponse,
-    check_model,
-    get_ctx,
-    log_ignored_fields,
-    run_cancellable,
-    stream_error,
-    structured_output,
-)
+from tokenmill.server.checks import check_model, log_ignored_fields
+from tokenmill.server.context import get_ctx
+from tokenmill.server.sampling import structured_output
+from tokenmill.server.sse import run_cancellable, SSEResponse, stream_error
 from tokenmill.server.tool_calls import CallArgs, CallEnd, CallStart, ToolPlan, function_tool, plan_tools
 from tokenmill.sampling_params import GuidedDecodingParams
 

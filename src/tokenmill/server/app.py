@@ -25,9 +25,11 @@ from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.server import lora_routes, misc_routes, openai_chat, openai_completions, openai_embeddings, tgi_routes
 from tokenmill.server import anthropic_messages, openai_responses, web_ui
 from tokenmill.server.errors import error_response, install_error_handlers, internal_error_response
-from tokenmill.server.metrics import DEFAULT_METRICS_PREFIX, ServerMetrics
+from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.chat_template import install_template_bounds
-from tokenmill.server.serving import DEFAULT_MAX_PROMPTS, DEFAULT_MAX_RESPONSE_VALUES, ServerContext, new_request_id
+from tokenmill.server.args import ServerArgs
+from tokenmill.server.context import ServerContext
+from tokenmill.server.engine_streams import new_request_id
 from tokenmill.server.startup import (  # noqa: F401 - serve, END_STREAMS_GRACE_S: re-exported
     END_STREAMS_GRACE_S,
     LIVE_PATH,
@@ -46,7 +48,6 @@ access_logger = logging.getLogger("tokenmill.access")
 
 UNAUTHENTICATED_PATHS = frozenset({"/health", LIVE_PATH, READY_PATH, "/docs", "/redoc", "/openapi.json"})
 DOCS_STATIC = "/docs-static"
-DEFAULT_MAX_BODY_BYTES = 2_000_000  # TGI's --payload-limit default
 
 
 class ServerMiddleware:
@@ -54,10 +55,9 @@ class ServerMiddleware:
     (errors.internal_error_response), then one access-log line per request once its response is
     fully sent (streams included)."""
 
-    def __init__(self, app, ctx: ServerContext, log_requests: bool = True):
+    def __init__(self, app, ctx: ServerContext):
         self.app = app
         self.ctx = ctx
-        self.log_requests = log_requests
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -100,7 +100,7 @@ class ServerMiddleware:
                 resp = internal_error_response(scope.get("method", ""), path, exc, request_id)
                 return await resp(scope, receive, send_wrapper)
         finally:
-            if self.log_requests:
+            if self.ctx.args.log_requests:
                 self._log(scope, path, status[0], time.perf_counter() - t0, client_id)
 
     def _log(self, scope, path: str, status: int, latency: float, client_id: bytes | None) -> None:
@@ -179,18 +179,12 @@ def _add_offline_docs(app: FastAPI) -> None:
                               redoc_favicon_url=f"{r}{DOCS_STATIC}/favicon.png", with_google_fonts=False)
 
 
-def build_app(aengine: AsyncLLMEngine, *, api_key: str | None = None, max_logprobs: int = 20,
-              chat_template: str | None = None, log_requests: bool = True, shutdown_engine: bool = False,
-              trust_request_chat_template: bool = False,
-              max_request_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
-              max_prompts_per_request: int = DEFAULT_MAX_PROMPTS,
-              max_response_values: int = DEFAULT_MAX_RESPONSE_VALUES,
-              max_stored_responses: int = openai_responses.DEFAULT_MAX_STORED, tracer: RequestTracer | None = None,
-              metrics_prefix: str = DEFAULT_METRICS_PREFIX, enable_web_ui: bool = True) -> FastAPI:
-    """The HTTP app over a running AsyncLLMEngine. With shutdown_engine, the app stops the
-    engine when it shuts down (after uvicorn has drained in-flight requests). `tracer`: spans of
-    requests (tracing.py), shut down (flushed) with the app; `metrics_prefix`: of /metrics' names;
-    enable_web_ui serves the playground and dashboard at / (web_ui.py)."""
+def build_app(aengine: AsyncLLMEngine, args: ServerArgs | None = None, *, shutdown_engine: bool = False,
+              tracer: RequestTracer | None = None) -> FastAPI:
+    """The HTTP app over a running AsyncLLMEngine, as `args` (ServerArgs) configure it. With
+    shutdown_engine, the app stops the engine when it shuts down (after uvicorn has drained
+    in-flight requests). `tracer`: spans of requests (tracing.py), shut down (flushed) with the app."""
+    args = args if args is not None else ServerArgs()
     model_name = aengine.engine.config.model.name
     if aengine.engine.task == "generate":
         # In the background from now, as the server becomes ready: the first structured-output request
@@ -199,12 +193,8 @@ def build_app(aengine: AsyncLLMEngine, *, api_key: str | None = None, max_logpro
     if not install_template_bounds():
         logger.warning("this transformers version compiles chat templates elsewhere: template operators unbounded")
     ctx = ServerContext(aengine=aengine, model_name=model_name,
-                        metrics=ServerMetrics(aengine, model_name, metrics_prefix),
-                        api_key=api_key or None, max_logprobs=max_logprobs, chat_template=chat_template,
-                        trust_request_chat_template=trust_request_chat_template,
-                        max_request_body_bytes=max_request_body_bytes,
-                        max_prompts_per_request=max_prompts_per_request, max_response_values=max_response_values,
-                        response_store=openai_responses.ResponseStore(max_stored_responses), tracer=tracer)
+                        metrics=ServerMetrics(aengine, model_name, args.metrics_prefix), args=args,
+                        response_store=openai_responses.ResponseStore(args.max_stored_responses), tracer=tracer)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -225,9 +215,9 @@ def build_app(aengine: AsyncLLMEngine, *, api_key: str | None = None, max_logpro
         app.include_router(module.router)
     # vLLM registers these only with runtime updating on; here they answer 404 saying how to turn it on
     app.include_router(lora_routes.router, include_in_schema=lora_routes.runtime_updating_allowed(ctx))
-    if enable_web_ui:
+    if not args.disable_web_ui:
         web_ui.install(app)
-    app.add_middleware(ServerMiddleware, ctx=ctx, log_requests=log_requests)
+    app.add_middleware(ServerMiddleware, ctx=ctx)
     return app
 
 

@@ -1,9 +1,10 @@
-"""What the conversational APIs beside chat completions share (Anthropic Messages, OpenAI
-Responses): a conversation, already in the chat route's messages, rendered through the same chat
-template with its tools; SamplingParams with the tool or output grammar; one engine request
-started (bad input, a full queue or a dead engine still an HTTP status); and its answer as text
-pieces and tool calls (tool_calls.ToolCallStream), streamed or whole. Each API maps these onto
-its own blocks / items and events."""
+"""What the conversational routes share (OpenAI chat completions, Anthropic Messages, OpenAI
+Responses): a conversation, in the chat route's messages, rendered through the chat template with
+its tools; SamplingParams from the request's sampling fields (sampling.py) with the tool or output
+grammar; the request's engine streams (one per sample) started, so that bad input, a full queue
+or a dead engine is still an HTTP status; and each answer as text pieces and tool calls
+(tool_calls.ToolCallStream), streamed or whole, parsed the same way either way. Each API maps
+these onto its own choices / blocks / items and events."""
 
 from __future__ import annotations
 
@@ -13,24 +14,24 @@ from typing import AsyncGenerator, AsyncIterator, Callable
 
 from fastapi import Request
 
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.chat_template import render_chat
-from tokenmill.server.protocol import ChatMessage
-from tokenmill.server.response_body import check_response_values, sequence_values
-from tokenmill.server.serving import (
-    ServerContext,
-    build_sampling_params,
-    check_model,
-    check_priority,
+from tokenmill.server.checks import check_model, check_priority, resolve_max_tokens, served_name
+from tokenmill.server.context import ServerContext
+from tokenmill.server.engine_streams import (
+    RequestTracker,
     collect_all,
-    engine_stream,
     merge,
     new_request_id,
-    resolve_max_tokens,
-    served_name,
+    sample_streams,
     start_streams,
     track,
 )
+from tokenmill.server.protocol import ChatMessage
+from tokenmill.server.response_body import check_response_values, prompt_values, sequence_values
+from tokenmill.server.sampling import Sampling
 from tokenmill.server.tool_calls import (
     CallArgs,
     CallEnd,
@@ -40,21 +41,9 @@ from tokenmill.server.tool_calls import (
     ToolPlan,
     apply_tool_grammar,
 )
-from tokenmill.sampling_params import GuidedDecodingParams
 
-
-@dataclass
-class Sampling:
-    """The sampling fields these APIs have (None: the API's default, OpenAI's)."""
-
-    max_tokens: int | None
-    max_param: str  # the field's name in this API, for error messages
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    stop: list[str] | None = None
-    seed: int | None = None
-    guided: GuidedDecodingParams | None = None
+__all__ = ["Answer", "Generation", "Sampling", "ToolCall", "answer", "answer_chunks", "answer_events", "answer_steps",
+           "launch", "parse_answer", "prompt_ids", "request_params", "start"]
 
 
 @dataclass
@@ -62,40 +51,52 @@ class Generation:
     request_id: str
     model: str  # the served name (or the LoRA adapter's)
     prompt_tokens: int
-    plan: ToolPlan | None  # the plan the answer is parsed with (None: plain text)
-    stream: AsyncGenerator[RequestOutput, None]  # already started
+    plan: ToolPlan | None  # the plan the answers are parsed with (None: plain text)
+    streams: list[AsyncGenerator[RequestOutput, None]]  # one per sample, already started
+    params: SamplingParams
 
 
 async def prompt_ids(ctx: ServerContext, messages: list[ChatMessage], plan: ToolPlan | None,
-                     continue_final: bool = False) -> list[int]:
-    """The conversation through the chat template (as the chat route renders it), on the prep pool.
-    continue_final: the last (assistant) message is left open for the model to continue."""
-    return await ctx.offload(render_chat, ctx, messages, not continue_final, continue_final, None, None, plan)
+                     continue_final: bool = False, add_generation_prompt: bool | None = None,
+                     template: str | None = None, template_kwargs: dict | None = None) -> list[int]:
+    """The conversation through the chat template (the server's, or a request's `template`), on the
+    prep pool. continue_final: the last (assistant) message is left open for the model to continue;
+    add_generation_prompt: by default, unless continuing."""
+    add = not continue_final if add_generation_prompt is None else add_generation_prompt
+    return await ctx.offload(render_chat, ctx, messages, add, continue_final, template, template_kwargs, plan)
+
+
+def request_params(ctx: ServerContext, n_prompt: int, sampling: Sampling, plan: ToolPlan | None,
+                   max_tokens: int, stream: bool) -> tuple[SamplingParams, ToolPlan | None]:
+    """The SamplingParams (with the plan's grammar), and the plan the answers are parsed with. A
+    non-streamed response that could outgrow --max-response-values is refused here."""
+    params = sampling.params(max_tokens)
+    parse_plan = apply_tool_grammar(params, plan)
+    if not stream:
+        values = (sampling.n or 1) * sequence_values(max_tokens, sampling.logprobs)
+        check_response_values(ctx, values + prompt_values(n_prompt, sampling.prompt_logprobs), sampling.max_param)
+    return params, parse_plan
+
+
+async def launch(ctx: ServerContext, tracker: RequestTracker, ids: list[int], params: SamplingParams,
+                 plan: ToolPlan | None, lora: LoRARequest | None) -> Generation:
+    """Start the request's engine streams (one per sample) and wait for their first outputs."""
+    tracker.prompt_tokens = len(ids)
+    streams = await start_streams(sample_streams(ctx, ids, params, tracker.request_id, tracker, 0, lora))
+    return Generation(tracker.request_id, served_name(ctx, lora), len(ids), plan, streams, params)
 
 
 async def start(ctx: ServerContext, raw: Request, prefix: str, body, messages: list[ChatMessage],
                 plan: ToolPlan | None, sampling: Sampling, continue_final: bool = False) -> Generation:
-    """Check, render and start one engine request for a conversation. body: the API's request (its
-    model, and vLLM's scheduling extras priority and cache_salt)."""
+    """Check, render and start one engine request for a conversation (Anthropic, Responses). body:
+    the API's request (its model, stream, and vLLM's scheduling extras priority and cache_salt)."""
     lora = check_model(ctx, body.model)
     check_priority(ctx, body.priority)
     ids = await prompt_ids(ctx, messages, plan, continue_final)
     max_tokens = resolve_max_tokens(ctx, len(ids), sampling.max_tokens, "messages", sampling.max_param)
-    params = build_sampling_params(
-        max_tokens=max_tokens, temperature=_opt(sampling.temperature, 1.0), top_p=_opt(sampling.top_p, 1.0),
-        top_k=_opt(sampling.top_k, -1), stop=sampling.stop, seed=sampling.seed, guided_decoding=sampling.guided)
-    parse_plan = apply_tool_grammar(params, plan)
-    if not getattr(body, "stream", False):
-        check_response_values(ctx, sequence_values(max_tokens, None), sampling.max_param)
+    params, parse_plan = request_params(ctx, len(ids), sampling, plan, max_tokens, getattr(body, "stream", False))
     request_id = new_request_id(prefix, sep="_")  # msg_..., resp_...: the APIs' own style
-    tracker = track(raw, request_id, body)
-    tracker.prompt_tokens = len(ids)
-    (stream,) = await start_streams([engine_stream(ctx, ids, params, request_id, tracker, lora=lora)])
-    return Generation(request_id, served_name(ctx, lora), len(ids), parse_plan, stream)
-
-
-def _opt(v, default):
-    return default if v is None else v
+    return await launch(ctx, track(raw, request_id, body), ids, params, parse_plan, lora)
 
 
 @dataclass
@@ -145,28 +146,45 @@ class Answer:
         self.cached_tokens = out.num_cached_tokens
 
 
+def parse_answer(plan: ToolPlan | None, text: str) -> Answer:
+    """A whole answer's text as parts (what streaming it would have given)."""
+    parser, result = ToolCallStream(plan), Answer()
+    result.add(parser.feed(text) + parser.finish())
+    return result
+
+
 async def answer(gen: Generation) -> Answer:
-    """The whole answer (not streamed)."""
-    (out,) = await collect_all([gen.stream])
-    parser, result = ToolCallStream(gen.plan), Answer()
-    result.add(parser.feed(out.outputs[0].text) + parser.finish())
+    """The whole answer of a one-sample generation (not streamed)."""
+    (out,) = await collect_all(gen.streams)
+    result = parse_answer(gen.plan, out.outputs[0].text)
     result.finish(out)
     return result
 
 
+async def answer_steps(gen: Generation) -> AsyncIterator[tuple[int, RequestOutput, list[OutputEvent], Answer]]:
+    """The answers as they are generated, every sample's: per engine output, (the sample's index,
+    the output, its events, the sample's answer so far, finished with its last output). Closing it
+    aborts the request."""
+    parsers = [ToolCallStream(gen.plan) for _ in gen.streams]
+    answers = [Answer() for _ in gen.streams]
+    async with aclosing(merge(gen.streams)) as outs:
+        async for i, out in outs:
+            events = parsers[i].feed(out.outputs[0].delta_text)
+            if out.finished:
+                events += parsers[i].finish()
+            result = answers[i]
+            result.add(events)
+            result.output_tokens = len(out.outputs[0].token_ids)
+            if out.finished:
+                result.finish(out)
+            yield i, out, events, result
+
+
 async def answer_events(gen: Generation) -> AsyncIterator[tuple[list[OutputEvent], Answer]]:
-    """The answer as it is generated: each step's events, and the answer so far (finished with the
-    last step). Closing it aborts the request."""
-    parser, result = ToolCallStream(gen.plan), Answer()
-    async for _, out in merge([gen.stream]):
-        events = parser.feed(out.outputs[0].delta_text)
-        if out.finished:
-            events += parser.finish()
-        result.add(events)
-        result.output_tokens = len(out.outputs[0].token_ids)
-        if out.finished:
-            result.finish(out)
-        yield events, result
+    """answer_steps of a one-sample generation: each step's events, and the answer so far."""
+    async with aclosing(answer_steps(gen)) as steps:
+        async for _, _, events, result in steps:
+            yield events, result
 
 
 async def answer_chunks(gen: Generation, write: Callable[[OutputEvent], list[bytes]]

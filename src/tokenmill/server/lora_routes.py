@@ -23,7 +23,7 @@ from tokenmill.lora.adapter import LoRAError
 from tokenmill.lora.request import LoRARequest
 from tokenmill.server.errors import APIError, CheckedRoute
 from tokenmill.server.protocol import ErrorResponse, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
-from tokenmill.server.serving import ServerContext, get_ctx
+from tokenmill.server.context import get_ctx, ServerContext
 
 router = APIRouter(tags=["LoRA"], route_class=CheckedRoute)
 

@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.outputs import PoolingRequestOutput, RequestOutput
+from tokenmill.server.args import DEFAULT_METRICS_PREFIX
 
 # No `*_created` series next to every counter and histogram (vLLM drops them too).
 prometheus_client.disable_created_metrics()
@@ -32,7 +33,6 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                40.0, 80.0]
 REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
-DEFAULT_METRICS_PREFIX = "tokenmill"
 
 
 def check_metrics_prefix(prefix: str) -> str:

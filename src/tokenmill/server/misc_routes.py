@@ -27,7 +27,8 @@ from tokenmill.server.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
-from tokenmill.server.serving import ServerContext, check_model, check_token_ids, get_ctx
+from tokenmill.server.checks import check_model, check_token_ids
+from tokenmill.server.context import get_ctx, ServerContext
 
 logger = logging.getLogger("tokenmill.server")
 router = APIRouter(route_class=CheckedRoute)

@@ -21,34 +21,31 @@ from tokenmill.server.protocol import (
     sse_content,
 )
 from tokenmill.llm import merge_samples
-from tokenmill.server.serving import (
-    MAX_N,
-    MAX_SEQUENCES,
-    SSE_DONE,
-    SSEResponse,
-    ServerContext,
+from tokenmill.server.checks import (
     check_logprobs,
     check_model,
     check_sampling_fields,
     check_token_ids,
-    collect_all,
-    get_ctx,
-    sample_streams,
     log_ignored_fields,
+    MAX_N,
+    MAX_SEQUENCES,
+    resolve_max_tokens,
+    served_name,
+)
+from tokenmill.server.context import get_ctx, ServerContext
+from tokenmill.server.engine_streams import (
+    collect_all,
     merge,
     new_request_id,
-    prompt_logprobs_json,
-    resolve_max_tokens,
     run_beam_search,
-    run_cancellable,
-    sampling_params,
-    served_name,
-    sse,
+    sample_streams,
     start_streams,
-    stream_error_chunk,
     track,
 )
-from tokenmill.server.serving import clamp_logprob as _clamp
+from tokenmill.server.logprobs import prompt_logprobs_json
+from tokenmill.server.sampling import sampling_params
+from tokenmill.server.sse import run_cancellable, sse, SSE_DONE, SSEResponse, stream_error_chunk
+from tokenmill.server.logprobs import clamp_logprob as _clamp
 from tokenmill.server.response_body import check_response_values, json_response, prompt_values, sequence_values
 from tokenmill.sampling_params import SamplingParams
 

@@ -15,16 +15,10 @@ from tokenmill.server.errors import APIError, CheckedRoute
 from tokenmill.server.openai_completions import ERROR_RESPONSES
 from tokenmill.server.protocol import MAX_EMBEDDING_INPUTS, EmbeddingRequest, EmbeddingResponse
 from tokenmill.server.response_body import check_response_values, json_response
-from tokenmill.server.serving import (
-    ServerContext,
-    _as_api_error,
-    check_model,
-    get_ctx,
-    log_ignored_fields,
-    new_request_id,
-    run_cancellable,
-    track,
-)
+from tokenmill.server.checks import check_model, log_ignored_fields
+from tokenmill.server.context import get_ctx, ServerContext
+from tokenmill.server.engine_streams import as_api_error, new_request_id, track
+from tokenmill.server.sse import run_cancellable
 
 router = APIRouter(tags=["OpenAI"], route_class=CheckedRoute)
 
@@ -71,7 +65,7 @@ async def _create_embedding(ctx: ServerContext, body: EmbeddingRequest, raw: Req
     except ValueError as e:
         raise APIError(str(e), param="input") from None
     except (QueueFullError, EngineDeadError, ServerShutdownError) as e:
-        raise _as_api_error(e) from None
+        raise as_api_error(e) from None
     tracker.prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
     tracker.finish_reasons.append("stop")
     return await json_response(ctx, _render, request_id, ctx.model_name, outs, body.encoding_format)

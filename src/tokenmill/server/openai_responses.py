@@ -38,21 +38,15 @@ from tokenmill.server.responses_protocol import (
     ResponsesResponse,
     ResponsesUsage,
 )
-from tokenmill.server.serving import (
-    SSEResponse,
-    ServerContext,
-    get_ctx,
-    log_ignored_fields,
-    run_cancellable,
-    stream_error,
-    structured_output,
-)
+from tokenmill.server.args import DEFAULT_MAX_STORED
+from tokenmill.server.checks import log_ignored_fields
+from tokenmill.server.context import get_ctx, ServerContext
+from tokenmill.server.sampling import structured_output
+from tokenmill.server.sse import run_cancellable, SSEResponse, stream_error
 from tokenmill.server.tool_calls import CallArgs, CallEnd, CallStart, ToolPlan, function_tool, plan_tools
 from tokenmill.sampling_params import GuidedDecodingParams
 
 router = APIRouter(tags=["OpenAI Responses"], route_class=CheckedRoute)
-
-DEFAULT_MAX_STORED = 1000
 
 
 @dataclass

@@ -12,7 +12,7 @@ from typing import Any, Callable
 from fastapi.responses import Response
 
 from tokenmill.server.errors import APIError
-from tokenmill.server.serving import ServerContext
+from tokenmill.server.context import ServerContext
 
 # Lists at most this long are encoded in one call (top_logprobs, a choice's few fields): splitting
 # them would cost more in Python calls than their encoding holds the GIL for.

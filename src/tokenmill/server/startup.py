@@ -30,6 +30,7 @@ import uvicorn
 from starlette.responses import JSONResponse
 
 from tokenmill import progress
+from tokenmill.server.args import ServerArgs
 from tokenmill.server.errors import error_response
 
 logger = logging.getLogger("tokenmill.server")
@@ -189,33 +190,33 @@ def make_config(app, host: str, port: int, drain_timeout: float | None = 30.0, *
                           timeout_graceful_shutdown=grace, **kw)
 
 
-def serve(engine: Any, *, host: str = "0.0.0.0", port: int = 8000, drain_timeout: float = 30.0,
-          uvicorn_log_level: str = "info", timeout_keep_alive: int = 5, ssl_keyfile: str | None = None,
-          ssl_certfile: str | None = None, root_path: str = "", sock: socket.socket | None = None,
-          tracer: Any = None, **app_kwargs) -> int:
+def serve(engine: Any, args: ServerArgs | None = None, *, sock: socket.socket | None = None, tracer: Any = None) -> int:
     """Serve until SIGTERM / SIGINT; returns 0 after draining. `engine`: a running AsyncLLMEngine,
     or a function that builds one: the server then listens at once and the engine loads on a thread
-    of its own (StartupApp). app_kwargs: build_app's. Used by `tokenmill serve`, which binds `sock`
-    (listen.bind_socket) before anything else; without one, host:port is bound here.
+    of its own (StartupApp). `args`: the ServerArgs (server/args.py; default: its defaults). Used by
+    `tokenmill serve`, which binds `sock` (listen.bind_socket) before anything else; without one,
+    args.host:args.port is bound here.
 
     A dead engine ends the server with 1; a load that fails ends it and raises the load's error
     here; SIGTERM / SIGINT while loading ends the process at once with 0 (os._exit: the load is a
     thread, which nothing can interrupt, and at interpreter exit it would still be running torch code)."""
     from tokenmill.server.listen import announce, announce_listening, bind_socket
 
+    args = args if args is not None else ServerArgs()
+
     def build(aengine):
         from tokenmill.server.app import build_app
 
-        return build_app(aengine, tracer=tracer, **app_kwargs)
+        return build_app(aengine, args, tracer=tracer)
 
-    sock = sock or bind_socket(host, port)
+    sock = sock or bind_socket(args.host, args.port)
     gate = StartupApp(engine if callable(engine) else (lambda: engine), build)
     if tracer is not None:
         logger.info("OpenTelemetry: one span per request, exported to %s", tracer.endpoint)
-    config = make_config(gate, host, port, drain_timeout, log_level=uvicorn_log_level,
-                         timeout_keep_alive=timeout_keep_alive, ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile,
-                         root_path=root_path)
-    https = ssl_certfile is not None
+    config = make_config(gate, args.host, args.port, args.drain_timeout, log_level=args.uvicorn_log_level,
+                         timeout_keep_alive=args.timeout_keep_alive, ssl_keyfile=args.ssl_keyfile,
+                         ssl_certfile=args.ssl_certfile, root_path=args.root_path)
+    https = args.ssl_certfile is not None
 
     class Server(DrainingServer):
         engine_died = False

@@ -17,22 +17,12 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.sampling_params import GuidedDecodingParams
 from tokenmill.server.errors import APIError, CheckedRoute
 from tokenmill.server.protocol import sse_content
-from tokenmill.server.serving import (
-    SSEResponse,
-    ServerContext,
-    clamp_logprob,
-    collect_all,
-    engine_stream,
-    get_ctx,
-    lora_request,
-    merge,
-    new_request_id,
-    run_cancellable,
-    sse,
-    start_streams,
-    stream_error,
-    track,
-)
+from tokenmill.server.sampling import Sampling
+from tokenmill.server.checks import lora_request
+from tokenmill.server.context import get_ctx, ServerContext
+from tokenmill.server.engine_streams import collect_all, engine_stream, merge, new_request_id, start_streams, track
+from tokenmill.server.logprobs import clamp_logprob
+from tokenmill.server.sse import run_cancellable, sse, SSEResponse, stream_error
 
 router = APIRouter(tags=["TGI"], route_class=CheckedRoute)
 
@@ -189,15 +179,16 @@ def _validate(ctx: ServerContext, req: TGIRequest) -> tuple[list[int], SamplingP
     sampling = p.do_sample or (p.temperature is not None and p.temperature != 1.0) or p.top_k is not None \
         or (p.top_p is not None and p.top_p < 1.0)
     try:
-        params = SamplingParams(
-            temperature=(p.temperature or 1.0) if sampling else 0.0, top_p=p.top_p or 1.0, top_k=p.top_k or -1,
-            seed=p.seed if sampling else None, repetition_penalty=p.repetition_penalty or 1.0,
-            frequency_penalty=p.frequency_penalty or 0.0, max_tokens=max_new, stop=p.stop,
-            include_stop_str_in_output=True,  # TGI's generated_text ends with the stop sequence
-            logprobs=p.top_n_tokens or 0, watermark=p.watermark, guided_decoding=_grammar(p.grammar),
-        )
+        guided = _grammar(p.grammar)
     except ValueError as e:
         raise _bad(str(e)) from None
+    params = Sampling(
+        temperature=(p.temperature or 1.0) if sampling else 0.0, top_p=p.top_p or 1.0, top_k=p.top_k or -1,
+        seed=p.seed if sampling else None, repetition_penalty=p.repetition_penalty or 1.0,
+        frequency_penalty=p.frequency_penalty or 0.0, stop=p.stop,
+        include_stop_str_in_output=True,  # TGI's generated_text ends with the stop sequence
+        logprobs=p.top_n_tokens or 0, watermark=p.watermark, guided=guided,
+    ).params(max_new, invalid=lambda e: _bad(str(e)))
     return ids, params, sampling, lora
 
 

@@ -250,7 +250,8 @@ _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 class ToolCallStream:
     """An answer's text, fed as it is generated, split into text pieces and tool calls (each a
     CallStart, CallArgs and a CallEnd): the Anthropic and Responses routes build their content
-    blocks / output items from these, streamed or not. With `auto`, text streams until a
+    blocks / output items, and the chat route its choices' deltas, from these, streamed or not
+    (the CallArgs of a call add up to its CallEnd's arguments). With `auto`, text streams until a
     `<tool_call>` tag may begin (a possible tag prefix and trailing whitespace are held back);
     a complete block that is a call of a known tool becomes a call, anything else stays text.
     A named function streams its arguments as they come; `required` is parsed once complete."""
@@ -264,6 +265,7 @@ class ToolCallStream:
         self.calls = 0  # calls emitted so far
         self.after_call = False  # whitespace right after a call is dropped
         self.args = ""  # a named call's arguments so far
+        self.held = ""  # whitespace after them, sent once more arguments follow
 
     def feed(self, delta: str) -> list[OutputEvent]:
         if self.mode == "none":
@@ -273,10 +275,12 @@ class ToolCallStream:
             if not self.calls:
                 self.calls = 1
                 events.append(CallStart(_call(self.plan.named, "")["id"], self.plan.named))
-            delta = delta if self.args else delta.lstrip()
-            if delta:
-                self.args += delta
-                events.append(CallArgs(delta))
+            text = self.held + delta if self.args else delta.lstrip()
+            body = text.rstrip()  # trailing whitespace waits for more: the arguments end without it
+            self.held = text[len(body):]
+            if body:
+                self.args += body
+                events.append(CallArgs(body))
             return events
         self.buf += delta
         return self._split() if self.mode == "auto" else []
@@ -286,7 +290,7 @@ class ToolCallStream:
             return []
         if self.mode == "named":
             events = self.feed("") if not self.calls else []
-            return events + [CallEnd(self.args.rstrip())]
+            return events + [CallEnd(self.args)]
         if self.mode == "required":
             text, calls = parse_tool_calls(self.plan, self.buf)
             return [e for c in calls for e in _call_events(c)] if calls else ([text] if text else [])

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 import torch
 
+from tokenmill import envs
 from tokenmill.distributed.comm import ShmAllReduce, TPAborted, TPGroup, rank_device, uses_nccl
 from tokenmill.config import ModelConfig
 from tokenmill.kernels import cpu_threads
@@ -45,7 +46,7 @@ class StepRunner(Protocol):
 
 logger = logging.getLogger("tokenmill")
 
-POLL_AFTER_STEP_S = float(os.environ.get("TOKENMILL_TP_POLL_US", "2000")) / 1e6
+POLL_AFTER_STEP_S = envs.TOKENMILL_TP_POLL_US / 1e6
 READY_TIMEOUT_S = 900.0  # a worker loading a large shard (or compiling the kernels) takes minutes
 # The CPUs this process may use, read before any engine pins its thread to rank 0's cores.
 _PROCESS_CPUS = sorted(os.sched_getaffinity(0))

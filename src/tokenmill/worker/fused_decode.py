@@ -29,12 +29,12 @@ row_slots adds each row's adapter to the adapted linears inside the step (lora_a
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from tokenmill import envs
 from tokenmill.distributed.comm import NO_TP, SPIN_NS, TPAborted, TPGroup
 from tokenmill.kernels import cpu_kernels
 from tokenmill.kernels import cpu_threads
@@ -124,7 +124,7 @@ class FusedDecode:
     def build(cls, model: Any, attn: AttentionBackend | TritonAttentionBackend, dtype: torch.dtype, block_size: int,
               tp: TPGroup = NO_TP) -> FusedDecode | None:
         """The fused step for this model (this rank's shard), or None (logged) when it cannot run it."""
-        if os.environ.get("TOKENMILL_FUSED_DECODE") == "0":
+        if not envs.TOKENMILL_FUSED_DECODE:
             return None
         kernels = cpu_kernels.load() if cpu_kernels.enabled() else None
         reason = None

@@ -10,12 +10,12 @@ from __future__ import annotations
 import functools
 import gc
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tokenmill import envs
 from tokenmill import progress
 from tokenmill.config import DeviceConfig, ModelConfig, SchedulerConfig
 from tokenmill.distributed.comm import NO_TP, TPGroup
@@ -46,7 +46,7 @@ logger = logging.getLogger("tokenmill")
 def attention_backend_for(device: torch.device) -> type[AttentionBackend] | type[TritonAttentionBackend]:
     """The C++ kernels on the CPU, Triton on a GPU; TOKENMILL_ATTENTION_BACKEND=triton runs the
     Triton one on the CPU too (set TRITON_INTERPRET=1 before triton is imported: CI's test of it)."""
-    choice = os.environ.get("TOKENMILL_ATTENTION_BACKEND") or ("triton" if device.type == "cuda" else "cpu")
+    choice = envs.TOKENMILL_ATTENTION_BACKEND or ("triton" if device.type == "cuda" else "cpu")
     if choice not in ("cpu", "triton"):
         raise ValueError(f"TOKENMILL_ATTENTION_BACKEND={choice!r}: choose cpu or triton")
     if choice == "cpu" and device.type != "cpu":

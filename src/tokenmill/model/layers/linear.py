@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 from torch import nn
 
+from tokenmill import envs
 from tokenmill.kernels import cpu_kernels
 
 logger = logging.getLogger("tokenmill")
@@ -110,7 +110,7 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, batch_invariant: bool | N
     onednn = onednn_bf16_fast() and _works(torch.bfloat16)
     if batch_invariant is None:
         batch_invariant = cpu_kernels.batch_invariant()
-    forced = os.environ.get("TOKENMILL_PANEL_WEIGHTS")
+    forced = envs.TOKENMILL_PANEL_WEIGHTS
     panel_ok = forced != "0" and _panel_kernel_works()
     only_panels = panel_ok and (batch_invariant or not onednn)
     if not onednn and not only_panels:

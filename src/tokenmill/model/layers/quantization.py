@@ -21,12 +21,12 @@ activations stay in the model's dtype and the kernel dequantizes a few weight ro
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill import envs
 from tokenmill.kernels import cpu_kernels
 from tokenmill.model.layers.bind import kernels_for
 from tokenmill.model.layers.linear import onednn_bf16_fast
@@ -282,7 +282,7 @@ def pack_quantized(model: nn.Module) -> int:
     (builds with AVX2 + FMA + F16C: csrc/quant_panels.cpp); a tied embedding table then reads the
     LM head's panels (one copy). TOKENMILL_QUANT_PANELS=0 keeps the rows. Returns the layers packed."""
     kernels = cpu_kernels.load() if cpu_kernels.enabled() else None
-    if kernels is None or not hasattr(kernels, "quant_panel_linear") or os.environ.get("TOKENMILL_QUANT_PANELS") == "0":
+    if kernels is None or not hasattr(kernels, "quant_panel_linear") or not envs.TOKENMILL_QUANT_PANELS:
         return 0
     packed: dict[int, tuple[torch.Tensor, QuantLinear]] = {}  # the old codes' address -> (them, the layer)
     for m in model.modules():
