@@ -76,7 +76,7 @@ def _imports(path: pathlib.Path):
                 names = []
             for name in names:
                 if name.startswith("tokenmill."):
-                    lazy = "# lazy:" in lines[child.lineno - 1]
+                    lazy = any("# lazy:" in line for line in lines[max(child.lineno - 2, 0):child.lineno])  # or the line above
                     yield child.lineno, name, in_function, tc, lazy
             yield from visit(child, func, tc)
 

@@ -23,7 +23,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def sampling_params_from(ns: argparse.Namespace):
-    from tokenmill.sampling_params import SamplingParams
+    from tokenmill.sampling_params import SamplingParams  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
 
     return SamplingParams(
         max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p,
@@ -32,7 +32,7 @@ def sampling_params_from(ns: argparse.Namespace):
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
-    from tokenmill.llm import LLM
+    from tokenmill.llm import LLM  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
 
     llm = LLM(**vars(engine_args_from(ns)))
     params = sampling_params_from(ns)
@@ -55,7 +55,7 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def _cmd_chat(ns: argparse.Namespace) -> int:
-    from tokenmill.llm import LLM
+    from tokenmill.llm import LLM  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
 
     llm = LLM(**vars(engine_args_from(ns)))
     params = sampling_params_from(ns)
@@ -91,7 +91,7 @@ def _cmd_chat(ns: argparse.Namespace) -> int:
 
 
 def _cmd_serve(ns: argparse.Namespace) -> int:
-    from tokenmill.server.listen import bind_socket
+    from tokenmill.server.listen import bind_socket  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
 
     args = ServerArgs.from_cli_args(ns).with_chat_template_file()
     if args.max_waiting is not None and args.max_waiting < 0:
@@ -99,8 +99,8 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     if ns.allow_runtime_lora_updating and not ns.enable_lora:
         logging.getLogger("tokenmill").warning("--allow-runtime-lora-updating (or %s) without --enable-lora: "
                                                "the LoRA routes stay off", RUNTIME_LORA_ENV)
-    from tokenmill.server import tracing
-    from tokenmill.server.metrics import check_metrics_prefix
+    from tokenmill.server import tracing  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+    from tokenmill.server.metrics import check_metrics_prefix  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
 
     check_metrics_prefix(args.metrics_prefix)
     traced = tracing.tracing_requested(args.otlp_traces_endpoint)
@@ -119,14 +119,14 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         if tracer is not None:
             tracer.shutdown()
         raise
-    from tokenmill.server.startup import serve
+    from tokenmill.server.startup import serve  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
 
     def load_engine():
         """On the load's thread, while the server already answers /health (503 "loading")."""
-        from tokenmill import progress
+        from tokenmill import progress  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
 
         progress.set_phase("importing the engine")
-        from tokenmill.engine.async_engine import AsyncLLMEngine
+        from tokenmill.engine.async_engine import AsyncLLMEngine  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
 
         return AsyncLLMEngine.from_args(max_waiting=args.max_waiting, **vars(engine_args_from(ns)))
 
@@ -144,7 +144,7 @@ def _serve_on_ray(ns: argparse.Namespace, args) -> int:
     """`serve --num-replicas N` (or --ray-address / --min-replicas / --max-replicas): Ray Serve.
     `args`: the ServerArgs (the ingress reads server.args.RAY_INGRESS_FIELDS of them)."""
     try:
-        from tokenmill import ray_serve
+        from tokenmill import ray_serve  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
     except ImportError as e:
         raise ValueError(f"{e} (needed by --num-replicas / --ray-address)") from None
     replicas = ray_serve.ReplicaOptions(
@@ -177,7 +177,7 @@ def add_ray_args(s: argparse.ArgumentParser) -> None:
 
 
 def _cmd_build_kernels(ns: argparse.Namespace) -> int:
-    from tokenmill.kernels import cpu_kernels
+    from tokenmill.kernels import cpu_kernels  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
 
     t0 = time.perf_counter()
     module = cpu_kernels.load()
@@ -190,7 +190,7 @@ def _cmd_build_kernels(ns: argparse.Namespace) -> int:
 
 
 def _cmd_bench_serve(ns: argparse.Namespace) -> int:
-    from tokenmill.bench.serve import run_from_args
+    from tokenmill.bench.serve import run_from_args  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
 
     return run_from_args(ns)
 
@@ -224,7 +224,7 @@ def _tag_subcommands(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tokenmill import __version__
+    from tokenmill import __version__  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
 
     p = _Parser(prog="tokenmill", description="LLM inference and serving engine")
     p.add_argument("--version", action="version", version=f"tokenmill {__version__}")
@@ -269,11 +269,11 @@ def build_parser() -> argparse.ArgumentParser:
     bs = b.add_parser("serve", help="load generator for any OpenAI-compatible server",
                       description="Stream requests to an OpenAI-compatible server and report TTFT, TPOT, ITL, "
                                   "E2E latency, throughput and goodput.")
-    from tokenmill.bench.serve import add_bench_serve_args
+    from tokenmill.bench.serve import add_bench_serve_args  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
 
     add_bench_serve_args(bs)
     bs.set_defaults(func=_cmd_bench_serve)
-    from tokenmill.bench.offline import add_offline_parsers
+    from tokenmill.bench.offline import add_offline_parsers  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
 
     add_offline_parsers(b)
     add_watermark_parsers(sub)

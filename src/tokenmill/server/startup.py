@@ -32,6 +32,7 @@ from starlette.responses import JSONResponse
 from tokenmill import progress
 from tokenmill.server.args import ServerArgs
 from tokenmill.server.errors import error_response
+from tokenmill.server.listen import announce, announce_listening, bind_socket
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -177,6 +178,7 @@ class DrainingServer(uvicorn.Server):
             return
         n = ctx.aengine.num_in_flight()
         if n:
+            # lazy: the server answers /health (503 while loading) before the engine's imports have run
             from tokenmill.engine.async_engine import ServerShutdownError
 
             logger.warning("drain timeout (%gs) expired: aborting %d request(s) still in flight", self.drain_timeout, n)
@@ -200,12 +202,10 @@ def serve(engine: Any, args: ServerArgs | None = None, *, sock: socket.socket | 
     A dead engine ends the server with 1; a load that fails ends it and raises the load's error
     here; SIGTERM / SIGINT while loading ends the process at once with 0 (os._exit: the load is a
     thread, which nothing can interrupt, and at interpreter exit it would still be running torch code)."""
-    from tokenmill.server.listen import announce, announce_listening, bind_socket
-
     args = args if args is not None else ServerArgs()
 
     def build(aengine):
-        from tokenmill.server.app import build_app
+        from tokenmill.server.app import build_app  # lazy: the socket listens before the app's imports run
 
         return build_app(aengine, args, tracer=tracer)
 
