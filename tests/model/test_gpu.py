@@ -20,8 +20,8 @@ import torch
 from tokenmill import LLM, SamplingParams
 
 CUDA = torch.cuda.is_available()
-gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-two_gpus = pytest.mark.skipif(not CUDA or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+gpu = pytest.mark.gpu  # skipped without a CUDA GPU (tests/conftest.py)
+two_gpus = pytest.mark.gpu(count=2)
 PROMPTS = [[1, 5, 9, 33, 7] * 4, [3, 4, 5] * 30, [11] * 3, list(range(2, 60))]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 

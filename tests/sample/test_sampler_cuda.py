@@ -13,7 +13,7 @@ from sampler_scenario import GRAMMARS, STEPS, V, FakeMatcher, assert_same, load_
 from tokenmill.model.layers.sampler import Sampler, SamplingBatch
 from tokenmill.structured_output import apply_grammar_masks
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu  # skipped without a CUDA GPU (tests/conftest.py)
 GREEDY_ROWS = [0, 1, 5, 7]  # their history is their own greedy tokens: the same as on CPU
 SEEDED_ROWS = [2, 3, 6, 8, 9]
 LOGPROB_ROWS = {0: 3, 1: 0, 2: 2, 6: 1, 7: 2}  # row: top N
