@@ -312,6 +312,7 @@ print("compiled")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_kernels_compile_for_a_gpu(tmp_path):
     # The interpreter accepts what a GPU compile refuses (a loop-carried value changing type, dots

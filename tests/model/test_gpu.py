@@ -87,6 +87,7 @@ if __name__ == "__main__":  # the child: the Triton backend on the CPU (TRITON_I
     print("RESULT " + json.dumps(result))
 
 
+@pytest.mark.slow
 def test_triton_backend_in_the_engine_equals_cpu_backend(tiny_llama_dir, kernels, triton_interpreter):
     env = {**os.environ, "TRITON_INTERPRET": "1", "TOKENMILL_ATTENTION_BACKEND": "triton"}
     r = subprocess.run([sys.executable, __file__, tiny_llama_dir], env=env, capture_output=True, text=True,

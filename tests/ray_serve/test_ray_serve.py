@@ -390,6 +390,7 @@ def test_killed_replica_recovers_without_losing_unstarted_requests(cluster):
 
 
 # ---- autoscaling (last: it redeploys the app) ------------------------------------------------
+@pytest.mark.slow
 def test_autoscaling_adds_a_replica_under_load(cluster):
     # 1 to 2 replicas, aiming at 1 ongoing request each; Serve's delays shortened so the test is quick.
     options = ReplicaOptions(num_replicas=1, min_replicas=1, max_replicas=2, target_ongoing_requests=1,
