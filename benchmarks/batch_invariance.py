@@ -35,7 +35,7 @@ from throughput import CpuMeter, make_prompts, special_token_ids, wait_idle  # n
 
 def load(model_dir: str, invariant: bool, args):
     from tokenmill import LLM
-    from tokenmill.model.layers import cpu_kernels
+    from tokenmill.kernels import cpu_kernels
 
     cpu_kernels.set_batch_invariant(invariant)
     try:

@@ -28,7 +28,7 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 def sequences(n: int) -> tuple[object, list[list[int]], int]:
     from tokenmill import LLM, SamplingParams
-    from tokenmill.structured_output import GuidedDecodingParams
+    from tokenmill.sampling_params import GuidedDecodingParams
 
     llm = LLM(None, dtype="bfloat16", kv_cache_memory=0.5)
     convs = [[{"role": "user", "content": f"Describe person {i} as JSON."}] for i in range(n)]

@@ -41,7 +41,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.fused:
         return fused_step(args)
-    from tokenmill.model.layers import cpu_kernels
+    from tokenmill.kernels import cpu_kernels
 
     k = cpu_kernels.load()
     if k is None or not hasattr(k, "lora_add") or not hasattr(k, "panel_linear"):

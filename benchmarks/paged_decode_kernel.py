@@ -97,7 +97,7 @@ def make_case(B: int, args, cache: str, gen: torch.Generator, context: int, rows
         vc = torch.randn(slots, Hkv, D, generator=gen).to(torch.bfloat16)
         extra = ()
     if not args.small_pages:  # as the engine allocates its cache (runner.allocate_kv_cache)
-        from tokenmill.model.layers.weight_arena import huge_page_empty
+        from tokenmill.kernels.memory import huge_page_empty
 
         def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
             return huge_page_empty(tuple(t.shape), t.dtype).copy_(t)
@@ -183,7 +183,7 @@ def main() -> None:
     for src in args.source:
         mods[Path(src).stem] = load_source(src, "src_" + hashlib.sha256(Path(src).read_bytes()).hexdigest()[:12])
     if not args.source or args.compare:
-        from tokenmill.model.layers import cpu_kernels
+        from tokenmill.kernels import cpu_kernels
 
         mods["package"] = cpu_kernels.load()
         if mods["package"] is None:

@@ -47,7 +47,7 @@ def main(argv=None) -> None:
     p.add_argument("--w8a8", action="store_true", help="also time the W8A8 kernel on int8 copies of the weights")
     p.add_argument("--shapes", default=",".join(SHAPES), help="which of SmolLM2's linears (comma-separated)")
     args = p.parse_args(argv)
-    from tokenmill.model.layers import cpu_kernels
+    from tokenmill.kernels import cpu_kernels
 
     k = cpu_kernels.load()
     if k is None or not hasattr(k, "panel_linear"):

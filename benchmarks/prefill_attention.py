@@ -50,7 +50,7 @@ def main() -> None:
     ap.add_argument("--cases", default="256:0,512:0,1024:0,256:768", help="n:context,...")
     args = ap.parse_args()
 
-    from tokenmill.model.layers import cpu_kernels
+    from tokenmill.kernels import cpu_kernels
     from tokenmill.model.layers.attention import quantize_kv
 
     mod = cpu_kernels.load()

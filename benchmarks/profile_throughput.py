@@ -76,7 +76,7 @@ class _LabeledKernels:
 def label_cpp_kernels(runner) -> bool:
     """Make the engine's C++ kernels visible by name in torch.profiler (profiling only)."""
     try:
-        from tokenmill.model.layers import cpu_kernels
+        from tokenmill.kernels import cpu_kernels
     except ImportError:
         return False
     mod = cpu_kernels._module if getattr(cpu_kernels, "_module", None) is not None else None

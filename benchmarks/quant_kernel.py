@@ -45,7 +45,7 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     from tokenmill.bench.offline import measure_bandwidth
-    from tokenmill.model.layers import cpu_kernels
+    from tokenmill.kernels import cpu_kernels
     from tokenmill.model.layers.quantization import quantize, to_panels
 
     k = cpu_kernels.load()

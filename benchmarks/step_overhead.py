@@ -45,7 +45,7 @@ def measure(quantization: str | None, streams: int, output_len: int, input_len: 
     """Medians (s) per decode step of one engine in this process."""
     from tokenmill import LLM
     from tokenmill.bench.offline import _params, _random_prompts
-    from tokenmill.model.layers import sampler as sampler_mod
+    from tokenmill.sample import sampler as sampler_mod
 
     llm = LLM(quantization=quantization)
     eng = llm.engine

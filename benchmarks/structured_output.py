@@ -15,7 +15,7 @@ import sys
 import time
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.structured_output import GuidedDecodingParams
+from tokenmill.sampling_params import GuidedDecodingParams
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30}, "age": {"type": "integer"},
                                            "city": {"type": "string", "maxLength": 30},

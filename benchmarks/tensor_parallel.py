@@ -61,7 +61,7 @@ def allreduce(world: int, rows_list: list[int], hidden: int, calls: int) -> dict
     import tempfile
 
     from tokenmill.distributed.comm import ShmAllReduce
-    from tokenmill.distributed.executor import _free_port
+    from tokenmill.worker.executor import _free_port
 
     ctx = mp.get_context("spawn")
     res = {}
@@ -90,7 +90,7 @@ def allreduce(world: int, rows_list: list[int], hidden: int, calls: int) -> dict
 def _echo(conn) -> None:
     import pickle
 
-    from tokenmill.distributed.executor import _await_message
+    from tokenmill.worker.executor import _await_message
 
     while True:
         _await_message(conn)  # as a worker waits for its next step
@@ -107,9 +107,9 @@ def step_message(rows_list: list[int], calls: int) -> dict:
     wakes the sender: an upper bound on what the broadcast adds to a step."""
     import torch
 
-    from tokenmill.distributed.executor import dumps
+    from tokenmill.worker.executor import dumps
     from tokenmill.model.layers.attention import AttentionMetadata
-    from tokenmill.model.runner import StepInputs
+    from tokenmill.worker.staging import StepInputs
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()

@@ -123,7 +123,7 @@ def main(argv=None) -> int:
                           enable_prefix_caching=False)
     for llm in llms.values():  # timings of the steady state, not of start-up
         wait_for_kv_cache(llm)
-    from tokenmill.model.layers import cpu_kernels
+    from tokenmill.kernels import cpu_kernels
 
     kernels = cpu_kernels.load()
     isa = kernels.w8a8_isa() if kernels is not None and hasattr(kernels, "w8a8_isa") else "torch"

@@ -119,16 +119,17 @@ def breakdown() -> list[tuple[str, float]]:
     for module, attr in [
         ("tokenmill.model.gguf_loader", "_file_key"), ("tokenmill.model.loader", "resolve_model_path"),
         ("tokenmill.model.loader", "load_hf_config"), ("tokenmill.tokenizer", "load_tokenizer"),
-        ("tokenmill.model.layers.cpu_kernels", "load"), ("tokenmill.model.loader", "model_class"),
+        ("tokenmill.kernels.cpu_kernels", "load"), ("tokenmill.model.loader", "model_class"),
         ("tokenmill.model.loader", "_iter_safetensors"), ("tokenmill.model.layers.linear", "pack_linears"),
         ("tokenmill.model.layers.quantization", "pack_quantized"),
         ("tokenmill.model.layers.weight_arena", "place_decode_weights"), ("tokenmill.model.loader", "load_model"),
-        ("tokenmill.model.runner", "ModelRunner.allocate_kv_cache"),
-        ("tokenmill.model.fused_decode", "FusedDecode.build"), ("tokenmill.engine.engine_core", "KVCacheManager"),
+        ("tokenmill.worker.runner", "ModelRunner.allocate_kv_cache"),
+        ("tokenmill.worker.fused_decode", "FusedDecode.build"), ("tokenmill.engine.engine_core", "KVCacheManager"),
         ("tokenmill.engine.llm_engine", "StructuredOutputManager"),
     ]:
         wrap(module, attr)
-    from tokenmill.model import loader, runner
+    from tokenmill.worker import runner
+    from tokenmill.model import loader
 
     runner.load_model = loader.load_model  # the runner's own reference, to the timed one
     from tokenmill.engine.async_engine import AsyncLLMEngine

@@ -30,7 +30,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def kernels():
     """The engine's C++ CPU kernels (built once; a build failure fails the tests using them)."""
-    from tokenmill.model.layers import cpu_kernels
+    from tokenmill.kernels import cpu_kernels
 
     mod = cpu_kernels.load()
     if mod is None:

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from tokenmill import SamplingParams
-from tokenmill.engine.request import Request
-from tokenmill.model.layers.sampler import Sampler, SamplingBatch, score_tokens
+from tokenmill.request import Request
+from tokenmill.sample.sampler import Sampler, SamplingBatch, score_tokens
 
 V = 100  # not a multiple of 32: the grammar bitmask's last word is partial
 STEPS = 4
@@ -109,7 +109,7 @@ def run(device: str | None = None, rows: list[int] | None = None) -> dict:
     for step in range(STEPS):
         logits = step_logits(step)[idx].to(dev)
         batch = _batch(reqs, device)
-        stats.append(logit_stats(sampler._process_logits(logits, batch)))  # draws no noise
+        stats.append(logit_stats(sampler.process_logits(logits, batch)))  # draws no noise
         out = sampler(logits, batch)
         tokens.append(out.token_ids)
         lps.append(_lps(out))

@@ -32,7 +32,7 @@ Peer environments live under --peers-dir (default ~/.cache/tokenmill-peers) and 
 reuse them (see peers.py). Each set-up records how
 long it took, and the script prints it.
 
-    python benchmarks/compare/run.py                                   # everything, writes docs/benchmarks.md
+    python benchmarks/compare/run.py                                   # everything; a report beside the JSON result
     python benchmarks/compare/run.py --systems tokenmill --concurrency 1,8 --min-prompts 4 \\
         --prompts-per-concurrency 1 --report /tmp/smoke.md             # smoke run
     python benchmarks/compare/run.py --setup-only                      # only build the peer environments
@@ -492,7 +492,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="before each level, wait up to this long for other processes to go quiet (default: 0, no wait)")
     p.add_argument("--idle-threshold", type=float, default=0.3, metavar="CORES",
                    help="CPU cores other processes (the idle server included) may use to count as quiet (default: 0.3)")
-    p.add_argument("--report", default=str(REPO / "docs" / "benchmarks.md"), help="markdown report (default: docs/benchmarks.md)")
+    p.add_argument("--report", default=None, help="markdown report (default: beside the JSON result, .md for .json); the "
+                   "docs' results page is built from benchmarks/results/*.yaml, not from this report")
     p.add_argument("--no-report", action="store_true", help="do not write the markdown report")
     p.add_argument("--out", default=None, help="JSON result (default: benchmarks/results/compare-<timestamp>.json)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -689,8 +690,9 @@ def main(argv=None) -> int:
         json_path.write_text(json.dumps(doc, indent=2, default=str))
         print(f"\nresults written to {json_path}; server logs in {run_dir}")
         if not args.no_report:
-            write_markdown(Path(args.report), doc, fig, rat)
-            print(f"report written to {args.report}")
+            report = Path(args.report) if args.report else json_path.with_suffix(".md")
+            write_markdown(report, doc, fig, rat)
+            print(f"report written to {report}")
         return 0 if all("error" not in r for r in results.values()) else 1
     finally:
         _stop_all()

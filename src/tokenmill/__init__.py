@@ -1,6 +1,6 @@
 """tokenmill: a high-throughput LLM inference and serving engine."""
 
-from tokenmill.model.layers.cpu_threads import openmp_wait_defaults
+from tokenmill.kernels.cpu_threads import openmp_wait_defaults
 
 with openmp_wait_defaults():  # libgomp reads its wait policy once, as torch loads it (cpu_threads)
     import torch  # noqa: F401

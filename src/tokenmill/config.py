@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dataclasses import dataclass, field, fields
 
 import torch
 
-from tokenmill.watermark import WatermarkConfig
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+    
+    from tokenmill.lora.config import LoRAConfig
+    from tokenmill.model.pooling import PoolerConfig
+    from tokenmill.spec_decode.config import SpeculativeConfig
+
 
 _DTYPES = {
     "float32": torch.float32,
@@ -69,6 +77,18 @@ def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
 DEFAULT_SERVING_ITL_TARGET_MS = 250.0
 
 
+@dataclass(frozen=True)
+class WatermarkConfig:
+    gamma: float = 0.5  # fraction of the vocabulary that is green at each step
+    delta: float = 2.0  # logit bonus of green tokens
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.gamma < 1.0:
+            raise ValueError(f"watermark gamma must be in (0, 1), got {self.gamma}")
+        if self.delta <= 0.0:
+            raise ValueError(f"watermark delta must be positive, got {self.delta}")
+
+
 @dataclass
 class EngineArgs:
     """Everything needed to build an engine. CLI flags map 1:1 onto these fields."""
@@ -123,7 +143,7 @@ class EngineArgs:
 @dataclass
 class ModelConfig:
     path: str  # resolved HF-style folder
-    hf_config: object
+    hf_config: PretrainedConfig
     dtype: torch.dtype
     max_model_len: int
     name: str
@@ -131,7 +151,7 @@ class ModelConfig:
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
     load_format: str = "auto"
-    pooler: object | None = None  # model.pooling.PoolerConfig: the engine runs embeddings (--task embed)
+    pooler: PoolerConfig | None = None  # the engine runs embeddings (--task embed)
     quantization_calibration: str | None = None  # w8a8's calibration file (None: the packaged set)
     aliases: tuple[str, ...] = ()  # other names requests may give for `name` (a GGUF file's path)
 
@@ -210,6 +230,6 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     seed: int = 0
     watermark: WatermarkConfig = field(default_factory=WatermarkConfig)
-    speculative: object | None = None  # spec_decode.config.SpeculativeConfig
-    lora: object | None = None  # lora.config.LoRAConfig
+    speculative: SpeculativeConfig | None = None
+    lora: LoRAConfig | None = None
     extra: dict = field(default_factory=dict)

@@ -11,7 +11,7 @@ from tokenmill.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from tokenmill.config import EngineArgs
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.lora.request import LoRARequest
-from tokenmill.engine.request import Request
+from tokenmill.request import Request
 from tokenmill.outputs import EmbeddingRequestOutput, RequestOutput
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -57,7 +61,7 @@ class RequestOutput:
 
 @dataclass
 class PoolingOutput:
-    data: object  # torch.Tensor: float32 [dimensions] on the CPU (the embedding)
+    data: torch.Tensor | None  # float32 [dimensions] on the CPU (the embedding); None: aborted before it pooled
 
 
 @dataclass

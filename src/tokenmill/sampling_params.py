@@ -2,10 +2,50 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
-from tokenmill.structured_output import GuidedDecodingParams
+
+@dataclass
+class GuidedDecodingParams:
+    """One of these (vLLM's names): a JSON schema, any JSON object, a regex, a list of choices,
+    or a grammar (Lark, or GBNF as llama.cpp writes it)."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"guided decoding needs exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {given or 'none'}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("guided choice must be a non-empty list of non-empty strings")
+
+    def to_grammar(self) -> str:
+        """The llguidance grammar for these constraints."""
+        from llguidance import grammar_from
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        if self.json is not None:
+            schema = self.json if isinstance(self.json, str) else json.dumps(self.json)
+            return grammar_from("json_schema", schema)
+        if self.json_object:
+            return grammar_from("json_schema", json.dumps({"type": "object"}))
+        if self.regex is not None:
+            return grammar_from("regex", self.regex)
+        if self.choice is not None:
+            return grammar_from("lark", "start: " + " | ".join(json.dumps(c) for c in self.choice))
+        try:
+            lark = any_to_lark(self.grammar)  # GBNF (llama.cpp's `root ::= ...`) becomes Lark; Lark stays
+        except Exception as e:  # noqa: BLE001 - the converter's own error types
+            raise ValueError(f"invalid grammar: {e}") from None
+        return grammar_from("lark", lark)
 
 
 @dataclass

@@ -195,7 +195,7 @@ def test_a_dead_worker_fails_the_engine_loudly(tiny_llama_dir):
         worker = llm.engine.core.runner.workers.procs[0]
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(30)
-        from tokenmill.distributed.executor import TPWorkerDied
+        from tokenmill.worker.executor import TPWorkerDied
 
         with pytest.raises(TPWorkerDied, match="rank 1 .* died"):
             llm.generate(prompt_token_ids=PROMPTS[:2], sampling_params=_greedy(4))

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.model.fused_decode import MAX_Q, FusedDecode
-from tokenmill.model.layers import cpu_kernels
+from tokenmill.worker.fused_decode import MAX_Q, FusedDecode
+from tokenmill.kernels import cpu_kernels
 from tokenmill.model.layers.attention import SeqChunk
 from tokenmill.model.layers.linear import SMALL_BATCH
 

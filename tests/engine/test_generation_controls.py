@@ -9,7 +9,8 @@ import openai
 import pytest
 
 from tokenmill.cli import main
-from tokenmill.watermark import WatermarkConfig, detect, detect_text, greenlist
+from tokenmill.config import WatermarkConfig
+from tokenmill.sample.watermark import detect, detect_text, greenlist
 
 QUESTION = [{"role": "user", "content": "Tell me about the history of the Roman empire."}]
 

@@ -7,8 +7,8 @@ import random
 import pytest
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine.kv_cache import KVCacheManager, hash_block
-from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.kv_cache import KVCacheManager, hash_block
+from tokenmill.request import Request, RequestStatus
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 

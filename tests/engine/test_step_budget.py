@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import SchedulerConfig
-from tokenmill.engine.kv_cache import KVCacheManager
-from tokenmill.engine.request import Request
+from tokenmill.kv_cache import KVCacheManager
+from tokenmill.request import Request
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.step_budget import StepBudget
 

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.model.layers import cpu_kernels, cpu_threads
+from tokenmill.kernels import cpu_kernels
+from tokenmill.kernels import cpu_threads
 
 
 def fake_host(tmp_path: Path, mountinfo: list[str], cgroup: list[str], files: dict[str, str]) -> Path:

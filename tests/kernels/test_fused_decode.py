@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.model.fused_decode import MAX_Q, FusedDecode
-from tokenmill.model.layers import cpu_kernels
+from tokenmill.worker.fused_decode import MAX_Q, FusedDecode
+from tokenmill.kernels import cpu_kernels
 from tokenmill.model.layers.linear import SMALL_BATCH
 from tokenmill.model.layers.quantization import LARGE_BATCH
 
@@ -217,7 +217,8 @@ def test_bad_inputs_raise_instead_of_crashing(tiny_llama_dir):
 def test_decode_weights_sit_in_one_arena_in_execution_order(tiny_qwen2_dir, quantization):
     """What a small-batch step streams is one 2 MiB-aligned buffer, read front to back: each
     layer's qkv, o, gate_up and down, then the LM head; a tied quantized table stays one copy."""
-    from tokenmill.model.layers.weight_arena import HUGE_PAGE, _decode_tensors
+    from tokenmill.kernels.memory import HUGE_PAGE
+    from tokenmill.model.layers.weight_arena import _decode_tensors
 
     llm = LLM(tiny_qwen2_dir, quantization=quantization, **KW)
     model = _runner(llm).model
@@ -236,9 +237,9 @@ def test_decode_weights_sit_in_one_arena_in_execution_order(tiny_qwen2_dir, quan
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_cpu_kv_cache_sits_on_huge_pages(tiny_qwen2_dir, kv_cache_dtype):
     """The CPU KV cache (and an int8 cache's scales) is one 2 MiB-aligned buffer advised for
-    transparent huge pages (weight_arena.huge_page_empty), not torch's allocation: a step reads
+    transparent huge pages (kernels.memory.huge_page_empty), not torch's allocation: a step reads
     blocks scattered over all of it, and on 4 KiB pages each block's read missed the TLB."""
-    from tokenmill.model.layers.weight_arena import HUGE_PAGE
+    from tokenmill.kernels.memory import HUGE_PAGE
 
     llm = LLM(tiny_qwen2_dir, kv_cache_dtype=kv_cache_dtype, **KW)
     runner = _runner(llm)
@@ -262,11 +263,11 @@ def _resident(t: torch.Tensor) -> torch.Tensor:
 
 
 def test_populate_in_background_faults_pages_in_and_keeps_their_contents():
-    """weight_arena.populate_in_background: a fresh huge_page_empty buffer has no pages in memory
+    """kernels.memory.populate_in_background: a fresh huge_page_empty buffer has no pages in memory
     until written; after the thread every page is, and what was written before is unchanged."""
     import sys
 
-    from tokenmill.model.layers.weight_arena import huge_page_empty, populate_in_background
+    from tokenmill.kernels.memory import huge_page_empty, populate_in_background
 
     if sys.platform != "linux":
         pytest.skip("mincore / MADV_POPULATE_WRITE: Linux")

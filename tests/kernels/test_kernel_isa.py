@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tokenmill.kernels import build, isa
-from tokenmill.model.layers import cpu_kernels
+from tokenmill.kernels import cpu_kernels
 
 pytestmark = pytest.mark.skipif(not isa.is_x86(), reason="the ISA levels are x86's")
 
@@ -126,7 +126,7 @@ def test_each_level_computes_what_torch_does(level_modules):
 def test_the_cap_selects_the_module_a_process_loads():
     levels = [lv.name for lv in isa.supported()]
     want = "avx2" if "avx2" in levels else "generic"
-    code = ("from tokenmill.model.layers import cpu_kernels; m = cpu_kernels.load(); "
+    code = ("from tokenmill.kernels import cpu_kernels; m = cpu_kernels.load(); "
             "print(m.isa() if m is not None else None)")
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **isa.env_for(want)}, capture_output=True,
                          text=True, timeout=300)

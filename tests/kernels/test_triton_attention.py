@@ -29,7 +29,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 RUNS_HERE = DEVICE == "cuda" or isinstance(_tl_zeros, InterpretedFunction)
 if RUNS_HERE:
-    from tokenmill.model.layers import triton_attention as ta  # noqa: E402
+    from tokenmill.kernels import triton_attention as ta  # noqa: E402
 from tokenmill.model.layers.attention import quantize_kv  # noqa: E402
 if _SET_INTERPRET:  # not for what the rest of the session starts; `_interpret` sets it while these tests run
     del os.environ["TRITON_INTERPRET"]
@@ -283,7 +283,7 @@ COMPILE_SCRIPT = r"""
 import sys
 import triton
 from triton.backends.compiler import GPUTarget
-from tokenmill.model.layers import triton_attention as ta
+from tokenmill.kernels import triton_attention as ta
 
 PTRS = {"bt_ptr": "*i64", "q_start_ptr": "*i32", "seq_lens_ptr": "*i32", "ks_ptr": "*fp32", "vs_ptr": "*fp32",
         "part_ptr": "*fp32", "stats_ptr": "*fp32"}

@@ -126,7 +126,7 @@ def test_structured_output_and_speculation(tiny_llama_dir, adapters, lora_llm):
     got = spec.generate(prompts, sp, lora_request=lr, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert spec.engine.core.drafter.stats.num_draft_tokens > 0
-    from tokenmill.structured_output import GuidedDecodingParams
+    from tokenmill.sampling_params import GuidedDecodingParams
 
     choice = SamplingParams(max_tokens=8, temperature=0, guided_decoding=GuidedDecodingParams(choice=["yes", "no"]))
     out = lora_llm.generate(["Answer:"], choice, lora_request=lr, use_tqdm=False)[0]
@@ -151,7 +151,7 @@ def test_bf16_mixed_batch_is_batch_invariant(tiny_llama_dir, adapters):
     reqs = [None, *_requests(adapters).values()]
     alone = [llm.generate(PROMPTS[:1], GREEDY, lora_request=lr, use_tqdm=False)[0].outputs[0] for lr in reqs]
     mixed = llm.generate(PROMPTS[:1] * len(reqs), GREEDY, lora_request=reqs, use_tqdm=False)
-    from tokenmill.model.layers import cpu_kernels
+    from tokenmill.kernels import cpu_kernels
 
     if cpu_kernels.load() is not None and hasattr(cpu_kernels.load(), "FusedDecoder"):
         assert any(fused_lora_steps)  # adapters ran inside the fused decode step

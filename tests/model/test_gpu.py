@@ -58,7 +58,7 @@ def _scenarios(model_dir: str, **kw) -> dict[str, list]:
 
 def _graph_buckets(model_dir: str) -> dict[str, list]:
     """CUDA-graph decode (eager on CPU): 3 and 5 rows padded to buckets 4 and 8."""
-    from tokenmill.model.cuda_graphs import CudaGraphDecode
+    from tokenmill.worker.cuda_graphs import CudaGraphDecode
 
     llm = LLM(model_dir, dtype="float32", kv_cache_memory=0.02)
     runner = llm.engine.core.runner
@@ -109,7 +109,7 @@ def test_triton_backend_in_the_engine_equals_cpu_backend(tiny_llama_dir, kernels
 
 
 def test_bucket_sizes():
-    from tokenmill.model.cuda_graphs import bucket_sizes
+    from tokenmill.worker.cuda_graphs import bucket_sizes
 
     assert bucket_sizes(1) == [1]
     assert bucket_sizes(6) == [1, 2, 4, 6]
@@ -234,7 +234,7 @@ def test_cuda_graphs_padded_buckets_equal_eager(tiny_llama_dir):
 
 @gpu
 def test_cuda_sampling_seeds_grammar_logprobs(tiny_llama_dir):
-    from tokenmill.structured_output import GuidedDecodingParams
+    from tokenmill.sampling_params import GuidedDecodingParams
 
     llm = LLM(tiny_llama_dir, device="cuda", dtype="float32", gpu_memory_utilization=0.3, max_num_seqs=8)
     seeded = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, top_k=50, seed=7, ignore_eos=True)

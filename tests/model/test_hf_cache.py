@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tokenmill.model import hf_cache
+from tokenmill import hf_cache
 
 # One small config per family the engine serves (MODEL_REGISTRY), as the Hub writes them.
 _FAMILIES = {

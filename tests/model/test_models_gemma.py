@@ -231,7 +231,7 @@ def test_prefix_cache_serves_freed_blocks_correctly(sliding_dir):
     """Blocks freed out of a running request's window stay cached under their hash: a longer
     prompt over the same prefix takes those of its first query's window (the earlier ones become
     null entries, even after they are evicted) and gives transformers' tokens."""
-    from tokenmill.engine.kv_cache import hash_block
+    from tokenmill.kv_cache import hash_block
 
     llm = LLM(sliding_dir, dtype="float32", block_size=4, num_gpu_blocks_override=100)
     kv = llm.engine.core.kv
@@ -257,8 +257,8 @@ def test_prefix_cache_serves_freed_blocks_correctly(sliding_dir):
 
 def test_window_hits_need_only_the_window():
     """KVCacheManager alone: a hit of k blocks needs blocks skippable(k * bs) .. k - 1 cached."""
-    from tokenmill.engine.kv_cache import KVCacheManager
-    from tokenmill.engine.request import Request
+    from tokenmill.kv_cache import KVCacheManager
+    from tokenmill.request import Request
 
     kv = KVCacheManager(32, 4, sliding_window=6)
     req = Request("a", list(range(40)), SamplingParams(max_tokens=1))

@@ -12,7 +12,7 @@ from conftest import PROMPTS, running_server
 from gguf_writer import write_gguf_from_hf
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.model.layers import cpu_kernels
+from tokenmill.kernels import cpu_kernels
 from tokenmill.model.layers.quantization import (AMX_ROWS, LARGE_BATCH, QuantEmbedding, QuantLinear, dequantize,
                                                  a8_linear, from_panels, pack_quantized, quantize,
                                                  quantize_activation_groups, to_panels)

@@ -16,7 +16,7 @@ from conftest import PROMPTS
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.model import smoothquant
-from tokenmill.model.layers import cpu_kernels
+from tokenmill.kernels import cpu_kernels
 from tokenmill.model.layers.w8a8 import W8A8Linear, pack, quantize_activations, quantize_weight, reference, unpack
 
 SHAPES = [(1, 1, 4), (1, 16, 64), (3, 17, 37), (4, 40, 100), (5, 15, 576), (9, 33, 128), (17, 64, 64), (33, 7, 20), (70, 50, 192)]

@@ -2,7 +2,7 @@
 
 Such a script printed correct results, then aborted with "terminate called without an active
 exception" (exit status 134). Each CPU engine's KV cache is faulted in by a daemon thread
-(weight_arena.populate_in_background), which held the cache during each madvise call: an engine
+(kernels.memory.populate_in_background), which held the cache during each madvise call: an engine
 let go meanwhile (a script's `main()` returning) lost its cache's last reference on that thread.
 The cache's storage (torch.frombuffer over an mmap) is unmapped in a C++ deleter that releases the
 GIL, and an interpreter exit meanwhile ended the thread with pthread_exit inside that noexcept
@@ -78,7 +78,7 @@ def test_a_script_with_live_engines_exits_0(runs, kernels):
 def test_the_populating_thread_holds_the_address_not_the_tensor(monkeypatch):
     """Inside a madvise call the thread holds no reference to the tensor, so the tensor is freed
     where it is let go (here, once the chunk in flight is done), never on the thread."""
-    from tokenmill.model.layers import weight_arena
+    from tokenmill.kernels import memory
 
     if sys.platform != "linux":
         pytest.skip("MADV_POPULATE_WRITE: Linux")
@@ -89,11 +89,11 @@ def test_the_populating_thread_holds_the_address_not_the_tensor(monkeypatch):
         go_on.wait()
         return 0
 
-    monkeypatch.setattr(weight_arena, "_libc_madvise", lambda: madvise)
-    t = weight_arena.huge_page_empty((8 << 20,), torch.uint8)
+    monkeypatch.setattr(memory, "_libc_madvise", lambda: madvise)
+    t = memory.huge_page_empty((8 << 20,), torch.uint8)
     weakref.finalize(t, lambda: freed_on.append(threading.current_thread()))
     refs = sys.getrefcount(t)
-    thread = weight_arena.populate_in_background(t, chunk=1 << 20)
+    thread = memory.populate_in_background(t, chunk=1 << 20)
     in_call.wait()
     assert sys.getrefcount(t) == refs  # held by the thread during the call, t could be freed there
     go_on.set()

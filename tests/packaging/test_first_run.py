@@ -20,7 +20,7 @@ import pytest
 from tokenmill import progress
 from tokenmill.cli import main
 from tokenmill.model import loader
-from tokenmill.model.layers import cpu_kernels
+from tokenmill.kernels import cpu_kernels
 
 
 class _Tty(io.StringIO):

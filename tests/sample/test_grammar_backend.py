@@ -11,12 +11,12 @@ import threading
 import httpx
 from conftest import running_server
 
-from tokenmill.structured_output import StructuredOutputManager
+from tokenmill.sampling_params import GuidedDecodingParams
+from tokenmill.sample.structured_output import StructuredOutputManager
 
 CHILD = """
 import sys
 from tokenmill import LLM, SamplingParams
-from tokenmill.structured_output import GuidedDecodingParams
 
 llm = LLM(sys.argv[1], dtype="float32", kv_cache_memory=0.02)
 params = SamplingParams(max_tokens=6, temperature=0, guided_decoding=GuidedDecodingParams(regex="[ab]+c"))

@@ -10,8 +10,9 @@ import pytest
 import torch
 from sampler_scenario import GRAMMARS, STEPS, V, FakeMatcher, assert_same, load_golden, make_requests, run, step_logits
 
-from tokenmill.model.layers.sampler import Sampler, SamplingBatch
-from tokenmill.structured_output import apply_grammar_masks
+from tokenmill.sample.sampler import Sampler, SamplingBatch
+from tokenmill.sampling_params import GuidedDecodingParams
+from tokenmill.sample.structured_output import apply_grammar_masks
 
 pytestmark = pytest.mark.gpu  # skipped without a CUDA GPU (tests/conftest.py)
 GREEDY_ROWS = [0, 1, 5, 7]  # their history is their own greedy tokens: the same as on CPU
@@ -80,8 +81,8 @@ def test_processed_logits_match_cpu_along_the_cpu_history():
     sampler = Sampler()
     for step in range(STEPS):
         logits = step_logits(step)
-        cpu = sampler._process_logits(logits, SamplingBatch.from_requests(reqs, V))
-        cuda = sampler._process_logits(logits.cuda(), SamplingBatch.from_requests(reqs, V, device="cuda"))
+        cpu = sampler.process_logits(logits, SamplingBatch.from_requests(reqs, V))
+        cuda = sampler.process_logits(logits.cuda(), SamplingBatch.from_requests(reqs, V, device="cuda"))
         torch.testing.assert_close(cuda.cpu(), cpu, rtol=1e-6, atol=1e-5)
         for r, t in zip(reqs, gold["tokens"][step]):
             r.append_output_token(t)
@@ -101,7 +102,7 @@ def test_grammar_masks_match_cpu(rows):
 def test_grammar_masks_of_a_real_matcher(tmp_path):
     from tiny_models import build_tokenizer
 
-    from tokenmill.structured_output import GuidedDecodingParams, StructuredOutputManager
+    from tokenmill.sample.structured_output import StructuredOutputManager
     from tokenmill.tokenizer import load_tokenizer
 
     vocab = build_tokenizer(tmp_path)

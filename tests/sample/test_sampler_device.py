@@ -7,7 +7,7 @@ import pytest
 import torch
 from sampler_scenario import assert_same, load_golden, make_requests, run
 
-from tokenmill.model.layers.sampler import Sampler, SamplingBatch, _top_k_top_p
+from tokenmill.sample.sampler import Sampler, SamplingBatch, _top_k_top_p
 
 
 @pytest.mark.parametrize("device", [None, "cpu"])
@@ -28,7 +28,7 @@ def test_batch_tensors_on_the_requested_device():
     assert all(t.device.type == "meta" for t in tensors)
     # Penalties, bias, watermark, bans and the grammar (with its fallback row) on meta logits:
     # an op mixing in a CPU tensor fails there as it would on CUDA.
-    logits = Sampler()._process_logits(torch.zeros(10, 100, device="meta"), batch)
+    logits = Sampler().process_logits(torch.zeros(10, 100, device="meta"), batch)
     assert logits.device.type == "meta"
     assert _top_k_top_p(logits, batch.top_k, batch.top_p).device.type == "meta"
 

@@ -7,8 +7,8 @@ import torch
 from conftest import PROMPTS
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine.request import Request
-from tokenmill.model.layers.sampler import Sampler, SamplingBatch, SamplingBatches
+from tokenmill.request import Request
+from tokenmill.sample.sampler import Sampler, SamplingBatch, SamplingBatches
 
 
 def _batch(logits_rows, **params):
@@ -38,7 +38,7 @@ def test_sampled_tokens_follow_the_distribution_over_a_large_vocab():
     """Inverse-CDF draws over a vocab of several CDF blocks (ragged last block): token counts
     match softmax(logits / T) restricted to the top k (chi-square, 6,000 draws from a fixed seed,
     so the outcome is fixed), and tokens outside the top k are never drawn."""
-    from tokenmill.model.layers.sampler import CDF_BLOCK
+    from tokenmill.sample.sampler import CDF_BLOCK
 
     V, n, k = 3 * CDF_BLOCK + 37, 6000, 40
     logits = torch.randn(V, generator=torch.Generator().manual_seed(5)) * 2.0
@@ -80,8 +80,8 @@ def test_top_k_top_p_kernel_cuts_where_a_sort_would(scale):
     the max), ties (logits rounded to bfloat16), -inf tokens and a row of them, k of 1, beyond the
     tokens within 33 of the max, and V (no cut), p of 0 and 1 (no cut), top-k alone, top-p alone
     and both; the kept logits unchanged."""
-    from tokenmill.model.layers import cpu_kernels
-    from tokenmill.model.layers.sampler import _top_k_top_p
+    from tokenmill.kernels import cpu_kernels
+    from tokenmill.sample.sampler import _top_k_top_p
 
     if cpu_kernels.load() is None:
         pytest.skip("no C++ kernels")

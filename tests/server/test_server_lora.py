@@ -322,7 +322,8 @@ def test_runtime_loading_off(tiny_llama_dir, adapters):
 
 
 def test_cli_flags(monkeypatch):
-    from tokenmill.cli import build_parser, engine_args_from
+    from tokenmill.cli import build_parser
+    from tokenmill.engine.arg_utils import engine_args_from
 
     ns = build_parser().parse_args(["serve", "m", "--enable-lora", "--lora-modules", "a=/x",
                                     '{"name": "b", "path": "/y", "base_model_name": "m"}', "--lora-modules", "c=/z",

@@ -19,7 +19,7 @@ from lora_adapters import make_adapter
 
 pytest.importorskip("peft")
 
-from tokenmill.cli import add_engine_args, engine_args_from  # noqa: E402
+from tokenmill.engine.arg_utils import add_engine_args, engine_args_from  # noqa: E402
 from tokenmill.lora.adapter import MAX_CONFIG_BYTES  # noqa: E402
 from tokenmill.lora.config import LoRAConfig  # noqa: E402
 

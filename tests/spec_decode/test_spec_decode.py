@@ -271,10 +271,10 @@ def test_rejection_sampling_draws_the_target_distribution():
     """verify_drafts on fixed logits, 20,000 requests at once, each with drafts (d0, d1): the
     first emitted token is distributed as p0, and after an accepted d0 the next as p1
     (chi-square against fixed critical values; the sampler's seed is fixed, so this cannot flake)."""
-    from tokenmill.engine.request import Request
-    from tokenmill.engine.scheduler import ScheduledRequest
-    from tokenmill.model.layers.sampler import Sampler
-    from tokenmill.spec_decode.verify import verify_drafts
+    from tokenmill.request import Request
+    from tokenmill.step import ScheduledRequest
+    from tokenmill.sample.sampler import Sampler
+    from tokenmill.sample.verify import verify_drafts
 
     V, N = 6, 20000
     p0 = torch.tensor([0.05, 0.4, 0.1, 0.2, 0.15, 0.1])

@@ -394,7 +394,7 @@ def test_rejection_empty_and_no_drafts():
 
 def test_rejection_seeded_batch_invariant_and_matches_sampler(monkeypatch):
     monkeypatch.setenv("TOKENMILL_NO_CPP_KERNELS", "1")
-    from tokenmill.model.layers.sampler import Sampler, SamplingBatch
+    from tokenmill.sample.sampler import Sampler, SamplingBatch
     from tokenmill.spec_decode import target_distributions
 
     V = 50
@@ -428,7 +428,7 @@ def test_rejection_seeded_batch_invariant_and_matches_sampler(monkeypatch):
 
 
 def test_inverse_cdf_edges():
-    from tokenmill.model.layers.sampler import inverse_cdf
+    from tokenmill.sample.sampler import inverse_cdf
 
     dist = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0], [0.0, 0.0, 2.0, 0.0, 0.0]])
     u = torch.tensor([[0.0], [0.999999999]], dtype=torch.float64)
@@ -465,7 +465,7 @@ def test_rejection_mixed_greedy_and_errors():
 def test_drafter_rations_drafts_by_expected_gain_and_step_cost():
     """A lone request with good acceptance drafts deeply; at 8 decoding requests only the likeliest
     draft (and less); at 32 none; a request whose drafts fail is probed only in small steps."""
-    from tokenmill.engine.request import Request, RequestStatus
+    from tokenmill.request import Request, RequestStatus
     from tokenmill.sampling_params import SamplingParams
     from tokenmill.spec_decode.drafter import Drafter, _Track
 

@@ -6,6 +6,8 @@ import json
 import random
 from dataclasses import dataclass
 
+from tokenmill.model.loader import resolve_model_path
+
 
 @dataclass
 class BenchRequest:
@@ -17,7 +19,6 @@ class BenchRequest:
 def load_tokenizer(path: str | None):
     from transformers import AutoTokenizer
 
-    from tokenmill.model.loader import resolve_model_path
 
     return AutoTokenizer.from_pretrained(resolve_model_path(path))
 

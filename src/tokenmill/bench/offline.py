@@ -18,7 +18,10 @@ import time
 import torch
 from tqdm import tqdm
 
+from tokenmill.engine.arg_utils import add_engine_args, engine_args_from
 from tokenmill.model.layers.linear import onednn_bf16_fast
+from tokenmill.kernels.memory import huge_page_buffer
+from tokenmill.sampling_params import SamplingParams
 
 
 def add_workload_args(p: argparse.ArgumentParser, input_len: int, output_len: int) -> None:
@@ -38,8 +41,6 @@ def _random_prompts(llm, n: int, length: int, seed: int) -> list[list[int]]:
 
 
 def _params(output_len: int):
-    from tokenmill.sampling_params import SamplingParams
-
     return SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
 
 
@@ -104,8 +105,7 @@ def run_latency(llm, ns: argparse.Namespace) -> int:
 
 def measure_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     """Read bandwidth (bytes/s): a sum over a buffer far larger than the caches, best of N. The
-    buffer is on the same kind of pages as the weights a decode step streams (weight_arena)."""
-    from tokenmill.model.layers.weight_arena import huge_page_buffer
+    buffer is on the same kind of pages as the weights a decode step streams (kernels/memory.py)."""
 
     x = huge_page_buffer(int(gib * 2**30)).view(torch.float32).fill_(1.0)
     best = float("inf")
@@ -201,8 +201,6 @@ def run_roofline(llm, ns: argparse.Namespace) -> int:
 
 def add_offline_parsers(b) -> None:
     """Adds throughput, latency and roofline to the `tokenmill bench` sub-parsers."""
-    from tokenmill.cli import add_engine_args
-
     t = b.add_parser("throughput", help="offline throughput straight into the engine")
     add_engine_args(t)
     add_workload_args(t, 256, 128)
@@ -227,8 +225,7 @@ def add_offline_parsers(b) -> None:
 
 
 def _run_offline(ns: argparse.Namespace) -> int:
-    from tokenmill.cli import engine_args_from
-    from tokenmill.llm import LLM
+    from tokenmill.llm import LLM  # lazy: the parser is built for every command; the engine loads for a run only
 
     llm = LLM(**vars(engine_args_from(ns)))
     wait_for_kv_cache(llm)
@@ -237,7 +234,7 @@ def _run_offline(ns: argparse.Namespace) -> int:
 
 def wait_for_kv_cache(llm) -> None:
     """Waits until the background thread that faults in the KV cache's pages after start-up is
-    done (weight_arena.populate_in_background: ~10 s for 4 GiB on a 2-core VM): the steps it runs
+    done (kernels.memory.populate_in_background: ~10 s for 4 GiB on a 2-core VM): the steps it runs
     beside are slower (it takes a core's time slices from the step's threads), so a measurement
     taken meanwhile is of start-up, not of the engine. Tensor-parallel workers populate their own."""
     thread = getattr(getattr(llm.engine.core, "runner", None), "kv_populate", None)

@@ -31,6 +31,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from tokenmill.kernels import cpu_kernels
+
 SPIN_BEFORE_YIELD_S = 50e-6  # then sched_yield: a rank may share its core with the rank it waits for
 SPIN_NS = int(SPIN_BEFORE_YIELD_S * 1e9)
 CHECK_ABORT_EVERY = 256  # yields between looks at the abort flag
@@ -38,7 +40,6 @@ CHECK_ABORT_EVERY = 256  # yields between looks at the abort flag
 
 class TPAborted(RuntimeError):
     """A collective gave up: another rank died or the engine is shutting down."""
-
 
 class ShmAllReduce:
     HEADER = 64 * 8  # int64 words: [0] abort flag, [8 + phase * world + rank] sequence numbers
@@ -57,7 +58,6 @@ class ShmAllReduce:
             os.close(fd)
         self.words = np.frombuffer(self._mm, dtype=np.int64, count=self.HEADER // 8)
         self.words_t = torch.frombuffer(self._mm, dtype=torch.int64, count=self.HEADER // 8)
-        from tokenmill.model.layers import cpu_kernels
 
         kernels = cpu_kernels.load() if cpu_kernels.enabled() else None
         self.kernel = getattr(kernels, "shm_all_reduce", None)

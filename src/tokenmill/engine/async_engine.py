@@ -30,13 +30,16 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Generic, TypeVar
 
 from tokenmill.config import DEFAULT_SERVING_ITL_TARGET_MS
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.outputs import PoolingRequestOutput, RequestOutput
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.lora.request import LoRARequest
 
 logger = logging.getLogger("tokenmill")
 
@@ -50,47 +53,53 @@ class EngineDeadError(RuntimeError):
     pass
 
 
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+T = TypeVar("T")
+_Out = TypeVar("_Out", RequestOutput, PoolingRequestOutput)
 
-    def put(self, item) -> None:
+
+@dataclass
+class _Stream(Generic[_Out]):
+    """One request's outputs (or the error that ends them), filled from the engine thread."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[_Out | BaseException]
+
+    def put(self, item: _Out | BaseException) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], max_waiting: int | None = None):
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], max_waiting: int | None = None) -> None:
         """`engine`: an LLMEngine, or a function that builds one (run on the engine thread;
         preferred, see the module's docstring). Construction errors are raised here."""
         self.engine: LLMEngine = None  # type: ignore[assignment]  # set on the engine thread
         self.max_waiting = max_waiting
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()  # (kind, *arguments)
         self._wakeup = threading.Event()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, _Stream[Any]] = {}
         self._ids = itertools.count()
         self._stopping = False
         self._error: BaseException | None = None
         # Observers called from the engine thread after each step (metrics).
-        self.step_observers: list[Callable[[list[RequestOutput], float], None]] = []
+        self.step_observers: list[Callable[[list[RequestOutput | PoolingRequestOutput], float], None]] = []
         self.prep_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenmill-prep")
         self._ready = threading.Event()
         build = (lambda: engine) if isinstance(engine, LLMEngine) else engine
         self._thread = threading.Thread(target=self._run, args=(build,), name="tokenmill-engine", daemon=True)
         self._thread.start()
         self._ready.wait()
-        if self.engine is None:
-            raise self._error  # type: ignore[misc]
+        if self.engine is None:  # the build failed: _run kept its error
+            raise self._error
 
     @classmethod
-    def from_args(cls, model: str | None = None, max_waiting: int | None = None, **kw) -> "AsyncLLMEngine":
+    def from_args(cls, model: str | None = None, max_waiting: int | None = None, **kw: Any) -> "AsyncLLMEngine":
         if kw.get("itl_target_ms") is None:  # a server: requests stream beside each other
             kw["itl_target_ms"] = DEFAULT_SERVING_ITL_TARGET_MS
         return cls(lambda: LLMEngine.from_args(model, **kw), max_waiting)
 
     # ---- public API (event loop side) --------------------------------------------------
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Any:  # the engine's Hugging Face tokenizer
         return self.engine.tokenizer
 
     @property
@@ -107,7 +116,7 @@ class AsyncLLMEngine:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None, parent_id: str | None = None,
-                       lora_request=None, priority: int = 0,
+                       lora_request: LoRARequest | None = None, priority: int = 0,
                        cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yields RequestOutputs (with delta_text) until the request finishes. `lora_request`: a
         LoRARequest (with --enable-lora; None: the base model), loaded on the prep pool; `priority`
@@ -120,7 +129,7 @@ class AsyncLLMEngine:
         if rid in self._streams:  # a second stream under one id would take the first one's tokens
             raise ValueError(f"request id {rid!r} is already in use")
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue())
+        stream: _Stream[RequestOutput] = _Stream(loop, asyncio.Queue())
         self._streams[rid] = stream
         finished = True  # nothing to abort until the request is queued
         try:
@@ -157,7 +166,7 @@ class AsyncLLMEngine:
         if any(rid in self._streams for rid in rids):
             raise ValueError(f"request id {base!r} is already in use")
         loop = asyncio.get_running_loop()
-        streams = {rid: _Stream(loop, asyncio.Queue()) for rid in rids}
+        streams: dict[str, _Stream[PoolingRequestOutput]] = {rid: _Stream(loop, asyncio.Queue()) for rid in rids}
         self._streams.update(streams)
         pending: set[str] = set()
         try:
@@ -195,10 +204,10 @@ class AsyncLLMEngine:
         self._inbox.put(("abort_all", error))
         self._wakeup.set()
 
-    def call(self, fn: Callable[[LLMEngine], object]) -> "asyncio.Future":
+    def call(self, fn: Callable[[LLMEngine], T]) -> asyncio.Future[T]:
         """Run fn(engine) on the engine thread (e.g. to read stats consistently)."""
         loop = asyncio.get_running_loop()
-        fut = loop.create_future()
+        fut: asyncio.Future[T] = loop.create_future()
         self._inbox.put(("call", fn, loop, fut))
         self._wakeup.set()
         return fut
@@ -297,7 +306,7 @@ class ServerShutdownError(RuntimeError):
     """Ends the streams still in flight when a server's drain timeout expires."""
 
 
-def _set_result(fut: asyncio.Future, res, err) -> None:
+def _set_result(fut: asyncio.Future[T], res: T, err: BaseException | None) -> None:
     if fut.done():
         return
     if err is not None:

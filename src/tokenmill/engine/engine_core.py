@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
 
 from tokenmill.config import EngineConfig
 from tokenmill.distributed.comm import NO_TP
-from tokenmill.engine.kv_cache import KVCacheManager
-from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.kv_cache import KVCacheManager
+from tokenmill.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.model.layers.attention import kv_window
-from tokenmill.model.layers.sampler import SampleLogprobs
-from tokenmill.model.runner import ModelRunner
+from tokenmill.sample.sampler import SampleLogprobs
+from tokenmill.worker.executor import TPWorkers
+from tokenmill.worker.runner import ModelRunner
 from tokenmill.spec_decode.drafter import Drafter
 
 logger = logging.getLogger("tokenmill")
@@ -98,11 +100,11 @@ class EngineCore:
         return results
 
 
-def _start_tp_workers(config: EngineConfig):
-    from tokenmill.distributed.executor import TPWorkers
-
+def _start_tp_workers(config: EngineConfig) -> TPWorkers:
     hidden = config.model.hf_config.hidden_size
     # The all-reduce's shared buffer: one step's activations in float32 (bigger ones go in pieces).
     shm_bytes = min(max(config.scheduler.max_num_batched_tokens * hidden * 4, 1 << 20), 32 << 20)
-    return TPWorkers(config.parallel.tensor_parallel_size, config.parallel.num_threads, config.model,
-                     config.cache.num_blocks, config.cache.block_size, shm_bytes, config.device, config.scheduler)
+    build_runner = functools.partial(ModelRunner, num_blocks=config.cache.num_blocks, block_size=config.cache.block_size,
+                                     device_config=config.device, scheduler_config=config.scheduler)
+    return TPWorkers(config.parallel.tensor_parallel_size, config.parallel.num_threads, config.model, build_runner,
+                     shm_bytes)

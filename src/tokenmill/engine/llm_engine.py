@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import time
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,12 +26,16 @@ from tokenmill.config import (
     parse_dtype,
     resolve_device,
 )
-from tokenmill.distributed.sharding import check_tp_size
+from tokenmill.lora.adapter import LoRAError
+from tokenmill.lora.adapter import linear_shapes
+from tokenmill.lora.config import LoRAConfig, parse_lora_modules
+from tokenmill.lora.registry import LoRARegistry
+from tokenmill.model.sharding import check_tp_size
 from tokenmill.engine.engine_core import EngineCore
-from tokenmill.engine.kv_cache import blocks_held
+from tokenmill.kv_cache import blocks_held
 from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.engine.request import Request, RequestStatus
-from tokenmill.model.layers import cpu_threads
+from tokenmill.request import Request, RequestStatus
+from tokenmill.kernels import cpu_threads
 from tokenmill.model.layers.attention import LayerAttention, kv_window
 from tokenmill.model.layers.quantization import check_quantization, check_w8a8_args
 from tokenmill.model.models.llama import sliding_windows
@@ -38,8 +43,18 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.config import SpeculativeConfig
-from tokenmill.structured_output import StructuredOutputManager
-from tokenmill.watermark import WatermarkConfig
+from tokenmill.model.loader import check_features, load_hf_config, model_class, resolve_model_path, served_names
+from tokenmill.model.pooling import resolve_task, sentence_transformers_max_len
+from tokenmill.sample.structured_output import StructuredOutputManager
+from tokenmill.tokenizer import load_tokenizer
+from tokenmill.config import WatermarkConfig
+
+if TYPE_CHECKING:
+    from transformers import GenerationConfig, PretrainedConfig
+
+    from tokenmill.lora.adapter import LoRAAdapter
+    from tokenmill.lora.request import LoRARequest
+    from tokenmill.outputs import PoolingRequestOutput
 
 logger = logging.getLogger("tokenmill")
 
@@ -47,16 +62,12 @@ DEFAULT_KV_CACHE_GIB = 4.0
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs):
-        from tokenmill.model.loader import (check_features, load_hf_config, model_class, resolve_model_path,
-                                            served_names)
-        from tokenmill.model.pooling import resolve_task, sentence_transformers_max_len
-        from tokenmill.tokenizer import load_tokenizer
+    def __init__(self, args: EngineArgs) -> None:
 
         t0 = time.perf_counter()
         tp = args.tensor_parallel_size
         if tp > 1:
-            pass  # each rank's threads and cores: distributed/executor.py
+            pass  # each rank's threads and cores: worker/executor.py
         elif args.num_threads:
             torch.set_num_threads(args.num_threads)
         else:  # no more threads than the CPU quota / affinity allows (a container's cpu.max)
@@ -125,9 +136,6 @@ class LLMEngine:
         self.core = EngineCore(self.config)
         self.lora = None  # the adapters by name (lora/registry.py), with --enable-lora
         if self.config.lora is not None:
-            from tokenmill.lora.adapter import linear_shapes
-            from tokenmill.lora.registry import LoRARegistry
-
             self.lora = LoRARegistry(self.config.lora, linear_shapes(self.core.runner.model), hf_config.num_hidden_layers,
                                      dtype, name)
         num_blocks = self.config.cache.num_blocks
@@ -184,7 +192,7 @@ class LLMEngine:
         return num_blocks
 
     @classmethod
-    def from_args(cls, model: str | None = None, **kwargs) -> "LLMEngine":
+    def from_args(cls, model: str | None = None, **kwargs: Any) -> "LLMEngine":
         unknown = set(kwargs) - EngineArgs.field_names()
         if unknown:
             raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
@@ -192,7 +200,8 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                     request_id: str | None = None, parent_id: str | None = None, lora_request=None, *,
+                     request_id: str | None = None, parent_id: str | None = None,
+                     lora_request: LoRARequest | None = None, *,
                      priority: int = 0, cache_salt: str | None = None) -> Request:
         """Validate and tokenize; raises ValueError naming the problem (lora.adapter.LoRAError for
         an adapter that cannot be served: unknown, unreadable, or not for this model). `priority`:
@@ -209,7 +218,7 @@ class LLMEngine:
         cfg = self.config
         text, ids = self._prompt_ids(prompt)
         vocab = cfg.model.vocab_size
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+        if any(not 0 <= t < vocab for t in params.stop_token_ids or []):
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
         if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
@@ -231,7 +240,7 @@ class LLMEngine:
             )
         rid = request_id if request_id is not None else str(next(self._ids))
         req = Request(rid, ids, params, eos_token_ids=self.eos_token_ids, prompt=text,
-                      bad_words_token_ids=self._bad_words_ids(params.bad_words), parent_id=parent_id, lora=adapter,
+                      bad_words_token_ids=self._bad_words_ids(params.bad_words or []), parent_id=parent_id, lora=adapter,
                       priority=priority, cache_salt=cache_salt)
         if params.guided_decoding is not None:
             req.matcher = self.structured_output.matcher_for(params.guided_decoding)
@@ -265,6 +274,7 @@ class LLMEngine:
                              f"--task embed")
         params = params or PoolingParams()
         model = self.config.model
+        assert model.pooler is not None  # the embed task's
         model.pooler.check_dimensions(params.dimensions, model.name, model.hf_config.hidden_size)
         max_len = self.config.scheduler.max_model_len
         truncate = max_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
@@ -287,13 +297,11 @@ class LLMEngine:
             raise ValueError(f"priority {priority} given, but priority scheduling is not enabled "
                              f"(--scheduling-policy priority)")
 
-    def _adapter(self, lora_request):
+    def _adapter(self, lora_request: LoRARequest | None) -> LoRAAdapter | None:
         """The loaded adapter of a LoRARequest (None: the base model)."""
         if lora_request is None:
             return None
         if self.lora is None:
-            from tokenmill.lora.adapter import LoRAError
-
             raise LoRAError(f"LoRA adapter {lora_request.lora_name!r} requested, but LoRA is off: start the engine "
                             f"with enable_lora=True (--enable-lora)")
         return self.lora.get(lora_request)
@@ -306,7 +314,8 @@ class LLMEngine:
         except UnicodeEncodeError as e:
             raise ValueError(f"{what} is not valid Unicode text: a lone surrogate {text[e.start]!r} at "
                              f"character {e.start}") from None
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return ids
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word as it would appear alone and after a space (vLLM's two spellings)."""
@@ -319,11 +328,13 @@ class LLMEngine:
         return seqs
 
     def add_request(self, request_id: str | None, prompt: str | list[int],
-                    params: SamplingParams | None = None, parent_id: str | None = None, lora_request=None) -> str:
+                    params: SamplingParams | None = None, parent_id: str | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
         return self.enqueue(self.make_request(prompt, params, request_id, parent_id, lora_request))
 
     def make_requests(self, prompt: str | list[int], params: SamplingParams | None = None,
-                      request_id: str | None = None, lora_request=None, priority: int = 0) -> list[Request]:
+                      request_id: str | None = None, lora_request: LoRARequest | None = None,
+                      priority: int = 0) -> list[Request]:
         """One request per sample: `request_id` itself when n == 1 (and no best_of), else
         `{request_id}-{i}` children sharing it as parent."""
         params = params or SamplingParams()
@@ -341,7 +352,7 @@ class LLMEngine:
         self.core.add_request(req)
         return req.request_id
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def abort_request(self, request_id: str) -> RequestOutput | PoolingRequestOutput | None:
         self.core.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         return self.output_processor.abort(request_id)
 
@@ -361,27 +372,31 @@ class LLMEngine:
         """Stops the tensor-parallel workers, if any (they also end with this process)."""
         self.core.shutdown()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
+        """The step's outputs: RequestOutputs, or PoolingRequestOutputs on an embed engine."""
         outputs, stopped = self.output_processor.process(self.core.step())
         for rid in stopped:
             self.core.finish_request(rid, RequestStatus.FINISHED_STOPPED)
         return outputs
 
     # ---- chat -------------------------------------------------------------------------
-    def render_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kw) -> str:
+    def render_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                             **kw: Any) -> str:
         """The prompt text the chat template makes of messages."""
         if not kw.get("chat_template") and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template")
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                  tokenize=False, **kw)
+        text: str = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                       tokenize=False, **kw)
+        return text
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kw) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **kw: Any) -> list[int]:
         """Token ids of the rendered chat (the template writes the special tokens itself)."""
         text = self.render_chat_template(messages, add_generation_prompt, **kw)
         return self.encode(text, add_special_tokens=False, what="the rendered chat")
 
 
-def _lora_config(args: EngineArgs):
+def _lora_config(args: EngineArgs) -> LoRAConfig | None:
     """LoRAConfig from the engine arguments (None without enable_lora)."""
     if not args.enable_lora:
         if args.lora_modules:
@@ -389,13 +404,12 @@ def _lora_config(args: EngineArgs):
         return None
     if args.tensor_parallel_size > 1:
         raise ValueError("--enable-lora with --tensor-parallel-size > 1 is not supported yet")
-    from tokenmill.lora.config import LoRAConfig, parse_lora_modules
 
     return LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras, parse_lora_modules(args.lora_modules),
                       args.allow_runtime_lora_updating, args.lora_path_allowlist)
 
 
-def _eos_ids(path: str, tokenizer, hf_config) -> frozenset[int]:
+def _eos_ids(path: str, tokenizer: Any, hf_config: PretrainedConfig) -> frozenset[int]:
     ids: set[int] = set()
     for source in (hf_config, _generation_config(path)):
         e = getattr(source, "eos_token_id", None) if source is not None else None
@@ -408,10 +422,10 @@ def _eos_ids(path: str, tokenizer, hf_config) -> frozenset[int]:
     return frozenset(ids)
 
 
-def _generation_config(path: str):
+def _generation_config(path: str) -> GenerationConfig | None:
     if not os.path.exists(os.path.join(path, "generation_config.json")):
         return None
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig, PretrainedConfig
 
     try:
         return GenerationConfig.from_pretrained(path)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import cast
 
 from tokenizers import Tokenizer
 
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.engine_core import CoreOutput
-from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.request import Request, RequestStatus
+from tokenmill.sample.sampler import SampleLogprobs
 from tokenmill.outputs import (CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestMetrics,
                                RequestOutput)
 
@@ -22,12 +24,12 @@ class RequestState:
     cumulative_logprob: float | None = None
     sent_tokens: int = 0
     num_tokens: int = 0  # output tokens taken (a step's tokens after a stop string are not)
-    prompt_logprobs: list | None = None  # converted once, when every prompt position is scored
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # converted once, when every prompt position is scored
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         # each token's text for logprobs, decoded once: n=128 beams ask for 256 logprobs each a round,
         # 32,768 decodes on the engine thread (between two steps of every other request) otherwise
@@ -40,17 +42,20 @@ class OutputProcessor:
             return
         p = req.sampling_params
         detok = IncrementalDetokenizer(
-            self.tokenizer, req.prompt_token_ids, p.skip_special_tokens, p.stop, p.include_stop_str_in_output
+            self.tokenizer, req.prompt_token_ids, p.skip_special_tokens,
+            cast("list[str]", p.stop),  # a list after SamplingParams.__post_init__
+            p.include_stop_str_in_output,
         )
         state = RequestState(req, detok, metrics=RequestMetrics(req.arrival_time))
         if p.logprobs is not None:
             state.logprobs, state.cumulative_logprob = [], 0.0
         self.states[req.request_id] = state
 
-    def process(self, outputs: list[CoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the RequestOutputs and the ids of requests that hit a stop string
-        (the caller finishes those in the core)."""
-        results, stopped = [], []
+    def process(self, outputs: list[CoreOutput]) -> tuple[list[RequestOutput | PoolingRequestOutput], list[str]]:
+        """Returns the RequestOutputs (PoolingRequestOutputs for pooling requests) and the ids of
+        requests that hit a stop string (the caller finishes those in the core)."""
+        results: list[RequestOutput | PoolingRequestOutput] = []
+        stopped: list[str] = []
         now = time.monotonic()
         for o in outputs:
             state = self.states.get(o.request.request_id)
@@ -68,6 +73,7 @@ class OutputProcessor:
                 stop = state.detok.add_token(tok)
                 state.num_tokens += 1
                 if lp is not None and state.logprobs is not None:
+                    assert state.cumulative_logprob is not None  # set with logprobs
                     state.logprobs.append(self._logprob_dict(tok, lp))
                     state.cumulative_logprob += lp.token_logprob
                 if stop is not None:
@@ -101,6 +107,7 @@ class OutputProcessor:
 
     def _make_output(self, state: RequestState, finished: bool, status: RequestStatus | None = None) -> RequestOutput:
         req = state.request
+        assert state.detok is not None  # not a pooling request
         status = status or req.status
         delta_text = state.detok.take_delta(finished)
         token_ids = req.output_token_ids[: state.num_tokens]
@@ -121,14 +128,16 @@ class OutputProcessor:
             delta_text=delta_text,
             delta_token_ids=delta_ids,
         )
-        if state.prompt_logprobs is None and req.prompt_logprobs is not None \
-                and all(x is not None for x in req.prompt_logprobs):
-            state.prompt_logprobs = [None] + [self._logprob_dict(t, lp) for t, lp in
-                                              zip(req.prompt_token_ids[1:], req.prompt_logprobs)]
+        if state.prompt_logprobs is None and req.prompt_logprobs is not None:
+            scored = [x for x in req.prompt_logprobs if x is not None]
+            if len(scored) == len(req.prompt_logprobs):  # every position
+                state.prompt_logprobs = [None]
+                state.prompt_logprobs += [self._logprob_dict(t, lp) for t, lp in
+                                          zip(req.prompt_token_ids[1:], scored)]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], finished, state.metrics,
                              req.num_cached_tokens, state.prompt_logprobs)
 
-    def _logprob_dict(self, token_id: int, lp) -> dict[int, Logprob]:
+    def _logprob_dict(self, token_id: int, lp: SampleLogprobs) -> dict[int, Logprob]:
         d = {token_id: Logprob(lp.token_logprob, lp.rank, self._text(token_id))}
         for rank, (tid, val) in enumerate(lp.top, start=1):
             if tid not in d:

@@ -19,45 +19,12 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from tokenmill.config import SchedulerConfig
-from tokenmill.engine.kv_cache import KVCacheManager
-from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.kv_cache import KVCacheManager
+from tokenmill.request import Request, RequestStatus
 from tokenmill.engine.step_budget import StepBudget
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int  # draft tokens included
-    block_ids: list[int]
-    spec_token_ids: list[int] = field(default_factory=list)  # drafts verified in this step (after its last token)
-    spec_draft_probs: object | None = None  # [len(spec_token_ids), V] they were sampled from; None: one-hot
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the known tokens: a new token is sampled (a
-        pooling request's last chunk pools instead)."""
-        r = self.request
-        return (r.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids) == r.num_tokens
-                and r.pooling_params is None)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    num_batched_tokens: int = 0
-    num_decode_rows: int = 0  # the first num_decode_rows of `scheduled` decode (drafts included)
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled[: self.num_decode_rows])
-
-    @property
-    def empty(self) -> bool:
-        return not self.scheduled
+from tokenmill.step import ScheduledRequest, SchedulerOutput
 
 
 def policy_key(req: Request) -> tuple[int, float]:
@@ -277,7 +244,7 @@ class Scheduler:
         if req.num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and tok in req.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-            if tok in p.stop_token_ids:
+            if tok in (p.stop_token_ids or ()):  # a list after SamplingParams.__post_init__
                 req.stop_reason = tok
                 return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:

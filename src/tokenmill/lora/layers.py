@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from tokenmill.lora.adapter import LINEARS, LoRAAdapter, linear_shapes
-from tokenmill.model.layers import cpu_kernels
+from tokenmill.kernels import cpu_kernels
 
 logger = logging.getLogger("tokenmill")
 

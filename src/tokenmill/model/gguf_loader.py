@@ -38,6 +38,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from tokenmill import progress
+
 logger = logging.getLogger("tokenmill")
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -133,7 +135,6 @@ def _qwen3moe_config(g: _Gguf, m: dict[str, Any], p: str) -> dict[str, Any]:
 @dataclass(frozen=True)
 class GgufArch:
     """How one llama.cpp architecture (general.architecture) becomes a Hugging Face folder."""
-
     hf_arch: str  # config.json's architectures[0]
     permute_qk: bool = False  # undo convert_hf_to_gguf.py's Q/K permutation (llama.cpp's non-NEOX rope)
     tensors: dict[str, str] = field(default_factory=dict)  # llama.cpp tensor -> HF module, beyond _TENSOR_NAMES
@@ -254,7 +255,6 @@ def served_name(gguf_path: str) -> str:
 
 class _Gguf:
     """Metadata, tensor table and mmap'd raw tensor bytes of a GGUF v2/v3 file."""
-
     _FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
     def __init__(self, path: str) -> None:
@@ -595,7 +595,6 @@ def _convert(gguf_path: str, out: Path, dense_dtype: str = "float32") -> str:
     import torch
     from safetensors.torch import save_file
 
-    from tokenmill import progress
 
     g = _Gguf(gguf_path)
     m = g.meta

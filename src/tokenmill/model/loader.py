@@ -10,11 +10,15 @@ import time
 
 import torch
 
+from tokenmill import hf_cache
 from tokenmill import progress
 from tokenmill.distributed.comm import NO_TP, TPGroup
-from tokenmill.distributed.sharding import Shard, shard_for
+from tokenmill.model.layers.linear import pack_linears
+from tokenmill.model.layers.quantization import pack_quantized
+from tokenmill.model.layers.weight_arena import place_decode_weights
+from tokenmill.model.sharding import Shard, shard_for
 from tokenmill.model.gguf_loader import QUANTIZED_FILE, dequantize_rows
-from tokenmill.model.layers import cpu_kernels
+from tokenmill.kernels import cpu_kernels
 from tokenmill.model.layers.quantization import BITS, GROUP, dequantize, quantize_model
 from tokenmill.model.models.bert import BertModel
 from tokenmill.model.models.gemma import GemmaForCausalLM
@@ -23,6 +27,7 @@ from tokenmill.model.models.mixtral import MixtralForCausalLM
 from tokenmill.model.models.phi3 import Phi3ForCausalLM
 from tokenmill.model.models.qwen2_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from tokenmill.model.models.qwen3 import Qwen3ForCausalLM
+from tokenmill.model.smoothquant import quantize_model_w8a8
 
 logger = logging.getLogger("tokenmill")
 
@@ -108,8 +113,6 @@ def check_features(hf_config, tensor_parallel_size: int, enable_lora: bool) -> N
 
 
 def load_hf_config(path: str):
-    from tokenmill.model import hf_cache
-
     with open(os.path.join(path, "config.json")) as f:
         raw = json.load(f)
     archs = raw.get("architectures") or []
@@ -181,7 +184,7 @@ def _load_gguf_quantized(model: torch.nn.Module, path: str, dtype: torch.dtype) 
     return used
 
 
-def load_model(path: str, hf_config, dtype: torch.dtype, max_position: int, device: str = "cpu",
+def load_model(path: str, hf_config, dtype: torch.dtype, max_position: int, device: str | torch.device = "cpu",
                quantization: str | None = None, tp: TPGroup = NO_TP, load_format: str = "auto",
                calibration: str | None = None) -> torch.nn.Module:
     """quantization: None (weights in `dtype`), "int4" / "int8" (quantized here, groups of 32),
@@ -222,21 +225,13 @@ def load_model(path: str, hf_config, dtype: torch.dtype, max_position: int, devi
         n = quantize_model(model, BITS[quantization])
         logger.info("quantized %d linear layers to %s (groups of %d)", n, quantization, GROUP)
     elif quantization == "w8a8":
-        from tokenmill.model.smoothquant import quantize_model_w8a8
-
         logger.info("w8a8: %d linear layers in int8, activations quantized per token",
                     quantize_model_w8a8(model, path, calibration))
     if on_cpu and os.environ.get("TOKENMILL_NO_PACKED_LINEAR") != "1":
-        from tokenmill.model.layers.linear import pack_linears
-
         pack_linears(model, dtype)
     if on_cpu and cpu_kernels.enabled():
-        from tokenmill.model.layers.quantization import pack_quantized
-
         pack_quantized(model)
     if on_cpu:
-        from tokenmill.model.layers.weight_arena import place_decode_weights
-
         moved = place_decode_weights(model)
         logger.debug("%.0f MB of decode weights in one huge-page arena", moved / 1e6)
     logger.info("loaded weights from %s in %.2fs (%s, %s)", "nowhere (random: --load-format dummy)"

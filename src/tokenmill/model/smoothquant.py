@@ -34,7 +34,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tokenmill.model.layers.attention import AttentionBackend, SeqChunk
 from tokenmill.model.layers.norm import RMSNorm
+from tokenmill.model.layers.w8a8 import W8A8Linear
+from tokenmill.tokenizer import load_tokenizer
 
 logger = logging.getLogger("tokenmill")
 
@@ -111,7 +114,6 @@ def calibration_prompts(tokenizer, docs: list[dict], segment: int = SEGMENT_TOKE
 def collect_input_maxima(model: nn.Module, prompts: list[list[int]]) -> dict[str, torch.Tensor]:
     """max |x_j| (float32) over every calibration token at each layer's four linear inputs, keyed
     "<layer>.<site>": the model run prompt by prompt on a throwaway KV cache, torch attention."""
-    from tokenmill.model.layers.attention import AttentionBackend, SeqChunk
 
     maxima: dict[str, torch.Tensor] = {}
     hooks = []
@@ -151,7 +153,6 @@ def cached_input_maxima(model: nn.Module, path: str, calibration: str | None) ->
     """collect_input_maxima over the calibration set, cached per model folder, set and dtype."""
     from safetensors.torch import load_file, save_file
 
-    from tokenmill.tokenizer import load_tokenizer
 
     docs = read_calibration(calibration)
     dtype = next(model.parameters()).dtype
@@ -233,7 +234,6 @@ def quantize_model_w8a8(model: nn.Module, path: str, calibration: str | None = N
     batch 1, perplexity +0.1-0.2% (README "W8A8 int8 compute"). Unsmoothed: its input is the final
     norm's output, which pooling reads too (and smoothing it at alpha 0.5 measured worse).
     TOKENMILL_W8A8_LM_HEAD=0 keeps it in the model's dtype."""
-    from tokenmill.model.layers.w8a8 import W8A8Linear
 
     check_model(model)
     smooth(model, cached_input_maxima(model, path, calibration), alpha)

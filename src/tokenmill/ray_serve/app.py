@@ -16,6 +16,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from tokenmill.config import EngineArgs
+from tokenmill.model.loader import resolve_model_path
 from tokenmill.ray_serve.ingress import IngressOptions, TokenmillIngress
 from tokenmill.ray_serve.replica import EngineReplica
 from tokenmill.ray_serve.routing import POLICIES, TokenmillRouter
@@ -31,7 +32,6 @@ INGRESS_MAX_ONGOING = 4096  # the ingress only forwards: it must not be what que
 @dataclass
 class ReplicaOptions:
     """How many engine replicas, how they scale, route and what each reserves."""
-
     num_replicas: int = 1  # fixed count; with min/max_replicas, the autoscaler's initial count
     min_replicas: int | None = None  # either of these turns on autoscaling on ongoing requests
     max_replicas: int | None = None
@@ -136,7 +136,6 @@ def app_builder(args: dict) -> serve.Application:
 @dataclass
 class ClusterOptions:
     """Where the app runs: `ray_address` None starts a local Ray on 127.0.0.1."""
-
     ray_address: str | None = None
     host: str = "0.0.0.0"
     port: int = 8000
@@ -174,8 +173,6 @@ def run_cli(engine: EngineArgs, replicas: ReplicaOptions, server: IngressOptions
                     engine.num_threads, local_cpus(), replicas.most_replicas, engine.tensor_parallel_size)
     app = build_app(engine, replicas, server)
     if not cluster.ray_address:
-        from tokenmill.model.loader import resolve_model_path
-
         # Here, once: a bad path fails now with its message (not after Serve's constructor retries),
         # and the replicas do not both convert the same GGUF file at once.
         resolve_model_path(engine.model)

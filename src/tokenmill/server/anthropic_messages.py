@@ -43,7 +43,7 @@ from tokenmill.server.serving import (
     structured_output,
 )
 from tokenmill.server.tool_calls import CallArgs, CallEnd, CallStart, ToolPlan, function_tool, plan_tools
-from tokenmill.structured_output import GuidedDecodingParams
+from tokenmill.sampling_params import GuidedDecodingParams
 
 router = APIRouter(tags=["Anthropic"], route_class=CheckedRoute)
 

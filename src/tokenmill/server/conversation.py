@@ -40,7 +40,7 @@ from tokenmill.server.tool_calls import (
     ToolPlan,
     apply_tool_grammar,
 )
-from tokenmill.structured_output import GuidedDecodingParams
+from tokenmill.sampling_params import GuidedDecodingParams
 
 
 @dataclass

@@ -23,7 +23,7 @@ from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.structured_output import GuidedDecodingParams
+from tokenmill.sampling_params import GuidedDecodingParams
 from tokenmill.server.errors import APIError, internal_error_message, openai_error_body
 from tokenmill.server.tracing import trace_headers
 

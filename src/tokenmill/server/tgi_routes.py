@@ -14,7 +14,7 @@ import tokenmill
 from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.structured_output import GuidedDecodingParams
+from tokenmill.sampling_params import GuidedDecodingParams
 from tokenmill.server.errors import APIError, CheckedRoute
 from tokenmill.server.protocol import sse_content
 from tokenmill.server.serving import (

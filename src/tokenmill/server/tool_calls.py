@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from tokenmill.server.errors import APIError
-from tokenmill.structured_output import GuidedDecodingParams
+from tokenmill.sampling_params import GuidedDecodingParams
 
 TOOL_SYSTEM_PROMPT = """You can call these functions (tools), given as JSON schemas:
 {tools}

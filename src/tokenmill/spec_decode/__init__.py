@@ -4,7 +4,7 @@ engine wire them in; nothing here touches a model."""
 
 from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.spec_decode.ngram import NgramProposer, TokenBuffer
-from tokenmill.spec_decode.rejection import VerifyOutput, rejection_sample, target_distributions
+from tokenmill.sample.rejection import VerifyOutput, rejection_sample, target_distributions
 from tokenmill.spec_decode.suffix import SuffixDraft, SuffixProposer
 
 __all__ = [

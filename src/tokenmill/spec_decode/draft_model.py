@@ -26,10 +26,13 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, parse_dtype
-from tokenmill.engine.kv_cache import BlockPool, KVBlock
-from tokenmill.engine.request import Request
+from tokenmill.kv_cache import BlockPool, KVBlock
+from tokenmill.request import Request
 from tokenmill.model.layers.attention import SeqChunk
-from tokenmill.spec_decode.drafter import Drafts
+from tokenmill.spec_decode.drafts import Drafts
+from tokenmill.model.loader import load_hf_config, resolve_model_path
+from tokenmill.worker.runner import ModelRunner
+from tokenmill.worker.staging import StepInputs
 
 logger = logging.getLogger("tokenmill")
 
@@ -56,9 +59,6 @@ class _DraftSeq:
 class DraftModelProposer:
     def __init__(self, model: str, quantization: str | None, dtype: str | None, target: ModelConfig,
                  cache: CacheConfig, scheduler: SchedulerConfig, device: DeviceConfig, seed: int = 0):
-        from tokenmill.model.loader import load_hf_config, resolve_model_path
-        from tokenmill.model.runner import ModelRunner
-
         path = resolve_model_path(model)
         hf = load_hf_config(path)
         vocab = getattr(hf, "vocab_size", None)
@@ -166,8 +166,6 @@ class DraftModelProposer:
     def _forward(self, feeds: list[tuple[_DraftSeq, list[int]]]) -> torch.Tensor:
         """One pass of the draft: each sequence's tokens after its computed ones; float32 logits of
         each sequence's last row."""
-        from tokenmill.model.runner import StepInputs
-
         bs = self.block_size
         input_ids, positions, slots, seqs, last = [], [], [], [], []
         for seq, toks in feeds:

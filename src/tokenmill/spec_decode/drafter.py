@@ -28,9 +28,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.request import Request, RequestStatus
 from tokenmill.spec_decode.config import SpeculativeConfig
-from tokenmill.spec_decode.ngram import TokenBuffer
+from tokenmill.spec_decode.draft_model import DraftModelProposer
+from tokenmill.spec_decode.drafts import Drafts
+from tokenmill.spec_decode.ngram import NgramProposer, TokenBuffer
+from tokenmill.spec_decode.suffix import SuffixProposer
 
 MIN_LAST_TOKEN_ACCEPT = 0.3
 DECAY = 0.8  # weight of the past in the acceptance estimate, per verified step
@@ -62,15 +65,6 @@ class SpecDecodeStats:
 
 
 @dataclass
-class Drafts:
-    """What a proposer gives one request: draft tokens, and for sampled drafts the probabilities
-    they were drawn from ([len(token_ids), V]; None for one-hot drafts: n-gram, suffix, argmax)."""
-
-    token_ids: list[int]
-    probs: object | None = None
-
-
-@dataclass
 class _Track:
     accepted: float = 2.0  # decayed counts of accepted draft tokens and of trials (optimistic start)
     trials: float = 2.0
@@ -94,17 +88,11 @@ class Drafter:
     def build(cls, engine: EngineConfig) -> Drafter:
         config, scheduler = engine.speculative, engine.scheduler
         if config.method == "ngram":
-            from tokenmill.spec_decode.ngram import NgramProposer
-
             proposer = _ByTokens(NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                                config.prompt_lookup_max))
         elif config.method == "suffix":
-            from tokenmill.spec_decode.suffix import SuffixProposer
-
             proposer = _Suffix(SuffixProposer.from_config(config))
         else:
-            from tokenmill.spec_decode.draft_model import DraftModelProposer
-
             proposer = DraftModelProposer(config.model, config.quantization, config.dtype, engine.model,
                                           engine.cache, scheduler, engine.device, engine.seed)
         return cls(config, proposer, scheduler.max_model_len)

@@ -25,21 +25,35 @@ where they are read (in the kernels, a row at a time).
 
 Each layer may attend its own way (`LayerAttention`, from the model): a sliding window (a query
 sees only its last `sliding_window` keys, and no kernel reads a key before that, so the KV manager
-may free those blocks: engine/kv_cache.py), tanh soft-capping of the scores and its own scale
+may free those blocks: kv_cache.py), tanh soft-capping of the scores and its own scale
 (Gemma). Every path, C++, Triton and torch, takes them.
 """
 
 from __future__ import annotations
+
+from array import array
 
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from tokenmill.model.staging import index_tensor
+from tokenmill.kernels import cpu_kernels
+
 
 
 KERNEL_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # compiled in csrc/paged_attention.cpp
+
+
+def index_tensor(values: list[int], *shape: int) -> torch.Tensor:
+    """torch.tensor(values, dtype=torch.long), viewed as `shape` when given (rows, columns), at a
+    third of its cost: the tensor takes an array's buffer as its memory, with no per-element type
+    inference. A step builds several of these right after a forward that has evicted the caches,
+    where torch.tensor's ~15 us each add up to a few percent of a batch-1 decode step."""
+    if not values:
+        return torch.empty(shape or (0,), dtype=torch.long)
+    t = torch.frombuffer(array("q", values), dtype=torch.long)
+    return t.view(shape) if shape else t
 
 
 @dataclass(frozen=True)
@@ -92,7 +106,6 @@ class SeqChunk:
 @dataclass
 class AttentionMetadata:
     """Everything attention needs about one flat batch; built once per step, used by all layers."""
-
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
     # Decode group: rows with a single query token, attended together.
     decode_rows: torch.Tensor | None = None  # [Bd] row of each decode token in the flat batch (None: all_decode)
@@ -158,12 +171,8 @@ class AttentionBackend:
         self.kernels = None
         if (use_cpp_kernels and kv_cache.device.type == "cpu"
                 and kv_cache.dtype in (torch.float32, torch.bfloat16, *KV_QUANT_MAX) and head_dim in KERNEL_HEAD_DIMS):
-            from tokenmill.model.layers import cpu_kernels
-
             self.kernels = cpu_kernels.load()
         if batch_invariant is None:
-            from tokenmill.model.layers import cpu_kernels
-
             batch_invariant = cpu_kernels.batch_invariant()
         # Every row through the rows kernel (csrc/paged_decode.h): a bf16 cache, the C++ kernels.
         self.batch_invariant = bool(batch_invariant and self.kernels is not None and hasattr(self.kernels, "paged_rows")

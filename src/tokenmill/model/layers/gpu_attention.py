@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.model.layers import triton_attention as kernels
+from tokenmill.kernels import triton_attention as kernels
 from tokenmill.model.layers.attention import AttentionMetadata, LayerAttention, SeqChunk, layer_params, write_quantized
 
 

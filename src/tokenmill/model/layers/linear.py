@@ -15,7 +15,7 @@ import os
 import torch
 from torch import nn
 
-from tokenmill.model.layers import cpu_kernels
+from tokenmill.kernels import cpu_kernels
 
 logger = logging.getLogger("tokenmill")
 

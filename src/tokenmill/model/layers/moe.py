@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.model.layers import cpu_kernels
+from tokenmill.kernels import cpu_kernels
 
 
 class Router(nn.Module):

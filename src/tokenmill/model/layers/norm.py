@@ -1,6 +1,6 @@
 import torch
 
-from tokenmill.model.layers import cpu_kernels
+from tokenmill.kernels import cpu_kernels
 
 
 class RMSNorm(torch.nn.Module):

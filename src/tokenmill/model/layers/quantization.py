@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.model.layers import cpu_kernels
+from tokenmill.kernels import cpu_kernels
 from tokenmill.model.layers.linear import onednn_bf16_fast
 
 logger = logging.getLogger("tokenmill")

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.model.layers import cpu_kernels
+from tokenmill.kernels import cpu_kernels
 
 PANEL, QUAD = 16, 4  # the packed layout: panels of 16 output rows, inputs in groups of 4
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed.comm import NO_TP, TPGroup
-from tokenmill.model.layers import cpu_kernels
+from tokenmill.kernels import cpu_kernels
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata, LayerAttention
 from tokenmill.model.layers.embedding import embedding
 from tokenmill.model.layers.rotary import RotaryEmbedding

@@ -5,7 +5,7 @@ each; `load_weights` maps Hugging Face tensor names onto the fused parameters.
 
 Tensor parallel (`tp`, distributed/): each rank builds the same model with its share of the
 heads and of the MLP's intermediate size and reads only its slices of the checkpoint
-(distributed/sharding.py); o_proj and down_proj are followed by an all-reduce, and the LM head's
+(model/sharding.py); o_proj and down_proj are followed by an all-reduce, and the LM head's
 vocab slices are gathered on rank 0. With a group of one both are no-ops.
 """
 
@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed.comm import NO_TP, TPGroup
-from tokenmill.distributed.sharding import lm_head_rows
-from tokenmill.model.layers import cpu_kernels
+from tokenmill.model.sharding import lm_head_rows
+from tokenmill.kernels import cpu_kernels
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata, LayerAttention
 from tokenmill.model.layers.embedding import embedding
 from tokenmill.model.layers.norm import RMSNorm
