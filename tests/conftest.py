@@ -12,6 +12,21 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny_models import build_tiny_model  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` are skipped where torch sees fewer CUDA GPUs than they ask for
+    (gpu(count=N), 1 by default)."""
+    marked = [(it, it.get_closest_marker("gpu")) for it in items if it.get_closest_marker("gpu")]
+    if not marked:
+        return
+    import torch
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for it, mark in marked:
+        need = mark.kwargs.get("count", 1)
+        if have < need:
+            it.add_marker(pytest.mark.skip(reason="needs a CUDA GPU" if need == 1 else f"needs {need} CUDA GPUs"))
+
+
 @pytest.fixture(scope="session")
 def kernels():
     """The engine's C++ CPU kernels (built once; a build failure fails the tests using them)."""

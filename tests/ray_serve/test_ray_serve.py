@@ -22,6 +22,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
+pytestmark = pytest.mark.ray
 
 from ray import cloudpickle  # noqa: E402  (Ray's own copy: the one that pickles for its workers)
 
@@ -239,7 +240,7 @@ def test_options_and_config_file():
     assert ReplicaOptions(num_replicas=2, max_replicas=4).bounds == (1, 4)
     import yaml
 
-    config = yaml.safe_load((Path(__file__).parent.parent / "examples" / "ray_serve_config.yaml").read_text())
+    config = yaml.safe_load((Path(__file__).parents[2] / "examples" / "ray_serve_config.yaml").read_text())
     (application,) = config["applications"]
     assert application["import_path"] == "tokenmill.ray_serve:app_builder"
     app_builder(application["args"])  # every key is known and the options check out
@@ -389,6 +390,7 @@ def test_killed_replica_recovers_without_losing_unstarted_requests(cluster):
 
 
 # ---- autoscaling (last: it redeploys the app) ------------------------------------------------
+@pytest.mark.slow
 def test_autoscaling_adds_a_replica_under_load(cluster):
     # 1 to 2 replicas, aiming at 1 ongoing request each; Serve's delays shortened so the test is quick.
     options = ReplicaOptions(num_replicas=1, min_replicas=1, max_replicas=2, target_ongoing_requests=1,

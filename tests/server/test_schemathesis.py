@@ -29,6 +29,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+pytestmark = pytest.mark.slow  # over 2,000 requests
 MAX_MODEL_LEN = 64
 MAX_NEW_TOKENS = 24
 MIN_CASES = 2000

@@ -34,7 +34,7 @@ def _run_staggered(engine, prompt_ids, params, gap=3):
     return [results[i] for i in range(len(prompt_ids))]
 
 
-@pytest.mark.parametrize("which", ["tiny_llama", "tiny_qwen2", "smollm2"])
+@pytest.mark.parametrize("which", ["tiny_llama", "tiny_qwen2", pytest.param("smollm2", marks=pytest.mark.slow)])
 def test_tiny_models_match_hf(which, request):
     model_dir = request.getfixturevalue(f"{which}_dir")
     llm = request.getfixturevalue(f"{which}_llm")

@@ -17,8 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import running_server
-from embedding_data import minilm_path, sentences
-from test_embeddings import assert_cosine
+from embedding_data import assert_cosine, minilm_path, sentences
 
 SENTENCES = sentences(64)
 

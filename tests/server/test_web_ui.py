@@ -43,7 +43,9 @@ def _browser_missing() -> str | None:
     return None
 
 
-needs_browser = pytest.mark.skipif(_browser_missing() is not None, reason=str(_browser_missing()))
+def needs_browser(test):
+    """Marked `browser`; skipped without Playwright and Chromium."""
+    return pytest.mark.browser(pytest.mark.skipif(_browser_missing() is not None, reason=str(_browser_missing()))(test))
 
 
 # ---- fixtures ---------------------------------------------------------------------------------

@@ -415,7 +415,7 @@ def test_off_it_is_the_previous_engine(tiny_llama_dir, monkeypatch):
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
 def test_quantized_weights_alone_and_batched_under_128_rows(tmp_path_factory, quantization):
     """int4 / int8 weights: steps of fewer than 128 rows run the tile kernel, which sums every output
-    in one order whatever the rows in its tile (tests/test_quantization.py), so greedy tokens and
+    in one order whatever the rows in its tile (tests/model/test_quantization.py), so greedy tokens and
     logprobs are the same alone and batched. (From 128 rows a step dequantizes the weights for
     oneDNN, which is not batch-invariant: hence the 96-token step budget.)"""
     path = build_tiny_model(tmp_path_factory.mktemp("tiny-q"), "llama", hidden_size=128, intermediate_size=256)
@@ -432,6 +432,7 @@ def test_quantized_weights_alone_and_batched_under_128_rows(tmp_path_factory, qu
     together = [key(o.outputs[0]) for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)]
     assert [i for i, (a, b) in enumerate(zip(alone, together)) if a != b] == []
 
+@pytest.mark.slow
 def test_smollm2_64_greedy_requests_alone_and_all_at_once(smollm2_dir):
     """The issue's check: 64 greedy bf16 requests give the same token ids one at a time and all
     concurrently (before: 7-9 of 64 differed; random-token prompts of 5-120 tokens, where near-ties

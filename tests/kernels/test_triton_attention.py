@@ -59,9 +59,9 @@ def test_in_a_fresh_process():
         pytest.skip("the kernels run in this process")
     assert not os.environ.get(CHILD_ENV), "triton was imported before this module even in a fresh process"
     env = {**os.environ, "TRITON_INTERPRET": "1", CHILD_ENV: "1"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                       env=env, cwd=os.path.dirname(os.path.dirname(__file__)), capture_output=True, text=True,
-                       timeout=280)
+                       env=env, cwd=root, capture_output=True, text=True, timeout=280)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
     assert " passed" in r.stdout.splitlines()[-1], r.stdout[-2000:]
 
@@ -312,6 +312,7 @@ print("compiled")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_kernels_compile_for_a_gpu(tmp_path):
     # The interpreter accepts what a GPU compile refuses (a loop-carried value changing type, dots

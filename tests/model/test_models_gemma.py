@@ -302,7 +302,10 @@ def test_triton_backend_windows_and_caps(gemmas, sliding_dir, triton_interpreter
     """The Triton kernels (interpreted) in the engine: both Gemmas and the all-sliding model give
     transformers' tokens with 16-token prompt chunks (a prompt of 20+ tokens: two chunks)."""
     paths = [gemmas[2][0], gemmas[3][0], sliding_dir]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "TOKENMILL_ATTENTION_BACKEND": "triton"}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "TOKENMILL_ATTENTION_BACKEND": "triton",
+           # the child imports the helpers in tests/ (pytest's pythonpath), not its own folder only
+           "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                        os.environ.get("PYTHONPATH")]))}
     r = subprocess.run([sys.executable, __file__, *paths], env=env, capture_output=True, text=True, timeout=580)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     got = json.loads(r.stdout.split("RESULT ", 1)[1])

@@ -18,11 +18,11 @@ import pytest
 from conftest import free_port
 from tokenmill.kernels import build, isa
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # The build only links where the tree's own install compiled the kernels (objects kept in build/); the venv's
 # install of torch and the dependencies takes minutes more.
 pytestmark = [pytest.mark.skipif(not (ROOT / "pyproject.toml").exists(), reason="needs the source tree"),
-              pytest.mark.timeout(2400)]
+              pytest.mark.timeout(2400), pytest.mark.slow]
 
 
 def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:

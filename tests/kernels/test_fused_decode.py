@@ -296,7 +296,7 @@ def test_runner_populates_the_cpu_kv_cache(tiny_qwen2_dir, caplog):
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location(
-        "compare_run", Path(__file__).resolve().parents[1] / "benchmarks" / "compare" / "run.py")
+        "compare_run", Path(__file__).resolve().parents[2] / "benchmarks" / "compare" / "run.py")
     harness = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(harness)
     assert harness.POPULATE_START in caplog.text and harness.POPULATE_END[0] in caplog.text

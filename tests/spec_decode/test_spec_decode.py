@@ -5,7 +5,7 @@ plug in an "oracle" that drafts the true greedy continuation for some requests a
 for others: every path (all accepted, rejected at each position, none) runs, and the output must
 equal the run without speculation token for token. float32: the rounding differences between a
 multi-token verification chunk and single decode steps are too small to flip a token. bfloat16:
-the batch-invariant path (tests/test_batch_invariance.py) gives each row the same bits in a
+the batch-invariant path (tests/engine/test_batch_invariance.py) gives each row the same bits in a
 verification chunk as in a decode step, whatever else the step holds, so the bf16 tests compare
 with the bf16 engine without speculation (and their logprobs must be equal, not close).
 """
@@ -308,7 +308,7 @@ def test_bad_speculative_config_is_refused(tiny_llama_dir):
         LLM(tiny_llama_dir, dtype="float32", speculative_config='{"method": "medusa", "num_speculative_tokens": 2}')
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLM(tiny_llama_dir, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 0})
-    # draft models that cannot serve as one: tests/test_spec_decode_draft.py
+    # draft models that cannot serve as one: tests/spec_decode/test_spec_decode_draft.py
 
 
 def test_server_streams_verified_runs_and_reports_metrics(tiny_llama_dir, reference):
