@@ -12,7 +12,7 @@ import pytest
 
 from tokenmill import envs
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src" / "tokenmill"
 
 
