@@ -147,7 +147,7 @@ def run_step(cmd: list[str], log_path: Path, timeout: float, env: dict | None = 
             rc = p.wait(timeout)
         except subprocess.TimeoutExpired:
             compare_run._stop(p, grace=5)
-            raise RuntimeError(f"timed out after {timeout:.0f} s: {' '.join(map(str, cmd))} (log: {log_path})")
+            raise RuntimeError(f"timed out after {timeout:.0f} s: {' '.join(map(str, cmd))} (log: {log_path})") from None
         finally:
             if p in compare_run._PROCS:
                 compare_run._stop(p, grace=5)  # reaps what it left in its group

@@ -21,7 +21,6 @@ import statistics
 import time
 
 import torch
-
 from panel_linear import time_interleaved  # benchmarks/ is on sys.path when run as a script
 
 # name: (K, slice bounds), SmolLM2-135M

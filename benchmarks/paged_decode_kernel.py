@@ -31,7 +31,6 @@ from pathlib import Path
 
 import torch
 
-
 BINDINGS = """#include <torch/extension.h>
 namespace tm_cpu {  // torch_lite.h's allocation helpers (kernels/csrc/bindings.cpp defines them in the package)
 at::Tensor empty(at::IntArrayRef sizes, at::TensorOptions options) { return at::empty(sizes, options); }

@@ -107,8 +107,8 @@ def step_message(rows_list: list[int], calls: int) -> dict:
     wakes the sender: an upper bound on what the broadcast adds to a step."""
     import torch
 
-    from tokenmill.worker.executor import dumps
     from tokenmill.model.layers.attention import AttentionMetadata
+    from tokenmill.worker.executor import dumps
     from tokenmill.worker.staging import StepInputs
 
     ctx = mp.get_context("spawn")
@@ -145,7 +145,7 @@ def _engine_worker(model: str | None, tp: int, dtype: str) -> dict:
     llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(temperature=0, max_tokens=8))  # warm-up
     t_first = t_last = None
     t0 = time.perf_counter()
-    for out in llm.stream(prompt, params):
+    for _out in llm.stream(prompt, params):
         now = time.perf_counter()
         t_first = t_first or now
         t_last = now

@@ -63,7 +63,7 @@ def make_prompts(n: int, input_len: int, vocab_size: int, excluded: set[int], se
 # --------------------------------------------------------------------------------------
 # systems
 # --------------------------------------------------------------------------------------
-def run_tokenmill(llm, prompts: list[list[int]], output_len: int, threads: int) -> tuple["CpuMeter", list[list[int]]]:
+def run_tokenmill(llm, prompts: list[list[int]], output_len: int, threads: int) -> tuple[CpuMeter, list[list[int]]]:
     from tokenmill import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -93,7 +93,7 @@ def hf_generate_batch(model, prompts: list[list[int]], output_len: int, pad_id: 
 
 
 def run_hf(model, prompts: list[list[int]], output_len: int, batch_size: int, pad_id: int,
-           threads: int) -> tuple["CpuMeter", list[list[int]]]:
+           threads: int) -> tuple[CpuMeter, list[list[int]]]:
     results: list[list[int]] = []
     with CpuMeter(threads) as m:
         for i in range(0, len(prompts), batch_size):

@@ -128,8 +128,8 @@ def breakdown() -> list[tuple[str, float]]:
         ("tokenmill.engine.llm_engine", "StructuredOutputManager"),
     ]:
         wrap(module, attr)
-    from tokenmill.worker import runner
     from tokenmill.model import loader
+    from tokenmill.worker import runner
 
     runner.load_model = loader.load_model  # the runner's own reference, to the timed one
     from tokenmill.engine.async_engine import AsyncLLMEngine

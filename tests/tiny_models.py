@@ -87,8 +87,18 @@ def build_tiny_model(out: Path, arch: str = "llama", seed: int = 0, **overrides)
     norm_topk_prob, dense layers by decoder_sparse_step)."""
     import torch
     import transformers
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config,
-                              Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     out.mkdir(parents=True, exist_ok=True)
     vocab, bos, eos, pad = _tokenizer_ids(out)

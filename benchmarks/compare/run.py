@@ -61,8 +61,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import (LLAMA_CPP_VERSION, VLLM_VERSION, base_checkout, converted_gguf,  # noqa: E402
-                   ensure_llama_server, ensure_peer, fmt_min)
+from peers import (  # noqa: E402
+    LLAMA_CPP_VERSION,
+    VLLM_VERSION,
+    base_checkout,
+    converted_gguf,
+    ensure_llama_server,
+    ensure_peer,
+    fmt_min,
+)
+
 # tokenmill's own modes beside bf16: the flags each adds to `tokenmill serve`.
 MODES = {"tokenmill-int4": ["--quantization", "int4"], "tokenmill-w8a8": ["--quantization", "w8a8"],
          "tokenmill-fp8kv": ["--kv-cache-dtype", "fp8"]}
@@ -328,7 +336,7 @@ def run_hf_static(model_path: str, dtype: str, levels, args, threads: int, tm) -
             mask[r, width - len(p):] = 1
         clock = StepClock()
         with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=n_out,
+            model.generate(input_ids=ids,  # noqa: F821 - `del model` comes after the last call attention_mask=mask, do_sample=False, max_new_tokens=n_out,
                            min_new_tokens=n_out, pad_token_id=pad, stopping_criteria=StoppingCriteriaList([clock]))
         return clock.times
 

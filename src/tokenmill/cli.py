@@ -10,6 +10,7 @@ import time
 from tokenmill.engine.arg_utils import RUNTIME_LORA_ENV, add_engine_args, engine_args_from
 from tokenmill.server.args import ServerArgs
 
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=256)
@@ -23,7 +24,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def sampling_params_from(ns: argparse.Namespace):
-    from tokenmill.sampling_params import SamplingParams  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+    from tokenmill.sampling_params import (
+        SamplingParams,  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+    )
 
     return SamplingParams(
         max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p,
@@ -91,7 +94,9 @@ def _cmd_chat(ns: argparse.Namespace) -> int:
 
 
 def _cmd_serve(ns: argparse.Namespace) -> int:
-    from tokenmill.server.listen import bind_socket  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+    from tokenmill.server.listen import (
+        bind_socket,  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+    )
 
     args = ServerArgs.from_cli_args(ns).with_chat_template_file()
     if args.max_waiting is not None and args.max_waiting < 0:
@@ -100,7 +105,9 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         logging.getLogger("tokenmill").warning("--allow-runtime-lora-updating (or %s) without --enable-lora: "
                                                "the LoRA routes stay off", RUNTIME_LORA_ENV)
     from tokenmill.server import tracing  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
-    from tokenmill.server.metrics import check_metrics_prefix  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+    from tokenmill.server.metrics import (
+        check_metrics_prefix,  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+    )
 
     check_metrics_prefix(args.metrics_prefix)
     traced = tracing.tracing_requested(args.otlp_traces_endpoint)
@@ -119,14 +126,18 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         if tracer is not None:
             tracer.shutdown()
         raise
-    from tokenmill.server.startup import serve  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+    from tokenmill.server.startup import (
+        serve,  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+    )
 
     def load_engine():
         """On the load's thread, while the server already answers /health (503 "loading")."""
         from tokenmill import progress  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
 
         progress.set_phase("importing the engine")
-        from tokenmill.engine.async_engine import AsyncLLMEngine  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+        from tokenmill.engine.async_engine import (
+            AsyncLLMEngine,  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+        )
 
         return AsyncLLMEngine.from_args(max_waiting=args.max_waiting, **vars(engine_args_from(ns)))
 
@@ -177,7 +188,9 @@ def add_ray_args(s: argparse.ArgumentParser) -> None:
 
 
 def _cmd_build_kernels(ns: argparse.Namespace) -> int:
-    from tokenmill.kernels import cpu_kernels  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+    from tokenmill.kernels import (
+        cpu_kernels,  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+    )
 
     t0 = time.perf_counter()
     module = cpu_kernels.load()
@@ -190,7 +203,9 @@ def _cmd_build_kernels(ns: argparse.Namespace) -> int:
 
 
 def _cmd_bench_serve(ns: argparse.Namespace) -> int:
-    from tokenmill.bench.serve import run_from_args  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+    from tokenmill.bench.serve import (
+        run_from_args,  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+    )
 
     return run_from_args(ns)
 
@@ -269,11 +284,15 @@ def build_parser() -> argparse.ArgumentParser:
     bs = b.add_parser("serve", help="load generator for any OpenAI-compatible server",
                       description="Stream requests to an OpenAI-compatible server and report TTFT, TPOT, ITL, "
                                   "E2E latency, throughput and goodput.")
-    from tokenmill.bench.serve import add_bench_serve_args  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+    from tokenmill.bench.serve import (
+        add_bench_serve_args,  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+    )
 
     add_bench_serve_args(bs)
     bs.set_defaults(func=_cmd_bench_serve)
-    from tokenmill.bench.offline import add_offline_parsers  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+    from tokenmill.bench.offline import (
+        add_offline_parsers,  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+    )
 
     add_offline_parsers(b)
     add_watermark_parsers(sub)

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
-    
+
     from tokenmill.lora.config import LoRAConfig
     from tokenmill.model.pooling import PoolerConfig
     from tokenmill.spec_decode.config import SpeculativeConfig

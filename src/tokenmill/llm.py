@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
-from typing import Iterator, Sequence
 
 from tqdm import tqdm
 
@@ -11,9 +11,9 @@ from tokenmill.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from tokenmill.config import EngineArgs
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.lora.request import LoRARequest
-from tokenmill.request import Request
 from tokenmill.outputs import EmbeddingRequestOutput, RequestOutput
 from tokenmill.pooling_params import PoolingParams
+from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
 
 PromptType = str | list[int]

@@ -101,6 +101,6 @@ class EmbeddingRequestOutput:
     prompt: str | None = None
 
     @classmethod
-    def from_base(cls, out: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
         return cls(out.request_id, EmbeddingOutput(out.outputs.data.tolist()), out.prompt_token_ids, out.finished,
                    out.prompt)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import Iterator, Sequence, TypeVar
+from typing import TypeVar
 
 logger = logging.getLogger("tokenmill")
 

@@ -168,7 +168,7 @@ class SamplingParams:
     def num_samples(self) -> int:
         return self.best_of or self.n
 
-    def children(self) -> list["SamplingParams"]:
+    def children(self) -> list[SamplingParams]:
         """One n=1 request per sample (vLLM V1 fans out the same way); child i of a seeded
         request gets seed + i, so the samples differ but stay reproducible."""
         out = []
@@ -182,7 +182,7 @@ class SamplingParams:
             out.append(c)
         return out
 
-    def clone(self) -> "SamplingParams":
+    def clone(self) -> SamplingParams:
         import copy
 
         return copy.deepcopy(self)

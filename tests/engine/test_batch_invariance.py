@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import record_multi_row_fused_steps
+from tiny_models import build_tiny_model
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.worker.fused_decode import MAX_Q, FusedDecode
 from tokenmill.kernels import cpu_kernels
 from tokenmill.model.layers.attention import SeqChunk
 from tokenmill.model.layers.linear import SMALL_BATCH
-
-from conftest import record_multi_row_fused_steps
-from tiny_models import build_tiny_model
+from tokenmill.worker.fused_decode import MAX_Q
 
 KW = dict(dtype="bfloat16", kv_cache_memory=0.05, enable_prefix_caching=False)
 
@@ -161,7 +160,7 @@ def test_rows_kernel_long_context_rows_equal_alone(rows_kernels, cache):
         loc = torch.tensor([0] + [n for _, n in seqs]).cumsum(0)
         q = torch.randn(int(loc[-1]), H, D, generator=g).to(torch.bfloat16)
         out = rows_kernels.paged_rows(q, kc, vc, tables, lens, loc, bs, D**-0.5, *scales)
-        for b, (c, n) in enumerate(seqs):
+        for b, (c, _n) in enumerate(seqs):
             rows = range(int(loc[b]), int(loc[b + 1]))
             for i, r in enumerate(rows):
                 alone = rows_kernels.paged_rows(q[r : r + 1], kc, vc, tables[b : b + 1], torch.tensor([c + i + 1]),
@@ -274,7 +273,7 @@ def test_rows_kernel_window_and_softcap_long_context(rows_kernels, cache):
         kw = dict(window=window, softcap=cap)
         out = rows_kernels.paged_rows(q, kc, vc, tables, lens, loc, bs, D**-0.5, *scales, **kw)
         assert not out.isnan().any(), (bs, window)
-        for b, (c, n) in enumerate(seqs):
+        for b, (c, _n) in enumerate(seqs):
             rows = range(int(loc[b]), int(loc[b + 1]))
             for i, r in enumerate(rows):
                 alone = rows_kernels.paged_rows(q[r : r + 1], kc, vc, tables[b : b + 1], torch.tensor([c + i + 1]),

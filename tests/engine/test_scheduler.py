@@ -7,9 +7,9 @@ from conftest import PROMPTS, reference_paged_decode
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import SchedulerConfig
+from tokenmill.engine.scheduler import Scheduler
 from tokenmill.kv_cache import BlockPool, KVCacheManager
 from tokenmill.request import Request, RequestStatus
-from tokenmill.engine.scheduler import Scheduler
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 

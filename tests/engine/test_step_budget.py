@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import SchedulerConfig
-from tokenmill.kv_cache import KVCacheManager
-from tokenmill.request import Request
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.step_budget import StepBudget
+from tokenmill.kv_cache import KVCacheManager
+from tokenmill.request import Request
 
 # A slow machine: 40 ms a step (reading the weights, a decode row or two), 1 ms a prompt token on
 # top (2,048 prompt tokens: ~2 s).

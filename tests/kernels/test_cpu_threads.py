@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.kernels import cpu_kernels
-from tokenmill.kernels import cpu_threads
+from tokenmill.kernels import cpu_kernels, cpu_threads
 
 
 def fake_host(tmp_path: Path, mountinfo: list[str], cgroup: list[str], files: dict[str, str]) -> Path:

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.worker.fused_decode import MAX_Q, FusedDecode
 from tokenmill.kernels import cpu_kernels
 from tokenmill.model.layers.linear import SMALL_BATCH
 from tokenmill.model.layers.quantization import LARGE_BATCH
+from tokenmill.worker.fused_decode import MAX_Q, FusedDecode
 
 KW = dict(dtype="bfloat16", kv_cache_memory=0.02, enable_prefix_caching=False)
 

@@ -11,8 +11,7 @@ import sys
 import pytest
 import torch
 
-from tokenmill.kernels import build, isa
-from tokenmill.kernels import cpu_kernels
+from tokenmill.kernels import build, cpu_kernels, isa
 
 pytestmark = pytest.mark.skipif(not isa.is_x86(), reason="the ISA levels are x86's")
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_fused_decode import KW, _decode_steps, _fused_or_skip, _prompts, _runner
+
 from tokenmill import LLM
 from tokenmill.model.layers.bind import bind_kernels
 

@@ -7,8 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.model.layers.attention import (AttentionBackend, AttentionMetadata, LayerAttention, PrefillChunk,
-                                              quantize_kv)
+from tokenmill.model.layers.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    LayerAttention,
+    PrefillChunk,
+    quantize_kv,
+)
 
 
 def reference_paged_prefill(q, k_cache, v_cache, table, context_len: int, bs: int, scale: float, window: int = 0,

@@ -31,6 +31,7 @@ RUNS_HERE = DEVICE == "cuda" or isinstance(_tl_zeros, InterpretedFunction)
 if RUNS_HERE:
     from tokenmill.kernels import triton_attention as ta  # noqa: E402
 from tokenmill.model.layers.attention import quantize_kv  # noqa: E402
+
 if _SET_INTERPRET:  # not for what the rest of the session starts; `_interpret` sets it while these tests run
     del os.environ["TRITON_INTERPRET"]
 
@@ -253,7 +254,7 @@ def test_prefill_window_and_softcap(quant):
     kc, vc, ks, vs = cache.args()
     out = ta.paged_prefill_varlen(q.to(DEVICE), kc, vc, loc.to(DEVICE), seq_lens.to(DEVICE), tables.to(DEVICE),
                                   40, BS, scale, ks, vs, block_m=16, window=window, softcap=cap).cpu()
-    for i, ((c, n), (_, k, v)) in enumerate(zip(chunks, reqs)):
+    for i, ((c, _n), (_, k, v)) in enumerate(zip(chunks, reqs)):
         rows = slice(loc[i], loc[i + 1])
         torch.testing.assert_close(out[rows].float(), reference(q[rows], k, v, c, scale, window, cap),
                                    **tolerance(dtype))
@@ -274,7 +275,7 @@ def test_prefill_varlen(quant):
     kc, vc, ks, vs = cache.args()
     out = ta.paged_prefill_varlen(q.to(DEVICE), kc, vc, loc.to(DEVICE), seq_lens.to(DEVICE), tables.to(DEVICE),
                                   13, BS, d**-0.5, ks, vs).cpu()
-    for i, ((c, n), (_, k, v)) in enumerate(zip(chunks, reqs)):
+    for i, ((c, _n), (_, k, v)) in enumerate(zip(chunks, reqs)):
         rows = slice(loc[i], loc[i + 1])
         torch.testing.assert_close(out[rows].float(), reference(q[rows], k, v, c, d**-0.5), **tolerance(dtype))
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from hf_oracle import greedy, load_hf, matching_prefix
 from lora_adapters import make_adapter, peft_model
 from tiny_models import build_tiny_model

@@ -10,9 +10,9 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-
 from embedding_data import assert_cosine, minilm_path, sentences
 from tiny_models import build_tiny_model
+
 from tokenmill import LLM
 from tokenmill.model.pooling import pooler_config_for
 from tokenmill.pooling_params import PoolingParams

@@ -3,19 +3,27 @@ are, `--quantization int4|int8` on HF checkpoints, and a server running a quanti
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import PROMPTS, running_server
 from gguf_writer import write_gguf_from_hf
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels import cpu_kernels
-from tokenmill.model.layers.quantization import (AMX_ROWS, LARGE_BATCH, QuantEmbedding, QuantLinear, dequantize,
-                                                 a8_linear, from_panels, pack_quantized, quantize,
-                                                 quantize_activation_groups, to_panels)
+from tokenmill.model.layers.quantization import (
+    AMX_ROWS,
+    LARGE_BATCH,
+    QuantEmbedding,
+    QuantLinear,
+    a8_linear,
+    dequantize,
+    from_panels,
+    pack_quantized,
+    quantize,
+    quantize_activation_groups,
+    to_panels,
+)
 
 
 def _model(llm: LLM) -> torch.nn.Module:

@@ -10,13 +10,12 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import PROMPTS
 from torch import nn
 
-from conftest import PROMPTS
-
 from tokenmill import LLM, SamplingParams
-from tokenmill.model import smoothquant
 from tokenmill.kernels import cpu_kernels
+from tokenmill.model import smoothquant
 from tokenmill.model.layers.bind import bind_kernels
 from tokenmill.model.layers.w8a8 import W8A8Linear, pack, quantize_activations, quantize_weight, reference, unpack
 

@@ -13,14 +13,13 @@ import os
 import sys
 import threading
 import types
-from pathlib import Path
 
 import pytest
 
 from tokenmill import progress
 from tokenmill.cli import main
-from tokenmill.model import loader
 from tokenmill.kernels import cpu_kernels
+from tokenmill.model import loader
 
 
 class _Tty(io.StringIO):

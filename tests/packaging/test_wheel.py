@@ -14,8 +14,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from conftest import free_port
+
 from tokenmill.kernels import build, isa
 
 ROOT = Path(__file__).resolve().parents[2]

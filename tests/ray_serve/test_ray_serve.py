@@ -283,7 +283,7 @@ def test_two_replicas_stream_with_the_openai_client(cluster):
     replicas = wait_for(lambda: all_idle(cluster), "both replicas idle with every KV block free")
     assert {r["replica"] for r in replicas} == set(after)
     page = httpx.get(cluster.url + "/metrics", timeout=30).text
-    assert 'tokenmill:num_replicas{model_name="%s",state="healthy"} 2.0' % cluster.model in page
+    assert f'tokenmill:num_replicas{{model_name="{cluster.model}",state="healthy"}} 2.0' in page
     assert page.count("tokenmill:kv_cache_usage_perc{") == 2
 
 

@@ -11,7 +11,6 @@ import threading
 import httpx
 from conftest import running_server
 
-from tokenmill.sampling_params import GuidedDecodingParams
 from tokenmill.sample.structured_output import StructuredOutputManager
 
 CHILD = """

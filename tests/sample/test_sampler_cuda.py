@@ -8,11 +8,11 @@ import warnings
 
 import pytest
 import torch
-from sampler_scenario import GRAMMARS, STEPS, V, FakeMatcher, assert_same, load_golden, make_requests, run, step_logits
+from sampler_scenario import GRAMMARS, STEPS, FakeMatcher, V, assert_same, load_golden, make_requests, run, step_logits
 
 from tokenmill.sample.sampler import Sampler, SamplingBatch
-from tokenmill.sampling_params import GuidedDecodingParams
 from tokenmill.sample.structured_output import apply_grammar_masks
+from tokenmill.sampling_params import GuidedDecodingParams
 
 pytestmark = pytest.mark.gpu  # skipped without a CUDA GPU (tests/conftest.py)
 GREEDY_ROWS = [0, 1, 5, 7]  # their history is their own greedy tokens: the same as on CPU

@@ -127,8 +127,8 @@ def test_grammar_masks_match_the_matchers_bitmasks(tiny_llama_llm):
     import numpy as np
     import torch
 
-    from tokenmill.sampling_params import GuidedDecodingParams
     from tokenmill.sample.structured_output import apply_grammar_masks
+    from tokenmill.sampling_params import GuidedDecodingParams
 
     so = tiny_llama_llm.engine.structured_output
     matchers = [so.matcher_for(GuidedDecodingParams(regex="[ab]+c")), None,

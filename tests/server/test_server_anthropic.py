@@ -8,7 +8,6 @@ import json
 
 import anthropic
 import httpx
-import openai
 import pytest
 from conftest import wait_engine_idle
 

@@ -16,12 +16,9 @@ import time
 
 import httpx
 import pytest
-
 from conftest import free_port
 
 from tokenmill.cli import build_parser
-
-
 
 
 def _serve_parser() -> argparse.ArgumentParser:

@@ -14,8 +14,6 @@ import numpy as np
 import openai
 import pytest
 import torch
-import torch.nn.functional as F
-
 from conftest import running_server
 from embedding_data import assert_cosine, minilm_path, sentences
 

@@ -14,10 +14,8 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import running_server
-from prometheus_client.parser import text_string_to_metric_families
-
 from lora_adapters import make_adapter
+from prometheus_client.parser import text_string_to_metric_families
 from tiny_models import build_tiny_model
 
 pytest.importorskip("peft")

@@ -14,7 +14,6 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import running_server
-
 from lora_adapters import make_adapter
 
 pytest.importorskip("peft")

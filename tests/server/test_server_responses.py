@@ -12,6 +12,7 @@ import openai
 import pytest
 from conftest import wait_engine_idle
 
+from tokenmill.server.errors import APIError
 from tokenmill.server.openai_responses import ResponseStore, Stored
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
@@ -163,7 +164,7 @@ def test_store_is_a_bounded_lru():
         if k == "b":
             store.get("a")  # a is now the most recently used: b goes first
     assert len(store) == 2 and store.get("a") and store.get("c")
-    with pytest.raises(Exception):
+    with pytest.raises(APIError, match="not found"):
         store.get("b")
     off = ResponseStore(0)
     off.put("a", Stored({}, []))

@@ -18,7 +18,6 @@ from contextlib import suppress
 
 import httpx
 import pytest
-
 from conftest import free_port
 
 from tokenmill.engine.async_engine import AsyncLLMEngine

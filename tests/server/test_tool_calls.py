@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
 
 from tokenmill.server.tool_calls import add_tool_prompt, parse_tool_calls, plan_tools

@@ -122,7 +122,7 @@ class Hold:
         if self.reached.is_set():
             self.release.wait(60)
 
-    def __enter__(self) -> "Hold":
+    def __enter__(self) -> Hold:
         self.aengine.step_observers.append(self)
         return self
 

@@ -16,8 +16,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import record_multi_row_fused_steps
+
 from tokenmill import LLM, SamplingParams
 
 PROMPTS = [[1, 5, 9, 33, 7] * 6, [3, 4, 5] * 20, list(range(2, 40)) * 2, [11, 12] * 3]
@@ -272,9 +272,9 @@ def test_rejection_sampling_draws_the_target_distribution():
     first emitted token is distributed as p0, and after an accepted d0 the next as p1
     (chi-square against fixed critical values; the sampler's seed is fixed, so this cannot flake)."""
     from tokenmill.request import Request
-    from tokenmill.step import ScheduledRequest
     from tokenmill.sample.sampler import Sampler
     from tokenmill.sample.verify import verify_drafts
+    from tokenmill.step import ScheduledRequest
 
     V, N = 6, 20000
     p0 = torch.tensor([0.05, 0.4, 0.1, 0.2, 0.15, 0.1])

@@ -13,8 +13,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
 from tiny_models import build_tiny_model
+
 from tokenmill import LLM, SamplingParams
 from tokenmill.sampling_params import GuidedDecodingParams
 

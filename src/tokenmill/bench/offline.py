@@ -19,8 +19,8 @@ import torch
 from tqdm import tqdm
 
 from tokenmill.engine.arg_utils import add_engine_args, engine_args_from
-from tokenmill.model.layers.linear import onednn_bf16_fast
 from tokenmill.kernels.memory import huge_page_buffer
+from tokenmill.model.layers.linear import onednn_bf16_fast
 from tokenmill.sampling_params import SamplingParams
 
 

@@ -18,8 +18,7 @@ from dataclasses import asdict, dataclass, field
 import httpx
 import numpy as np
 
-from tokenmill.bench.datasets import (BenchRequest, load_tokenizer, prefix_requests, random_requests,
-                                      sharegpt_requests)
+from tokenmill.bench.datasets import BenchRequest, load_tokenizer, prefix_requests, random_requests, sharegpt_requests
 
 PERCENTILES = (50, 90, 99)
 

@@ -162,7 +162,7 @@ class TPGroup:
 
     @classmethod
     def connect(cls, rank: int, size: int, port: int, shm_path: str, shm_bytes: int,
-                timeout_s: float = 300.0, device: str = "cpu") -> "TPGroup":
+                timeout_s: float = 300.0, device: str = "cpu") -> TPGroup:
         """Rank 0 hosts the store (and, on CPUs, creates the shared-memory file before calling this)."""
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=timeout, wait_for_workers=False)

@@ -28,9 +28,10 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from tokenmill.config import DEFAULT_SERVING_ITL_TARGET_MS
 from tokenmill.engine.llm_engine import LLMEngine
@@ -92,7 +93,7 @@ class AsyncLLMEngine:
             raise self._error
 
     @classmethod
-    def from_args(cls, model: str | None = None, max_waiting: int | None = None, **kw: Any) -> "AsyncLLMEngine":
+    def from_args(cls, model: str | None = None, max_waiting: int | None = None, **kw: Any) -> AsyncLLMEngine:
         if kw.get("itl_target_ms") is None:  # a server: requests stream beside each other
             kw["itl_target_ms"] = DEFAULT_SERVING_ITL_TARGET_MS
         return cls(lambda: LLMEngine.from_args(model, **kw), max_waiting)

@@ -9,14 +9,14 @@ from dataclasses import dataclass
 
 from tokenmill.config import EngineConfig
 from tokenmill.distributed.comm import NO_TP
-from tokenmill.kv_cache import KVCacheManager
-from tokenmill.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler
+from tokenmill.kv_cache import KVCacheManager
 from tokenmill.model.layers.attention import kv_window
+from tokenmill.request import Request, RequestStatus
 from tokenmill.sample.sampler import SampleLogprobs
+from tokenmill.spec_decode.drafter import Drafter
 from tokenmill.worker.executor import TPWorkers
 from tokenmill.worker.runner import ModelRunner
-from tokenmill.spec_decode.drafter import Drafter
 
 logger = logging.getLogger("tokenmill")
 

@@ -13,42 +13,41 @@ import torch
 
 from tokenmill import progress
 from tokenmill.config import (
+    LOAD_FORMATS,
+    SCHEDULING_POLICIES,
     CacheConfig,
+    DeviceConfig,
     EngineArgs,
     EngineConfig,
     ModelConfig,
-    DeviceConfig,
-    LOAD_FORMATS,
-    SCHEDULING_POLICIES,
     ParallelConfig,
     SchedulerConfig,
+    WatermarkConfig,
     check_kv_cache_dtype,
     parse_dtype,
     resolve_device,
 )
-from tokenmill.lora.adapter import LoRAError
-from tokenmill.lora.adapter import linear_shapes
+from tokenmill.engine.engine_core import EngineCore
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.kernels import cpu_threads
+from tokenmill.kv_cache import blocks_held
+from tokenmill.lora.adapter import LoRAError, linear_shapes
 from tokenmill.lora.config import LoRAConfig, parse_lora_modules
 from tokenmill.lora.layers import check_adaptable
 from tokenmill.lora.registry import LoRARegistry
-from tokenmill.model.sharding import check_shardable, check_tp_size
-from tokenmill.engine.engine_core import EngineCore
-from tokenmill.kv_cache import blocks_held
-from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.request import Request, RequestStatus
-from tokenmill.kernels import cpu_threads
 from tokenmill.model.layers.attention import LayerAttention, kv_window
 from tokenmill.model.layers.quantization import check_quantization, check_w8a8_args
+from tokenmill.model.loader import load_hf_config, model_class, model_skeleton, resolve_model_path, served_names
 from tokenmill.model.models.llama import sliding_windows
+from tokenmill.model.pooling import resolve_task, sentence_transformers_max_len
+from tokenmill.model.sharding import check_shardable, check_tp_size
 from tokenmill.outputs import RequestOutput
 from tokenmill.pooling_params import PoolingParams
+from tokenmill.request import Request, RequestStatus
+from tokenmill.sample.structured_output import StructuredOutputManager
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.config import SpeculativeConfig
-from tokenmill.model.loader import load_hf_config, model_class, model_skeleton, resolve_model_path, served_names
-from tokenmill.model.pooling import resolve_task, sentence_transformers_max_len
-from tokenmill.sample.structured_output import StructuredOutputManager
 from tokenmill.tokenizer import load_tokenizer
-from tokenmill.config import WatermarkConfig
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PretrainedConfig
@@ -197,7 +196,7 @@ class LLMEngine:
         return num_blocks
 
     @classmethod
-    def from_args(cls, model: str | None = None, **kwargs: Any) -> "LLMEngine":
+    def from_args(cls, model: str | None = None, **kwargs: Any) -> LLMEngine:
         unknown = set(kwargs) - EngineArgs.field_names()
         if unknown:
             raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
@@ -430,7 +429,7 @@ def _eos_ids(path: str, tokenizer: Any, hf_config: PretrainedConfig) -> frozense
 def _generation_config(path: str) -> GenerationConfig | None:
     if not os.path.exists(os.path.join(path, "generation_config.json")):
         return None
-    from transformers import GenerationConfig, PretrainedConfig
+    from transformers import GenerationConfig
 
     try:
         return GenerationConfig.from_pretrained(path)

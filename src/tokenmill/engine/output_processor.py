@@ -10,10 +10,16 @@ from tokenizers import Tokenizer
 
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.engine_core import CoreOutput
+from tokenmill.outputs import (
+    CompletionOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+)
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sample.sampler import SampleLogprobs
-from tokenmill.outputs import (CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestMetrics,
-                               RequestOutput)
 
 
 @dataclass

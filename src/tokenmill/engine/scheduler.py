@@ -21,9 +21,9 @@ import time
 from collections import deque
 
 from tokenmill.config import SchedulerConfig
+from tokenmill.engine.step_budget import StepBudget
 from tokenmill.kv_cache import KVCacheManager
 from tokenmill.request import Request, RequestStatus
-from tokenmill.engine.step_budget import StepBudget
 from tokenmill.step import ScheduledRequest, SchedulerOutput
 
 

@@ -33,9 +33,9 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 try:
     from tokenmill.kernels import isa
@@ -146,7 +146,7 @@ class Toolchain:
     torch_where: str = ""
 
     @staticmethod
-    def find() -> "Toolchain":
+    def find() -> Toolchain:
         cxx = shlex.split(os.environ.get("CXX") or "c++")
         try:
             out = subprocess.run([*cxx, "--version"], capture_output=True, text=True, check=True).stdout

@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from tokenmill import envs
+
 if TYPE_CHECKING:
     import torch
 
@@ -41,8 +43,6 @@ class KernelModule(Protocol):
     def top_k_top_p(self, logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
                     /) -> torch.Tensor: ...
     def __getattr__(self, name: str) -> Any: ...
-
-from tokenmill import envs
 
 
 logger = logging.getLogger("tokenmill")

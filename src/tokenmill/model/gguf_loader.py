@@ -32,14 +32,14 @@ import shutil
 import struct
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from tokenmill import envs
-from tokenmill import progress
+from tokenmill import envs, progress
 
 logger = logging.getLogger("tokenmill")
 
@@ -626,7 +626,7 @@ def _convert(gguf_path: str, out: Path, dense_dtype: str = "float32") -> str:
         fix = (lambda w: w)
         if permute and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k"):
             n_head = heads if parts[2] == "attn_q" else (kv_heads or heads)
-            fix = (lambda w: _unpermute(w, n_head))  # a permutation of rows: applies to blocks alike
+            fix = (lambda w: _unpermute(w, n_head))  # noqa: B023 - called in this iteration; rows permuted: blocks alike
         values = fix(g.tensor(name))
         if g.raw_rows(name) is None:  # a float tensor (norms, biases): the values the HF checkpoint holds
             values = spec.dense(hf, values)

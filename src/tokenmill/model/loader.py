@@ -10,17 +10,14 @@ import time
 
 import torch
 
-from tokenmill import envs, hf_cache
-from tokenmill import progress
+from tokenmill import envs, hf_cache, progress
 from tokenmill.distributed.comm import NO_TP, TPGroup
+from tokenmill.kernels import cpu_kernels
+from tokenmill.model.gguf_loader import QUANTIZED_FILE, dequantize_rows
 from tokenmill.model.layers.bind import bind_kernels
 from tokenmill.model.layers.linear import pack_linears
-from tokenmill.model.layers.quantization import pack_quantized
+from tokenmill.model.layers.quantization import BITS, GROUP, dequantize, pack_quantized, quantize_model
 from tokenmill.model.layers.weight_arena import place_decode_weights
-from tokenmill.model.sharding import Shard, shard_for
-from tokenmill.model.gguf_loader import QUANTIZED_FILE, dequantize_rows
-from tokenmill.kernels import cpu_kernels
-from tokenmill.model.layers.quantization import BITS, GROUP, dequantize, quantize_model
 from tokenmill.model.models.bert import BertModel
 from tokenmill.model.models.gemma import GemmaForCausalLM
 from tokenmill.model.models.llama import LlamaForCausalLM
@@ -28,6 +25,7 @@ from tokenmill.model.models.mixtral import MixtralForCausalLM
 from tokenmill.model.models.phi3 import Phi3ForCausalLM
 from tokenmill.model.models.qwen2_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from tokenmill.model.models.qwen3 import Qwen3ForCausalLM
+from tokenmill.model.sharding import Shard, shard_for
 from tokenmill.model.smoothquant import quantize_model_w8a8
 
 logger = logging.getLogger("tokenmill")

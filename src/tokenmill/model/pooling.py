@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -158,7 +158,7 @@ class PoolingMetadata:
     parts: torch.Tensor | None = field(default=None, repr=False)  # [P, hidden] float32, set by Pooler (rank 0)
 
     @classmethod
-    def build(cls, scheduled, row0s: list[int]) -> "PoolingMetadata | None":
+    def build(cls, scheduled, row0s: list[int]) -> PoolingMetadata | None:
         rows = [(s, r) for s, r in zip(scheduled, row0s) if s.request.pooling_params is not None]
         if not rows:
             return None

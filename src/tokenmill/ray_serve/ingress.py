@@ -24,8 +24,8 @@ from tokenmill.server import misc_routes, openai_embeddings, openai_responses, w
 from tokenmill.server.app import GENERATION_ROUTES, ServerMiddleware, _add_offline_docs
 from tokenmill.server.args import ServerArgs
 from tokenmill.server.chat_template import install_template_bounds
+from tokenmill.server.context import ServerContext, get_ctx
 from tokenmill.server.errors import install_error_handlers
-from tokenmill.server.context import get_ctx, ServerContext
 
 logger = logging.getLogger("tokenmill.ray_serve")
 

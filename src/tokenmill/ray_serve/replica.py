@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 from ray import serve
 
@@ -36,7 +37,7 @@ class ReplicaError:
     message: str
 
     @classmethod
-    def of(cls, e: Exception) -> "ReplicaError | None":
+    def of(cls, e: Exception) -> ReplicaError | None:
         """The item for an engine error the caller must see as itself; None for anything else."""
         for kind, types in (("value", ValueError), ("queue_full", QueueFullError), ("dead", EngineDeadError)):
             if isinstance(e, types):

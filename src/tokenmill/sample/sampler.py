@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 import torch
 
-from tokenmill.request import Request
+from tokenmill.config import WatermarkConfig
 from tokenmill.kernels.cpu_kernels import KernelModule
 from tokenmill.model.layers.bind import kernels_for
+from tokenmill.request import Request
 from tokenmill.sample.structured_output import apply_grammar_masks
-from tokenmill.config import WatermarkConfig
 from tokenmill.sample.watermark import apply_watermark
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ class SamplingBatch:
 
     @classmethod
     def from_requests(cls, reqs: Sequence[SamplingRow], vocab_size: int,
-                      device: torch.device | str | None = None) -> "SamplingBatch":
+                      device: torch.device | str | None = None) -> SamplingBatch:
         """device: the logits' (None: CPU). Small tensors are built on the CPU and each moved in
         one copy; [B, V] ones are scattered on the device from flat index lists."""
         dev = torch.device("cpu") if device is None else torch.device(device)

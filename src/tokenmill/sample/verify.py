@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenmill.request import Request
-from tokenmill.sample.sampler import SampleLogprobs, Sampler, SamplerOutput, SamplingBatch, host_logprobs
 from tokenmill.sample.rejection import rejection_sample, target_distributions
+from tokenmill.sample.sampler import SampleLogprobs, Sampler, SamplerOutput, SamplingBatch, host_logprobs
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher

@@ -30,7 +30,9 @@ __all__ = ["build_app", "serve", "BackgroundServer", "ServerArgs"]
 
 def __getattr__(name: str):
     if name in __all__:
-        from tokenmill.server import app  # lazy: `tokenmill.server.args` and the startup path stay free of FastAPI's imports
+        from tokenmill.server import (
+            app,  # lazy: `tokenmill.server.args` and the startup path stay free of FastAPI's imports
+        )
 
         return getattr(app, name)
     raise AttributeError(name)

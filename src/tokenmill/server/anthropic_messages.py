@@ -12,6 +12,7 @@ from contextlib import aclosing
 
 from fastapi import APIRouter, Request
 
+from tokenmill.sampling_params import GuidedDecodingParams
 from tokenmill.server import conversation
 from tokenmill.server.anthropic_protocol import (
     STREAM_EVENTS,
@@ -30,15 +31,14 @@ from tokenmill.server.anthropic_protocol import (
     AnthropicToolUseOut,
     AnthropicUsage,
 )
+from tokenmill.server.checks import check_model, log_ignored_fields
+from tokenmill.server.context import get_ctx
 from tokenmill.server.errors import APIError, CheckedRoute, anthropic_error_body
 from tokenmill.server.protocol import ChatContentPart, ChatMessage, sse_content
 from tokenmill.server.response_body import json_response
-from tokenmill.server.checks import check_model, log_ignored_fields
-from tokenmill.server.context import get_ctx
 from tokenmill.server.sampling import structured_output
-from tokenmill.server.sse import run_cancellable, SSEResponse, stream_error
+from tokenmill.server.sse import SSEResponse, run_cancellable, stream_error
 from tokenmill.server.tool_calls import CallArgs, CallEnd, CallStart, ToolPlan, function_tool, plan_tools
-from tokenmill.sampling_params import GuidedDecodingParams
 
 router = APIRouter(tags=["Anthropic"], route_class=CheckedRoute)
 
@@ -222,7 +222,7 @@ async def _stream(gen: conversation.Generation):
     blocks, answer = _Blocks(), None
     try:
         async with aclosing(conversation.answer_chunks(gen, blocks.on)) as steps:  # closed with the response: aborts
-            async for chunk, answer in steps:
+            async for chunk, _answer in steps:
                 if chunk:
                     yield chunk
         delta = {"stop_reason": _stop_reason(answer), "stop_sequence": answer.stop_string}

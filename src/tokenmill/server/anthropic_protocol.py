@@ -50,8 +50,7 @@ def _block_type(v: Any) -> str | None:
 
 
 AnthropicContentBlock = Annotated[
-    Union[Annotated[AnthropicTextBlock, Tag("text")], Annotated[AnthropicToolUseBlock, Tag("tool_use")],
-          Annotated[AnthropicToolResultBlock, Tag("tool_result")], Annotated[AnthropicThinkingBlock, Tag("thinking")]],
+    Annotated[AnthropicTextBlock, Tag("text")] | Annotated[AnthropicToolUseBlock, Tag("tool_use")] | Annotated[AnthropicToolResultBlock, Tag("tool_result")] | Annotated[AnthropicThinkingBlock, Tag("thinking")],
     Discriminator(_block_type, custom_error_type="block_type",
                   custom_error_message="content blocks must be of type text, tool_use, tool_result or thinking "
                                        "(images, documents and other blocks are not supported)"),
@@ -99,8 +98,7 @@ class AnthropicToolChoiceNone(AnthropicBaseModel):
     type: Literal["none"]
 
 
-AnthropicToolChoice = Annotated[Union[AnthropicToolChoiceAuto, AnthropicToolChoiceAny, AnthropicToolChoiceTool,
-                                      AnthropicToolChoiceNone], Field(discriminator="type")]
+AnthropicToolChoice = Annotated[AnthropicToolChoiceAuto | AnthropicToolChoiceAny | AnthropicToolChoiceTool | AnthropicToolChoiceNone, Field(discriminator="type")]
 
 
 class AnthropicConversation(AnthropicBaseModel):

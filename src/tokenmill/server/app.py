@@ -22,14 +22,23 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tokenmill
 from tokenmill.engine.async_engine import AsyncLLMEngine
-from tokenmill.server import lora_routes, misc_routes, openai_chat, openai_completions, openai_embeddings, tgi_routes
-from tokenmill.server import anthropic_messages, openai_responses, web_ui
-from tokenmill.server.errors import error_response, install_error_handlers, internal_error_response
-from tokenmill.server.metrics import ServerMetrics
-from tokenmill.server.chat_template import install_template_bounds
+from tokenmill.server import (
+    anthropic_messages,
+    lora_routes,
+    misc_routes,
+    openai_chat,
+    openai_completions,
+    openai_embeddings,
+    openai_responses,
+    tgi_routes,
+    web_ui,
+)
 from tokenmill.server.args import ServerArgs
+from tokenmill.server.chat_template import install_template_bounds
 from tokenmill.server.context import ServerContext
 from tokenmill.server.engine_streams import new_request_id
+from tokenmill.server.errors import error_response, install_error_handlers, internal_error_response
+from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.startup import (  # noqa: F401 - serve, END_STREAMS_GRACE_S: re-exported
     END_STREAMS_GRACE_S,
     LIVE_PATH,
@@ -230,7 +239,7 @@ class BackgroundServer:
         self.thread = threading.Thread(target=self.server.run, name="tokenmill-http", daemon=True)
         self.host = host
 
-    def start(self, timeout: float = 30.0) -> "BackgroundServer":
+    def start(self, timeout: float = 30.0) -> BackgroundServer:
         self.thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:
@@ -251,7 +260,7 @@ class BackgroundServer:
         self.server.should_exit = True
         self.thread.join(timeout)
 
-    def __enter__(self) -> "BackgroundServer":
+    def __enter__(self) -> BackgroundServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -93,7 +93,7 @@ class ServerArgs:
         return self.max_request_body_bytes or None
 
     @classmethod
-    def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":
+    def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
         return cls(**{f.name: getattr(ns, f.name) for f in fields(cls)})
 
     @staticmethod
@@ -110,7 +110,7 @@ class ServerArgs:
                 kw["type"] = _TYPES[str(f.type)]
             g.add_argument("--" + f.name.replace("_", "-"), dest=f.name, **kw)
 
-    def with_chat_template_file(self) -> "ServerArgs":
+    def with_chat_template_file(self) -> ServerArgs:
         """A copy whose chat_template holds the template itself when it named a file."""
         if self.chat_template and os.path.isfile(self.chat_template):
             with open(self.chat_template, encoding="utf-8") as f:

@@ -8,9 +8,9 @@ these onto its own choices / blocks / items and events."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import AsyncGenerator, AsyncIterator, Callable
 
 from fastapi import Request
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing, suppress
 from dataclasses import dataclass, field
-from typing import AsyncGenerator, AsyncIterator
 
 from fastapi import Request
 

@@ -17,12 +17,10 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable, Coroutine
 from http import HTTPStatus
 from types import UnionType
-from typing import Annotated, Union, get_args, get_origin
-
-from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Annotated, Any, Union, get_args, get_origin
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -68,7 +66,7 @@ class APIError(Exception):
         self.tgi_type = tgi_type
 
     @classmethod
-    def from_value_error(cls, e: ValueError, param: str | None = None) -> "APIError":
+    def from_value_error(cls, e: ValueError, param: str | None = None) -> APIError:
         msg = str(e)
         if param is None:
             m = _PARAM_RE.match(msg)

@@ -21,9 +21,9 @@ from fastapi.responses import PlainTextResponse
 
 from tokenmill.lora.adapter import LoRAError
 from tokenmill.lora.request import LoRARequest
+from tokenmill.server.context import ServerContext, get_ctx
 from tokenmill.server.errors import APIError, CheckedRoute
 from tokenmill.server.protocol import ErrorResponse, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
-from tokenmill.server.context import get_ctx, ServerContext
 
 router = APIRouter(tags=["LoRA"], route_class=CheckedRoute)
 

@@ -14,6 +14,8 @@ import tokenmill
 from tokenmill.engine.async_engine import EngineDeadError
 from tokenmill.lora.request import LoRARequest
 from tokenmill.server.chat_template import render_chat
+from tokenmill.server.checks import check_model, check_token_ids
+from tokenmill.server.context import ServerContext, get_ctx
 from tokenmill.server.errors import APIError, CheckedRoute
 from tokenmill.server.protocol import (
     DetokenizeRequest,
@@ -27,8 +29,6 @@ from tokenmill.server.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
-from tokenmill.server.checks import check_model, check_token_ids
-from tokenmill.server.context import get_ctx, ServerContext
 
 logger = logging.getLogger("tokenmill.server")
 router = APIRouter(route_class=CheckedRoute)

@@ -15,8 +15,14 @@ from fastapi.responses import JSONResponse
 from tokenmill.llm import merge_samples
 from tokenmill.outputs import RequestOutput
 from tokenmill.server import conversation
-from tokenmill.server.checks import check_logprobs, check_model, check_sampling_fields, log_ignored_fields
-from tokenmill.server.checks import resolve_max_tokens, served_name
+from tokenmill.server.checks import (
+    check_logprobs,
+    check_model,
+    check_sampling_fields,
+    log_ignored_fields,
+    resolve_max_tokens,
+    served_name,
+)
 from tokenmill.server.context import ServerContext, get_ctx
 from tokenmill.server.engine_streams import collect_all, new_request_id, run_beam_search, track
 from tokenmill.server.errors import APIError, CheckedRoute

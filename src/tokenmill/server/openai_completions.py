@@ -8,8 +8,33 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from tokenmill.llm import merge_samples
 from tokenmill.outputs import Logprob, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.checks import (
+    MAX_N,
+    MAX_SEQUENCES,
+    check_logprobs,
+    check_model,
+    check_sampling_fields,
+    check_token_ids,
+    log_ignored_fields,
+    resolve_max_tokens,
+    served_name,
+)
+from tokenmill.server.context import ServerContext, get_ctx
+from tokenmill.server.engine_streams import (
+    collect_all,
+    merge,
+    new_request_id,
+    run_beam_search,
+    sample_streams,
+    start_streams,
+    track,
+)
 from tokenmill.server.errors import APIError, CheckedRoute
+from tokenmill.server.logprobs import clamp_logprob as _clamp
+from tokenmill.server.logprobs import prompt_logprobs_json
 from tokenmill.server.protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -20,34 +45,9 @@ from tokenmill.server.protocol import (
     UsageInfo,
     sse_content,
 )
-from tokenmill.llm import merge_samples
-from tokenmill.server.checks import (
-    check_logprobs,
-    check_model,
-    check_sampling_fields,
-    check_token_ids,
-    log_ignored_fields,
-    MAX_N,
-    MAX_SEQUENCES,
-    resolve_max_tokens,
-    served_name,
-)
-from tokenmill.server.context import get_ctx, ServerContext
-from tokenmill.server.engine_streams import (
-    collect_all,
-    merge,
-    new_request_id,
-    run_beam_search,
-    sample_streams,
-    start_streams,
-    track,
-)
-from tokenmill.server.logprobs import prompt_logprobs_json
-from tokenmill.server.sampling import sampling_params
-from tokenmill.server.sse import run_cancellable, sse, SSE_DONE, SSEResponse, stream_error_chunk
-from tokenmill.server.logprobs import clamp_logprob as _clamp
 from tokenmill.server.response_body import check_response_values, json_response, prompt_values, sequence_values
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.sampling import sampling_params
+from tokenmill.server.sse import SSE_DONE, SSEResponse, run_cancellable, sse, stream_error_chunk
 
 router = APIRouter(tags=["OpenAI"], route_class=CheckedRoute)
 

@@ -11,13 +11,13 @@ from fastapi import APIRouter, Request
 
 from tokenmill.engine.async_engine import EngineDeadError, QueueFullError, ServerShutdownError
 from tokenmill.pooling_params import PoolingParams
+from tokenmill.server.checks import check_model, log_ignored_fields
+from tokenmill.server.context import ServerContext, get_ctx
+from tokenmill.server.engine_streams import as_api_error, new_request_id, track
 from tokenmill.server.errors import APIError, CheckedRoute
 from tokenmill.server.openai_completions import ERROR_RESPONSES
 from tokenmill.server.protocol import MAX_EMBEDDING_INPUTS, EmbeddingRequest, EmbeddingResponse
 from tokenmill.server.response_body import check_response_values, json_response
-from tokenmill.server.checks import check_model, log_ignored_fields
-from tokenmill.server.context import get_ctx, ServerContext
-from tokenmill.server.engine_streams import as_api_error, new_request_id, track
 from tokenmill.server.sse import run_cancellable
 
 router = APIRouter(tags=["OpenAI"], route_class=CheckedRoute)

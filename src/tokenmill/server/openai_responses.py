@@ -10,16 +10,20 @@ dropped first), with their conversation, for GET and `previous_response_id`."""
 from __future__ import annotations
 
 import json
-from contextlib import aclosing
 import time
 import uuid
 from collections import OrderedDict
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from tokenmill.sampling_params import GuidedDecodingParams
 from tokenmill.server import conversation
+from tokenmill.server.args import DEFAULT_MAX_STORED
+from tokenmill.server.checks import log_ignored_fields
+from tokenmill.server.context import ServerContext, get_ctx
 from tokenmill.server.errors import APIError, CheckedRoute
 from tokenmill.server.openai_completions import ERROR_RESPONSES
 from tokenmill.server.protocol import ChatContentPart, ChatMessage, ErrorResponse, sse_content
@@ -38,13 +42,9 @@ from tokenmill.server.responses_protocol import (
     ResponsesResponse,
     ResponsesUsage,
 )
-from tokenmill.server.args import DEFAULT_MAX_STORED
-from tokenmill.server.checks import log_ignored_fields
-from tokenmill.server.context import get_ctx, ServerContext
 from tokenmill.server.sampling import structured_output
-from tokenmill.server.sse import run_cancellable, SSEResponse, stream_error
+from tokenmill.server.sse import SSEResponse, run_cancellable, stream_error
 from tokenmill.server.tool_calls import CallArgs, CallEnd, CallStart, ToolPlan, function_tool, plan_tools
-from tokenmill.sampling_params import GuidedDecodingParams
 
 router = APIRouter(tags=["OpenAI Responses"], route_class=CheckedRoute)
 
@@ -299,7 +299,7 @@ async def _stream(ctx: ServerContext, body: ResponsesRequest, gen: conversation.
            + out.event("response.in_progress", response=_response(body, gen, created, [], None)))
     try:
         async with aclosing(conversation.answer_chunks(gen, out.on)) as steps:  # closed with the response: aborts
-            async for chunk, answer in steps:
+            async for chunk, _answer in steps:
                 if chunk:
                     yield chunk
         last = out.close("incomplete" if answer.finish_reason == "length" else "completed")

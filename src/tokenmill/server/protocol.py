@@ -115,7 +115,7 @@ class UsageInfo(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def from_outputs(cls, outs, prompt_tokens: int | None = None) -> "UsageInfo":
+    def from_outputs(cls, outs, prompt_tokens: int | None = None) -> UsageInfo:
         """Summed over the (latest) RequestOutputs of one API request, every sample of each;
         `prompt_tokens` when the outputs repeat a prompt (one per sample)."""
         outs = list(outs)

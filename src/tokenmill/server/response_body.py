@@ -7,12 +7,13 @@ answering other requests (/health included) meanwhile; and bounded before genera
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fastapi.responses import Response
 
-from tokenmill.server.errors import APIError
 from tokenmill.server.context import ServerContext
+from tokenmill.server.errors import APIError
 
 # Lists at most this long are encoded in one call (top_logprobs, a choice's few fields): splitting
 # them would cost more in Python calls than their encoding holds the GIL for.

@@ -61,10 +61,7 @@ def _item_type(v: Any) -> str | None:
 
 
 ResponsesInputItem = Annotated[
-    Union[Annotated[ResponsesInputMessage, Tag("message")],
-          Annotated[ResponsesFunctionCallInput, Tag("function_call")],
-          Annotated[ResponsesFunctionCallOutput, Tag("function_call_output")],
-          Annotated[ResponsesReasoningInput, Tag("reasoning")]],
+    Annotated[ResponsesInputMessage, Tag("message")] | Annotated[ResponsesFunctionCallInput, Tag("function_call")] | Annotated[ResponsesFunctionCallOutput, Tag("function_call_output")] | Annotated[ResponsesReasoningInput, Tag("reasoning")],
     Discriminator(_item_type, custom_error_type="item_type",
                   custom_error_message="input items must be messages, function_call, function_call_output or "
                                        "reasoning items"),
@@ -111,7 +108,7 @@ class ResponsesFormatJSONSchema(OpenAIBaseModel):
 
 
 class ResponsesTextConfig(OpenAIBaseModel):
-    format: Annotated[Union[ResponsesFormatText, ResponsesFormatJSONObject, ResponsesFormatJSONSchema],
+    format: Annotated[ResponsesFormatText | ResponsesFormatJSONObject | ResponsesFormatJSONSchema,
                       Field(discriminator="type")] | None = None
 
 
@@ -168,7 +165,7 @@ class ResponsesFunctionCall(BaseModel):
     status: ItemStatus
 
 
-ResponsesOutputItem = Annotated[Union[ResponsesOutputMessage, ResponsesFunctionCall], Field(discriminator="type")]
+ResponsesOutputItem = Annotated[ResponsesOutputMessage | ResponsesFunctionCall, Field(discriminator="type")]
 
 
 class ResponsesInputTokensDetails(BaseModel):

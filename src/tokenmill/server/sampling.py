@@ -5,8 +5,8 @@ field; TGI: its 422). Also structured output from OpenAI's response_format and v
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Callable
 
 from tokenmill.sampling_params import GuidedDecodingParams, SamplingParams
 from tokenmill.server.errors import APIError
@@ -56,7 +56,7 @@ class Sampling:
 
     @classmethod
     def from_openai(cls, body, logprobs: int | None, max_tokens: int | None = None,
-                    max_param: str = "max_tokens") -> "Sampling":
+                    max_param: str = "max_tokens") -> Sampling:
         """The fields of an OpenAI completions / chat request (and vLLM's extras); `logprobs` as the
         route reads its API's field (completions: logprobs; chat: top_logprobs when logprobs)."""
         return cls(

@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Awaitable
 from contextlib import suppress
-from typing import Any, Awaitable
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse

@@ -23,8 +23,9 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import uvicorn
 from starlette.responses import JSONResponse
@@ -60,7 +61,7 @@ class StartupApp:
         self._started = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="tokenmill-load", daemon=True)
 
-    def start(self) -> "StartupApp":
+    def start(self) -> StartupApp:
         self._started = time.monotonic()
         self.done.set_running_or_notify_cancel()  # running: an awaiter that is cancelled cannot cancel it
         self._thread.start()

@@ -13,16 +13,15 @@ from pydantic import BaseModel, ConfigDict, Field
 import tokenmill
 from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import SamplingParams
-from tokenmill.sampling_params import GuidedDecodingParams
+from tokenmill.sampling_params import GuidedDecodingParams, SamplingParams
+from tokenmill.server.checks import lora_request
+from tokenmill.server.context import ServerContext, get_ctx
+from tokenmill.server.engine_streams import collect_all, engine_stream, merge, new_request_id, start_streams, track
 from tokenmill.server.errors import APIError, CheckedRoute
+from tokenmill.server.logprobs import clamp_logprob
 from tokenmill.server.protocol import sse_content
 from tokenmill.server.sampling import Sampling
-from tokenmill.server.checks import lora_request
-from tokenmill.server.context import get_ctx, ServerContext
-from tokenmill.server.engine_streams import collect_all, engine_stream, merge, new_request_id, start_streams, track
-from tokenmill.server.logprobs import clamp_logprob
-from tokenmill.server.sse import run_cancellable, sse, SSEResponse, stream_error
+from tokenmill.server.sse import SSEResponse, run_cancellable, sse, stream_error
 
 router = APIRouter(tags=["TGI"], route_class=CheckedRoute)
 

@@ -18,8 +18,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from tokenmill.server.errors import APIError
 from tokenmill.sampling_params import GuidedDecodingParams
+from tokenmill.server.errors import APIError
 
 TOOL_SYSTEM_PROMPT = """You can call these functions (tools), given as JSON schemas:
 {tools}

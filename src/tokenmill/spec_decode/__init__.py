@@ -2,9 +2,9 @@
 lookup, suffix decoding) and exact verification by rejection sampling. The scheduler, runner and
 engine wire them in; nothing here touches a model."""
 
+from tokenmill.sample.rejection import VerifyOutput, rejection_sample, target_distributions
 from tokenmill.spec_decode.config import SpeculativeConfig
 from tokenmill.spec_decode.ngram import NgramProposer, TokenBuffer
-from tokenmill.sample.rejection import VerifyOutput, rejection_sample, target_distributions
 from tokenmill.spec_decode.suffix import SuffixDraft, SuffixProposer
 
 __all__ = [

@@ -27,10 +27,10 @@ import torch
 
 from tokenmill.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, parse_dtype
 from tokenmill.kv_cache import BlockPool, KVBlock
-from tokenmill.request import Request
 from tokenmill.model.layers.attention import SeqChunk
-from tokenmill.spec_decode.drafts import Drafts
 from tokenmill.model.loader import load_hf_config, resolve_model_path
+from tokenmill.request import Request
+from tokenmill.spec_decode.drafts import Drafts
 from tokenmill.worker.runner import ModelRunner
 from tokenmill.worker.staging import StepInputs
 
@@ -96,9 +96,9 @@ class DraftModelProposer:
         step = 0
         while active:
             feeds = [(seq, req.all_token_ids[seq.num_computed:seq.num_computed + n] if step == 0 else
-                      [drafts[i][-1]]) for i, req, seq, n, k in active]
+                      [drafts[i][-1]]) for i, req, seq, n, _k in active]
             logits = self._forward(feeds)
-            for (i, req, seq, n, k), (_, fed) in zip(active, feeds):
+            for (_i, _req, seq, _n, _k), (_, fed) in zip(active, feeds):
                 if step > 0:
                     seq.fed_drafts.append(fed[0])
                 seq.num_computed += len(fed)
@@ -107,11 +107,11 @@ class DraftModelProposer:
             tokens = logits.argmax(dim=-1)
             if sampling:
                 self._sample(active, logits, sampling, tokens, probs)
-            for (i, req, seq, n, k), tok in zip(active, tokens.tolist()):
+            for (i, _req, _seq, _n, _k), tok in zip(active, tokens.tolist()):
                 drafts[i].append(tok)
             step += 1
             active = [a for a in active if a[4] > step]
-        for i, req, seq, n, k in plan:
+        for i, _req, seq, _n, k in plan:
             if k:  # K/V holds the tokens before the drafts surely; the fed drafts while accepted
                 seq.num_computed -= len(seq.fed_drafts)
                 out[i] = Drafts(drafts[i][:k], torch.stack(probs[i])[:k] if probs[i] else None)

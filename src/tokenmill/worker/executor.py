@@ -23,16 +23,16 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from tokenmill import envs
-from tokenmill.distributed.comm import ShmAllReduce, TPAborted, TPGroup, rank_device, uses_nccl
 from tokenmill.config import ModelConfig
+from tokenmill.distributed.comm import ShmAllReduce, TPAborted, TPGroup, rank_device, uses_nccl
 from tokenmill.kernels import cpu_threads
 from tokenmill.worker.staging import StepInputs
 
@@ -256,7 +256,7 @@ def _worker_entry(spec: WorkerSpec, conn: Connection, parent_pid: int) -> None:
         except BaseException:  # noqa: BLE001 - rank 0 sees this process exit and fails loudly
             logging.getLogger("tokenmill").exception("tensor-parallel rank %d failed a step", spec.rank)
             group.abort()
-            raise SystemExit(1)
+            raise SystemExit(1) from None
     group.close()
 
 

@@ -36,8 +36,7 @@ from torch import nn
 
 from tokenmill import envs
 from tokenmill.distributed.comm import NO_TP, SPIN_NS, TPAborted, TPGroup
-from tokenmill.kernels import cpu_kernels
-from tokenmill.kernels import cpu_threads
+from tokenmill.kernels import cpu_kernels, cpu_threads
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata
 from tokenmill.model.layers.linear import SMALL_BATCH, PackedLinear
 from tokenmill.model.layers.norm import RMSNorm

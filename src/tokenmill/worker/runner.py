@@ -10,30 +10,26 @@ from __future__ import annotations
 import functools
 import gc
 import logging
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tokenmill import envs
-from tokenmill import progress
-from tokenmill.config import DeviceConfig, ModelConfig, SchedulerConfig
+from tokenmill import envs, progress
+from tokenmill.config import DeviceConfig, ModelConfig, SchedulerConfig, WatermarkConfig
 from tokenmill.distributed.comm import NO_TP, TPGroup
+from tokenmill.kernels import cpu_kernels
+from tokenmill.kernels.memory import huge_page_empty, populate_in_background
 from tokenmill.lora.layers import LoRASlots
+from tokenmill.model.layers.attention import AttentionBackend, SeqChunk, index_tensor
+from tokenmill.model.loader import load_model
+from tokenmill.model.pooling import Pooler, PoolingMetadata
+from tokenmill.sample.sampler import Sampler, SamplerOutput, SamplingBatches, score_tokens
+from tokenmill.sample.verify import verify_drafts
 from tokenmill.step import SchedulerOutput
 from tokenmill.worker import gpu_memory
 from tokenmill.worker.cuda_graphs import CudaGraphDecode
 from tokenmill.worker.fused_decode import FusedDecode
-from tokenmill.kernels import cpu_kernels
-from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata, SeqChunk
-from tokenmill.sample.sampler import Sampler, SamplerOutput, SamplingBatches, score_tokens
-from tokenmill.kernels.memory import huge_page_empty, populate_in_background
-from tokenmill.model.loader import load_model
-from tokenmill.model.pooling import Pooler, PoolingMetadata
-from tokenmill.model.layers.attention import index_tensor
 from tokenmill.worker.staging import PinnedStaging, StepInputs
-from tokenmill.sample.verify import verify_drafts
-from tokenmill.config import WatermarkConfig
 
 if TYPE_CHECKING:
     from tokenmill.lora.config import LoRAConfig
@@ -53,7 +49,9 @@ def attention_backend_for(device: torch.device) -> type[AttentionBackend] | type
         raise ValueError("the C++ attention kernels run on the CPU only")
     if choice == "cpu":
         return AttentionBackend
-    from tokenmill.model.layers.gpu_attention import TritonAttentionBackend  # lazy: imports triton, which a CPU never needs
+    from tokenmill.model.layers.gpu_attention import (
+        TritonAttentionBackend,  # lazy: imports triton, which a CPU never needs
+    )
 
     return TritonAttentionBackend
 

@@ -32,15 +32,12 @@ may free those blocks: kv_cache.py), tanh soft-capping of the scores and its own
 from __future__ import annotations
 
 from array import array
-
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from tokenmill.kernels import cpu_kernels
-
-
 
 KERNEL_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # compiled in csrc/paged_attention.cpp
 

@@ -20,7 +20,7 @@ None for the torch path).
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn

@@ -189,7 +189,7 @@ class QuantLinear(nn.Module):
         return _dequantized(self.qweight, self.scales, self.bits, self.out_features, self.panels)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, bits: int) -> "QuantLinear":
+    def from_linear(cls, linear: nn.Linear, bits: int) -> QuantLinear:
         qw, s = quantize(linear.weight, bits)
         return cls(qw, s, bits, linear.bias.detach() if linear.bias is not None else None)
 

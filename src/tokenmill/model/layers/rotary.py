@@ -7,7 +7,6 @@ import math
 
 import torch
 
-
 # The tables are computed on the CPU whatever the ambient device: under the loader's
 # torch.device("meta") the same ops would run torch's Python meta decompositions, whose first use
 # imports torch._dynamo (~2 s of a warm start); the loader computes them again after loading.

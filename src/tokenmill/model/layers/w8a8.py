@@ -105,7 +105,7 @@ class W8A8Linear(nn.Module):
         self.fuses_silu = ops is not None and not self.out_features % 32 and _fused_silu(ops)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "W8A8Linear":
+    def from_linear(cls, linear: nn.Linear) -> W8A8Linear:
         return cls(linear.weight, linear.bias)
 
     def weight_int8(self) -> torch.Tensor:

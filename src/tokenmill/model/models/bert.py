@@ -10,7 +10,7 @@ sub-layer's output is added to its input and normalised. Q/K/V are fused into on
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F

@@ -26,8 +26,8 @@ from tokenmill.distributed.comm import NO_TP, TPGroup
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata, LayerAttention
 from tokenmill.model.layers.embedding import embedding
 from tokenmill.model.layers.rotary import RotaryEmbedding
-from tokenmill.model.sharding import lm_head_rows, sharding_rule
 from tokenmill.model.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, sliding_windows
+from tokenmill.model.sharding import lm_head_rows, sharding_rule
 
 
 @sharding_rule("replicated (q/k norms: each rank normalizes its own heads)")

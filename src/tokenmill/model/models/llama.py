@@ -11,19 +11,19 @@ vocab slices are gathered on rank 0. With a group of one both are no-ops.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed.comm import NO_TP, TPGroup
-from tokenmill.model.sharding import lm_head_rows, sharding_rule
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata, LayerAttention
 from tokenmill.model.layers.embedding import embedding
 from tokenmill.model.layers.norm import RMSNorm
 from tokenmill.model.layers.quantization import GROUP, QuantEmbedding, QuantLinear
 from tokenmill.model.layers.rotary import RotaryEmbedding
+from tokenmill.model.sharding import lm_head_rows, sharding_rule
 
 
 @sharding_rule("q/k/v column-parallel by whole heads, o_proj row-parallel, then an all-reduce",

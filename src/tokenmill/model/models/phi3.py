@@ -10,7 +10,7 @@ config's sliding_window is every layer's, as Mistral's (models/llama.py sliding_
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
