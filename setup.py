@@ -46,8 +46,9 @@ def _progress(line: str) -> None:
 class BuildKernels(build_ext):
     def build_extensions(self) -> None:
         out = self._kernels_out = Path(self.get_ext_fullpath(self.extensions[0].name)).parent
-        kernel_build.build(out, LEVELS, work=HERE / "build" / "tokenmill-kernels", jobs=self.parallel or None,
-                           log=_progress)
+        kernel_build.build(
+            out, LEVELS, work=HERE / "build" / "tokenmill-kernels", jobs=self.parallel or None, log=_progress
+        )
 
     def copy_extensions_to_source(self) -> None:  # editable installs: the build's record goes along
         super().copy_extensions_to_source()

@@ -68,8 +68,11 @@ def main(argv=None) -> None:
                 hog.kill()
                 hog.wait()
             after = [phase(args.steps) for _ in range(3)]
-            print(f"trial {trial}: before {before[0]:.2f} ms ({before[1]:.0f})  busy process {during[0]:.2f} ms "
-                  f"({during[1]:.0f})  after " + "  ".join(f"{a[0]:.2f} ms ({a[1]:.0f})" for a in after), flush=True)
+            print(
+                f"trial {trial}: before {before[0]:.2f} ms ({before[1]:.0f})  busy process {during[0]:.2f} ms "
+                f"({during[1]:.0f})  after " + "  ".join(f"{a[0]:.2f} ms ({a[1]:.0f})" for a in after),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

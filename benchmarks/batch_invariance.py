@@ -39,8 +39,13 @@ def load(model_dir: str, invariant: bool, args):
 
     cpu_kernels.set_batch_invariant(invariant)
     try:
-        return LLM(model_dir, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-                   max_num_batched_tokens=args.max_num_batched_tokens)
+        return LLM(
+            model_dir,
+            dtype=args.dtype,
+            kv_cache_memory=args.kv_cache_memory,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
     finally:
         cpu_kernels.set_batch_invariant(None)
 
@@ -49,16 +54,23 @@ def check(llms: dict, n: int) -> None:
     from tokenmill import SamplingParams
 
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(100, 20000, (int(torch.randint(5, 120, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(n)]
+    prompts = [
+        torch.randint(100, 20000, (int(torch.randint(5, 120, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     for name, llm in llms.items():
-        alone = [llm.generate(prompt_token_ids=[p], sampling_params=sp, use_tqdm=False)[0].outputs[0].token_ids
-                 for p in prompts]
-        together = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp,
-                                                                 use_tqdm=False)]
-        print(f"  {name:14s} greedy outputs that differ alone vs all at once: "
-              f"{sum(a != b for a, b in zip(alone, together))} of {n}")
+        alone = [
+            llm.generate(prompt_token_ids=[p], sampling_params=sp, use_tqdm=False)[0].outputs[0].token_ids
+            for p in prompts
+        ]
+        together = [
+            o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
+        ]
+        print(
+            f"  {name:14s} greedy outputs that differ alone vs all at once: "
+            f"{sum(a != b for a, b in zip(alone, together))} of {n}"
+        )
 
 
 def main(argv=None) -> None:
@@ -72,9 +84,16 @@ def main(argv=None) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-memory", type=float, default=1.0)
-    p.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
-                   help="before each timed run, wait up to this long for other processes to go quiet")
-    p.add_argument("--check", type=int, default=0, metavar="N", help="also count greedy outputs that change with the batch")
+    p.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="before each timed run, wait up to this long for other processes to go quiet",
+    )
+    p.add_argument(
+        "--check", type=int, default=0, metavar="N", help="also count greedy outputs that change with the batch"
+    )
     args = p.parse_args(argv)
 
     from tokenmill import SamplingParams
@@ -92,8 +111,11 @@ def main(argv=None) -> None:
     prompts = make_prompts(args.num_prompts, args.input_len, vocab, excluded, seed=0)
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     for llm in llms.values():  # warm-up
-        llm.generate(prompt_token_ids=prompts[:2], sampling_params=SamplingParams(temperature=0.0, max_tokens=4,
-                                                                                 ignore_eos=True), use_tqdm=False)
+        llm.generate(
+            prompt_token_ids=prompts[:2],
+            sampling_params=SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+            use_tqdm=False,
+        )
     threads = torch.get_num_threads()
     rates: dict[str, list[float]] = {name: [] for name in llms}
     print(f"{args.num_prompts} prompts x {args.input_len} in x {args.output_len} out, {args.dtype}, {threads} threads")
@@ -109,11 +131,15 @@ def main(argv=None) -> None:
             rate = args.num_prompts * args.output_len / m.wall
             rates[name].append(rate)
             others = m.facts()["others_cpu_cores"]
-            line.append(f"{name} {rate:7.1f} tok/s ({m.wall:5.2f} s, others {others if others is not None else '?'} cores)")
+            line.append(
+                f"{name} {rate:7.1f} tok/s ({m.wall:5.2f} s, others {others if others is not None else '?'} cores)"
+            )
         print(f"  round {r + 1}: " + "; ".join(line))
     med = {name: statistics.median(v) for name, v in rates.items()}
-    print(f"median output tok/s: invariant {med['invariant']:.1f}, not invariant {med['not invariant']:.1f}: "
-          f"on / off = {med['invariant'] / med['not invariant']:.3f}")
+    print(
+        f"median output tok/s: invariant {med['invariant']:.1f}, not invariant {med['not invariant']:.1f}: "
+        f"on / off = {med['invariant'] / med['not invariant']:.3f}"
+    )
     if args.check:
         check(llms, args.check)
 

@@ -32,8 +32,11 @@ def token_ids(n: int, salt: int) -> list[int]:
 def hostile_requests(long_tokens: int) -> dict[str, dict]:
     return {
         f"{long_tokens}-token prompt": {"prompt": long_tokens, "max_tokens": 1},
-        f"{long_tokens // 2}-token prompt, prompt_logprobs=20": {"prompt": long_tokens // 2, "max_tokens": 1,
-                                                                 "prompt_logprobs": 20},
+        f"{long_tokens // 2}-token prompt, prompt_logprobs=20": {
+            "prompt": long_tokens // 2,
+            "max_tokens": 1,
+            "prompt_logprobs": 20,
+        },
         "beam search, n=128": {"prompt": 64, "max_tokens": 8, "n": 128, "use_beam_search": True, "temperature": 0},
     }
 
@@ -78,8 +81,11 @@ def one(server: Server, body: dict, salt: int) -> dict[str, float]:
     prober = threading.Thread(target=probe_health, args=(server, probe_stop, worst))
     prober.start()
     t0 = time.perf_counter()
-    r = httpx.post(server.url + "/v1/completions",
-                   json={"model": server.model, **body, "prompt": token_ids(body["prompt"], salt)}, timeout=600)
+    r = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": server.model, **body, "prompt": token_ids(body["prompt"], salt)},
+        timeout=600,
+    )
     took = time.perf_counter() - t0
     t_end = time.perf_counter()
     probe_stop.set()
@@ -88,14 +94,22 @@ def one(server: Server, body: dict, salt: int) -> dict[str, float]:
     stop.set()
     bystander.join(600)
     gaps = [b - a for a, b in zip(times, times[1:])]
-    return {"status": r.status_code, "took": took, "max_gap": longest_gap(times, t0, t_end),
-            "usual_gap": statistics.median(gaps[: max(n_before - 1, 1)]), "health": worst[0]}
+    return {
+        "status": r.status_code,
+        "took": took,
+        "max_gap": longest_gap(times, t0, t_end),
+        "usual_gap": statistics.median(gaps[: max(n_before - 1, 1)]),
+        "health": worst[0],
+    }
 
 
 def prefill_alone(server: Server, n: int, salt: int) -> float:
     t0 = time.perf_counter()
-    httpx.post(server.url + "/v1/completions", json={"model": server.model, "prompt": token_ids(n, salt),
-                                                     "max_tokens": 1}, timeout=600).raise_for_status()
+    httpx.post(
+        server.url + "/v1/completions",
+        json={"model": server.model, "prompt": token_ids(n, salt), "max_tokens": 1},
+        timeout=600,
+    ).raise_for_status()
     return n / (time.perf_counter() - t0)
 
 
@@ -106,10 +120,14 @@ def main() -> None:
     p.add_argument("--long-tokens", type=int, default=8000)
     p.add_argument("--serve-args", default="", help="more `tokenmill serve` arguments")
     ns = p.parse_args()
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
-          f"load average {os.getloadavg()[0]:.1f}")
-    print("| --itl-target-ms | hostile request | status | its time (s) | bystander's largest gap (s) | "
-          "its usual gap (s) | largest /health latency (s) |")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        "| --itl-target-ms | hostile request | status | its time (s) | bystander's largest gap (s) | "
+        "its usual gap (s) | largest /health latency (s) |"
+    )
     print("|---|---|---|---|---|---|---|")
     servers = {}
     try:
@@ -136,8 +154,10 @@ def main() -> None:
         for name, runs in rows.items():
             med = {k: statistics.median(r[k] for r in runs[target]) for k in ("took", "max_gap", "usual_gap", "health")}
             status = "/".join(sorted({str(r["status"]) for r in runs[target]}))
-            print(f"| {target:g} | {name} | {status} | {med['took']:.2f} | {med['max_gap']:.3f} | "
-                  f"{med['usual_gap']:.3f} | {med['health']:.3f} |")
+            print(
+                f"| {target:g} | {name} | {status} | {med['took']:.2f} | {med['max_gap']:.3f} | "
+                f"{med['usual_gap']:.3f} | {med['health']:.3f} |"
+            )
     print()
     print(f"| --itl-target-ms | prefill alone, {ns.long_tokens} tokens: tokens/s, median (each run) |")
     print("|---|---|")

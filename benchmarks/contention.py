@@ -89,7 +89,7 @@ def start_hogs(condition: str, secs: float) -> list[subprocess.Popen]:
     """The busy-loop processes a condition asks for (none for `quiet`)."""
     if condition == "quiet":
         return []
-    kind, k = condition.rstrip("0123456789"), int(condition[len(condition.rstrip("0123456789")):] or 1)
+    kind, k = condition.rstrip("0123456789"), int(condition[len(condition.rstrip("0123456789")) :] or 1)
     cpus = sorted(os.sched_getaffinity(0))
     hogs = []
     for i in range(k):
@@ -98,8 +98,12 @@ def start_hogs(condition: str, secs: float) -> list[subprocess.Popen]:
             pin = {cpus[-1 - (i % len(cpus))]}
         elif kind != "free":
             raise SystemExit(f"unknown condition {condition!r}")
-        hogs.append(subprocess.Popen([sys.executable, "-c", HOG.format(secs=secs)],
-                                     preexec_fn=(lambda p=pin: os.sched_setaffinity(0, p)) if pin else None))
+        hogs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", HOG.format(secs=secs)],
+                preexec_fn=(lambda p=pin: os.sched_setaffinity(0, p)) if pin else None,
+            )
+        )
     time.sleep(0.3)  # let them start spinning
     return hogs
 
@@ -141,6 +145,7 @@ def worker(conditions: list[str], hog_seconds: float, idle_wait_s: float, max_ot
 
     tpot_ms(), eight_tok_s(), many_tok_s()  # warm-up
     res = {"threads": torch.get_num_threads(), "by_condition": {}}
+
     def measure(f, hogs):
         """f() while other processes stay under max_others cores (up to `retries` more tries)."""
         for attempt in range(retries + 1):
@@ -155,15 +160,25 @@ def worker(conditions: list[str], hog_seconds: float, idle_wait_s: float, max_ot
         hogs = start_hogs(cond, hog_seconds)
         try:
             (tpot, o1), (tok_s, o8), (many_s, o96) = (measure(f, hogs) for f in (tpot_ms, eight_tok_s, many_tok_s))
-            res["by_condition"][cond] = {"tpot_ms": tpot, "eight_tok_s": tok_s, "many_tok_s": many_s,
-                                         "others_cores": [round(o, 2) for o in (o1, o8, o96)]}
+            res["by_condition"][cond] = {
+                "tpot_ms": tpot,
+                "eight_tok_s": tok_s,
+                "many_tok_s": many_s,
+                "others_cores": [round(o, 2) for o in (o1, o8, o96)],
+            }
         finally:
             stop_hogs(hogs)
     return res
 
 
-def spin_sweep(conditions: list[str], spins_us: list[str], rows_list: list[int], repeats: int,
-               hog_seconds: float, idle_wait_s: float) -> dict:
+def spin_sweep(
+    conditions: list[str],
+    spins_us: list[str],
+    rows_list: list[int],
+    repeats: int,
+    hog_seconds: float,
+    idle_wait_s: float,
+) -> dict:
     """In one process: the fused step alone (one captured all-decode step of `rows` rows), with
     the barrier spin budget switched call by call over `spins_us`; median ms per condition."""
     import torch
@@ -213,7 +228,7 @@ def cpu_name() -> str:
 
 
 def parse_configs(spec: str) -> list[tuple[str, dict[str, str]]]:
-    """"name=VAR=v,VAR2=w;name2=" -> [(name, {VAR: v, VAR2: w}), (name2, {})]."""
+    """ "name=VAR=v,VAR2=w;name2=" -> [(name, {VAR: v, VAR2: w}), (name2, {})]."""
     out = []
     for part in filter(None, (s.strip() for s in spec.split(";"))):
         name, _, rest = part.partition("=")
@@ -224,47 +239,81 @@ def parse_configs(spec: str) -> list[tuple[str, dict[str, str]]]:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", default="default=", help='"name=VAR=v,VAR2=w;name2=..." (default: the environment as is)')
+    p.add_argument(
+        "--configs", default="default=", help='"name=VAR=v,VAR2=w;name2=..." (default: the environment as is)'
+    )
     p.add_argument("--conditions", default="quiet,pinned1,free1")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--hog-seconds", type=float, default=120.0, help="a hog's own time limit (it is killed sooner)")
-    p.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
-                   help="before each condition, wait up to this long for other processes to use < 0.2 cores")
-    p.add_argument("--max-others", type=float, default=0.25, metavar="CORES",
-                   help="a measurement during which other processes used more than this is taken again")
+    p.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="before each condition, wait up to this long for other processes to use < 0.2 cores",
+    )
+    p.add_argument(
+        "--max-others",
+        type=float,
+        default=0.25,
+        metavar="CORES",
+        help="a measurement during which other processes used more than this is taken again",
+    )
     p.add_argument("--retries", type=int, default=3, help="how many times (then it is kept, with its figure)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None)
-    p.add_argument("--spin-sweep", default=None, metavar="US,US,..",
-                   help="instead: time the fused step alone in one process, switching the barrier spin "
-                        "budget call by call, interleaved (microseconds; 1e6 = spin; a100 = adaptive, at most 100)")
+    p.add_argument(
+        "--spin-sweep",
+        default=None,
+        metavar="US,US,..",
+        help="instead: time the fused step alone in one process, switching the barrier spin "
+        "budget call by call, interleaved (microseconds; 1e6 = spin; a100 = adaptive, at most 100)",
+    )
     p.add_argument("--rows", default="1,8", help="--spin-sweep: decode rows of the captured steps")
     p.add_argument("--repeats", type=int, default=100, help="--spin-sweep: calls per spin value and condition")
     args = p.parse_args(argv)
     conditions = args.conditions.split(",")
     if args.spin_sweep:
         spins = args.spin_sweep.split(",")
-        res = spin_sweep(conditions, spins, [int(r) for r in args.rows.split(",")], args.repeats, args.hog_seconds,
-                         args.wait_idle)
+        res = spin_sweep(
+            conditions, spins, [int(r) for r in args.rows.split(",")], args.repeats, args.hog_seconds, args.wait_idle
+        )
         print(f"fused step alone, {res['threads']} threads, median ms of {args.repeats} interleaved calls")
         for cond, by_rows in res["by_condition"].items():
             for rows, by_spin in by_rows.items():
                 others = by_spin.pop("others")
-                print(f"{cond:>8} rows {rows:2d}: " + "  ".join(f"{us}: {ms:6.2f}" for us, ms in by_spin.items())
-                      + f"   (others {others:.2f} cores)")
+                print(
+                    f"{cond:>8} rows {rows:2d}: "
+                    + "  ".join(f"{us}: {ms:6.2f}" for us, ms in by_spin.items())
+                    + f"   (others {others:.2f} cores)"
+                )
         return
     if args.worker:
-        print("RESULT " + json.dumps(worker(conditions, args.hog_seconds, args.wait_idle, args.max_others,
-                                               args.retries)), flush=True)
+        print(
+            "RESULT " + json.dumps(worker(conditions, args.hog_seconds, args.wait_idle, args.max_others, args.retries)),
+            flush=True,
+        )
         return
 
     configs = parse_configs(args.configs)
     runs: dict[str, list[dict]] = {name: [] for name, _ in configs}
     for r in range(args.rounds):
         for name, env in configs:
-            cmd = [sys.executable, __file__, "--worker", "--conditions", args.conditions,
-                   "--hog-seconds", str(args.hog_seconds), "--wait-idle", str(args.wait_idle),
-                   "--max-others", str(args.max_others), "--retries", str(args.retries)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--worker",
+                "--conditions",
+                args.conditions,
+                "--hog-seconds",
+                str(args.hog_seconds),
+                "--wait-idle",
+                str(args.wait_idle),
+                "--max-others",
+                str(args.max_others),
+                "--retries",
+                str(args.retries),
+            ]
             proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True)
             line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
             if line is None:
@@ -273,17 +322,25 @@ def main(argv=None) -> None:
             for v in res["by_condition"].values():
                 v["others_cores_max"] = max(v["others_cores"])
             runs[name].append(res)
-            figs = "  ".join(f"{c}: {v['tpot_ms']:.1f} ms {v['eight_tok_s']:.0f} / {v['many_tok_s']:.0f} tok/s "
-                             f"(others {max(v['others_cores']):.2f})" for c, v in res["by_condition"].items())
+            figs = "  ".join(
+                f"{c}: {v['tpot_ms']:.1f} ms {v['eight_tok_s']:.0f} / {v['many_tok_s']:.0f} tok/s "
+                f"(others {max(v['others_cores']):.2f})"
+                for c, v in res["by_condition"].items()
+            )
             print(f"round {r + 1} {name} ({res['threads']} threads): {figs}", flush=True)
 
     def med(name, cond, key):
         return statistics.median(run["by_condition"][cond][key] for run in runs[name])
 
-    metrics = (("tpot_ms", "batch-1 TPOT ms", "{:.1f}"), ("eight_tok_s", "8-seq tok/s", "{:.0f}"),
-               ("many_tok_s", "96-seq tok/s", "{:.0f}"))
-    print(f"\nmedians of {args.rounds} rounds; {os.cpu_count()} CPUs ({cpu_name()}); in brackets: x the same "
-          f"config's quiet figure, then x the first config's ({configs[0][0]}) in the same condition")
+    metrics = (
+        ("tpot_ms", "batch-1 TPOT ms", "{:.1f}"),
+        ("eight_tok_s", "8-seq tok/s", "{:.0f}"),
+        ("many_tok_s", "96-seq tok/s", "{:.0f}"),
+    )
+    print(
+        f"\nmedians of {args.rounds} rounds; {os.cpu_count()} CPUs ({cpu_name()}); in brackets: x the same "
+        f"config's quiet figure, then x the first config's ({configs[0][0]}) in the same condition"
+    )
     summary = {}
     first = configs[0][0]
     for name, env in configs:
@@ -300,13 +357,27 @@ def main(argv=None) -> None:
                 if name != first:
                     notes.append(f"x{v / med(first, cond, key):.2f} {first}")
                 parts.append(f"{label} {fmt.format(v)}" + (f" ({', '.join(notes)})" if notes else ""))
-            print(f"{name:>14} {cond:>8}: " + "  ".join(parts)
-                  + f"  [others {summary[name][cond]['others_cores']:.2f} cores]")
+            print(
+                f"{name:>14} {cond:>8}: "
+                + "  ".join(parts)
+                + f"  [others {summary[name][cond]['others_cores']:.2f} cores]"
+            )
     out = Path(args.out or Path(__file__).parent / "results" / f"contention-{time.strftime('%Y%m%d-%H%M%S')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"configs": configs, "conditions": conditions, "rounds": args.rounds,
-                               "cpus": os.cpu_count(), "affinity": sorted(os.sched_getaffinity(0)),
-                               "summary": summary, "runs": runs}, indent=1))
+    out.write_text(
+        json.dumps(
+            {
+                "configs": configs,
+                "conditions": conditions,
+                "rounds": args.rounds,
+                "cpus": os.cpu_count(),
+                "affinity": sorted(os.sched_getaffinity(0)),
+                "summary": summary,
+                "runs": runs,
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {out}")
 
 

@@ -63,7 +63,9 @@ def main(argv=None) -> None:
     if fused is None:
         raise SystemExit("the fused decode step is off here (see the log)")
     weight_bytes = decode_weight_bytes(model)
-    print(f"{torch.get_num_threads()} threads; {args.context}-token prompts; medians of {args.repeats} interleaved runs")
+    print(
+        f"{torch.get_num_threads()} threads; {args.context}-token prompts; medians of {args.repeats} interleaved runs"
+    )
     for rows in (int(r) for r in args.rows.split(",")):
         ids, pos, meta, logits_rows = capture_step(llm, rows, args.context)
         kv = runner.kv_cache.clone()

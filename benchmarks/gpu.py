@@ -66,21 +66,54 @@ REPO = HERE.parent
 
 SHAPES = {
     "smollm2": dict(
-        label="SmolLM2-135M shape", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-        num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True,
-        rope_theta=100000.0, max_position_embeddings=8192, rms_norm_eps=1e-5),
+        label="SmolLM2-135M shape",
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+    ),
     "llama3-8b": dict(
-        label="Llama-3-8B shape", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
-        rope_theta=500000.0, max_position_embeddings=8192, rms_norm_eps=1e-5),
+        label="Llama-3-8B shape",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+    ),
     "tiny": dict(
-        label="tiny 2-layer toy", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1024, tie_word_embeddings=False,
-        rope_theta=10000.0, max_position_embeddings=1024, rms_norm_eps=1e-6),
+        label="tiny 2-layer toy",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=1024,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+    ),
 }
 SYSTEMS = ("tokenmill", "tokenmill-eager", "hf")
-SYSTEM_LABELS = {"tokenmill": "tokenmill (CUDA graphs)", "tokenmill-eager": "tokenmill (eager)",
-                 "hf": "transformers generate"}
+SYSTEM_LABELS = {
+    "tokenmill": "tokenmill (CUDA graphs)",
+    "tokenmill-eager": "tokenmill (eager)",
+    "hf": "transformers generate",
+}
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 SPECIAL_IDS = (0, 1, 2)  # <|endoftext|> (pad), <|im_start|> (bos), <|im_end|> (eos): never in prompts
 
@@ -109,8 +142,11 @@ def write_tokenizer(out: Path, vocab_size: int) -> None:
         vocab[ch] = len(vocab)
     ascii_ = [chr(b) for b in range(33, 127)]  # printable ASCII: byte-level symbols equal to the bytes
     pairs = ["".join(t) for t in itertools.product(ascii_, repeat=2)]
-    fill = itertools.chain(("\u0120" + x for x in pairs), pairs,  # \u0120: the byte-level space
-                           ("".join(t) for t in itertools.product(ascii_, repeat=3)))
+    fill = itertools.chain(
+        ("\u0120" + x for x in pairs),
+        pairs,  # \u0120: the byte-level space
+        ("".join(t) for t in itertools.product(ascii_, repeat=3)),
+    )
     while len(vocab) < vocab_size:
         vocab.setdefault(next(fill), len(vocab))
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -118,21 +154,38 @@ def write_tokenizer(out: Path, vocab_size: int) -> None:
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(s, special=True) for s in SPECIAL])
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIAL[1], "eos_token": SPECIAL[2],
-        "unk_token": None, "pad_token": SPECIAL[0], "model_max_length": 131072, "chat_template": CHATML,
-        "add_bos_token": False,
-    }))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": SPECIAL[1],
+                "eos_token": SPECIAL[2],
+                "unk_token": None,
+                "pad_token": SPECIAL[0],
+                "model_max_length": 131072,
+                "chat_template": CHATML,
+                "add_bos_token": False,
+            }
+        )
+    )
 
 
 def write_model_folder(out: Path, name: str, dtype: str) -> Path:
     s = SHAPES[name]
     out.mkdir(parents=True, exist_ok=True)
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-        "attention_bias": False, "mlp_bias": False, "rope_scaling": None, "initializer_range": 0.02,
-        "pad_token_id": SPECIAL_IDS[0], "bos_token_id": SPECIAL_IDS[1], "eos_token_id": SPECIAL_IDS[2],
-        "torch_dtype": dtype, "use_cache": True,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "rope_scaling": None,
+        "initializer_range": 0.02,
+        "pad_token_id": SPECIAL_IDS[0],
+        "bos_token_id": SPECIAL_IDS[1],
+        "eos_token_id": SPECIAL_IDS[2],
+        "torch_dtype": dtype,
+        "use_cache": True,
         **{k: v for k, v in s.items() if k != "label"},
     }
     (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
@@ -153,11 +206,15 @@ def weight_bytes(name: str, dtype: str) -> dict:
     streamed = layers + h + lm_head + h  # + final norm, + one embedding row
     eb = DTYPE_BYTES[dtype]
     return {
-        "params": params, "params_streamed_per_token": streamed, "bytes_per_token": streamed * eb,
-        "layer_params": layers, "lm_head_params": lm_head, "untied_embedding_params": embed,
+        "params": params,
+        "params_streamed_per_token": streamed,
+        "bytes_per_token": streamed * eb,
+        "layer_params": layers,
+        "lm_head_params": lm_head,
+        "untied_embedding_params": embed,
         "kv_bytes_per_context_token": 2 * n_layers * kv * d * eb,
         "note": "layers + norms + LM head once (tied embeddings counted once); of the embedding table "
-                "one row per token; KV-cache reads not included",
+        "one row per token; KV-cache reads not included",
     }
 
 
@@ -214,8 +271,12 @@ def worker_bandwidth(spec: dict) -> dict:
         facts["triton"] = None
     if dev.startswith("cuda"):
         p = torch.cuda.get_device_properties(0)
-        facts.update(gpu=p.name, capability=f"{p.major}.{p.minor}", multiprocessors=p.multi_processor_count,
-                     gpu_memory_gib=round(p.total_memory / 2**30, 1))
+        facts.update(
+            gpu=p.name,
+            capability=f"{p.major}.{p.minor}",
+            multiprocessors=p.multi_processor_count,
+            gpu_memory_gib=round(p.total_memory / 2**30, 1),
+        )
     n = int(spec["copy_gib"] * 2**30) if dev.startswith("cuda") else 256 * 2**20
     src = torch.empty(n, dtype=torch.uint8, device=dev).fill_(1)
     dst = torch.empty_like(src)
@@ -235,10 +296,15 @@ def worker_bandwidth(spec: dict) -> dict:
         if i >= 5:
             times.append(dt)
     med = statistics.median(times)
-    return {"bytes_copied": n, "copy_s_median": med, "bandwidth_GBps": 2 * n / med / 1e9,
-            "bandwidth_GBps_best": 2 * n / min(times) / 1e9, "copies_timed": len(times),
-            "method": "torch copy_ of a uint8 buffer, CUDA events, (read + write) bytes / time, median of 20",
-            "machine": facts}
+    return {
+        "bytes_copied": n,
+        "copy_s_median": med,
+        "bandwidth_GBps": 2 * n / med / 1e9,
+        "bandwidth_GBps_best": 2 * n / min(times) / 1e9,
+        "copies_timed": len(times),
+        "method": "torch copy_ of a uint8 buffer, CUDA events, (read + write) bytes / time, median of 20",
+        "machine": facts,
+    }
 
 
 def worker_tokenmill(spec: dict, out_path: str) -> dict:
@@ -256,8 +322,14 @@ def worker_tokenmill(spec: dict, out_path: str) -> dict:
         raise SystemExit(f"cannot import tokenmill ({e}): install it, or put src/ on PYTHONPATH") from e
 
     res: dict = {"system": spec["system"], "device": dev, "enforce_eager": spec["enforce_eager"]}
-    kw = dict(device=dev, dtype=spec["dtype"], max_num_seqs=max(spec["concurrency"]),
-              max_model_len=spec["max_model_len"], load_format="dummy", seed=0)
+    kw = dict(
+        device=dev,
+        dtype=spec["dtype"],
+        max_num_seqs=max(spec["concurrency"]),
+        max_model_len=spec["max_model_len"],
+        load_format="dummy",
+        seed=0,
+    )
     if dev.startswith("cuda"):
         kw.update(enforce_eager=spec["enforce_eager"], gpu_memory_utilization=spec["gpu_memory_utilization"])
     if spec.get("max_num_batched_tokens"):
@@ -267,8 +339,10 @@ def worker_tokenmill(spec: dict, out_path: str) -> dict:
     try:
         llm = LLM(model=spec["path"], **kw)
     except TypeError as e:  # an engine without one of the GPU arguments
-        raise SystemExit(f"tokenmill.LLM does not take these arguments yet ({e}); the GPU API of issue 16 "
-                         f"(device, enforce_eager, gpu_memory_utilization, load_format='dummy') is needed") from e
+        raise SystemExit(
+            f"tokenmill.LLM does not take these arguments yet ({e}); the GPU API of issue 16 "
+            f"(device, enforce_eager, gpu_memory_utilization, load_format='dummy') is needed"
+        ) from e
     res["load_s"] = round(time.perf_counter() - t0, 2)
     res["engine_log"] = cap.lines
     res["cuda_graph_log"] = [ln for ln in cap.lines if "graph" in ln.lower() or "captur" in ln.lower()]
@@ -385,10 +459,14 @@ def worker_hf(spec: dict, out_path: str) -> dict:
         cfg._attn_implementation = spec["hf_attn"]
     t0 = time.perf_counter()
     model = hf_from_config(cfg, dtype, dev)
-    res: dict = {"system": "hf", "device": dev, "transformers": transformers.__version__,
-                 "load_s": round(time.perf_counter() - t0, 2),
-                 "attn_implementation": getattr(model.config, "_attn_implementation", None),
-                 "concurrency": {}}
+    res: dict = {
+        "system": "hf",
+        "device": dev,
+        "transformers": transformers.__version__,
+        "load_s": round(time.perf_counter() - t0, 2),
+        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "concurrency": {},
+    }
     log(f"    model built in {res['load_s']} s (random init on {dev}, {res['attn_implementation']} attention)")
     pad = SPECIAL_IDS[0]
 
@@ -398,13 +476,19 @@ def worker_hf(spec: dict, out_path: str) -> dict:
         _sync(dev)
         t = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=n,
-                                 min_new_tokens=n, pad_token_id=pad)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                pad_token_id=pad,
+            )
         _sync(dev)
         dt = time.perf_counter() - t
         if out.shape[1] - ids.shape[1] != n:
             raise RuntimeError(f"transformers generated {out.shape[1] - ids.shape[1]} tokens, asked for {n}")
-        return dt, out[:, ids.shape[1]:]
+        return dt, out[:, ids.shape[1] :]
 
     for c in spec["hf_concurrency"]:
         log(f"    c={c}: warm-up ...")
@@ -481,8 +565,9 @@ def run_worker(spec: dict, workdir: Path, tag: str, timeout: float) -> dict:
         env["PYTHONPATH"] = os.pathsep.join([p for p in (env.get("PYTHONPATH"), src) if p])
     t0 = time.perf_counter()
     try:
-        rc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--_worker", str(spec_path)],
-                            env=env, timeout=timeout).returncode
+        rc = subprocess.run(
+            [sys.executable, str(Path(__file__).resolve()), "--_worker", str(spec_path)], env=env, timeout=timeout
+        ).returncode
         err = None if rc == 0 else f"worker exited with status {rc} (its output is above)"
     except subprocess.TimeoutExpired:
         err = f"worker killed after --worker-timeout {timeout:.0f} s"
@@ -520,13 +605,19 @@ def summarize(result: dict, args) -> list[str]:
         SYSTEM_LABELS["tokenmill"] = "tokenmill"
     bw = result.get("bandwidth", {}).get("bandwidth_GBps")
     lines = []
-    lines.append(f"Copy bandwidth: {_fmt(bw, '.0f')} GB/s (device-to-device copy of "
-                 f"{args.copy_gib} GiB, read + write bytes / time, median)")
-    lines.append("Weight bytes per token: layer matrices + norms + LM head once (tied embeddings once), one "
-                 "embedding row; KV reads excluded.")
+    lines.append(
+        f"Copy bandwidth: {_fmt(bw, '.0f')} GB/s (device-to-device copy of "
+        f"{args.copy_gib} GiB, read + write bytes / time, median)"
+    )
+    lines.append(
+        "Weight bytes per token: layer matrices + norms + LM head once (tied embeddings once), one "
+        "embedding row; KV reads excluded."
+    )
     lines.append("")
-    lines.append("| model | weight GB/token | roofline TPOT ms | system | TPOT ms | fraction of roofline | "
-                 "engine TPOT ms | TTFT ms (1 token) |")
+    lines.append(
+        "| model | weight GB/token | roofline TPOT ms | system | TPOT ms | fraction of roofline | "
+        "engine TPOT ms | TTFT ms (1 token) |"
+    )
     lines.append("|---|---:|---:|---|---:|---:|---:|---:|")
     for name, m in result["models"].items():
         wb = m["weights"]["bytes_per_token"]
@@ -538,48 +629,67 @@ def summarize(result: dict, args) -> list[str]:
             tpot = c1.get("tpot_ms")
             frac = roof / tpot if roof and tpot else None
             c1["fraction_of_roofline"] = frac
-            lines.append(f"| {name} | {wb / 1e9:.3f} | {_fmt(roof, '.3f')} | {SYSTEM_LABELS[sysname]} | "
-                         f"{_fmt(tpot, '.3f')} | {_fmt(frac, '.1%')} | {_fmt(c1.get('engine_tpot_ms'), '.3f')} | "
-                         f"{_fmt(c1.get('one_token_ms_median'), '.1f')} |"
-                         + (f" error: {s['error']}" if s.get("error") else ""))
+            lines.append(
+                f"| {name} | {wb / 1e9:.3f} | {_fmt(roof, '.3f')} | {SYSTEM_LABELS[sysname]} | "
+                f"{_fmt(tpot, '.3f')} | {_fmt(frac, '.1%')} | {_fmt(c1.get('engine_tpot_ms'), '.3f')} | "
+                f"{_fmt(c1.get('one_token_ms_median'), '.1f')} |" + (f" error: {s['error']}" if s.get("error") else "")
+            )
     lines.append("")
-    lines.append(f"Output tokens/s, {args.input_len} random tokens in / {args.output_len} out, greedy, EOS "
-                 f"ignored; c=1: {args.c1_requests} requests one after another; median of {args.repeats} "
-                 f"(transformers {args.hf_repeats}).")
+    lines.append(
+        f"Output tokens/s, {args.input_len} random tokens in / {args.output_len} out, greedy, EOS "
+        f"ignored; c=1: {args.c1_requests} requests one after another; median of {args.repeats} "
+        f"(transformers {args.hf_repeats})."
+    )
     lines.append("")
-    lines.append("| model | concurrency | tokenmill (graphs) | tokenmill (eager) | transformers (static batch) | "
-                 "tokenmill / transformers | graphs / eager |")
+    lines.append(
+        "| model | concurrency | tokenmill (graphs) | tokenmill (eager) | transformers (static batch) | "
+        "tokenmill / transformers | graphs / eager |"
+    )
     lines.append("|---|---:|---:|---:|---:|---:|---:|")
     for name, m in result["models"].items():
         for c in args.concurrency:
-            v = {s: m["systems"].get(s, {}).get("concurrency", {}).get(str(c), {}).get("output_tok_s")
-                 for s in SYSTEMS}
+            v = {s: m["systems"].get(s, {}).get("concurrency", {}).get(str(c), {}).get("output_tok_s") for s in SYSTEMS}
             hf_err = m["systems"].get("hf", {}).get("concurrency", {}).get(str(c), {}).get("error")
             ratio = v["tokenmill"] / v["hf"] if v["tokenmill"] and v["hf"] else None
             ge = v["tokenmill"] / v["tokenmill-eager"] if v["tokenmill"] and v["tokenmill-eager"] else None
             m.setdefault("ratios", {})[str(c)] = {"tokenmill/hf": ratio, "graphs/eager": ge}
-            hf_cell = _fmt(v["hf"]) if v["hf"] else ("OOM" if hf_err and "memory" in hf_err else
-                                                     ("not run" if c not in args.hf_concurrency else "-"))
-            lines.append(f"| {name} | {c} | {_fmt(v['tokenmill'])} | {_fmt(v['tokenmill-eager'])} | {hf_cell} | "
-                         f"{_fmt(ratio, '.2f')}{'x' if ratio else ''} | {_fmt(ge, '.2f')}{'x' if ge else ''} |")
+            hf_cell = (
+                _fmt(v["hf"])
+                if v["hf"]
+                else ("OOM" if hf_err and "memory" in hf_err else ("not run" if c not in args.hf_concurrency else "-"))
+            )
+            lines.append(
+                f"| {name} | {c} | {_fmt(v['tokenmill'])} | {_fmt(v['tokenmill-eager'])} | {hf_cell} | "
+                f"{_fmt(ratio, '.2f')}{'x' if ratio else ''} | {_fmt(ge, '.2f')}{'x' if ge else ''} |"
+            )
     lines.append("")
     goals = {}
     for name, m in result["models"].items():
         c1 = m["systems"].get("tokenmill", {}).get("concurrency", {}).get("1", {})
         frac = c1.get("fraction_of_roofline")
         r64 = m.get("ratios", {}).get("64", {}).get("tokenmill/hf")
-        goals[name] = {"batch1_fraction_of_roofline": frac, "batch1_goal_0.70": None if frac is None else frac >= 0.70,
-                       "ratio_vs_hf_at_64": r64, "ratio_goal_10x": None if r64 is None else r64 >= 10}
+        goals[name] = {
+            "batch1_fraction_of_roofline": frac,
+            "batch1_goal_0.70": None if frac is None else frac >= 0.70,
+            "ratio_vs_hf_at_64": r64,
+            "ratio_goal_10x": None if r64 is None else r64 >= 10,
+        }
         verdict = lambda ok: "n/a" if ok is None else ("MET" if ok else "NOT MET")  # noqa: E731
-        lines.append(f"Goals, {name}: batch-1 decode {_fmt(frac, '.1%')} of the roofline (goal >= 70%: "
-                     f"{verdict(goals[name]['batch1_goal_0.70'])}); tokenmill / transformers at 64 concurrent "
-                     f"{_fmt(r64, '.2f')}x (goal >= 10x: {verdict(goals[name]['ratio_goal_10x'])})")
-        a = _agreement(m["systems"].get("tokenmill", {}).get("sample_tokens", {}),
-                       m["systems"].get("tokenmill-eager", {}).get("sample_tokens", {}))
+        lines.append(
+            f"Goals, {name}: batch-1 decode {_fmt(frac, '.1%')} of the roofline (goal >= 70%: "
+            f"{verdict(goals[name]['batch1_goal_0.70'])}); tokenmill / transformers at 64 concurrent "
+            f"{_fmt(r64, '.2f')}x (goal >= 10x: {verdict(goals[name]['ratio_goal_10x'])})"
+        )
+        a = _agreement(
+            m["systems"].get("tokenmill", {}).get("sample_tokens", {}),
+            m["systems"].get("tokenmill-eager", {}).get("sample_tokens", {}),
+        )
         if a:
             m["graphs_vs_eager_tokens"] = a
-            lines.append(f"  graphs vs eager, same seeded weights, first 16 greedy tokens of {a['rows']} sample rows: "
-                         f"{a['identical']} identical, mean common prefix {a['mean_common_prefix']}")
+            lines.append(
+                f"  graphs vs eager, same seeded weights, first 16 greedy tokens of {a['rows']} sample rows: "
+                f"{a['identical']} identical, mean common prefix {a['mean_common_prefix']}"
+            )
         for sysname in args.systems:
             glog = m["systems"].get(sysname, {}).get("cuda_graph_log")
             if glog:
@@ -589,8 +699,12 @@ def summarize(result: dict, args) -> list[str]:
 
 
 def machine_facts() -> dict:
-    facts = {"hostname": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
-             "cpu_count": os.cpu_count()}
+    facts = {
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+    }
     for pkg in ("torch", "triton", "transformers", "tokenizers"):
         try:
             facts[pkg] = _md.version(pkg)
@@ -599,16 +713,29 @@ def machine_facts() -> dict:
     if shutil.which("nvidia-smi"):
         try:
             facts["nvidia_smi"] = subprocess.run(
-                ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem",
-                 "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout.strip()
+                [
+                    "nvidia-smi",
+                    "--query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem",
+                    "--format=csv,noheader",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            ).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             pass
     try:
-        facts["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                             text=True, cwd=REPO, timeout=5).stdout.strip() or None
-        facts["git_src_dirty"] = bool(subprocess.run(["git", "status", "--porcelain", "--", "src"],
-                                                     capture_output=True, text=True, cwd=REPO,
-                                                     timeout=5).stdout.strip())
+        facts["git_commit"] = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO, timeout=5
+            ).stdout.strip()
+            or None
+        )
+        facts["git_src_dirty"] = bool(
+            subprocess.run(
+                ["git", "status", "--porcelain", "--", "src"], capture_output=True, text=True, cwd=REPO, timeout=5
+            ).stdout.strip()
+        )
     except (OSError, subprocess.SubprocessError):
         facts["git_commit"] = None
     return facts
@@ -619,35 +746,56 @@ def _ints(s: str) -> list[int]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                   help="cuda (default; fails at once without a GPU) or cpu (a smoke test of the script)")
-    p.add_argument("--models", default=None,
-                   help=f"comma-separated of {','.join(SHAPES)} (default: smollm2,llama3-8b; tiny with --device cpu)")
-    p.add_argument("--systems", default=None,
-                   help=f"comma-separated of {','.join(SYSTEMS)} (default: all; on cpu tokenmill,hf)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    p.add_argument(
+        "--device",
+        default="cuda",
+        choices=["cuda", "cpu"],
+        help="cuda (default; fails at once without a GPU) or cpu (a smoke test of the script)",
+    )
+    p.add_argument(
+        "--models",
+        default=None,
+        help=f"comma-separated of {','.join(SHAPES)} (default: smollm2,llama3-8b; tiny with --device cpu)",
+    )
+    p.add_argument(
+        "--systems", default=None, help=f"comma-separated of {','.join(SYSTEMS)} (default: all; on cpu tokenmill,hf)"
+    )
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES))
     p.add_argument("--concurrency", default=None, help="comma-separated (default 1,64,256; --quick 1,64)")
-    p.add_argument("--hf-concurrency", default=None,
-                   help="the concurrencies transformers runs (default: all of --concurrency); e.g. 1,64 to skip "
-                        "its slowest part (256 on the 8B shape)")
+    p.add_argument(
+        "--hf-concurrency",
+        default=None,
+        help="the concurrencies transformers runs (default: all of --concurrency); e.g. 1,64 to skip "
+        "its slowest part (256 on the 8B shape)",
+    )
     p.add_argument("--input-len", type=int, default=None, help="prompt tokens (default 256)")
     p.add_argument("--output-len", type=int, default=None, help="output tokens (default 128)")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per measurement, medians (default 3)")
     p.add_argument("--hf-repeats", type=int, default=None, help="timed transformers runs (default: --repeats)")
-    p.add_argument("--c1-requests", type=int, default=None,
-                   help="requests run one after another per batch-1 repeat (default 2)")
-    p.add_argument("--quick", action="store_true",
-                   help="a smaller run: repeats 1, one batch-1 request, c = 1 and 64 (on cpu: 1 and 4, 32 in / 16 out)")
+    p.add_argument(
+        "--c1-requests", type=int, default=None, help="requests run one after another per batch-1 repeat (default 2)"
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smaller run: repeats 1, one batch-1 request, c = 1 and 64 (on cpu: 1 and 4, 32 in / 16 out)",
+    )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokenmill's (default: the engine's)")
     p.add_argument("--max-model-len", type=int, default=None, help="default: input-len + output-len")
     p.add_argument("--hf-attn", default=None, help="transformers attn_implementation (default: its own choice, sdpa)")
     p.add_argument("--copy-gib", type=float, default=2.0, help="buffer size of the bandwidth measurement")
-    p.add_argument("--worker-timeout", type=float, default=420.0,
-                   help="seconds one system on one model may take before it is killed (its finished figures stay)")
+    p.add_argument(
+        "--worker-timeout",
+        type=float,
+        default=420.0,
+        help="seconds one system on one model may take before it is killed (its finished figures stay)",
+    )
     p.add_argument("--workdir", default=None, help="where the model folders go (default: a temp folder, removed)")
     p.add_argument("--out", default=None, help="JSON result (default: benchmarks/results/gpu-<timestamp>.json)")
     p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
@@ -656,7 +804,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         return a
     cpu = a.device == "cpu"
     a.models = [x.strip() for x in (a.models or ("tiny" if cpu else "smollm2,llama3-8b")).split(",") if x.strip()]
-    a.systems = [x.strip() for x in (a.systems or ("tokenmill,hf" if cpu else ",".join(SYSTEMS))).split(",") if x.strip()]
+    a.systems = [
+        x.strip() for x in (a.systems or ("tokenmill,hf" if cpu else ",".join(SYSTEMS))).split(",") if x.strip()
+    ]
     for m in a.models:
         if m not in SHAPES:
             p.error(f"unknown model {m!r}; choose from {', '.join(SHAPES)}")
@@ -685,30 +835,45 @@ def main(argv=None) -> int:
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"benchmarks/gpu.py: no CUDA GPU is visible to torch {torch.__version__} "
-                         f"(a CPU build, or no driver). This benchmark is for a GPU machine; "
-                         f"--device cpu --quick runs a smoke test of the script itself.")
+        raise SystemExit(
+            f"benchmarks/gpu.py: no CUDA GPU is visible to torch {torch.__version__} "
+            f"(a CPU build, or no driver). This benchmark is for a GPU machine; "
+            f"--device cpu --quick runs a smoke test of the script itself."
+        )
     out = Path(args.out) if args.out else HERE / "results" / f"gpu-{_dt.datetime.now():%Y%m%d-%H%M%S}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="tokenmill-gpu-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
     config = {k: v for k, v in vars(args).items() if k not in ("_worker", "out")}
-    result = {"benchmark": "gpu", "timestamp": _dt.datetime.now().isoformat(timespec="seconds"),
-              "command": " ".join(["benchmarks/gpu.py"] + sys.argv[1:]), "config": config,
-              "machine": machine_facts(), "models": {}}
+    result = {
+        "benchmark": "gpu",
+        "timestamp": _dt.datetime.now().isoformat(timespec="seconds"),
+        "command": " ".join(["benchmarks/gpu.py"] + sys.argv[1:]),
+        "config": config,
+        "machine": machine_facts(),
+        "models": {},
+    }
 
     def save(final: bool = False) -> None:
         out.write_text(json.dumps(result | ({} if final else {"partial": True}), indent=1, default=str) + "\n")
 
-    log(f"benchmarks/gpu.py on {args.device}: models {args.models}, systems {args.systems}, concurrency "
+    log(
+        f"benchmarks/gpu.py on {args.device}: models {args.models}, systems {args.systems}, concurrency "
         f"{args.concurrency} (transformers {args.hf_concurrency}), {args.input_len} in / {args.output_len} out, "
-        f"repeats {args.repeats}, {args.dtype}")
-    log(f"machine: {result['machine'].get('nvidia_smi') or platform.processor() or '-'}; torch "
+        f"repeats {args.repeats}, {args.dtype}"
+    )
+    log(
+        f"machine: {result['machine'].get('nvidia_smi') or platform.processor() or '-'}; torch "
         f"{result['machine']['torch']}, triton {result['machine']['triton']}, transformers "
-        f"{result['machine']['transformers']}")
+        f"{result['machine']['transformers']}"
+    )
     log("[bandwidth] device-to-device copy ...")
-    result["bandwidth"] = run_worker({"kind": "bandwidth", "device": args.device, "copy_gib": args.copy_gib},
-                                     workdir, "bandwidth", args.worker_timeout)
+    result["bandwidth"] = run_worker(
+        {"kind": "bandwidth", "device": args.device, "copy_gib": args.copy_gib},
+        workdir,
+        "bandwidth",
+        args.worker_timeout,
+    )
     bw = result["bandwidth"].get("bandwidth_GBps")
     log(f"[bandwidth] {_fmt(bw, '.0f')} GB/s (read + write), {result['bandwidth'].get('machine', {})}")
     save()
@@ -718,22 +883,37 @@ def main(argv=None) -> int:
         path = write_model_folder(workdir / name, name, args.dtype)
         wb = weight_bytes(name, args.dtype)
         m = result["models"][name] = {"shape": SHAPES[name], "path": str(path), "weights": wb, "systems": {}}
-        log(f"\n[{name}] {SHAPES[name]['label']}: {wb['params'] / 1e9:.3f} B params, "
+        log(
+            f"\n[{name}] {SHAPES[name]['label']}: {wb['params'] / 1e9:.3f} B params, "
             f"{wb['bytes_per_token'] / 1e9:.3f} GB streamed per decoded token"
-            + (f", roofline TPOT {wb['bytes_per_token'] / (bw * 1e9) * 1e3:.3f} ms" if bw else ""))
+            + (f", roofline TPOT {wb['bytes_per_token'] / (bw * 1e9) * 1e3:.3f} ms" if bw else "")
+        )
         for sysname in args.systems:
             log(f"[{name}] {SYSTEM_LABELS[sysname] if args.device == 'cuda' else sysname} ...")
-            spec = {"model": name, "path": str(path), "device": args.device, "dtype": args.dtype,
-                    "input_len": args.input_len, "output_len": args.output_len, "repeats": args.repeats,
-                    "c1_requests": args.c1_requests, "concurrency": args.concurrency, "system": sysname,
-                    "max_model_len": args.max_model_len}
+            spec = {
+                "model": name,
+                "path": str(path),
+                "device": args.device,
+                "dtype": args.dtype,
+                "input_len": args.input_len,
+                "output_len": args.output_len,
+                "repeats": args.repeats,
+                "c1_requests": args.c1_requests,
+                "concurrency": args.concurrency,
+                "system": sysname,
+                "max_model_len": args.max_model_len,
+            }
             if sysname == "hf":
-                spec.update(kind="hf", hf_concurrency=args.hf_concurrency, hf_repeats=args.hf_repeats,
-                            hf_attn=args.hf_attn)
+                spec.update(
+                    kind="hf", hf_concurrency=args.hf_concurrency, hf_repeats=args.hf_repeats, hf_attn=args.hf_attn
+                )
             else:
-                spec.update(kind="tokenmill", enforce_eager=sysname == "tokenmill-eager",
-                            gpu_memory_utilization=args.gpu_memory_utilization,
-                            max_num_batched_tokens=args.max_num_batched_tokens)
+                spec.update(
+                    kind="tokenmill",
+                    enforce_eager=sysname == "tokenmill-eager",
+                    gpu_memory_utilization=args.gpu_memory_utilization,
+                    max_num_batched_tokens=args.max_num_batched_tokens,
+                )
             r = m["systems"][sysname] = run_worker(spec, workdir, f"{name}-{sysname}", args.worker_timeout)
             errors += bool(r.get("error"))
             log(f"[{name}] {sysname} done in {r['wall_s']} s")
@@ -747,8 +927,10 @@ def main(argv=None) -> int:
     log("")
     for ln in lines:
         log(ln)
-    log(f"\ntotal {result['total_s']} s; per model: "
-        + ", ".join(f"{n} {m['wall_s']} s" for n, m in result["models"].items()))
+    log(
+        f"\ntotal {result['total_s']} s; per model: "
+        + ", ".join(f"{n} {m['wall_s']} s" for n, m in result["models"].items())
+    )
     save(final=True)
     log(f"wrote {out}")
     if not args.workdir:

@@ -19,11 +19,17 @@ import time
 
 import torch
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30}, "age": {"type": "integer"},
-                                           "city": {"type": "string", "maxLength": 30},
-                                           "hobbies": {"type": "array", "maxItems": 4,
-                                                       "items": {"type": "string", "maxLength": 20}}},
-          "required": ["name", "age", "city", "hobbies"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 30},
+        "age": {"type": "integer"},
+        "city": {"type": "string", "maxLength": 30},
+        "hobbies": {"type": "array", "maxItems": 4, "items": {"type": "string", "maxLength": 20}},
+    },
+    "required": ["name", "age", "city", "hobbies"],
+    "additionalProperties": False,
+}
 
 
 def sequences(n: int) -> tuple[object, list[list[int]], int]:
@@ -32,8 +38,10 @@ def sequences(n: int) -> tuple[object, list[list[int]], int]:
 
     llm = LLM(None, dtype="bfloat16", kv_cache_memory=0.5)
     convs = [[{"role": "user", "content": f"Describe person {i} as JSON."}] for i in range(n)]
-    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=200, guided_decoding=GuidedDecodingParams(json=SCHEMA))
-              for i in range(n)]
+    params = [
+        SamplingParams(temperature=0.8, seed=i, max_tokens=200, guided_decoding=GuidedDecodingParams(json=SCHEMA))
+        for i in range(n)
+    ]
     outs = llm.chat(convs, params)
     seqs = [o.outputs[0].token_ids for o in outs]
     return llm.get_tokenizer(), seqs, llm.engine.config.model.vocab_size
@@ -98,8 +106,10 @@ def main(argv=None) -> int:
             print(f"{name:10}: not installed ({e})")
             continue
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        print(f"{name:10}: tokenizer set-up {med['tokenizer_s']:.3f} s, compile {1000 * med['compile_s']:.1f} ms, "
-              f"mask {med['mask_us_per_token']:.1f} us/token (medians of {args.repeats})")
+        print(
+            f"{name:10}: tokenizer set-up {med['tokenizer_s']:.3f} s, compile {1000 * med['compile_s']:.1f} ms, "
+            f"mask {med['mask_us_per_token']:.1f} us/token (medians of {args.repeats})"
+        )
     return 0
 
 

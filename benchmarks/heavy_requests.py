@@ -31,12 +31,18 @@ TEMPLATE_BOMB = "{{ 'ab ' * 10000000 }}"
 
 def heavy_requests(n_bad_words: int) -> dict[str, tuple[str, dict]]:
     return {
-        f"{n_bad_words} bad_words": ("/v1/completions", {"prompt": "Hi", "max_tokens": 2,
-                                                         "bad_words": [f"word{i}" for i in range(n_bad_words)]}),
-        "20000 bad_words": ("/v1/completions", {"prompt": "Hi", "max_tokens": 2,
-                                                "bad_words": [f"word{i}" for i in range(20_000)]}),
-        "chat_template 'ab ' * 1e7": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
-                                                                "max_tokens": 2, "chat_template": TEMPLATE_BOMB}),
+        f"{n_bad_words} bad_words": (
+            "/v1/completions",
+            {"prompt": "Hi", "max_tokens": 2, "bad_words": [f"word{i}" for i in range(n_bad_words)]},
+        ),
+        "20000 bad_words": (
+            "/v1/completions",
+            {"prompt": "Hi", "max_tokens": 2, "bad_words": [f"word{i}" for i in range(20_000)]},
+        ),
+        "chat_template 'ab ' * 1e7": (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "chat_template": TEMPLATE_BOMB},
+        ),
         "/tokenize 10M characters": ("/tokenize", {"prompt": "hello world " * 833_334}),
         "1000 prompts": ("/v1/completions", {"prompt": ["Hello there"] * 1000, "max_tokens": 1}),
     }
@@ -55,12 +61,18 @@ def large_responses(n_blocks: int) -> dict[str, tuple[str, dict]]:
         # work cost a probe, to read the rows below against.
         "chat n=128, logprobs=20, streamed": ("/v1/chat/completions", {**chat, "stream": True}),
         "chat n=128, logprobs=20": ("/v1/chat/completions", chat),
-        "completions 256 prompts x n=4 (1,024 sequences)": ("/v1/completions", {"prompt": ["Hello"] * 256, "n": 4,
-                                                                                **gen}),
-        f"messages, {n_blocks:,} content blocks": ("/v1/messages", {"messages": [{"role": "user", "content": blocks}],
-                                                                    "max_tokens": 16}),
-        "embeddings, 2,048 inputs": ("/v1/embeddings", {"input": [f"sentence number {i} about paged attention"
-                                                                  for i in range(2048)]}),
+        "completions 256 prompts x n=4 (1,024 sequences)": (
+            "/v1/completions",
+            {"prompt": ["Hello"] * 256, "n": 4, **gen},
+        ),
+        f"messages, {n_blocks:,} content blocks": (
+            "/v1/messages",
+            {"messages": [{"role": "user", "content": blocks}], "max_tokens": 16},
+        ),
+        "embeddings, 2,048 inputs": (
+            "/v1/embeddings",
+            {"input": [f"sentence number {i} about paged attention" for i in range(2048)]},
+        ),
     }
 
 
@@ -127,8 +139,10 @@ def main() -> None:
     ns = p.parse_args()
     model = httpx.get(ns.url + "/v1/models").json()["data"][0]["id"]
     if ns.large_responses:
-        print(f"| large answer | status | its time (s) | slowest /health while it ran (s), median of {ns.repeat} |"
-              f" usual /health (s) |")
+        print(
+            f"| large answer | status | its time (s) | slowest /health while it ran (s), median of {ns.repeat} |"
+            f" usual /health (s) |"
+        )
         print("|---|---|---|---|---|")
         for name, (path, body) in large_responses(ns.content_blocks).items():
             url = ns.embed_url if path == "/v1/embeddings" else ns.url
@@ -137,19 +151,25 @@ def main() -> None:
             served = httpx.get(url + "/v1/models").json()["data"][0]["id"]
             runs = [probe_during(url, served, path, body) for _ in range(ns.repeat)]
             status = "/".join(sorted({str(r[0]) for r in runs}))
-            print(f"| {name} | {status} | {statistics.median(r[1] for r in runs):.2f} | "
-                  f"{statistics.median(r[2] for r in runs):.3f} | {statistics.median(r[3] for r in runs):.4f} |",
-                  flush=True)
+            print(
+                f"| {name} | {status} | {statistics.median(r[1] for r in runs):.2f} | "
+                f"{statistics.median(r[2] for r in runs):.3f} | {statistics.median(r[3] for r in runs):.4f} |",
+                flush=True,
+            )
         return
-    print(f"| heavy request | status | its time (s) | longest gap of another stream (s), median of {ns.repeat} |"
-          f" that stream's usual gap (s) |")
+    print(
+        f"| heavy request | status | its time (s) | longest gap of another stream (s), median of {ns.repeat} |"
+        f" that stream's usual gap (s) |"
+    )
     print("|---|---|---|---|---|")
     for name, (path, body) in heavy_requests(ns.bad_words).items():
         runs = [one(ns.url, model, path, body) for _ in range(ns.repeat)]
         status = "/".join(sorted({str(r[0]) for r in runs}))
-        print(f"| {name} | {status} | {statistics.median(r[1] for r in runs):.2f} | "
-              f"{statistics.median(r[2] for r in runs):.3f} | {statistics.median(r[3] for r in runs):.3f} |",
-              flush=True)
+        print(
+            f"| {name} | {status} | {statistics.median(r[1] for r in runs):.2f} | "
+            f"{statistics.median(r[2] for r in runs):.3f} | {statistics.median(r[3] for r in runs):.3f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -39,10 +39,19 @@ def quality(model: str | None, dtype: str, kv_dtypes: list[str], max_tokens: int
     return {kv: agreement(outs["auto"], outs[kv], max_tokens) for kv in outs if kv != "auto"}
 
 
-def speed(model: str | None, dtype: str, kv_dtypes: list[str], concurrency: list[int], input_len: int,
-          output_len: int, repeats: int) -> dict:
-    llms = {kv: LLM(model, dtype=dtype, kv_cache_dtype=kv, kv_cache_memory=2.0, enable_prefix_caching=False)
-            for kv in kv_dtypes}
+def speed(
+    model: str | None,
+    dtype: str,
+    kv_dtypes: list[str],
+    concurrency: list[int],
+    input_len: int,
+    output_len: int,
+    repeats: int,
+) -> dict:
+    llms = {
+        kv: LLM(model, dtype=dtype, kv_cache_dtype=kv, kv_cache_memory=2.0, enable_prefix_caching=False)
+        for kv in kv_dtypes
+    }
     out = {"kv_bytes_per_token": {kv: llm.engine.config.model.kv_bytes_per_token() for kv, llm in llms.items()}}
     for c in concurrency:
         print(f"concurrency {c}:", flush=True)
@@ -64,17 +73,29 @@ def main(argv=None) -> int:
     if not args.skip_quality:
         result["quality"] = quality(args.model, args.dtype, kv_dtypes, args.max_tokens)
         for kv, q in result["quality"].items():
-            print(f"quality ({args.dtype} model, {kv} vs {args.dtype} cache, {q['prompts']} prompts x "
-                  f"{q['max_tokens']} greedy tokens): {describe_agreement(q)}", flush=True)
+            print(
+                f"quality ({args.dtype} model, {kv} vs {args.dtype} cache, {q['prompts']} prompts x "
+                f"{q['max_tokens']} greedy tokens): {describe_agreement(q)}",
+                flush=True,
+            )
     if not args.skip_speed:
-        s = result["speed"] = speed(args.model, args.dtype, kv_dtypes, [int(c) for c in args.concurrency.split(",")],
-                                    args.input_len, args.output_len, args.repeats)
+        s = result["speed"] = speed(
+            args.model,
+            args.dtype,
+            kv_dtypes,
+            [int(c) for c in args.concurrency.split(",")],
+            args.input_len,
+            args.output_len,
+            args.repeats,
+        )
         base = kv_dtypes[0]
         for key, r in s.items():
             if key.startswith("c"):
                 med = r["median_tok_s"]
-                print(f"speed {key} ({args.input_len} in x {args.output_len} out, median of {args.repeats}): "
-                      + ", ".join(f"{kv} {med[kv]:.1f} tok/s ({med[kv] / med[base]:.2f}x)" for kv in kv_dtypes))
+                print(
+                    f"speed {key} ({args.input_len} in x {args.output_len} out, median of {args.repeats}): "
+                    + ", ".join(f"{kv} {med[kv]:.1f} tok/s ({med[kv] / med[base]:.2f}x)" for kv in kv_dtypes)
+                )
         kvb = s["kv_bytes_per_token"]
         print("KV bytes/token: " + ", ".join(f"{kv} {kvb[kv]} ({kvb[kv] / kvb[base]:.2f}x)" for kv in kv_dtypes))
     write_result(args.out, result)

@@ -43,8 +43,13 @@ def make_adapters(model_dir: str, out: Path, n: int, rank: int) -> list[str]:
     todo = [p for p in paths if not (p / "adapter_model.safetensors").exists()]
     if todo:
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        cfg = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, task_type="CAUSAL_LM",
-                         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+        cfg = LoraConfig(
+            r=rank,
+            lora_alpha=2 * rank,
+            lora_dropout=0.0,
+            task_type="CAUSAL_LM",
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        )
         model = get_peft_model(base, cfg)
         for p in todo:
             torch.manual_seed(int(p.name.rsplit("-", 1)[1]))
@@ -143,14 +148,17 @@ def main() -> None:
             runs = {}
             for j, case in enumerate(cases):
                 k = CASES[case]
-                batch = prompts(base.engine.config.model.vocab_size, specials, n, args.input_len,
-                                seed=1000 * c + 10 * rep + j)  # fresh prompts: no prefix-cache hits
+                batch = prompts(
+                    base.engine.config.model.vocab_size, specials, n, args.input_len, seed=1000 * c + 10 * rep + j
+                )  # fresh prompts: no prefix-cache hits
                 loras = [reqs[i % k] if k else None for i in range(n)]
                 tps = run_tokenmill(lora if k else base, batch, loras, args.output_len)
                 results.setdefault(str(c), {}).setdefault(case, []).append(tps)
                 runs[case] = (batch, k)
-                print(json.dumps({"concurrency": c, "case": case, "repeat": rep, "output_tok_s": round(tps, 1)}),
-                      flush=True)
+                print(
+                    json.dumps({"concurrency": c, "case": case, "repeat": rep, "output_tok_s": round(tps, 1)}),
+                    flush=True,
+                )
             vllm_runs.setdefault(str(c), []).append(runs)
         base.shutdown()
         lora.shutdown()
@@ -160,9 +168,14 @@ def main() -> None:
     for c in conc:
         tm = results[str(c)]
         for case in cases:
-            row = {"concurrency": c, "case": case, "output_tok_s": round(statistics.median(tm[case]), 1),
-                   "vs_base": round(statistics.median(a / b for a, b in zip(tm[case], tm["base"])), 3)
-                   if "base" in tm else None}
+            row = {
+                "concurrency": c,
+                "case": case,
+                "output_tok_s": round(statistics.median(tm[case]), 1),
+                "vs_base": round(statistics.median(a / b for a, b in zip(tm[case], tm["base"])), 3)
+                if "base" in tm
+                else None,
+            }
             if vllm:
                 v = vllm[str(c)][case]
                 row["vllm_output_tok_s"] = round(statistics.median(v), 1)
@@ -185,16 +198,30 @@ def run_vllm(args, model, adapters, conc, runs, max_model_len) -> dict:
     per concurrency: vLLM's engine core lives in a child process of its own)."""
     out = {}
     for c in conc:
-        cfg = {"model": model, "adapters": adapters, "concurrency": [c], "output_len": args.output_len,
-               "max_model_len": max_model_len, "runs": {str(c): runs[str(c)]}}
+        cfg = {
+            "model": model,
+            "adapters": adapters,
+            "concurrency": [c],
+            "output_len": args.output_len,
+            "max_model_len": max_model_len,
+            "runs": {str(c): runs[str(c)]},
+        }
         with tempfile.TemporaryDirectory() as d:
             cfg_path, script = Path(d) / "cfg.json", Path(d) / "vllm_lora.py"
             cfg_path.write_text(json.dumps(cfg))
             script.write_text(VLLM_SCRIPT)
-            proc = subprocess.run([args.vllm_python, str(script), str(cfg_path)], capture_output=True, text=True,
-                                  env={**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "4",
-                                       "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
-        found = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+            proc = subprocess.run(
+                [args.vllm_python, str(script), str(cfg_path)],
+                capture_output=True,
+                text=True,
+                env={
+                    **os.environ,
+                    "VLLM_TARGET_DEVICE": "cpu",
+                    "VLLM_CPU_KVCACHE_SPACE": "4",
+                    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                },
+            )
+        found = [json.loads(line[len("RESULT ") :]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if not found:
             sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
             raise SystemExit("vLLM run failed (its output above)")

@@ -46,24 +46,37 @@ def main(argv=None) -> None:
     if k is None or not hasattr(k, "lora_add") or not hasattr(k, "panel_linear"):
         raise SystemExit("the C++ kernels (with AVX512-BF16 or AVX2 + FMA) are unavailable")
     S, r, copies = args.max_slots, args.rank, args.copies
-    print(f"{torch.get_num_threads()} threads; rank {r}, {S} slots; microseconds per layer, medians of "
-          f"{args.repeats} interleaved runs")
+    print(
+        f"{torch.get_num_threads()} threads; rank {r}, {S} slots; microseconds per layer, medians of "
+        f"{args.repeats} interleaved runs"
+    )
     for name, (K, bounds) in SHAPES.items():
         N, ns = bounds[-1], len(bounds) - 1
         panels = [k.pack_panels((torch.randn(N, K) / K**0.5).bfloat16()) for _ in range(copies)]
-        loras = [((torch.randn(S, ns, r, K) / K**0.5).bfloat16(), (torch.randn(S, r, N) / r**0.5).bfloat16(),
-                  torch.full((S, ns), r, dtype=torch.int32), torch.tensor(bounds)) for _ in range(copies)]
+        loras = [
+            (
+                (torch.randn(S, ns, r, K) / K**0.5).bfloat16(),
+                (torch.randn(S, r, N) / r**0.5).bfloat16(),
+                torch.full((S, ns), r, dtype=torch.int32),
+                torch.tensor(bounds),
+            )
+            for _ in range(copies)
+        ]
         for M in (int(v) for v in args.rows.split(",")):
             x = torch.randn(M, K).bfloat16()
             y = torch.zeros(M, N, dtype=torch.bfloat16)
             for d in sorted({min(int(v), M) for v in args.slots.split(",")}):
                 row_slots = (torch.arange(M) % d).to(torch.int32)
-                runs = {"base": lambda: [k.panel_linear(x, w, N) for w in panels],
-                        "lora": lambda: [k.lora_add(y, x, *lw, row_slots) for lw in loras]}
+                runs = {
+                    "base": lambda: [k.panel_linear(x, w, N) for w in panels],
+                    "lora": lambda: [k.lora_add(y, x, *lw, row_slots) for lw in loras],
+                }
                 times = time_interleaved(runs, args.repeats, copies)
                 base, lora = times["base"], times["lora"]
-                print(f"{name:8s} rows {M:4d} adapters {d:3d}: base {base * 1e6:8.1f}  lora_add {lora * 1e6:7.1f}  "
-                      f"lora / base {lora / base:6.1%}")
+                print(
+                    f"{name:8s} rows {M:4d} adapters {d:3d}: base {base * 1e6:8.1f}  lora_add {lora * 1e6:7.1f}  "
+                    f"lora / base {lora / base:6.1%}"
+                )
 
 
 def lora_specs(model, slots: int, rank: int) -> list:
@@ -72,12 +85,21 @@ def lora_specs(model, slots: int, rank: int) -> list:
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         q, kv, hidden = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim, attn.qkv_proj.in_features
-        for K, bounds in ((hidden, [0, q, q + kv, q + 2 * kv]), (q, [0, hidden]),
-                          (hidden, [0, mlp.intermediate, 2 * mlp.intermediate]), (mlp.intermediate, [0, hidden])):
+        for K, bounds in (
+            (hidden, [0, q, q + kv, q + 2 * kv]),
+            (q, [0, hidden]),
+            (hidden, [0, mlp.intermediate, 2 * mlp.intermediate]),
+            (mlp.intermediate, [0, hidden]),
+        ):
             N, ns = bounds[-1], len(bounds) - 1
-            specs.append(((torch.randn(slots, ns, rank, K) / K**0.5).bfloat16(),
-                          (torch.randn(slots, rank, N) * 0.1 / rank**0.5).bfloat16(),
-                          torch.full((slots, ns), rank, dtype=torch.int32), torch.tensor(bounds)))
+            specs.append(
+                (
+                    (torch.randn(slots, ns, rank, K) / K**0.5).bfloat16(),
+                    (torch.randn(slots, rank, N) * 0.1 / rank**0.5).bfloat16(),
+                    torch.full((slots, ns), rank, dtype=torch.int32),
+                    torch.tensor(bounds),
+                )
+            )
     return specs
 
 
@@ -92,14 +114,18 @@ def fused_step(args) -> None:
     if fd is None or not hasattr(fd, "set_lora"):
         raise SystemExit("the fused decode step is off here (see the log)")
     fd.set_lora(lora_specs(runner.model, args.max_slots, args.rank))
-    print(f"{torch.get_num_threads()} threads; rank {args.rank} on qkv, o, gate_up, down of every layer; "
-          f"{args.context}-token prompts; milliseconds, medians of {args.repeats} interleaved runs")
+    print(
+        f"{torch.get_num_threads()} threads; rank {args.rank} on qkv, o, gate_up, down of every layer; "
+        f"{args.context}-token prompts; milliseconds, medians of {args.repeats} interleaved runs"
+    )
     for M in (int(v) for v in args.rows.split(",")):
         ids, pos, meta, logits_rows = capture_step(llm, M, args.context)
         for d in sorted({min(int(v), M) for v in args.slots.split(",")}):
             row_slots = (torch.arange(M) % d).to(torch.int32)
-            runs = {"base": lambda: fd(ids, pos, meta, logits_rows),
-                    "lora": lambda: fd(ids, pos, meta, logits_rows, row_slots=row_slots)}
+            runs = {
+                "base": lambda: fd(ids, pos, meta, logits_rows),
+                "lora": lambda: fd(ids, pos, meta, logits_rows, row_slots=row_slots),
+            }
             times: dict[str, list[float]] = {n: [] for n in runs}
             with torch.inference_mode():  # (each run rewrites the K/V of its rows before reading them)
                 for _ in range(args.repeats):
@@ -109,8 +135,10 @@ def fused_step(args) -> None:
                         times[n].append(time.perf_counter() - t0)
             base, lora = statistics.median(times["base"]), statistics.median(times["lora"])
             ratio = statistics.median(b / a for a, b in zip(times["base"], times["lora"]))
-            print(f"step rows {M:3d} adapters {d:3d}: no adapters {base * 1e3:6.2f}  with {lora * 1e3:6.2f}  "
-                  f"ratio {ratio:.3f}")
+            print(
+                f"step rows {M:3d} adapters {d:3d}: no adapters {base * 1e3:6.2f}  with {lora * 1e3:6.2f}  "
+                f"ratio {ratio:.3f}"
+            )
 
 
 if __name__ == "__main__":

@@ -47,11 +47,20 @@ def build_model(args) -> str:
         return str(out)
     smollm2 = Path(resolve_model_path(None))
     tok_cfg = json.loads((smollm2 / "config.json").read_text())
-    cfg = MixtralConfig(vocab_size=tok_cfg["vocab_size"], hidden_size=args.hidden, intermediate_size=args.intermediate,
-                        num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=2,
-                        num_local_experts=args.experts, num_experts_per_tok=args.top_k, max_position_embeddings=4096,
-                        bos_token_id=tok_cfg.get("bos_token_id"), eos_token_id=tok_cfg.get("eos_token_id"),
-                        tie_word_embeddings=False)
+    cfg = MixtralConfig(
+        vocab_size=tok_cfg["vocab_size"],
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        num_local_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        max_position_embeddings=4096,
+        bos_token_id=tok_cfg.get("bos_token_id"),
+        eos_token_id=tok_cfg.get("eos_token_id"),
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     tmp = out.with_name(out.name + ".tmp")
     MixtralForCausalLM(cfg).to(DTYPES[args.dtype]).save_pretrained(tmp)
@@ -72,8 +81,11 @@ def run_tokenmill(llm, batch: list[list[int]], output_len: int) -> float:
 
 def run_hf(model, batch: list[list[int]], output_len: int, c: int, pad_id: int) -> float:
     t0 = time.perf_counter()
-    n = sum(len(row) for i in range(0, len(batch), c)
-            for row in hf_generate_batch(model, batch[i : i + c], output_len, pad_id))
+    n = sum(
+        len(row)
+        for i in range(0, len(batch), c)
+        for row in hf_generate_batch(model, batch[i : i + c], output_len, pad_id)
+    )
     return n / (time.perf_counter() - t0)
 
 
@@ -103,8 +115,11 @@ def main() -> None:
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     specials = special_token_ids(tok)
     vocab = hf.config.vocab_size
-    print(f"model {path}; transformers experts implementation: {hf.config._experts_implementation}; "
-          f"torch threads {torch.get_num_threads()}", flush=True)
+    print(
+        f"model {path}; transformers experts implementation: {hf.config._experts_implementation}; "
+        f"torch threads {torch.get_num_threads()}",
+        flush=True,
+    )
     results: dict[str, dict[str, list[float]]] = {}
     for c in (int(x) for x in args.concurrency.split(",")):
         n = args.requests or (2 if c == 1 else c)
@@ -116,22 +131,42 @@ def main() -> None:
             for j, system in enumerate(("tokenmill", "transformers")):
                 batch = make_prompts(n, args.input_len, vocab, specials, seed=1000 * c + 10 * rep + j)
                 load = os.getloadavg()[0]
-                tps = (run_tokenmill(llm, batch, args.output_len) if system == "tokenmill"
-                       else run_hf(hf, batch, args.output_len, c, pad_id))
+                tps = (
+                    run_tokenmill(llm, batch, args.output_len)
+                    if system == "tokenmill"
+                    else run_hf(hf, batch, args.output_len, c, pad_id)
+                )
                 results.setdefault(str(c), {}).setdefault(system, []).append(tps)
-                print(json.dumps({"concurrency": c, "system": system, "repeat": rep, "output_tok_s": round(tps, 1),
-                                  "load_1min": [round(load, 1), round(os.getloadavg()[0], 1)]}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "concurrency": c,
+                            "system": system,
+                            "repeat": rep,
+                            "output_tok_s": round(tps, 1),
+                            "load_1min": [round(load, 1), round(os.getloadavg()[0], 1)],
+                        }
+                    ),
+                    flush=True,
+                )
         llm.shutdown()
         del llm
     rows = []
     for c, r in results.items():
         tm, hf_tps = r["tokenmill"], r["transformers"]
-        rows.append({"concurrency": int(c), "tokenmill_tok_s": round(statistics.median(tm), 1),
-                     "transformers_tok_s": round(statistics.median(hf_tps), 1),
-                     "ratio": round(statistics.median(a / b for a, b in zip(tm, hf_tps)), 2)})
-    print(f"\n{args.dtype}, {args.experts} experts top-{args.top_k}, hidden {args.hidden}, intermediate "
-          f"{args.intermediate}, {args.layers} layers; {args.input_len} in, {args.output_len} out; "
-          f"medians of {args.repeats}")
+        rows.append(
+            {
+                "concurrency": int(c),
+                "tokenmill_tok_s": round(statistics.median(tm), 1),
+                "transformers_tok_s": round(statistics.median(hf_tps), 1),
+                "ratio": round(statistics.median(a / b for a, b in zip(tm, hf_tps)), 2),
+            }
+        )
+    print(
+        f"\n{args.dtype}, {args.experts} experts top-{args.top_k}, hidden {args.hidden}, intermediate "
+        f"{args.intermediate}, {args.layers} layers; {args.input_len} in, {args.output_len} out; "
+        f"medians of {args.repeats}"
+    )
     print("| c | tokenmill tok/s | transformers tok/s | tokenmill / transformers |\n|---|---|---|---|")
     for row in rows:
         print(f"| {row['concurrency']} | {row['tokenmill_tok_s']} | {row['transformers_tok_s']} | {row['ratio']}x |")

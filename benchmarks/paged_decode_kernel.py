@@ -68,15 +68,21 @@ def load_source(path: str, tag: str):
     bindings.write_text(BINDINGS)
     sources = [path] + [str(p) for p in [Path(path).with_name("paged_rows.cpp")] if p.exists()]
     flags = [f for f in kernel_build.COMMON_FLAGS if f not in ("-std=c++20", "-fvisibility=hidden")]
-    return load(name=f"tokenmill_bench_{tag}", sources=[*sources, str(bindings)],
-                extra_cflags=flags + list(isa.selected_level().compile_flags),
-                extra_include_paths=[str(Path(path).parent), str(kernel_build.CSRC)], build_directory=str(build),
-                verbose=False)
+    return load(
+        name=f"tokenmill_bench_{tag}",
+        sources=[*sources, str(bindings)],
+        extra_cflags=flags + list(isa.selected_level().compile_flags),
+        extra_include_paths=[str(Path(path).parent), str(kernel_build.CSRC)],
+        build_directory=str(build),
+        verbose=False,
+    )
 
 
 def make_case(B: int, args, cache: str, gen: torch.Generator, context: int, rows: int = 1):
     H, Hkv, D, bs = args.heads, args.kv_heads, args.head_dim, args.block_size
-    lens = [max(rows, context + int(torch.randint(-args.jitter, args.jitter + 1, (1,), generator=gen))) for _ in range(B)]
+    lens = [
+        max(rows, context + int(torch.randint(-args.jitter, args.jitter + 1, (1,), generator=gen))) for _ in range(B)
+    ]
     max_blocks = math.ceil(max(lens) / bs)
     blocks_per_call = sum(math.ceil(n / bs) for n in lens)
     elem = 1 if cache == "int8" else 2
@@ -108,12 +114,12 @@ def make_case(B: int, args, cache: str, gen: torch.Generator, context: int, rows
         perm = torch.arange(1, num_blocks)
     tables = []
     for s in range(n_sets):
-        mine = perm[s * blocks_per_call:(s + 1) * blocks_per_call].tolist()
+        mine = perm[s * blocks_per_call : (s + 1) * blocks_per_call].tolist()
         t = torch.zeros(B, max_blocks, dtype=torch.int64)
         k = 0
         for b, n in enumerate(lens):
             nb = math.ceil(n / bs)
-            t[b, :nb] = torch.tensor(mine[k:k + nb])
+            t[b, :nb] = torch.tensor(mine[k : k + nb])
             k += nb
         tables.append(t)
     q = torch.randn(B * rows, H, D, generator=gen).to(torch.bfloat16)
@@ -126,7 +132,7 @@ def make_case(B: int, args, cache: str, gen: torch.Generator, context: int, rows
 
 def call(mod, case, table, args):
     q, kc, vc, _, seq_lens, extra, _, loc = case
-    scale = args.head_dim ** -0.5
+    scale = args.head_dim**-0.5
     if loc is not None:
         return mod.paged_rows(q, kc, vc, table, seq_lens, loc, args.block_size, scale, *extra)
     return mod.paged_decode(q, kc, vc, table, seq_lens, args.block_size, scale, *extra)
@@ -153,14 +159,21 @@ def check(mods, case, args):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--source", nargs="+", default=[],
-                   help="build these stand-alone paged_attention.cpp versions instead of the package's")
+    p.add_argument(
+        "--source",
+        nargs="+",
+        default=[],
+        help="build these stand-alone paged_attention.cpp versions instead of the package's",
+    )
     p.add_argument("--compare", action="store_true", help="time --source and the package's kernel, interleaved")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--cache", nargs="+", default=["bf16", "int8"], choices=["bf16", "int8"])
     p.add_argument("--context", type=int, nargs="+", default=[384])
-    p.add_argument("--rows", default=None,
-                   help="comma-separated query rows per sequence: time paged_rows (the rows kernel) instead")
+    p.add_argument(
+        "--rows",
+        default=None,
+        help="comma-separated query rows per sequence: time paged_rows (the rows kernel) instead",
+    )
     p.add_argument("--jitter", type=int, default=16)
     p.add_argument("--heads", type=int, default=9)
     p.add_argument("--kv-heads", type=int, default=3)
@@ -169,11 +182,18 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--rounds", type=int, default=3, help="repeat the whole sweep; report the median of rounds")
     p.add_argument("--pool-mb", type=float, default=256)
-    p.add_argument("--layout", choices=["random", "contiguous"], default="random",
-                   help="blocks of a call drawn at random from the pool (default) or consecutive")
+    p.add_argument(
+        "--layout",
+        choices=["random", "contiguous"],
+        default="random",
+        help="blocks of a call drawn at random from the pool (default) or consecutive",
+    )
     p.add_argument("--hot", action="store_true", help="one set of tables: K/V mostly from cache")
-    p.add_argument("--small-pages", action="store_true",
-                   help="the cache on 4 KiB pages (default: transparent huge pages, as the engine's)")
+    p.add_argument(
+        "--small-pages",
+        action="store_true",
+        help="the cache on 4 KiB pages (default: transparent huge pages, as the engine's)",
+    )
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -192,9 +212,11 @@ def main() -> None:
     rows_list = [int(r) for r in args.rows.split(",")] if args.rows else [1]
     if args.rows and "int8" in args.cache:
         args.cache = [c for c in args.cache if c != "int8"] or ["bf16"]  # paged_rows serves bf16 caches
-    print(f"threads={args.threads} H={args.heads} Hkv={args.kv_heads} D={args.head_dim} bs={args.block_size} "
-          f"{'paged_rows' if args.rows else 'paged_decode'} {args.layout} blocks, "
-          f"{'hot' if args.hot else 'cold (rotating pool)'}; medians of {args.rounds} interleaved rounds")
+    print(
+        f"threads={args.threads} H={args.heads} Hkv={args.kv_heads} D={args.head_dim} bs={args.block_size} "
+        f"{'paged_rows' if args.rows else 'paged_decode'} {args.layout} blocks, "
+        f"{'hot' if args.hot else 'cold (rotating pool)'}; medians of {args.rounds} interleaved rounds"
+    )
     header = f"{'cache':>5} {'ctx':>5} {'B':>4} {'R':>3} {'MB/call':>8} "
     header += " ".join(f"{name[-9:] + ' µs':>12} {'GB/s':>6}" for name in mods)
     if len(mods) >= 2:

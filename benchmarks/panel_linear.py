@@ -24,7 +24,6 @@ import torch
 SHAPES = {"qkv": (832, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 
 
-
 def time_interleaved(runs: dict, repeats: int, copies: int = 1) -> dict[str, float]:
     """Median seconds per call of each function (one warm-up call each, then the functions
     interleaved `repeats` times, so that a noisy moment hits them alike); each call runs `copies`
@@ -38,6 +37,7 @@ def time_interleaved(runs: dict, repeats: int, copies: int = 1) -> dict[str, flo
             f()
             times[n].append((time.perf_counter() - t0) / copies)
     return {n: statistics.median(t) for n, t in times.items()}
+
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -72,7 +72,9 @@ def main(argv=None) -> None:
             xf = x.float()
             runs = {"panels": lambda: [k.panel_linear(x, w, N) for w in panels]}
             if onednn:
-                runs["oneDNN"] = lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in onednn]
+                runs["oneDNN"] = lambda: [
+                    torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in onednn
+                ]
             if fp32:
                 runs["float32"] = lambda: [torch.nn.functional.linear(xf, w) for w in fp32]
             if args.w8a8:

@@ -60,8 +60,12 @@ def main() -> None:
     H, Hkv, D, bs = args.heads, args.kv_heads, args.head_dim, args.block_size
     dt = getattr(torch, args.dtype)
     scale = D**-0.5
-    print(f"H={H} Hkv={Hkv} D={D} block={bs} q={args.dtype} cache={args.cache} threads={args.threads}, median ms per call")
-    print(f"{'n':>5} {'ctx':>5} | {'sdpa-fresh':>10} {'sdpa-gather':>11} {'kernel':>8} | {'speedup':>7} {'GFLOP/s':>8} {'max|diff|':>9}")
+    print(
+        f"H={H} Hkv={Hkv} D={D} block={bs} q={args.dtype} cache={args.cache} threads={args.threads}, median ms per call"
+    )
+    print(
+        f"{'n':>5} {'ctx':>5} | {'sdpa-fresh':>10} {'sdpa-gather':>11} {'kernel':>8} | {'speedup':>7} {'GFLOP/s':>8} {'max|diff|':>9}"
+    )
     for case in args.cases.split(","):
         n, ctx = (int(x) for x in case.split(":"))
         L = ctx + n
@@ -111,8 +115,10 @@ def main() -> None:
         base = t_fresh if ctx == 0 else t_gather
         diff = (kernel().float() - sdpa_gather().squeeze(0).transpose(0, 1).float()).abs().max().item()
         flops = 4 * H * D * sum(ctx + i + 1 for i in range(n))
-        print(f"{n:>5} {ctx:>5} | {t_fresh:>10.3f} {t_gather:>11.3f} {t_kernel:>8.3f} | {base / t_kernel:>6.2f}x "
-              f"{flops / t_kernel / 1e6:>8.1f} {diff:>9.2e}")
+        print(
+            f"{n:>5} {ctx:>5} | {t_fresh:>10.3f} {t_gather:>11.3f} {t_kernel:>8.3f} | {base / t_kernel:>6.2f}x "
+            f"{flops / t_kernel / 1e6:>8.1f} {diff:>9.2e}"
+        )
 
 
 if __name__ == "__main__":

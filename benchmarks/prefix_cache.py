@@ -35,8 +35,21 @@ def _compare_helpers():
 def run_once(h, caching: bool, reqs, args, log_dir: Path) -> dict:
     port = h.free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", args.model, "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", args.dtype, "--kv-cache-memory", str(args.kv_cache_memory)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tokenmill.cli",
+        "serve",
+        args.model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        args.dtype,
+        "--kv-cache-memory",
+        str(args.kv_cache_memory),
+    ]
     if not caching:
         cmd.append("--no-enable-prefix-caching")
     log = log_dir / f"serve-{'on' if caching else 'off'}-{time.monotonic_ns()}.log"
@@ -49,8 +62,12 @@ def run_once(h, caching: bool, reqs, args, log_dir: Path) -> dict:
     m = res["metrics"]
     if m["failed"]:
         raise RuntimeError(f"{m['failed']} requests failed; see {log}")
-    return {"mean_ttft_ms": m["ttft_ms"]["mean"], "median_ttft_ms": m["ttft_ms"]["median"],
-            "output_throughput": m["output_throughput"], "hit_rate": m.get("prefix_cache", {}).get("hit_rate")}
+    return {
+        "mean_ttft_ms": m["ttft_ms"]["mean"],
+        "median_ttft_ms": m["ttft_ms"]["median"],
+        "output_throughput": m["output_throughput"],
+        "hit_rate": m.get("prefix_cache", {}).get("hit_rate"),
+    }
 
 
 def main(argv=None) -> int:
@@ -76,22 +93,42 @@ def main(argv=None) -> int:
         for mode in ("on", "off"):
             r = run_once(h, mode == "on", reqs, args, log_dir)
             runs[mode].append(r)
-            print(f"repeat {rep + 1} caching {mode:3}: mean TTFT {r['mean_ttft_ms']:9.1f} ms, median "
-                  f"{r['median_ttft_ms']:9.1f} ms, {r['output_throughput']:7.1f} tok/s, hit rate {r['hit_rate']}",
-                  flush=True)
-    med = {mode: {k: statistics.median(r[k] for r in rs) for k in ("mean_ttft_ms", "median_ttft_ms")}
-           for mode, rs in runs.items()}
+            print(
+                f"repeat {rep + 1} caching {mode:3}: mean TTFT {r['mean_ttft_ms']:9.1f} ms, median "
+                f"{r['median_ttft_ms']:9.1f} ms, {r['output_throughput']:7.1f} tok/s, hit rate {r['hit_rate']}",
+                flush=True,
+            )
+    med = {
+        mode: {k: statistics.median(r[k] for r in rs) for k in ("mean_ttft_ms", "median_ttft_ms")}
+        for mode, rs in runs.items()
+    }
     ratio_mean = med["off"]["mean_ttft_ms"] / med["on"]["mean_ttft_ms"]
     ratio_median = med["off"]["median_ttft_ms"] / med["on"]["median_ttft_ms"]
-    print(f"\n{args.num_prompts} requests, {args.prefix_len}-token shared prefix + {args.input_len} own tokens, "
-          f"{args.output_len} out, max concurrency {args.max_concurrency}, {args.dtype}; medians of {args.repeats}:")
-    print(f"  mean TTFT   caching on {med['on']['mean_ttft_ms']:9.1f} ms   off {med['off']['mean_ttft_ms']:9.1f} ms"
-          f"   off/on {ratio_mean:.2f}x")
-    print(f"  median TTFT caching on {med['on']['median_ttft_ms']:9.1f} ms   off {med['off']['median_ttft_ms']:9.1f} ms"
-          f"   off/on {ratio_median:.2f}x")
+    print(
+        f"\n{args.num_prompts} requests, {args.prefix_len}-token shared prefix + {args.input_len} own tokens, "
+        f"{args.output_len} out, max concurrency {args.max_concurrency}, {args.dtype}; medians of {args.repeats}:"
+    )
+    print(
+        f"  mean TTFT   caching on {med['on']['mean_ttft_ms']:9.1f} ms   off {med['off']['mean_ttft_ms']:9.1f} ms"
+        f"   off/on {ratio_mean:.2f}x"
+    )
+    print(
+        f"  median TTFT caching on {med['on']['median_ttft_ms']:9.1f} ms   off {med['off']['median_ttft_ms']:9.1f} ms"
+        f"   off/on {ratio_median:.2f}x"
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "runs": runs, "medians": med,
-                                          "ratio_mean_ttft": ratio_mean, "ratio_median_ttft": ratio_median}, indent=1))
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "args": vars(args),
+                "runs": runs,
+                "medians": med,
+                "ratio_mean_ttft": ratio_mean,
+                "ratio_median_ttft": ratio_median,
+            },
+            indent=1,
+        )
+    )
     return 0
 
 

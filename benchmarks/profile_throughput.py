@@ -46,8 +46,13 @@ class StepTimer:
         n_dec = sum(1 for s in sched.scheduled if s.num_new_tokens == 1)
         t0 = time.perf_counter()
         out = self.inner(sched)
-        self.last = {"tokens": n_tok, "decode_rows": n_dec, "prefill_tokens": n_tok - n_dec,
-                     "rows": len(sched.scheduled), "runner_s": time.perf_counter() - t0}
+        self.last = {
+            "tokens": n_tok,
+            "decode_rows": n_dec,
+            "prefill_tokens": n_tok - n_dec,
+            "rows": len(sched.scheduled),
+            "runner_s": time.perf_counter() - t0,
+        }
         return out
 
 
@@ -96,8 +101,9 @@ def add_all(llm, prompts, sp):
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--model", default=None, help="HF folder or .gguf file; default: built-in SmolLM2")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--quantization", default=None, help="int4 | int8 | gguf | w8a8 (default: none)")
@@ -107,16 +113,25 @@ def main(argv=None) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--concurrency", type=int, default=None,
-                   help="pass 1: keep this many requests in flight, adding one as one finishes (default: all at once)")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="pass 1: keep this many requests in flight, adding one as one finishes (default: all at once)",
+    )
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-memory", type=float, default=4.0)
     p.add_argument("--prefill-steps", type=int, default=2, help="prefill steps to profile (pass 2)")
     p.add_argument("--decode-steps", type=int, default=16, help="decode steps to profile, from the middle of decoding")
     p.add_argument("--top", type=int, default=20, help="ops to list")
     p.add_argument("--trace", default=None, help="write a Chrome trace of the decode window to this path")
-    p.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
-                   help="before each pass, wait up to this long for other processes to go quiet")
+    p.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="before each pass, wait up to this long for other processes to go quiet",
+    )
     args = p.parse_args(argv)
 
     threads = args.threads or len(os.sched_getaffinity(0))
@@ -131,18 +146,28 @@ def main(argv=None) -> None:
     cfg, tok = AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     vocab = min(cfg.vocab_size, len(tok))
     prompts = make_prompts(args.num_prompts, args.input_len, vocab, special_token_ids(tok), args.seed)
-    llm = LLM(path, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-              num_threads=threads, enable_prefix_caching=False, quantization=args.quantization)  # pass 2 repeats pass 1's prompts
+    llm = LLM(
+        path,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory=args.kv_cache_memory,
+        num_threads=threads,
+        enable_prefix_caching=False,
+        quantization=args.quantization,
+    )  # pass 2 repeats pass 1's prompts
     torch.set_num_threads(threads)
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompt_token_ids=prompts[:4], sampling_params=SamplingParams(temperature=0.0, max_tokens=4,
-                                                                             ignore_eos=True))
+    llm.generate(
+        prompt_token_ids=prompts[:4], sampling_params=SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    )
     eng = llm.engine
     timer = StepTimer(eng.core.runner)
     labeled = label_cpp_kernels(eng.core.runner)
-    print(f"{args.dtype}, {threads} threads, {args.num_prompts} x {args.input_len} in x {args.output_len} out"
-          f"{'; C++ kernels shown as tm_cpp::<name>' if labeled else ''}")
+    print(
+        f"{args.dtype}, {threads} threads, {args.num_prompts} x {args.input_len} in x {args.output_len} out"
+        f"{'; C++ kernels shown as tm_cpp::<name>' if labeled else ''}"
+    )
 
     # ---- pass 1: unprofiled, every step timed --------------------------------------------
     wait_idle(args.wait_idle, 0.2, "pass 1")
@@ -169,9 +194,11 @@ def main(argv=None) -> None:
             continue
         t = sum(s["step_s"] for s in group)
         toks = sum(s["tokens"] for s in group)
-        print(f"  {name:<26} {len(group):4d} steps {t:7.2f} s {100 * t / m.wall:5.1f}%  "
-              f"median {1e3 * statistics.median(s['step_s'] for s in group):7.1f} ms/step, {toks} tokens, "
-              f"{toks / t:7.1f} tok/s, median batch {statistics.median(s['rows'] for s in group):.0f} rows")
+        print(
+            f"  {name:<26} {len(group):4d} steps {t:7.2f} s {100 * t / m.wall:5.1f}%  "
+            f"median {1e3 * statistics.median(s['step_s'] for s in group):7.1f} ms/step, {toks} tokens, "
+            f"{toks / t:7.1f} tok/s, median batch {statistics.median(s['rows'] for s in group):.0f} rows"
+        )
     outside = sum(s["step_s"] - s["runner_s"] for s in steps)
     print(f"  outside the model runner (scheduler, output processing): {outside:.2f} s {100 * outside / m.wall:.1f}%")
     print(f"  between steps (LLM loop): {m.wall - sum(s['step_s'] for s in steps):.2f} s")
@@ -190,7 +217,8 @@ def main(argv=None) -> None:
         # Peek: will this step carry prompt tokens? (waiting requests or unfinished prompts)
         sch = eng.core.scheduler
         has_prompt = bool(getattr(sch, "waiting", None)) or any(
-            r.num_computed_tokens < len(r.prompt_token_ids) for r in getattr(sch, "running", []))
+            r.num_computed_tokens < len(r.prompt_token_ids) for r in getattr(sch, "running", [])
+        )
         prof = None
         if has_prompt and n_pre < args.prefill_steps:
             prof, n_pre = prof_pre, n_pre + 1
@@ -217,12 +245,16 @@ def main(argv=None) -> None:
         rows = sorted(ka, key=lambda e: e.self_cpu_time_total, reverse=True)
         print(f"\n{label}: {n} profiled steps, {t:.2f} s (profiler on); top ops by self CPU time")
         print(f"  {'op':<46} {'self ms':>9} {'share':>7} {'calls':>7} {'us/call':>9}")
-        for e in rows[:args.top]:
-            print(f"  {e.key[:46]:<46} {e.self_cpu_time_total / 1e3:9.1f} {100 * e.self_cpu_time_total / (t * 1e6):6.1f}% "
-                  f"{e.count:>7} {e.self_cpu_time_total / max(e.count, 1):9.1f}")
+        for e in rows[: args.top]:
+            print(
+                f"  {e.key[:46]:<46} {e.self_cpu_time_total / 1e3:9.1f} {100 * e.self_cpu_time_total / (t * 1e6):6.1f}% "
+                f"{e.count:>7} {e.self_cpu_time_total / max(e.count, 1):9.1f}"
+            )
         ops = sum(e.self_cpu_time_total for e in rows)
-        print(f"  {'(all of the above kinds)':<46} {ops / 1e3:9.1f} {100 * ops / (t * 1e6):6.1f}%  "
-              f"(the rest: Python{'' if labeled else ' and any kernels torch.profiler cannot see'})")
+        print(
+            f"  {'(all of the above kinds)':<46} {ops / 1e3:9.1f} {100 * ops / (t * 1e6):6.1f}%  "
+            f"(the rest: Python{'' if labeled else ' and any kernels torch.profiler cannot see'})"
+        )
     if args.trace and n_dec:
         prof_dec.export_chrome_trace(args.trace)
         print(f"wrote {args.trace}")

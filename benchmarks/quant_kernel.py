@@ -25,8 +25,13 @@ import torch
 from panel_linear import time_interleaved  # benchmarks/ is on the path when run as a script
 
 # name -> (out_features N, in_features K, bits of the quantized variant)
-SHAPES = {"qkv": (960, 576, 4), "o": (576, 576, 4), "gate_up": (3072, 576, 4), "down": (576, 1536, 4),
-          "lm_head": (49152, 576, 8)}
+SHAPES = {
+    "qkv": (960, 576, 4),
+    "o": (576, 576, 4),
+    "gate_up": (3072, 576, 4),
+    "down": (576, 1536, 4),
+    "lm_head": (49152, 576, 8),
+}
 
 
 def quant_bytes(N: int, K: int, bits: int) -> int:
@@ -52,8 +57,10 @@ def main(argv=None) -> None:
     if k is None or not hasattr(k, "panel_linear"):
         raise SystemExit("the C++ kernels (with the panel kernel) are unavailable")
     bw = args.bandwidth * 1e9 or measure_bandwidth(0.5, 3)
-    print(f"{torch.get_num_threads()} threads, bandwidth {bw / 1e9:.1f} GB/s; median us per layer of "
-          f"{args.repeats} interleaved runs; GB/s = weight bytes / time")
+    print(
+        f"{torch.get_num_threads()} threads, bandwidth {bw / 1e9:.1f} GB/s; median us per layer of "
+        f"{args.repeats} interleaved runs; GB/s = weight bytes / time"
+    )
     for name in args.shapes.split(","):
         N, K, bits = SHAPES[name]
         copies = 1 if name == "lm_head" else 30
@@ -68,19 +75,24 @@ def main(argv=None) -> None:
         amx_int = qpanels is not None and hasattr(k, "quant_panels_amx_int") and k.quant_panels_amx_int(1 << 62)
         for M in (int(r) for r in args.rows.split(",")):
             x = torch.randn(M, K).bfloat16()
-            runs = {"quant": lambda: [k.quant_linear(x, q, s, bits) for q, s in quant],
-                    "bf16": lambda: [k.panel_linear(x, w, N) for w in panels]}
+            runs = {
+                "quant": lambda: [k.quant_linear(x, q, s, bits) for q, s in quant],
+                "bf16": lambda: [k.panel_linear(x, w, N) for w in panels],
+            }
             if qpanels is not None:  # the engine's kernel here; the row tiles beside it
                 runs["rows"] = runs["quant"]
                 runs["quant"] = lambda: [k.quant_panel_linear(x, q, s, bits, N) for q, s in qpanels]
             if amx:  # int8 activations (the engine's below its AMX rows) and the AMX tiles, forced
-                runs["quant"] = lambda: with_amx_rows(k, 1 << 62, lambda: [k.quant_panel_linear(x, q, s, bits, N)
-                                                                        for q, s in qpanels])
-                runs["amx"] = lambda: with_amx_rows(k, 1, lambda: [k.quant_panel_linear(x, q, s, bits, N)
-                                                                for q, s in qpanels])
+                runs["quant"] = lambda: with_amx_rows(
+                    k, 1 << 62, lambda: [k.quant_panel_linear(x, q, s, bits, N) for q, s in qpanels]
+                )
+                runs["amx"] = lambda: with_amx_rows(
+                    k, 1, lambda: [k.quant_panel_linear(x, q, s, bits, N) for q, s in qpanels]
+                )
             if amx_int:  # the int8 products without the AMX-INT8 tiles: the vector path (the same bits)
-                runs["vector"] = lambda: with_amx_rows(k, 1 << 62, lambda: [k.quant_panel_linear(x, q, s, bits, N)
-                                                                           for q, s in qpanels], int_rows=1 << 62)
+                runs["vector"] = lambda: with_amx_rows(
+                    k, 1 << 62, lambda: [k.quant_panel_linear(x, q, s, bits, N) for q, s in qpanels], int_rows=1 << 62
+                )
             t = time_interleaved(runs, args.repeats, copies)
             tq, tb = t["quant"], t["bf16"]
             rows = f"  rows {t['rows'] * 1e6:8.1f} us ({t['rows'] / tq:4.2f}x)" if "rows" in t else ""
@@ -88,9 +100,11 @@ def main(argv=None) -> None:
                 rows += f"  vector ints {t['vector'] * 1e6:8.1f} us (tiles {t['vector'] / tq:4.2f}x faster)"
             if "amx" in t:
                 rows += f"  amx {t['amx'] * 1e6:8.1f} us ({tq / t['amx']:4.2f}x faster, {tb / t['amx']:4.2f}x bf16)"
-            print(f"{name:8s} int{bits} rows {M:3d}: {tq * 1e6:8.1f} us ({qb / tq / 1e9:5.1f} GB/s, "
-                  f"{qb / bw / tq:4.0%} of the bound)  bf16 panels {tb * 1e6:8.1f} us ({N * K * 2 / tb / 1e9:5.1f} GB/s)"
-                  f"  bf16 / int{bits} {tb / tq:5.2f}x  {2 * M * N * K / tq / 1e9:5.1f} GFLOP/s{rows}")
+            print(
+                f"{name:8s} int{bits} rows {M:3d}: {tq * 1e6:8.1f} us ({qb / tq / 1e9:5.1f} GB/s, "
+                f"{qb / bw / tq:4.0%} of the bound)  bf16 panels {tb * 1e6:8.1f} us ({N * K * 2 / tb / 1e9:5.1f} GB/s)"
+                f"  bf16 / int{bits} {tb / tq:5.2f}x  {2 * M * N * K / tq / 1e9:5.1f} GFLOP/s{rows}"
+            )
 
 
 def with_amx_rows(k, rows: int, fn, int_rows: int | None = None):

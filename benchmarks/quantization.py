@@ -34,8 +34,13 @@ from tokenmill.bench.offline import measure_latency, wait_for_kv_cache
 
 # name -> (dtype, --quantization). fp32 is in the quality table only: how far plain bf16 is from
 # full precision puts the quantized variants' distance from bf16 in scale.
-VARIANTS = {"bf16": ("bfloat16", None), "gguf": ("bfloat16", "gguf"), "int8": ("bfloat16", "int8"),
-            "int4": ("bfloat16", "int4"), "fp32": ("float32", None)}
+VARIANTS = {
+    "bf16": ("bfloat16", None),
+    "gguf": ("bfloat16", "gguf"),
+    "int8": ("bfloat16", "int8"),
+    "int4": ("bfloat16", "int4"),
+    "fp32": ("float32", None),
+}
 
 
 def weight_bytes(llm: LLM) -> int:
@@ -56,20 +61,34 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(ap, "benchmarks/results/quantization.json")
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--concurrency", default=None,
-                    help="comma-separated request counts for the throughput runs (default: --num-prompts)")
+    ap.add_argument(
+        "--concurrency",
+        default=None,
+        help="comma-separated request counts for the throughput runs (default: --num-prompts)",
+    )
     args = ap.parse_args(argv)
     names = args.variants.split(",")
-    llms = {n: LLM(args.model, dtype=VARIANTS[n][0], quantization=VARIANTS[n][1], kv_cache_memory=2.0,
-                   enable_prefix_caching=False) for n in names}
+    llms = {
+        n: LLM(
+            args.model,
+            dtype=VARIANTS[n][0],
+            quantization=VARIANTS[n][1],
+            kv_cache_memory=2.0,
+            enable_prefix_caching=False,
+        )
+        for n in names
+    }
     for llm in llms.values():  # timings of the steady state, not of start-up
         wait_for_kv_cache(llm)
     result: dict = {"args": vars(args), "weight_bytes": {n: weight_bytes(llm) for n, llm in llms.items()}}
     outs = {n: chat_outputs(llm, args.max_tokens) for n, llm in llms.items()}
     result["quality_vs_bf16"] = {n: agreement(outs["bf16"], outs[n], args.max_tokens) for n in names if n != "bf16"}
     for n, q in result["quality_vs_bf16"].items():
-        print(f"quality {n:5} vs bf16 ({q['prompts']} prompts x {q['max_tokens']} greedy tokens): "
-              f"{describe_agreement(q)}", flush=True)
+        print(
+            f"quality {n:5} vs bf16 ({q['prompts']} prompts x {q['max_tokens']} greedy tokens): "
+            f"{describe_agreement(q)}",
+            flush=True,
+        )
     for n, b in result["weight_bytes"].items():
         print(f"weights {n:5}: {b / 1e6:7.1f} MB ({b / result['weight_bytes'][names[0]]:.2f}x)")
     names = [n for n in names if n != "fp32"]
@@ -82,16 +101,23 @@ def main(argv=None) -> int:
         med_tpot = {n: statistics.median(v) for n, v in tpot.items()}
         result["speed"] = {"batch1_tpot_s": tpot, "median_batch1_tpot_s": med_tpot, "throughput": {}}
         for n in names:
-            print(f"speed {n:5}: batch-1 TPOT {med_tpot[n] * 1e3:6.2f} ms ({med_tpot[names[0]] / med_tpot[n]:.2f}x), "
-                  f"median of {args.repeats}", flush=True)
+            print(
+                f"speed {n:5}: batch-1 TPOT {med_tpot[n] * 1e3:6.2f} ms ({med_tpot[names[0]] / med_tpot[n]:.2f}x), "
+                f"median of {args.repeats}",
+                flush=True,
+            )
         for count in (int(c) for c in (args.concurrency or str(args.num_prompts)).split(",")):
-            thr = alternating_throughput({n: llms[n] for n in names}, count, args.input_len, args.output_len,
-                                         args.repeats)
+            thr = alternating_throughput(
+                {n: llms[n] for n in names}, count, args.input_len, args.output_len, args.repeats
+            )
             med_thr = {n: statistics.median(v) for n, v in thr.items()}
             result["speed"]["throughput"][count] = {"tok_s": thr, "median_tok_s": med_thr}
             for n in names:
-                print(f"speed {n:5}: {count} x {args.input_len} in x {args.output_len} out {med_thr[n]:7.1f} "
-                      f"output tok/s ({med_thr[n] / med_thr[names[0]]:.2f}x), median of {args.repeats}", flush=True)
+                print(
+                    f"speed {n:5}: {count} x {args.input_len} in x {args.output_len} out {med_thr[n]:7.1f} "
+                    f"output tok/s ({med_thr[n] / med_thr[names[0]]:.2f}x), median of {args.repeats}",
+                    flush=True,
+                )
     write_result(args.out, result)
     return 0
 

@@ -84,8 +84,9 @@ class LocalServe:
         if "tokenmill" in serve.status().applications:
             serve.delete("tokenmill")
         t0 = time.perf_counter()
-        serve.run(build_app(engine, replicas, IngressOptions(disable_log_requests=True)), name="tokenmill",
-                  route_prefix="/")
+        serve.run(
+            build_app(engine, replicas, IngressOptions(disable_log_requests=True)), name="tokenmill", route_prefix="/"
+        )
         return time.perf_counter() - t0
 
     def close(self) -> None:
@@ -120,16 +121,23 @@ def _compare(ray_serve: LocalServe, ns, tok, tag: str, model: str | None, config
     runs: dict[str, dict[str, list[dict]]] = {name: {f"c={c}": [] for c, _ in LOADS} for name, *_ in configs}
     for rep in range(ns.repeats):
         for name, n_replicas, threads, tp in configs:
-            engine = {"model": model, "num_threads": threads, "kv_cache_memory": ns.kv_cache_memory,
-                      "tensor_parallel_size": tp}
+            engine = {
+                "model": model,
+                "num_threads": threads,
+                "kv_cache_memory": ns.kv_cache_memory,
+                "tensor_parallel_size": tp,
+            }
             secs = ray_serve.deploy(engine, ReplicaOptions(num_replicas=n_replicas))
             for c, n in LOADS:
                 reqs = random_requests(tok, n, 128, 64, seed=rep * 100 + c)
                 m = load(ray_serve.url, reqs, c)
                 runs[name][f"c={c}"].append(m)
-                print(f"[{tag}] repeat {rep + 1}: {name}, c={c}: {m['output_throughput']:.1f} output tok/s, "
-                      f"TTFT {m['ttft_ms']['mean']:.0f} ms, TPOT {m['tpot_ms']['mean']:.1f} ms "
-                      f"({m['failed']} failed; deployed in {secs:.0f} s)", flush=True)
+                print(
+                    f"[{tag}] repeat {rep + 1}: {name}, c={c}: {m['output_throughput']:.1f} output tok/s, "
+                    f"TTFT {m['ttft_ms']['mean']:.0f} ms, TPOT {m['tpot_ms']['mean']:.1f} ms "
+                    f"({m['failed']} failed; deployed in {secs:.0f} s)",
+                    flush=True,
+                )
     summary = {name: {load_name: _medians(ms) for load_name, ms in loads.items()} for name, loads in runs.items()}
     return {"summary": summary, "runs": runs}
 
@@ -156,8 +164,21 @@ def part_overhead(ray_serve: LocalServe, ns, tok) -> dict:
             if name == names[0]:
                 if "tokenmill" in serve.status().applications:
                     serve.delete("tokenmill")
-                cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-                       "--num-threads", "2", "--kv-cache-memory", str(ns.kv_cache_memory), "--disable-log-requests"]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "tokenmill.cli",
+                    "serve",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--num-threads",
+                    "2",
+                    "--kv-cache-memory",
+                    str(ns.kv_cache_memory),
+                    "--disable-log-requests",
+                ]
                 if ns.model:
                     cmd.append(ns.model)
                 proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -173,15 +194,20 @@ def part_overhead(ray_serve: LocalServe, ns, tok) -> dict:
                         raise RuntimeError("tokenmill serve did not start")
                     time.sleep(0.5)
             else:
-                ray_serve.deploy({"model": ns.model, "num_threads": 2, "kv_cache_memory": ns.kv_cache_memory},
-                                 ReplicaOptions(num_replicas=1))
+                ray_serve.deploy(
+                    {"model": ns.model, "num_threads": 2, "kv_cache_memory": ns.kv_cache_memory},
+                    ReplicaOptions(num_replicas=1),
+                )
                 url = ray_serve.url
             try:
                 for c, n in LOADS:
                     m = load(url, random_requests(tok, n, 128, 64, seed=rep * 100 + c), c)
                     runs[name][f"c={c}"].append(m)
-                    print(f"[overhead] repeat {rep + 1}: {name}, c={c}: {m['output_throughput']:.1f} output tok/s, "
-                          f"TTFT {m['ttft_ms']['mean']:.0f} ms, TPOT {m['tpot_ms']['mean']:.1f} ms", flush=True)
+                    print(
+                        f"[overhead] repeat {rep + 1}: {name}, c={c}: {m['output_throughput']:.1f} output tok/s, "
+                        f"TTFT {m['ttft_ms']['mean']:.0f} ms, TPOT {m['tpot_ms']['mean']:.1f} ms",
+                        flush=True,
+                    )
             finally:
                 if proc is not None:
                     proc.terminate()
@@ -207,15 +233,21 @@ def part_routing(ray_serve: LocalServe, ns, tok) -> dict:
     for rep in range(ns.repeats):
         reqs = tenant_requests(tok, 8, 16, 1000, seed=1000 * (rep + 1))
         for policy in runs:
-            engine = {"model": ns.model, "num_threads": 1, "num_gpu_blocks_override": ns.routing_kv_tokens // block + 1,
-                      "block_size": block}
+            engine = {
+                "model": ns.model,
+                "num_threads": 1,
+                "num_gpu_blocks_override": ns.routing_kv_tokens // block + 1,
+                "block_size": block,
+            }
             ray_serve.deploy(engine, ReplicaOptions(num_replicas=2, routing=policy))
             m = load(ray_serve.url, reqs, ns.routing_concurrency)
             runs[policy].append(m)
             hit = m.get("prefix_cache", {}).get("hit_rate", float("nan"))
-            print(f"[routing] repeat {rep + 1}: {policy}: hit rate {hit:.1%}, TTFT mean {m['ttft_ms']['mean']:.0f} ms "
-                  f"(p90 {m['ttft_ms']['p90']:.0f}), {m['output_throughput']:.1f} output tok/s, {m['failed']} failed",
-                  flush=True)
+            print(
+                f"[routing] repeat {rep + 1}: {policy}: hit rate {hit:.1%}, TTFT mean {m['ttft_ms']['mean']:.0f} ms "
+                f"(p90 {m['ttft_ms']['p90']:.0f}), {m['output_throughput']:.1f} output tok/s, {m['failed']} failed",
+                flush=True,
+            )
     summary = {policy: _medians(ms) for policy, ms in runs.items()}
     p, r = summary["prefix"], summary["round_robin"]
     summary["ttft_ratio_round_robin_over_prefix"] = r["ttft_mean_ms"] / p["ttft_mean_ms"]
@@ -239,9 +271,13 @@ def _medians(metrics: list[dict]) -> dict:
     def med(f):
         return statistics.median(f(m) for m in metrics)
 
-    out = {"output_tok_s": med(lambda m: m["output_throughput"]), "ttft_mean_ms": med(lambda m: m["ttft_ms"]["mean"]),
-           "ttft_median_ms": med(lambda m: m["ttft_ms"]["median"]), "tpot_mean_ms": med(lambda m: m["tpot_ms"]["mean"]),
-           "failed": sum(m["failed"] for m in metrics)}
+    out = {
+        "output_tok_s": med(lambda m: m["output_throughput"]),
+        "ttft_mean_ms": med(lambda m: m["ttft_ms"]["mean"]),
+        "ttft_median_ms": med(lambda m: m["ttft_ms"]["median"]),
+        "tpot_mean_ms": med(lambda m: m["tpot_ms"]["mean"]),
+        "failed": sum(m["failed"] for m in metrics),
+    }
     if all("prefix_cache" in m for m in metrics):
         out["prefix_cache_hit_rate"] = med(lambda m: m["prefix_cache"]["hit_rate"])
     return out
@@ -266,8 +302,12 @@ def main(argv=None) -> int:
 
     tok = load_tokenizer(ns.model)
     ray_serve = LocalServe(ns.port)
-    result = {"machine": {"cpu": cpu_name(), "cpus": ray_serve.cpus, "python": sys.version.split()[0]},
-              "model": ns.model or "SmolLM2-135M-Instruct", "repeats": ns.repeats, "started": time.strftime("%FT%T")}
+    result = {
+        "machine": {"cpu": cpu_name(), "cpus": ray_serve.cpus, "python": sys.version.split()[0]},
+        "model": ns.model or "SmolLM2-135M-Instruct",
+        "repeats": ns.repeats,
+        "started": time.strftime("%FT%T"),
+    }
     try:
         for part in parts:
             fn = {"replicas": part_replicas, "routing": part_routing, "overhead": part_overhead, "tp": part_tp}[part]

@@ -52,12 +52,19 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-def stream_times(url: str, model: str, started: threading.Event, stop: threading.Event, out: list[float],
-                 max_tokens: int = 4000) -> None:
+def stream_times(
+    url: str, model: str, started: threading.Event, stop: threading.Event, out: list[float], max_tokens: int = 4000
+) -> None:
     """Arrival time of each chunk of a long streamed completion (into `out`), until `stop`; `started`
     is set at the 10th chunk."""
-    body = {"model": model, "prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "ignore_eos": True}
+    body = {
+        "model": model,
+        "prompt": "Once upon a time",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):

@@ -29,15 +29,88 @@ import time
 # Modules whose public, documented functions of 400-2500 characters of source make the workloads
 # (about 260 on Python 3.11): every request of a run, and every repeat, gets prompts of its own, so
 # neither the prefix cache nor the suffix method's tree of earlier answers sees a prompt twice.
-MODULES = ["textwrap", "shlex", "json", "fnmatch", "string", "base64", "difflib", "calendar", "heapq", "shutil",
-           "glob", "html", "urllib.parse", "colorsys", "bisect", "posixpath", "ntpath", "quopri", "gettext",
-           "locale", "tokenize", "ast", "pprint", "reprlib", "random", "statistics", "fractions", "csv",
-           "email.utils", "ipaddress", "keyword", "linecache", "mimetypes", "netrc", "operator", "os", "pathlib",
-           "platform", "plistlib", "queue", "secrets", "shelve", "smtplib", "sysconfig", "tempfile", "timeit",
-           "traceback", "types", "typing", "uuid", "warnings", "weakref", "zipfile", "tarfile", "gzip",
-           "functools", "inspect", "dis", "copy", "enum", "dataclasses", "argparse", "logging", "configparser",
-           "hashlib", "hmac", "getopt", "optparse", "contextlib", "abc", "codecs", "datetime", "decimal",
-           "numbers", "sched", "selectors", "socket", "ssl", "subprocess", "threading"]
+MODULES = [
+    "textwrap",
+    "shlex",
+    "json",
+    "fnmatch",
+    "string",
+    "base64",
+    "difflib",
+    "calendar",
+    "heapq",
+    "shutil",
+    "glob",
+    "html",
+    "urllib.parse",
+    "colorsys",
+    "bisect",
+    "posixpath",
+    "ntpath",
+    "quopri",
+    "gettext",
+    "locale",
+    "tokenize",
+    "ast",
+    "pprint",
+    "reprlib",
+    "random",
+    "statistics",
+    "fractions",
+    "csv",
+    "email.utils",
+    "ipaddress",
+    "keyword",
+    "linecache",
+    "mimetypes",
+    "netrc",
+    "operator",
+    "os",
+    "pathlib",
+    "platform",
+    "plistlib",
+    "queue",
+    "secrets",
+    "shelve",
+    "smtplib",
+    "sysconfig",
+    "tempfile",
+    "timeit",
+    "traceback",
+    "types",
+    "typing",
+    "uuid",
+    "warnings",
+    "weakref",
+    "zipfile",
+    "tarfile",
+    "gzip",
+    "functools",
+    "inspect",
+    "dis",
+    "copy",
+    "enum",
+    "dataclasses",
+    "argparse",
+    "logging",
+    "configparser",
+    "hashlib",
+    "hmac",
+    "getopt",
+    "optparse",
+    "contextlib",
+    "abc",
+    "codecs",
+    "datetime",
+    "decimal",
+    "numbers",
+    "sched",
+    "selectors",
+    "socket",
+    "ssl",
+    "subprocess",
+    "threading",
+]
 
 
 def _functions() -> list:
@@ -83,16 +156,35 @@ def workloads(n: int, offset: int = 0) -> dict[str, list[list[dict]]]:
     code, extract, chat = [], [], []
     for i in range(offset, offset + n):
         name, f, src = funcs[i % len(funcs)]
-        code.append([{"role": "user", "content": "Rewrite this Python function with type hints on every argument "
-                      "and the return value. Keep the body as it is.\n\n```python\n" + src + "```"}])
-        extract.append([{"role": "user", "content": "Here is a passage:\n\n" + docs[i % len(docs)] +
-                         "\n\nList the functions or classes this passage names, quoting the sentence that "
-                         "describes each."}])
+        code.append(
+            [
+                {
+                    "role": "user",
+                    "content": "Rewrite this Python function with type hints on every argument "
+                    "and the return value. Keep the body as it is.\n\n```python\n" + src + "```",
+                }
+            ]
+        )
+        extract.append(
+            [
+                {
+                    "role": "user",
+                    "content": "Here is a passage:\n\n"
+                    + docs[i % len(docs)]
+                    + "\n\nList the functions or classes this passage names, quoting the sentence that "
+                    "describes each.",
+                }
+            ]
+        )
         # a different function from the code workload's i-th, so that workloads never share prompts
         name, f, _ = funcs[(i + len(funcs) // 2) % len(funcs)]
-        chat.append([{"role": "user", "content": f"What does {name} do?"},
-                     {"role": "assistant", "content": inspect.getdoc(f)[:800]},
-                     {"role": "user", "content": "Repeat your answer word for word, then add one example call."}])
+        chat.append(
+            [
+                {"role": "user", "content": f"What does {name} do?"},
+                {"role": "assistant", "content": inspect.getdoc(f)[:800]},
+                {"role": "user", "content": "Repeat your answer word for word, then add one example call."},
+            ]
+        )
     return {"code": code, "extract": extract, "chat": chat}
 
 
@@ -131,13 +223,18 @@ def main() -> None:
     args = ap.parse_args()
     from tokenmill import LLM
 
-    configs = {"none": None,
-               "ngram": {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2,
-                         "prompt_lookup_max": 5},
-               "suffix": {"method": "suffix", "num_speculative_tokens": args.k},
-               "draft": {"method": "draft_model", "num_speculative_tokens": args.k,
-                         "model": args.draft_model or args.model or _default_model(),
-                         "quantization": args.draft_quantization, "dtype": args.draft_dtype}}
+    configs = {
+        "none": None,
+        "ngram": {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
+        "suffix": {"method": "suffix", "num_speculative_tokens": args.k},
+        "draft": {
+            "method": "draft_model",
+            "num_speculative_tokens": args.k,
+            "model": args.draft_model or args.model or _default_model(),
+            "quantization": args.draft_quantization,
+            "dtype": args.draft_dtype,
+        },
+    }
     methods = ["none"] + [m for m in args.methods.split(",") if m]
     conc = [int(c) for c in args.concurrency.split(",")]
     results = []
@@ -164,10 +261,16 @@ def main() -> None:
             for m in methods:
                 tps = statistics.median(tps_runs[m])
                 ratio = statistics.median(a / b for a, b in zip(tps_runs[m], tps_runs["none"]))
-                row = {"workload": w, "concurrency": c, "method": m, "requests": n * args.repeats,
-                       "output_tok_s": round(tps, 1),
-                       "speedup": round(ratio, 2), "identical_texts": texts[m] == texts["none"],
-                       "same_texts": sum(a == b for a, b in zip(texts[m], texts["none"]))}
+                row = {
+                    "workload": w,
+                    "concurrency": c,
+                    "method": m,
+                    "requests": n * args.repeats,
+                    "output_tok_s": round(tps, 1),
+                    "speedup": round(ratio, 2),
+                    "identical_texts": texts[m] == texts["none"],
+                    "same_texts": sum(a == b for a, b in zip(texts[m], texts["none"])),
+                }
                 if m in stats:
                     drafts, proposed, accepted = stats[m]
                     row["acceptance_rate"] = round(accepted / proposed, 3) if proposed else 0.0
@@ -179,8 +282,10 @@ def main() -> None:
     print("\n| workload | c | method | output tok/s | vs none | acceptance rate | acceptance length | same texts |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['workload']} | {r['concurrency']} | {r['method']} | {r['output_tok_s']} | {r['speedup']}x | "
-              f"{r.get('acceptance_rate', '')} | {r.get('acceptance_length', '')} | {r['same_texts']}/{r['requests']} |")
+        print(
+            f"| {r['workload']} | {r['concurrency']} | {r['method']} | {r['output_tok_s']} | {r['speedup']}x | "
+            f"{r.get('acceptance_rate', '')} | {r.get('acceptance_length', '')} | {r['same_texts']}/{r['requests']} |"
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -38,6 +38,7 @@ def _timed(times: dict[str, list[float]], key: str, f):
             return f(*a, **k)
         finally:
             times[key].append(time.perf_counter() - t0)
+
     return g
 
 
@@ -81,7 +82,7 @@ def measure(quantization: str | None, streams: int, output_len: int, input_len: 
             tpots.append(sum(gaps) / len(gaps))
             steps["TPOT"] += gaps
             for p in PARTS:  # each part's calls of the decode steps (the first step is the prompt's)
-                steps[p] += times[p][-len(gaps):]
+                steps[p] += times[p][-len(gaps) :]
     finally:
         sampler_mod.SamplingBatch.from_requests = from_requests
     med = {p: statistics.median(v) for p, v in steps.items()}
@@ -116,8 +117,17 @@ def main(argv=None) -> None:
             _report({"this tree": res})
         return
     trees = [os.path.abspath(t) for t in args.trees.split(",")]
-    child = [sys.executable, os.path.abspath(__file__), "--json", "--streams", str(args.streams),
-             "--output-len", str(args.output_len), "--input-len", str(args.input_len)] + (["--quantization", args.quantization] if args.quantization else [])
+    child = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--json",
+        "--streams",
+        str(args.streams),
+        "--output-len",
+        str(args.output_len),
+        "--input-len",
+        str(args.input_len),
+    ] + (["--quantization", args.quantization] if args.quantization else [])
     runs: dict[str, list[dict]] = {t: [] for t in trees}
     for r in range(args.rounds):
         for t in trees:
@@ -125,8 +135,11 @@ def main(argv=None) -> None:
             out = subprocess.run(child, env=env, capture_output=True, text=True, check=True).stdout
             res = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
             runs[t].append(res)
-            print(f"round {r + 1} {t}: TPOT {res['TPOT (mean per stream)'] * 1e3:.3f} ms, forward "
-                  f"{res['forward'] * 1e3:.3f}, outside {res['outside the forward'] * 1e3:.3f}", flush=True)
+            print(
+                f"round {r + 1} {t}: TPOT {res['TPOT (mean per stream)'] * 1e3:.3f} ms, forward "
+                f"{res['forward'] * 1e3:.3f}, outside {res['outside the forward'] * 1e3:.3f}",
+                flush=True,
+            )
     print(f"medians over {args.rounds} rounds (load {os.getloadavg()[0]:.2f}):")
     _report({t: {k: statistics.median(x[k] for x in runs[t]) for k in runs[t][0]} for t in trees})
 

@@ -17,18 +17,30 @@ import time
 from tokenmill import LLM, SamplingParams
 from tokenmill.sampling_params import GuidedDecodingParams
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30}, "age": {"type": "integer"},
-                                           "city": {"type": "string", "maxLength": 30},
-                                           "hobbies": {"type": "array", "maxItems": 4,
-                                                       "items": {"type": "string", "maxLength": 20}}},
-          "required": ["name", "age", "city", "hobbies"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 30},
+        "age": {"type": "integer"},
+        "city": {"type": "string", "maxLength": 30},
+        "hobbies": {"type": "array", "maxItems": 4, "items": {"type": "string", "maxLength": 20}},
+    },
+    "required": ["name", "age", "city", "hobbies"],
+    "additionalProperties": False,
+}
 
 
 def run(llm, n: int, max_tokens: int, guided: bool, seed: int) -> float:
     convs = [[{"role": "user", "content": f"Describe person number {i} as a JSON object."}] for i in range(n)]
-    params = [SamplingParams(temperature=0.7, seed=seed + i, max_tokens=max_tokens,
-                             guided_decoding=GuidedDecodingParams(json=SCHEMA) if guided else None)
-              for i in range(n)]
+    params = [
+        SamplingParams(
+            temperature=0.7,
+            seed=seed + i,
+            max_tokens=max_tokens,
+            guided_decoding=GuidedDecodingParams(json=SCHEMA) if guided else None,
+        )
+        for i in range(n)
+    ]
     t0 = time.perf_counter()
     outs = llm.chat(convs, params)
     return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
@@ -51,8 +63,10 @@ def main(argv=None) -> int:
             res[mode].append(tps)
             print(f"repeat {rep + 1} {mode:11}: {tps:7.1f} output tok/s", flush=True)
     free, guided = statistics.median(res["free"]), statistics.median(res["json_schema"])
-    print(f"median: free {free:.1f} tok/s, JSON schema {guided:.1f} tok/s: {guided / free:.2f}x "
-          f"({100 * (1 - guided / free):.1f}% cost)")
+    print(
+        f"median: free {free:.1f} tok/s, JSON schema {guided:.1f} tok/s: {guided / free:.2f}x "
+        f"({100 * (1 - guided / free):.1f}% cost)"
+    )
     return 0
 
 

@@ -33,8 +33,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from contention import Others  # noqa: E402
 
 
-def _allreduce_rank(rank: int, world: int, port: int, shm_path: str, backend: str, rows: int, hidden: int,
-                    calls: int, out) -> None:
+def _allreduce_rank(
+    rank: int, world: int, port: int, shm_path: str, backend: str, rows: int, hidden: int, calls: int, out
+) -> None:
     import torch
 
     cpus = sorted(os.sched_getaffinity(0))
@@ -72,8 +73,10 @@ def allreduce(world: int, rows_list: list[int], hidden: int, calls: int) -> dict
             ShmAllReduce(path, 0, world, 8 << 20, create=True).close()
             q = ctx.Queue()
             port = _free_port()
-            procs = [ctx.Process(target=_allreduce_rank, args=(r, world, port, path, backend, rows, hidden, calls, q))
-                     for r in range(world)]
+            procs = [
+                ctx.Process(target=_allreduce_rank, args=(r, world, port, path, backend, rows, hidden, calls, q))
+                for r in range(world)
+            ]
             with Others([], children=True) as others:
                 for p in procs:
                     p.start()
@@ -82,8 +85,11 @@ def allreduce(world: int, rows_list: list[int], hidden: int, calls: int) -> dict
                     p.join()
             os.unlink(path)
             res[f"{backend} rows={rows}"] = us
-            print(f"all-reduce {backend:>4}, {world} ranks, [{rows} x {hidden}] bf16: {us:8.1f} us per call "
-                  f"[other processes: {others.cores:.2f} cores]", flush=True)
+            print(
+                f"all-reduce {backend:>4}, {world} ranks, [{rows} x {hidden}] bf16: {us:8.1f} us per call "
+                f"[other processes: {others.cores:.2f} cores]",
+                flush=True,
+            )
     return res
 
 
@@ -117,9 +123,13 @@ def step_message(rows_list: list[int], calls: int) -> dict:
     proc.start()
     res = {}
     for rows in rows_list:  # an all-decode step of `rows` requests with 512-token contexts
-        meta = AttentionMetadata(slot_mapping=torch.arange(rows), decode_rows=torch.arange(rows),
-                                 decode_block_tables=torch.arange(rows * 32).view(rows, 32),
-                                 decode_seq_lens=torch.full((rows,), 512), all_decode=True)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(rows),
+            decode_rows=torch.arange(rows),
+            decode_block_tables=torch.arange(rows * 32).view(rows, 32),
+            decode_seq_lens=torch.full((rows,), 512),
+            all_decode=True,
+        )
         step = StepInputs(torch.arange(rows), torch.full((rows,), 511), meta, list(range(rows)))
         times = []
         for i in range(calls + 20):
@@ -173,10 +183,21 @@ def heads8_model(out: Path = Path("/tmp/tokenmill-bench-smollm2-8heads")) -> str
     from tokenmill.model.loader import resolve_model_path
 
     smol = resolve_model_path(None)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                      num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=8192,
-                      rms_norm_eps=1e-5, tie_word_embeddings=True, rope_theta=100000.0, bos_token_id=1,
-                      eos_token_id=2)
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        rope_theta=100000.0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
     for name in os.listdir(smol):
@@ -202,9 +223,11 @@ def engine(model: str | None, sizes: list[int], dtype: str, repeats: int) -> dic
     summary = {n: {k: statistics.median(x[k] for x in v) for k in v[0]} for n, v in runs.items()}
     base = summary[sizes[0]]
     for n, s in summary.items():
-        print(f"TP={n}: batch-1 TPOT {s['tpot_ms']:.2f} ms (x{s['tpot_ms'] / base['tpot_ms']:.2f}), TTFT "
-              f"{s['ttft_ms']:.1f} ms, 32 concurrent {s['c32_tok_s']:.0f} tok/s (x{s['c32_tok_s'] / base['c32_tok_s']:.2f})"
-              f"  [other processes: {s['others_cores']:.2f} cores]")
+        print(
+            f"TP={n}: batch-1 TPOT {s['tpot_ms']:.2f} ms (x{s['tpot_ms'] / base['tpot_ms']:.2f}), TTFT "
+            f"{s['ttft_ms']:.1f} ms, 32 concurrent {s['c32_tok_s']:.0f} tok/s (x{s['c32_tok_s'] / base['c32_tok_s']:.2f})"
+            f"  [other processes: {s['others_cores']:.2f} cores]"
+        )
     return {"runs": runs, "summary": summary}
 
 
@@ -215,8 +238,11 @@ def main(argv=None) -> None:
     p.add_argument("--rows", default="1,32,512")
     p.add_argument("--hidden", type=int, default=576, help="SmolLM2's hidden size")
     p.add_argument("--calls", type=int, default=2000)
-    p.add_argument("--model", default=None,
-                   help="default: the built-in SmolLM2; smollm2-8heads: its shapes with 8 / 4 heads (TP=2 divides)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="default: the built-in SmolLM2; smollm2-8heads: its shapes with 8 / 4 heads (TP=2 divides)",
+    )
     p.add_argument("--sizes", default="1,3", help="TP sizes (SmolLM2's heads divide by 1 and 3)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--repeats", type=int, default=3)
@@ -229,8 +255,7 @@ def main(argv=None) -> None:
     result = {"cpus": os.cpu_count(), "argv": sys.argv[1:]}
     parts = args.parts.split(",")
     if "allreduce" in parts:
-        result["allreduce_us"] = allreduce(args.world, [int(r) for r in args.rows.split(",")], args.hidden,
-                                           args.calls)
+        result["allreduce_us"] = allreduce(args.world, [int(r) for r in args.rows.split(",")], args.hidden, args.calls)
     if "message" in parts:
         result["step_message_us"] = step_message([int(r) for r in args.rows.split(",")], args.calls // 4)
     if args.model == "smollm2-8heads":

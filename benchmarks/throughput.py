@@ -78,8 +78,8 @@ def hf_generate_batch(model, prompts: list[list[int]], output_len: int, pad_id: 
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for r, p in enumerate(prompts):
-        ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[r, width - len(p):] = 1
+        ids[r, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[r, width - len(p) :] = 1
     with torch.inference_mode():
         out = model.generate(
             input_ids=ids,
@@ -92,12 +92,13 @@ def hf_generate_batch(model, prompts: list[list[int]], output_len: int, pad_id: 
     return out[:, width:].tolist()
 
 
-def run_hf(model, prompts: list[list[int]], output_len: int, batch_size: int, pad_id: int,
-           threads: int) -> tuple[CpuMeter, list[list[int]]]:
+def run_hf(
+    model, prompts: list[list[int]], output_len: int, batch_size: int, pad_id: int, threads: int
+) -> tuple[CpuMeter, list[list[int]]]:
     results: list[list[int]] = []
     with CpuMeter(threads) as m:
         for i in range(0, len(prompts), batch_size):
-            results.extend(hf_generate_batch(model, prompts[i:i + batch_size], output_len, pad_id))
+            results.extend(hf_generate_batch(model, prompts[i : i + batch_size], output_len, pad_id))
     return m, results
 
 
@@ -123,10 +124,25 @@ def machine_facts(threads: int) -> dict:
     except (ValueError, OSError):
         pass
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).resolve().parent, timeout=5).stdout.strip() or None
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--", "src"], capture_output=True, text=True,
-                                    cwd=Path(__file__).resolve().parent, timeout=5).stdout.strip())
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                cwd=Path(__file__).resolve().parent,
+                timeout=5,
+            ).stdout.strip()
+            or None
+        )
+        dirty = bool(
+            subprocess.run(
+                ["git", "status", "--porcelain", "--", "src"],
+                capture_output=True,
+                text=True,
+                cwd=Path(__file__).resolve().parent,
+                timeout=5,
+            ).stdout.strip()
+        )
     except (OSError, subprocess.SubprocessError):
         commit, dirty = None, None
     return {
@@ -270,47 +286,86 @@ def parse_args(argv=None) -> argparse.Namespace:
         epilog=__doc__.split("\n\n", 1)[1],
     )
     g = p.add_argument_group("model and machine")
-    g.add_argument("--model", default=None,
-                   help="HF folder or .gguf file; default: tokenmill's built-in SmolLM2-135M-Instruct "
-                        "(the HF folder it converts from the packaged GGUF, used by every system)")
-    g.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="weights and activations dtype, all systems")
-    g.add_argument("--threads", type=int, default=None,
-                   help="torch.set_num_threads for all systems (default: all cores available to this process)")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="HF folder or .gguf file; default: tokenmill's built-in SmolLM2-135M-Instruct "
+        "(the HF folder it converts from the packaged GGUF, used by every system)",
+    )
+    g.add_argument(
+        "--dtype", default="bfloat16", choices=sorted(DTYPES), help="weights and activations dtype, all systems"
+    )
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads for all systems (default: all cores available to this process)",
+    )
     w = p.add_argument_group("workload")
     w.add_argument("--num-prompts", "-n", type=int, default=64, help="number of prompts")
     w.add_argument("--input-len", type=int, default=256, help="prompt length in tokens")
     w.add_argument("--output-len", type=int, default=128, help="generated tokens per prompt (exact: EOS ignored)")
     w.add_argument("--seed", type=int, default=0, help="seed of the random prompt tokens")
-    w.add_argument("--warmup-output-len", type=int, default=4,
-                   help="output tokens of the short warm-up run each system gets before timing")
+    w.add_argument(
+        "--warmup-output-len",
+        type=int,
+        default=4,
+        help="output tokens of the short warm-up run each system gets before timing",
+    )
     s = p.add_argument_group("systems")
-    s.add_argument("--systems", default=",".join(SYSTEMS),
-                   help=f"comma-separated subset of {','.join(SYSTEMS)} to run")
-    s.add_argument("--repeats", type=int, default=3,
-                   help="timed tokenmill runs (the median is reported); run 1 uses the peers' prompts, later "
-                        "runs fresh seeded prompts of the same shape, so none can hit a prefix cache")
+    s.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)} to run")
+    s.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed tokenmill runs (the median is reported); run 1 uses the peers' prompts, later "
+        "runs fresh seeded prompts of the same shape, so none can hit a prefix cache",
+    )
     s.add_argument("--hf-batch-size", type=int, default=32, help="static batch size of hf-static")
-    s.add_argument("--hf-serial-prompts", type=int, default=8,
-                   help="hf-serial is timed on only this many prompts (its tokens/s is a rate over that "
-                        "subset); 0 or a value >= --num-prompts times all prompts")
-    s.add_argument("--hf-attn", default=None,
-                   help="transformers attn_implementation (default: transformers' own choice, sdpa)")
+    s.add_argument(
+        "--hf-serial-prompts",
+        type=int,
+        default=8,
+        help="hf-serial is timed on only this many prompts (its tokens/s is a rate over that "
+        "subset); 0 or a value >= --num-prompts times all prompts",
+    )
+    s.add_argument(
+        "--hf-attn", default=None, help="transformers attn_implementation (default: transformers' own choice, sdpa)"
+    )
     e = p.add_argument_group("tokenmill engine")
     e.add_argument("--max-num-seqs", type=int, default=256, help="tokenmill max_num_seqs")
     e.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokenmill max_num_batched_tokens")
     e.add_argument("--kv-cache-memory", type=float, default=4.0, help="tokenmill KV pool in GiB")
-    e.add_argument("--quantization", default=None, choices=["int4", "int8"],
-                   help="tokenmill weight-only quantization (transformers keeps the checkpoint's weights)")
-    s.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
-                   help="before each timed run, wait up to this long for other processes on this (shared) "
-                        "machine to use fewer than --idle-threshold cores; 0: do not wait")
-    s.add_argument("--idle-threshold", type=float, default=0.2, metavar="CORES",
-                   help="CPU cores other processes may use for the machine to count as idle")
+    e.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int4", "int8"],
+        help="tokenmill weight-only quantization (transformers keeps the checkpoint's weights)",
+    )
+    s.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="before each timed run, wait up to this long for other processes on this (shared) "
+        "machine to use fewer than --idle-threshold cores; 0: do not wait",
+    )
+    s.add_argument(
+        "--idle-threshold",
+        type=float,
+        default=0.2,
+        metavar="CORES",
+        help="CPU cores other processes may use for the machine to count as idle",
+    )
     o = p.add_argument_group("output")
-    o.add_argument("--out", default=None,
-                   help="JSON result path (default: benchmarks/results/throughput-<timestamp>.json)")
-    o.add_argument("--no-check", action="store_true",
-                   help="skip comparing tokenmill's greedy outputs with transformers' (informational)")
+    o.add_argument(
+        "--out", default=None, help="JSON result path (default: benchmarks/results/throughput-<timestamp>.json)"
+    )
+    o.add_argument(
+        "--no-check",
+        action="store_true",
+        help="skip comparing tokenmill's greedy outputs with transformers' (informational)",
+    )
     args = p.parse_args(argv)
     args.systems = [x.strip() for x in args.systems.split(",") if x.strip()]
     bad = [x for x in args.systems if x not in SYSTEMS]
@@ -341,22 +396,28 @@ def main(argv=None) -> dict:
     excluded = special_token_ids(tokenizer)
     prompts = make_prompts(args.num_prompts, args.input_len, vocab, excluded, args.seed)
     warm_prompts = make_prompts(min(4, args.num_prompts), args.input_len, vocab, excluded, args.seed + 1)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (
-        hf_config.pad_token_id if hf_config.pad_token_id is not None else hf_config.eos_token_id)
+    pad_id = (
+        tokenizer.pad_token_id
+        if tokenizer.pad_token_id is not None
+        else (hf_config.pad_token_id if hf_config.pad_token_id is not None else hf_config.eos_token_id)
+    )
     n_out = args.num_prompts * args.output_len
     layer_flops, head_flops = matmul_flops_per_token(hf_config)
     run_flops = args.num_prompts * ((args.input_len + args.output_len) * layer_flops + args.output_len * head_flops)
 
     machine = machine_facts(threads)
-    out = Path(args.out) if args.out else (
-        Path(__file__).resolve().parent / "results" / f"throughput-{_dt.datetime.now():%Y%m%d-%H%M%S}.json")
+    out = (
+        Path(args.out)
+        if args.out
+        else (Path(__file__).resolve().parent / "results" / f"throughput-{_dt.datetime.now():%Y%m%d-%H%M%S}.json")
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     base = {
         "benchmark": "throughput",
         "timestamp": _dt.datetime.now().isoformat(timespec="seconds"),
         "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
-        "config": {k: v for k, v in vars(args).items() if k != "out"} | {"model_path": path, "pad_token_id": pad_id,
-                                                                          "excluded_special_ids": len(excluded)},
+        "config": {k: v for k, v in vars(args).items() if k != "out"}
+        | {"model_path": path, "pad_token_id": pad_id, "excluded_special_ids": len(excluded)},
         "machine": machine,
         "run_matmul_gflop": round(run_flops / 1e9, 1),
     }
@@ -365,10 +426,14 @@ def main(argv=None) -> dict:
         out.write_text(json.dumps(base | {"partial": True, "results": results}, indent=2) + "\n")
 
     print(f"model   {path}  ({hf_config.architectures[0]}, {args.dtype})")
-    print(f"machine {machine['cpu_model']}  cpus={machine['cpu_count']} threads={threads} "
-          f"amx={machine['amx']}  torch {machine['torch']}  transformers {machine['transformers']}")
-    print(f"workload {args.num_prompts} prompts x {args.input_len} in x {args.output_len} out "
-          f"(seed {args.seed}; {len(excluded)} special ids excluded), greedy, EOS ignored; load avg {loadavg()}")
+    print(
+        f"machine {machine['cpu_model']}  cpus={machine['cpu_count']} threads={threads} "
+        f"amx={machine['amx']}  torch {machine['torch']}  transformers {machine['transformers']}"
+    )
+    print(
+        f"workload {args.num_prompts} prompts x {args.input_len} in x {args.output_len} out "
+        f"(seed {args.seed}; {len(excluded)} special ids excluded), greedy, EOS ignored; load avg {loadavg()}"
+    )
 
     results: dict = {}
     outputs: dict[str, list[list[int]]] = {}
@@ -378,9 +443,15 @@ def main(argv=None) -> dict:
         from tokenmill import LLM
 
         t0 = time.perf_counter()
-        llm = LLM(path, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-                  num_threads=threads, quantization=args.quantization)
+        llm = LLM(
+            path,
+            dtype=args.dtype,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            kv_cache_memory=args.kv_cache_memory,
+            num_threads=threads,
+            quantization=args.quantization,
+        )
         load_s = time.perf_counter() - t0
         torch.set_num_threads(threads)
         warm, _ = run_tokenmill(llm, warm_prompts, args.warmup_output_len, threads)
@@ -389,8 +460,11 @@ def main(argv=None) -> dict:
             wait_idle(args.wait_idle, args.idle_threshold, f"tokenmill run {r + 1}")
             # Run 1 gets the prompts the peers get (its outputs are compared with theirs); later
             # runs get fresh prompts of the same shape, so no run can hit a prefix cache.
-            run_prompts = prompts if r == 0 else make_prompts(
-                args.num_prompts, args.input_len, vocab, excluded, args.seed + 1000 + r)
+            run_prompts = (
+                prompts
+                if r == 0
+                else make_prompts(args.num_prompts, args.input_len, vocab, excluded, args.seed + 1000 + r)
+            )
             m, outs = run_tokenmill(llm, run_prompts, args.output_len, threads)
             bad = [len(o) for o in outs if len(o) != args.output_len]
             if bad:
@@ -399,12 +473,18 @@ def main(argv=None) -> dict:
                 outputs["tokenmill"] = outs
             runs.append(m.wall)
             cpu.append(m.facts())
-            print(f"  tokenmill run {r + 1}/{args.repeats}: {m.wall:.2f} s  {n_out / m.wall:.1f} output tok/s  {cpu_note(m)}")
+            print(
+                f"  tokenmill run {r + 1}/{args.repeats}: {m.wall:.2f} s  {n_out / m.wall:.1f} output tok/s  {cpu_note(m)}"
+            )
         med = statistics.median(runs)
         results["tokenmill"] = {
-            "load_s": round(load_s, 2), "warmup_s": round(warm.wall, 2), "runs_s": [round(x, 3) for x in runs],
+            "load_s": round(load_s, 2),
+            "warmup_s": round(warm.wall, 2),
+            "runs_s": [round(x, 3) for x in runs],
             "runs_cpu": cpu,
-            "time_s": round(med, 3), "prompts": args.num_prompts, "output_tokens": n_out,
+            "time_s": round(med, 3),
+            "prompts": args.num_prompts,
+            "output_tokens": n_out,
             "output_tok_s": round(n_out / med, 1),
             "total_tok_s": round(args.num_prompts * (args.input_len + args.output_len) / med, 1),
             "matmul_gflop_s": round(run_flops / med / 1e9, 1),
@@ -435,8 +515,13 @@ def main(argv=None) -> dict:
             outputs["hf-serial"] = outs
             toks = k * args.output_len
             results["hf-serial"] = {
-                "load_s": round(load_s, 2), "warmup_s": round(warm.wall, 2), "time_s": round(dt, 3), **m.facts(),
-                "prompts": k, "output_tokens": toks, "subset": k < args.num_prompts,
+                "load_s": round(load_s, 2),
+                "warmup_s": round(warm.wall, 2),
+                "time_s": round(dt, 3),
+                **m.facts(),
+                "prompts": k,
+                "output_tokens": toks,
+                "subset": k < args.num_prompts,
                 "output_tok_s": round(toks / dt, 1),
                 "total_tok_s": round(k * (args.input_len + args.output_len) / dt, 1),
                 "est_time_all_prompts_s": round(dt * args.num_prompts / k, 1),
@@ -447,8 +532,9 @@ def main(argv=None) -> dict:
 
         if "hf-static" in hf_systems:
             bs = args.hf_batch_size
-            warm, _ = run_hf(model, (warm_prompts * bs)[:min(bs, args.num_prompts)], args.warmup_output_len, bs,
-                             pad_id, threads)
+            warm, _ = run_hf(
+                model, (warm_prompts * bs)[: min(bs, args.num_prompts)], args.warmup_output_len, bs, pad_id, threads
+            )
             wait_idle(args.wait_idle, args.idle_threshold, "hf-static")
             m, outs = run_hf(model, prompts, args.output_len, bs, pad_id, threads)
             dt = m.wall
@@ -457,8 +543,13 @@ def main(argv=None) -> dict:
                 raise RuntimeError(f"hf-static produced {len(bad)} rows of the wrong length")
             outputs["hf-static"] = outs
             results["hf-static"] = {
-                "load_s": round(load_s, 2), "warmup_s": round(warm.wall, 2), "time_s": round(dt, 3), **m.facts(),
-                "prompts": args.num_prompts, "batch_size": bs, "output_tokens": n_out,
+                "load_s": round(load_s, 2),
+                "warmup_s": round(warm.wall, 2),
+                "time_s": round(dt, 3),
+                **m.facts(),
+                "prompts": args.num_prompts,
+                "batch_size": bs,
+                "output_tokens": n_out,
                 "output_tok_s": round(n_out / dt, 1),
                 "total_tok_s": round(args.num_prompts * (args.input_len + args.output_len) / dt, 1),
                 "matmul_gflop_s": round(run_flops / dt / 1e9, 1),
@@ -473,12 +564,14 @@ def main(argv=None) -> dict:
     if "tokenmill" in results:
         for peer in ("hf-serial", "hf-static"):
             if peer in results:
-                ratios[f"tokenmill/{peer}"] = round(results["tokenmill"]["output_tok_s"] / results[peer]["output_tok_s"], 2)
+                ratios[f"tokenmill/{peer}"] = round(
+                    results["tokenmill"]["output_tok_s"] / results[peer]["output_tok_s"], 2
+                )
     checks = {}
     if not args.no_check and "tokenmill" in outputs:
         for peer in ("hf-serial", "hf-static"):
             if peer in outputs:
-                checks[f"tokenmill_vs_{peer}"] = agreement(outputs["tokenmill"][:len(outputs[peer])], outputs[peer])
+                checks[f"tokenmill_vs_{peer}"] = agreement(outputs["tokenmill"][: len(outputs[peer])], outputs[peer])
     total_s = time.perf_counter() - t_start
 
     print()
@@ -492,24 +585,34 @@ def main(argv=None) -> dict:
         if name == "tokenmill":
             note = f"median of {args.repeats} runs {r['runs_s']}, all {r['prompts']} prompts at once"
         elif name == "hf-serial":
-            note = (f"one prompt at a time; rate measured on {r['prompts']} of {args.num_prompts} prompts "
-                    f"(all would take ~{r['est_time_all_prompts_s']} s)" if r["subset"] else "one prompt at a time")
+            note = (
+                f"one prompt at a time; rate measured on {r['prompts']} of {args.num_prompts} prompts "
+                f"(all would take ~{r['est_time_all_prompts_s']} s)"
+                if r["subset"]
+                else "one prompt at a time"
+            )
         elif name == "hf-static":
             note = f"static batches of {r['batch_size']}"
         oc = [c["others_cpu_cores"] for c in r.get("runs_cpu", [r])]
         others = max((c for c in oc if c is not None), default=None)
         contended = contended or (others is not None and others > 0.25)
-        print(f"{name:<12} {r['output_tok_s']:>13.1f} {r['total_tok_s']:>12.1f} {r['time_s']:>8.2f} "
-              f"{'-' if others is None else f'{others:.2f}':>6}  {note}")
-    print("('others': CPU cores other processes used while the system was timed, worst run; niced "
-          "background work, which yields to this process, is not counted but is in the JSON)")
+        print(
+            f"{name:<12} {r['output_tok_s']:>13.1f} {r['total_tok_s']:>12.1f} {r['time_s']:>8.2f} "
+            f"{'-' if others is None else f'{others:.2f}':>6}  {note}"
+        )
+    print(
+        "('others': CPU cores other processes used while the system was timed, worst run; niced "
+        "background work, which yields to this process, is not counted but is in the JSON)"
+    )
     if contended:
         print("WARNING: other processes used CPU during timing; the figures and ratios are disturbed")
     for k, v in ratios.items():
         print(f"ratio {k}: {v:.2f}x")
     for k, v in checks.items():
-        print(f"greedy agreement {k}: {v['identical_rows']}/{v['rows']} rows identical, "
-              f"mean common prefix {v['mean_common_prefix']} of {args.output_len} tokens")
+        print(
+            f"greedy agreement {k}: {v['identical_rows']}/{v['rows']} rows identical, "
+            f"mean common prefix {v['mean_common_prefix']} of {args.output_len} tokens"
+        )
     print(f"total benchmark time {total_s:.1f} s; load avg {loadavg()}")
 
     result = base | {

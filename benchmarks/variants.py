@@ -13,12 +13,46 @@ from pathlib import Path
 
 from tokenmill import LLM, SamplingParams
 
-TOPICS = ["the moon", "bread", "volcanoes", "chess", "rivers", "bees", "the internet", "glass", "tea", "maps",
-          "winter", "trains", "music", "paper", "salt", "clocks", "bridges", "coral reefs", "bicycles", "ink",
-          "lighthouses", "apples", "deserts", "owls", "batteries", "soap", "comets", "wool", "tides", "bells",
-          "cheese", "kites"]
-ASKS = ["Explain how {} work, in three sentences.", "Write a short poem about {}.",
-        "Give three surprising facts about {}.", "Describe {} to a child."]
+TOPICS = [
+    "the moon",
+    "bread",
+    "volcanoes",
+    "chess",
+    "rivers",
+    "bees",
+    "the internet",
+    "glass",
+    "tea",
+    "maps",
+    "winter",
+    "trains",
+    "music",
+    "paper",
+    "salt",
+    "clocks",
+    "bridges",
+    "coral reefs",
+    "bicycles",
+    "ink",
+    "lighthouses",
+    "apples",
+    "deserts",
+    "owls",
+    "batteries",
+    "soap",
+    "comets",
+    "wool",
+    "tides",
+    "bells",
+    "cheese",
+    "kites",
+]
+ASKS = [
+    "Explain how {} work, in three sentences.",
+    "Write a short poem about {}.",
+    "Give three surprising facts about {}.",
+    "Describe {} to a child.",
+]
 
 
 def chat_outputs(llm: LLM, max_tokens: int) -> list:
@@ -42,20 +76,29 @@ def agreement(ref: list, outs: list, max_tokens: int) -> dict:
         for i in range(min(n + 1, len(a.token_ids), len(b.token_ids))):
             if a.token_ids[i] == b.token_ids[i]:
                 diffs.append(abs(a.logprobs[i][a.token_ids[i]].logprob - b.logprobs[i][b.token_ids[i]].logprob))
-    return {"prompts": len(ref), "max_tokens": max_tokens, "identical_outputs": same,
-            "mean_agreeing_fraction": statistics.mean(agree_frac),
-            "logprob_abs_diff_mean": statistics.mean(diffs), "logprob_abs_diff_p99": sorted(diffs)[int(0.99 * len(diffs))],
-            "logprob_abs_diff_max": max(diffs), "tokens_compared": len(diffs)}
+    return {
+        "prompts": len(ref),
+        "max_tokens": max_tokens,
+        "identical_outputs": same,
+        "mean_agreeing_fraction": statistics.mean(agree_frac),
+        "logprob_abs_diff_mean": statistics.mean(diffs),
+        "logprob_abs_diff_p99": sorted(diffs)[int(0.99 * len(diffs))],
+        "logprob_abs_diff_max": max(diffs),
+        "tokens_compared": len(diffs),
+    }
 
 
 def describe_agreement(q: dict) -> str:
-    return (f"{q['identical_outputs']}/{q['prompts']} identical, {100 * q['mean_agreeing_fraction']:.1f}% of tokens "
-            f"before the first divergence; |logprob diff| mean {q['logprob_abs_diff_mean']:.4f}, "
-            f"p99 {q['logprob_abs_diff_p99']:.4f}, max {q['logprob_abs_diff_max']:.4f} over {q['tokens_compared']} tokens")
+    return (
+        f"{q['identical_outputs']}/{q['prompts']} identical, {100 * q['mean_agreeing_fraction']:.1f}% of tokens "
+        f"before the first divergence; |logprob diff| mean {q['logprob_abs_diff_mean']:.4f}, "
+        f"p99 {q['logprob_abs_diff_p99']:.4f}, max {q['logprob_abs_diff_max']:.4f} over {q['tokens_compared']} tokens"
+    )
 
 
-def alternating_throughput(llms: dict[str, LLM], num_prompts: int, input_len: int, output_len: int,
-                           repeats: int) -> dict[str, list[float]]:
+def alternating_throughput(
+    llms: dict[str, LLM], num_prompts: int, input_len: int, output_len: int, repeats: int
+) -> dict[str, list[float]]:
     """Offline output tok/s of each variant on the same seeded random prompts, variants alternating."""
     tok = next(iter(llms.values())).get_tokenizer()
     special = set(tok.all_special_ids)

@@ -33,10 +33,16 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.bench.offline import wait_for_kv_cache
 
 # name -> (dtype, --quantization[, environment while it loads])
-VARIANTS = {"bf16": ("bfloat16", None), "int8": ("bfloat16", "int8"), "int4": ("bfloat16", "int4"),
-            "gguf": ("bfloat16", "gguf"), "w8a8": ("bfloat16", "w8a8"), "fp32": ("float32", None),
-            "w8a8-fp32": ("float32", "w8a8"),  # w8a8 with float32 activations (norms, attention)
-            "w8a8-bf16head": ("bfloat16", "w8a8", {"TOKENMILL_W8A8_LM_HEAD": "0"})}  # the lm_head left in bf16
+VARIANTS = {
+    "bf16": ("bfloat16", None),
+    "int8": ("bfloat16", "int8"),
+    "int4": ("bfloat16", "int4"),
+    "gguf": ("bfloat16", "gguf"),
+    "w8a8": ("bfloat16", "w8a8"),
+    "fp32": ("float32", None),
+    "w8a8-fp32": ("float32", "w8a8"),  # w8a8 with float32 activations (norms, attention)
+    "w8a8-bf16head": ("bfloat16", "w8a8", {"TOKENMILL_W8A8_LM_HEAD": "0"}),
+}  # the lm_head left in bf16
 ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8")
 PPL_MODULES = ("argparse", "subprocess", "logging", "json", "csv", "difflib")
 
@@ -62,16 +68,20 @@ def perplexity_text() -> str:
 def perplexity(llm: LLM, ids: list[int], segment: int) -> float:
     """exp(mean negative log-likelihood) of every token after the first of each segment."""
     segs = [ids[i : i + segment] for i in range(0, len(ids), segment) if len(ids[i : i + segment]) > 1]
-    outs = llm.generate(prompt_token_ids=segs, sampling_params=SamplingParams(max_tokens=1, prompt_logprobs=0),
-                        use_tqdm=False)
+    outs = llm.generate(
+        prompt_token_ids=segs, sampling_params=SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False
+    )
     nll = [-next(iter(d.values())).logprob for o in outs for d in o.prompt_logprobs[1:]]
     return math.exp(statistics.mean(nll))
 
 
 def linear_flops_per_token(llm: LLM) -> int:
     model = llm.engine.core.runner.model
-    return 2 * sum(m.in_features * m.out_features for n, m in model.named_modules()
-                   if hasattr(m, "in_features") and hasattr(m, "out_features") and n != "lm_head")
+    return 2 * sum(
+        m.in_features * m.out_features
+        for n, m in model.named_modules()
+        if hasattr(m, "in_features") and hasattr(m, "out_features") and n != "lm_head"
+    )
 
 
 def prefill_gflops(llms: dict[str, LLM], prompts: int, length: int, repeats: int) -> dict[str, list[float]]:
@@ -112,23 +122,31 @@ def main(argv=None) -> int:
     names = ["bf16"] + [n for n in args.variants.split(",") if n != "bf16"]
     timed = [] if args.skip_speed else args.speed_variants.split(",")
     names += [n for n in timed if n not in names]
-    print(f"machine: {machine()}, {os.cpu_count()} cpus, load average "
-          f"{' / '.join(f'{x:.2f}' for x in os.getloadavg())}; torch {torch.__version__}, {torch.get_num_threads()} "
-          f"threads; Python {platform.python_version()}", flush=True)
+    print(
+        f"machine: {machine()}, {os.cpu_count()} cpus, load average "
+        f"{' / '.join(f'{x:.2f}' for x in os.getloadavg())}; torch {torch.__version__}, {torch.get_num_threads()} "
+        f"threads; Python {platform.python_version()}",
+        flush=True,
+    )
     llms = {}
     for n in names:
         dtype, quantization, *env = VARIANTS[n]
         with mock.patch.dict(os.environ, env[0] if env else {}):
-            llms[n] = LLM(args.model, dtype=dtype, quantization=quantization, kv_cache_memory=1.0,
-                          enable_prefix_caching=False)
+            llms[n] = LLM(
+                args.model, dtype=dtype, quantization=quantization, kv_cache_memory=1.0, enable_prefix_caching=False
+            )
     for llm in llms.values():  # timings of the steady state, not of start-up
         wait_for_kv_cache(llm)
     from tokenmill.kernels import cpu_kernels
 
     kernels = cpu_kernels.load()
     isa = kernels.w8a8_isa() if kernels is not None and hasattr(kernels, "w8a8_isa") else "torch"
-    result: dict = {"args": vars(args), "w8a8_isa": isa, "loadavg_start": os.getloadavg(),
-                    "weight_bytes": {n: weight_bytes(llm) for n, llm in llms.items()}}
+    result: dict = {
+        "args": vars(args),
+        "w8a8_isa": isa,
+        "loadavg_start": os.getloadavg(),
+        "weight_bytes": {n: weight_bytes(llm) for n, llm in llms.items()},
+    }
     outs = {n: chat_outputs(llm, args.max_tokens) for n, llm in llms.items()}
     result["quality_vs_bf16"] = {n: agreement(outs["bf16"], outs[n], args.max_tokens) for n in llms if n != "bf16"}
     write_result(args.out, result)  # each phase's figures are kept if a later one is interrupted
@@ -144,10 +162,14 @@ def main(argv=None) -> int:
         result["median_prefill_gflop_s"] = {n: statistics.median(v) for n, v in pre.items()}
         result["median_throughput_tok_s"] = {n: statistics.median(v) for n, v in thr.items()}
     result["loadavg_end"] = os.getloadavg()
-    print(f"\nw8a8 kernel path: {isa}; load average at the end "
-          f"{' / '.join(f'{x:.2f}' for x in result['loadavg_end'])}; perplexity over {len(ids)} tokens")
-    print(f"| variant | weights | prefill GFLOP/s (vs bf16, vs fp32) | {args.concurrency}-concurrent tok/s (vs bf16, "
-          f"vs fp32) | identical (of 32) | mean / p99 abs logprob diff vs bf16 | perplexity |")
+    print(
+        f"\nw8a8 kernel path: {isa}; load average at the end "
+        f"{' / '.join(f'{x:.2f}' for x in result['loadavg_end'])}; perplexity over {len(ids)} tokens"
+    )
+    print(
+        f"| variant | weights | prefill GFLOP/s (vs bf16, vs fp32) | {args.concurrency}-concurrent tok/s (vs bf16, "
+        f"vs fp32) | identical (of 32) | mean / p99 abs logprob diff vs bf16 | perplexity |"
+    )
     print("|---|---:|---:|---:|---:|---|---:|")
     wb0 = result["weight_bytes"]["bf16"]
     for n in llms:
@@ -158,8 +180,11 @@ def main(argv=None) -> int:
             ratios = ", ".join(f"{v / med[b]:.2f}x" for b in ("bf16", "fp32") if b in med and b != n)
             cells.append("" if v is None else f"{v:.1f} ({ratios})" if ratios else f"{v:.1f}")
         q = result["quality_vs_bf16"].get(n)
-        cells += ([f"{q['identical_outputs']}", f"{q['logprob_abs_diff_mean']:.3f} / {q['logprob_abs_diff_p99']:.3f}"]
-                  if q else ["-", "-"])
+        cells += (
+            [f"{q['identical_outputs']}", f"{q['logprob_abs_diff_mean']:.3f} / {q['logprob_abs_diff_p99']:.3f}"]
+            if q
+            else ["-", "-"]
+        )
         cells.append(f"{result['perplexity'][n]:.3f}")
         print("| " + " | ".join(cells) + " |")
     write_result(args.out, result)

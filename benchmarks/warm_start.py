@@ -76,8 +76,11 @@ def one_start(src: str | None, serve_args: list[str], timeout_s: float = 300.0) 
                 proc.kill()
         log.seek(0)
         engine = [ln for ln in log if "engine ready in" in ln]
-    return {"first_answer_s": round(first, 3), "health_200_s": round(ready, 3),
-            "engine_log": engine[0].split("engine ready in ")[1].split(":")[0] if engine else None}
+    return {
+        "first_answer_s": round(first, 3),
+        "health_200_s": round(ready, 3),
+        "engine_log": engine[0].split("engine ready in ")[1].split(":")[0] if engine else None,
+    }
 
 
 def breakdown() -> list[tuple[str, float]]:
@@ -92,6 +95,7 @@ def breakdown() -> list[tuple[str, float]]:
                 return fn(*args, **kwargs)
             finally:
                 times.append((name, time.perf_counter() - t))
+
         return wrapper
 
     def wrap(module: str, attr: str) -> None:
@@ -106,25 +110,34 @@ def breakdown() -> list[tuple[str, float]]:
 
     t = time.perf_counter()
     import torch  # noqa: F401
+
     times.append(("import torch", time.perf_counter() - t))
     t = time.perf_counter()
     import tokenmill  # noqa: F401
+
     times.append(("import tokenmill (after torch)", time.perf_counter() - t))
     t = time.perf_counter()
     importlib.import_module("tokenmill.engine.llm_engine")
     times.append(("import tokenmill.engine.llm_engine", time.perf_counter() - t))
     t = time.perf_counter()
     from tokenmill.server.app import build_app
+
     times.append(("import tokenmill.server.app", time.perf_counter() - t))
     for module, attr in [
-        ("tokenmill.model.gguf_loader", "_file_key"), ("tokenmill.model.loader", "resolve_model_path"),
-        ("tokenmill.model.loader", "load_hf_config"), ("tokenmill.tokenizer", "load_tokenizer"),
-        ("tokenmill.kernels.cpu_kernels", "load"), ("tokenmill.model.loader", "model_class"),
-        ("tokenmill.model.loader", "_iter_safetensors"), ("tokenmill.model.layers.linear", "pack_linears"),
+        ("tokenmill.model.gguf_loader", "_file_key"),
+        ("tokenmill.model.loader", "resolve_model_path"),
+        ("tokenmill.model.loader", "load_hf_config"),
+        ("tokenmill.tokenizer", "load_tokenizer"),
+        ("tokenmill.kernels.cpu_kernels", "load"),
+        ("tokenmill.model.loader", "model_class"),
+        ("tokenmill.model.loader", "_iter_safetensors"),
+        ("tokenmill.model.layers.linear", "pack_linears"),
         ("tokenmill.model.layers.quantization", "pack_quantized"),
-        ("tokenmill.model.layers.weight_arena", "place_decode_weights"), ("tokenmill.model.loader", "load_model"),
+        ("tokenmill.model.layers.weight_arena", "place_decode_weights"),
+        ("tokenmill.model.loader", "load_model"),
         ("tokenmill.worker.runner", "ModelRunner.allocate_kv_cache"),
-        ("tokenmill.worker.fused_decode", "FusedDecode.build"), ("tokenmill.engine.engine_core", "KVCacheManager"),
+        ("tokenmill.worker.fused_decode", "FusedDecode.build"),
+        ("tokenmill.engine.engine_core", "KVCacheManager"),
         ("tokenmill.engine.llm_engine", "StructuredOutputManager"),
     ]:
         wrap(module, attr)
@@ -159,8 +172,14 @@ def main() -> None:
     runs = [one_start(ns.src, ns.serve_args) for _ in range(ns.repeats)]
     for r in runs:
         print(json.dumps(r))
-    print(json.dumps({"median_first_answer_s": statistics.median(r["first_answer_s"] for r in runs),
-                      "median_health_200_s": statistics.median(r["health_200_s"] for r in runs)}))
+    print(
+        json.dumps(
+            {
+                "median_first_answer_s": statistics.median(r["first_answer_s"] for r in runs),
+                "median_health_200_s": statistics.median(r["health_200_s"] for r in runs),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

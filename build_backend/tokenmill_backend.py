@@ -35,8 +35,9 @@ def load_kernel_module(name: str, file: str):
 
 def kernel_modules():
     """(isa, build) from src/tokenmill/kernels, loaded by path (build.py imports isa by this name)."""
-    return load_kernel_module("tokenmill_kernels_isa", "isa.py"), load_kernel_module("tokenmill_kernels_build",
-                                                                                        "build.py")
+    return load_kernel_module("tokenmill_kernels_isa", "isa.py"), load_kernel_module(
+        "tokenmill_kernels_build", "build.py"
+    )
 
 
 def _torch_if_needed() -> list[str]:

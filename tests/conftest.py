@@ -127,9 +127,13 @@ def smollm2_server(smollm2_dir):
 
     with running_server(smollm2_dir, dtype="bfloat16", kv_cache_memory=0.5) as (server, aengine):
         with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
-            yield types.SimpleNamespace(url=server.url, aengine=aengine, client=client,
-                                        model=aengine.engine.config.model.name,
-                                        ctx=server.server.config.app.state.ctx)
+            yield types.SimpleNamespace(
+                url=server.url,
+                aengine=aengine,
+                client=client,
+                model=aengine.engine.config.model.name,
+                ctx=server.server.config.app.state.ctx,
+            )
 
 
 @pytest.fixture(scope="module")
@@ -156,8 +160,9 @@ def wait_engine_idle(aengine, timeout: float = 30.0) -> bool:
     return True
 
 
-def reference_paged_decode(q, k_cache, v_cache, tables, lens, bs: int, scale: float | None = None, window: int = 0,
-                           softcap: float = 0.0):
+def reference_paged_decode(
+    q, k_cache, v_cache, tables, lens, bs: int, scale: float | None = None, window: int = 0, softcap: float = 0.0
+):
     """Decode attention in float32 through block tables, the way SDPA computes it: [B, H, D].
     window > 0: each query reads its last `window` keys only; softcap > 0: scores soft-capped."""
     import torch

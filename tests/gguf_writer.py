@@ -31,11 +31,26 @@ _NAMES = {
     "mlp.shared_expert.down_proj": "ffn_down_shexp",
 }  # fmt: skip
 # model_type -> llama.cpp architecture (Mixtral is "llama" with experts)
-ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "mixtral": "llama",
-         "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+ARCHS = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+    "mixtral": "llama",
+    "qwen2_moe": "qwen2moe",
+    "qwen3_moe": "qwen3moe",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+}
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight$")
-_EXPERT_PART = {"w1": "ffn_gate_exps", "gate_proj": "ffn_gate_exps", "w3": "ffn_up_exps", "up_proj": "ffn_up_exps",
-                "w2": "ffn_down_exps", "down_proj": "ffn_down_exps"}
+_EXPERT_PART = {
+    "w1": "ffn_gate_exps",
+    "gate_proj": "ffn_gate_exps",
+    "w3": "ffn_up_exps",
+    "up_proj": "ffn_up_exps",
+    "w2": "ffn_down_exps",
+    "down_proj": "ffn_down_exps",
+}
 # Gemma's four norms a layer (convert_hf_to_gguf.py stores every Gemma norm weight as 1 + w).
 _GEMMA_NAMES = {**_NAMES, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                 "post_feedforward_layernorm": "post_ffw_norm"}  # fmt: skip
@@ -119,8 +134,13 @@ def random_kquant(t: np.ndarray, qt: gguf.GGMLQuantizationType, seed: int = 0) -
 _KQUANT_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
-def write_gguf_from_hf(hf_dir: str | Path, out_path: str | Path, qtype: str | dict[str, str] = "F32",
-                       pre: str = "gpt-2", name: str | None = None) -> Path:
+def write_gguf_from_hf(
+    hf_dir: str | Path,
+    out_path: str | Path,
+    qtype: str | dict[str, str] = "F32",
+    pre: str = "gpt-2",
+    name: str | None = None,
+) -> Path:
     """Write `hf_dir` (a model_type in ARCHS) as a GGUF at `out_path`; 2-D weights are stored as `qtype`
     (e.g. "F32", "F16", "Q8_0"; or per llama.cpp tensor kind, {"attn_v": "Q6_K", ...}, the rest F32)
     where their rows fit its block size, norms stay F32 as in llama.cpp. k-quant tensors get
@@ -175,8 +195,10 @@ def write_gguf_from_hf(hf_dir: str | Path, out_path: str | Path, qtype: str | di
     if cfg.get("shared_expert_intermediate_size"):
         w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     if gemma:  # Gemma2Model / Gemma3Model.set_gguf_parameters; llama.cpp fixes the layer pattern itself
-        assert cfg["layer_types"] == ["sliding_attention" if (i + 1) % (2 if arch == "gemma2" else 6) else "full_attention"
-                                      for i in range(cfg["num_hidden_layers"])], "llama.cpp's sliding pattern"
+        assert cfg["layer_types"] == [
+            "sliding_attention" if (i + 1) % (2 if arch == "gemma2" else 6) else "full_attention"
+            for i in range(cfg["num_hidden_layers"])
+        ], "llama.cpp's sliding pattern"
         w.add_sliding_window(cfg["sliding_window"])
         if arch == "gemma2":
             w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])

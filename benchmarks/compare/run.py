@@ -72,15 +72,30 @@ from peers import (  # noqa: E402
 )
 
 # tokenmill's own modes beside bf16: the flags each adds to `tokenmill serve`.
-MODES = {"tokenmill-int4": ["--quantization", "int4"], "tokenmill-w8a8": ["--quantization", "w8a8"],
-         "tokenmill-fp8kv": ["--kv-cache-dtype", "fp8"]}
-SYSTEMS = ("tokenmill", "tokenmill-q4_1", *MODES, "tokenmill-base", "vllm", "llamaserver-q4_1", "llamaserver-bf16",
-           "llamacpp-q4_1", "llamacpp-bf16", "hf-static")
+MODES = {
+    "tokenmill-int4": ["--quantization", "int4"],
+    "tokenmill-w8a8": ["--quantization", "w8a8"],
+    "tokenmill-fp8kv": ["--kv-cache-dtype", "fp8"],
+}
+SYSTEMS = (
+    "tokenmill",
+    "tokenmill-q4_1",
+    *MODES,
+    "tokenmill-base",
+    "vllm",
+    "llamaserver-q4_1",
+    "llamaserver-bf16",
+    "llamacpp-q4_1",
+    "llamacpp-bf16",
+    "hf-static",
+)
 # (system, peer) pairs of the ratio table: tokenmill against every peer and its own --base-ref (after /
 # before), each of its modes against bf16, and its Q4_1 run against llama.cpp on the same file.
-PAIRS = [("tokenmill", s) for s in SYSTEMS if s not in ("tokenmill", "tokenmill-q4_1", *MODES)] + [
-    (s, "tokenmill") for s in ("tokenmill-q4_1", *MODES)] + [
-    ("tokenmill-q4_1", "llamaserver-q4_1"), ("tokenmill-q4_1", "llamacpp-q4_1")]
+PAIRS = (
+    [("tokenmill", s) for s in SYSTEMS if s not in ("tokenmill", "tokenmill-q4_1", *MODES)]
+    + [(s, "tokenmill") for s in ("tokenmill-q4_1", *MODES)]
+    + [("tokenmill-q4_1", "llamaserver-q4_1"), ("tokenmill-q4_1", "llamacpp-q4_1")]
+)
 LABELS = {
     "tokenmill": "tokenmill",
     "tokenmill-q4_1": "tokenmill, Q4_1 GGUF blocks (--quantization gguf)",
@@ -157,8 +172,15 @@ def start_server(name: str, cmd: list[str], env: dict, log_path: Path) -> subpro
     logf = open(log_path, "w")
     logf.write("$ " + " ".join(cmd) + "\n")
     logf.flush()
-    p = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                         start_new_session=True, cwd=str(log_path.parent))
+    p = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=logf,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        cwd=str(log_path.parent),
+    )
     logf.close()
     _PROCS.append(p)
     return p
@@ -176,8 +198,9 @@ def wait_ready(p: subprocess.Popen, base_url: str, timeout: float, log_path: Pat
     t0 = time.monotonic()
     while True:
         if p.poll() is not None:
-            raise RuntimeError(f"server exited with code {p.returncode} before it was ready; "
-                               f"end of {log_path}:\n{_tail(log_path)}")
+            raise RuntimeError(
+                f"server exited with code {p.returncode} before it was ready; end of {log_path}:\n{_tail(log_path)}"
+            )
         try:
             with urllib.request.urlopen(base_url + "/v1/models", timeout=5) as r:
                 if r.status == 200:
@@ -194,10 +217,14 @@ def wait_ready(p: subprocess.Popen, base_url: str, timeout: float, log_path: Pat
 # --------------------------------------------------------------------------------------
 def _summary(metrics: dict) -> dict:
     return {
-        "completed": metrics["completed"], "failed": metrics["failed"], "duration_s": round(metrics["duration_s"], 2),
+        "completed": metrics["completed"],
+        "failed": metrics["failed"],
+        "duration_s": round(metrics["duration_s"], 2),
         "output_tok_s": round(metrics["output_throughput"], 2),
-        "ttft_ms": round(metrics["ttft_ms"]["median"], 1), "tpot_ms": round(metrics["tpot_ms"]["median"], 2),
-        "itl_ms": round(metrics["itl_ms"]["median"], 2), "e2el_ms": round(metrics["e2el_ms"]["median"], 1),
+        "ttft_ms": round(metrics["ttft_ms"]["median"], 1),
+        "tpot_ms": round(metrics["tpot_ms"]["median"], 2),
+        "itl_ms": round(metrics["itl_ms"]["median"], 2),
+        "e2el_ms": round(metrics["e2el_ms"]["median"], 1),
     }
 
 
@@ -213,11 +240,14 @@ def sampling_words(cfg: dict) -> str:
     if cfg.get("temperature", 0.0) == 0.0:
         return "greedy"
     top_k = f", top_k {cfg['top_k']}" if cfg.get("top_k", 0) > 0 else ""
-    return f"sampled (temperature {cfg['temperature']}, top_p {cfg['top_p']}{top_k}, min_p 0; transformers stays greedy)"
+    return (
+        f"sampled (temperature {cfg['temperature']}, top_p {cfg['top_p']}{top_k}, min_p 0; transformers stays greedy)"
+    )
 
 
-def measure_server(name: str, base_url: str, levels: dict[int, list], args, tm, extra_body=None,
-                   exact_output_len: bool = False) -> dict:
+def measure_server(
+    name: str, base_url: str, levels: dict[int, list], args, tm, extra_body=None, exact_output_len: bool = False
+) -> dict:
     from dataclasses import asdict
 
     from tokenmill.bench.serve import RequestResult, benchmark, compute_metrics
@@ -228,9 +258,18 @@ def measure_server(name: str, base_url: str, levels: dict[int, list], args, tm, 
         load = tm.loadavg()
         # int: a concurrency limit, everything sent at once; "N/s": Poisson arrivals at N requests/s
         limit = dict(max_concurrency=c) if isinstance(c, int) else dict(request_rate=float(c.removesuffix("/s")))
-        res = asyncio.run(benchmark(base_url, reqs, seed=args.seed, warmup=True, disable_tqdm=args.no_progress,
-                                    temperature=args.temperature,
-                                    extra_body={**sampling_body(args), **(extra_body or {})}, **limit))
+        res = asyncio.run(
+            benchmark(
+                base_url,
+                reqs,
+                seed=args.seed,
+                warmup=True,
+                disable_tqdm=args.no_progress,
+                temperature=args.temperature,
+                extra_body={**sampling_body(args), **(extra_body or {})},
+                **limit,
+            )
+        )
         metrics = res["metrics"]
         raw_tokens = [r["output_tokens"] for r in res["requests"] if r["success"]]
         if exact_output_len:
@@ -241,7 +280,10 @@ def measure_server(name: str, base_url: str, levels: dict[int, list], args, tm, 
             for r, q in zip(res["requests"], reqs):
                 r = dict(r)
                 if r["success"] and r["output_tokens"] < 0.5 * q.output_len:
-                    r["success"], r["error"] = False, f"stream ended after {r['output_tokens']} of {q.output_len} tokens"
+                    r["success"], r["error"] = (
+                        False,
+                        f"stream ended after {r['output_tokens']} of {q.output_len} tokens",
+                    )
                 elif r["success"]:
                     r["output_tokens"] = q.output_len
                 fixed.append(RequestResult(**r))
@@ -255,8 +297,11 @@ def measure_server(name: str, base_url: str, levels: dict[int, list], args, tm, 
             errs = {r["error"] for r in res["requests"] if not r["success"]}
             s["errors"] = sorted(errs)[:3]
             print(f"  !! {metrics['failed']} failed requests, e.g. {s['errors'][:1]}")
-        print(f"  {name:<14} {_level_name(c):<8} n={len(reqs):<4} {s['output_tok_s']:>8.1f} tok/s  TTFT {s['ttft_ms']:>8.1f} ms  "
-              f"TPOT {s['tpot_ms']:>7.2f} ms  ITL {s['itl_ms']:>7.2f} ms  ({s['duration_s']:.1f} s)", flush=True)
+        print(
+            f"  {name:<14} {_level_name(c):<8} n={len(reqs):<4} {s['output_tok_s']:>8.1f} tok/s  TTFT {s['ttft_ms']:>8.1f} ms  "
+            f"TPOT {s['tpot_ms']:>7.2f} ms  ITL {s['itl_ms']:>7.2f} ms  ({s['duration_s']:.1f} s)",
+            flush=True,
+        )
         out[c] = {"summary": s, "metrics": metrics}
     return out
 
@@ -272,6 +317,7 @@ POPULATE_END = ("faulted in by a background thread", "background thread stopped"
 def wait_populated(p: subprocess.Popen, log_path: Path, timeout: float = 300.0) -> float | None:
     """Seconds waited for the KV cache's background population to end, or None when the server's
     log does not announce one."""
+
     def log() -> str:
         try:
             return log_path.read_text(errors="replace")
@@ -332,12 +378,19 @@ def run_hf_static(model_path: str, dtype: str, levels, args, threads: int, tm) -
         ids = torch.full((len(batch_ids), width), pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for r, p in enumerate(batch_ids):
-            ids[r, width - len(p):] = torch.tensor(p)
-            mask[r, width - len(p):] = 1
+            ids[r, width - len(p) :] = torch.tensor(p)
+            mask[r, width - len(p) :] = 1
         clock = StepClock()
         with torch.inference_mode():
-            model.generate(input_ids=ids,  # noqa: F821 - `del model` comes after the last call attention_mask=mask, do_sample=False, max_new_tokens=n_out,
-                           min_new_tokens=n_out, pad_token_id=pad, stopping_criteria=StoppingCriteriaList([clock]))
+            model.generate(  # noqa: F821 - `del model` comes after the last call
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=n_out,
+                min_new_tokens=n_out,
+                pad_token_id=pad,
+                stopping_criteria=StoppingCriteriaList([clock]),
+            )
         return clock.times
 
     print(f"[hf-static] model loaded in {load_s:.1f} s", flush=True)
@@ -351,17 +404,28 @@ def run_hf_static(model_path: str, dtype: str, levels, args, threads: int, tm) -
         t_start = time.perf_counter()
         for i in range(0, len(reqs), c):
             b0 = time.perf_counter()
-            times = gen(ids[i:i + c], reqs[i].output_len)
+            times = gen(ids[i : i + c], reqs[i].output_len)
             for k in range(i, min(i + c, len(reqs))):
-                results.append(RequestResult(
-                    success=True, prompt_len=len(ids[k]), output_tokens=len(times), ttft=times[0] - b0,
-                    itl=[b - a for a, b in zip(times, times[1:])], e2el=times[-1] - b0, start_time=b0 - t_start))
+                results.append(
+                    RequestResult(
+                        success=True,
+                        prompt_len=len(ids[k]),
+                        output_tokens=len(times),
+                        ttft=times[0] - b0,
+                        itl=[b - a for a, b in zip(times, times[1:])],
+                        e2el=times[-1] - b0,
+                        start_time=b0 - t_start,
+                    )
+                )
         metrics = compute_metrics(results, time.perf_counter() - t_start, {})
         s = _summary(metrics)
         s["prompts"] = len(reqs)
         s["loadavg_before"] = load
-        print(f"  {'hf-static':<14} c={c:<3} n={len(reqs):<4} {s['output_tok_s']:>8.1f} tok/s  TTFT {s['ttft_ms']:>8.1f} ms  "
-              f"TPOT {s['tpot_ms']:>7.2f} ms  ITL {s['itl_ms']:>7.2f} ms  ({s['duration_s']:.1f} s)", flush=True)
+        print(
+            f"  {'hf-static':<14} c={c:<3} n={len(reqs):<4} {s['output_tok_s']:>8.1f} tok/s  TTFT {s['ttft_ms']:>8.1f} ms  "
+            f"TPOT {s['tpot_ms']:>7.2f} ms  ITL {s['itl_ms']:>7.2f} ms  ({s['duration_s']:.1f} s)",
+            flush=True,
+        )
         out[c] = {"summary": s, "metrics": metrics}
     del model
     gc.collect()
@@ -385,8 +449,10 @@ def _ratio(a, b):
 
 def tables(results: dict, concurrencies: list[int]) -> tuple[list[str], list[str]]:
     """(figures table, ratios table) as markdown lines."""
-    fig = ["| system | load | prompts | output tok/s | median TTFT (ms) | median TPOT (ms) | median ITL (ms) | failed |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    fig = [
+        "| system | load | prompts | output tok/s | median TTFT (ms) | median TPOT (ms) | median ITL (ms) | failed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, r in results.items():
         if "error" in r:
             fig.append(f"| {LABELS[name]} | - | - | failed: {r['error'].splitlines()[0][:80]} | | | | |")
@@ -395,11 +461,14 @@ def tables(results: dict, concurrencies: list[int]) -> tuple[list[str], list[str
             s = r["levels"].get(c, {}).get("summary")
             if s is None:
                 continue
-            fig.append(f"| {LABELS[name]} | {_level_name(c)} | {s['prompts']} | {_f(s['output_tok_s'])} | {_f(s['ttft_ms'])} | "
-                       f"{_f(s['tpot_ms'], 2)} | {_f(s['itl_ms'], 2)} | {s['failed']} |")
-    rat = ["| system / peer | load | output tok/s (>1: system faster) | TTFT (<1: system faster) | "
-           "TPOT (<1) | ITL (<1) |",
-           "|---|---:|---:|---:|---:|---:|"]
+            fig.append(
+                f"| {LABELS[name]} | {_level_name(c)} | {s['prompts']} | {_f(s['output_tok_s'])} | {_f(s['ttft_ms'])} | "
+                f"{_f(s['tpot_ms'], 2)} | {_f(s['itl_ms'], 2)} | {s['failed']} |"
+            )
+    rat = [
+        "| system / peer | load | output tok/s (>1: system faster) | TTFT (<1: system faster) | TPOT (<1) | ITL (<1) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for name, peer in PAIRS:
         r, p = results.get(name), results.get(peer)
         if not r or not p or "error" in r or "error" in p:
@@ -409,10 +478,12 @@ def tables(results: dict, concurrencies: list[int]) -> tuple[list[str], list[str
             b = p["levels"].get(c, {}).get("summary")
             if a is None or b is None:
                 continue
-            rat.append(f"| {LABELS[name]} / {LABELS[peer]} | {_level_name(c)} | "
-                       f"**{_f(_ratio(a['output_tok_s'], b['output_tok_s']), 2)}x** | "
-                       f"{_f(_ratio(a['ttft_ms'], b['ttft_ms']), 2)} | {_f(_ratio(a['tpot_ms'], b['tpot_ms']), 2)} | "
-                       f"{_f(_ratio(a['itl_ms'], b['itl_ms']), 2)} |")
+            rat.append(
+                f"| {LABELS[name]} / {LABELS[peer]} | {_level_name(c)} | "
+                f"**{_f(_ratio(a['output_tok_s'], b['output_tok_s']), 2)}x** | "
+                f"{_f(_ratio(a['ttft_ms'], b['ttft_ms']), 2)} | {_f(_ratio(a['tpot_ms'], b['tpot_ms']), 2)} | "
+                f"{_f(_ratio(a['itl_ms'], b['itl_ms']), 2)} |"
+            )
     return fig, rat
 
 
@@ -445,7 +516,9 @@ def write_markdown(path: Path, doc: dict, fig: list[str], rat: list[str]) -> Non
         "",
     ]
     for name, r in doc["results"].items():
-        lines.append(f"- **{LABELS[name]}**: {r.get('how', '')}" + (f" Failed: `{r['error'][:300]}`" if "error" in r else ""))
+        lines.append(
+            f"- **{LABELS[name]}**: {r.get('how', '')}" + (f" Failed: `{r['error'][:300]}`" if "error" in r else "")
+        )
     lines += ["", "## Peer set-up", ""]
     for k, v in doc.get("setup", {}).items():
         lines.append(f"- {k}: {v}")
@@ -465,20 +538,36 @@ def write_markdown(path: Path, doc: dict, fig: list[str], rat: list[str]) -> Non
 
 # --------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
-    p.add_argument("--model", default=None, help="HF folder (default: tokenmill's built-in SmolLM2-135M-Instruct folder)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                   help="dtype of tokenmill, vLLM and transformers (default: bfloat16)")
+    p.add_argument(
+        "--model", default=None, help="HF folder (default: tokenmill's built-in SmolLM2-135M-Instruct folder)"
+    )
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="dtype of tokenmill, vLLM and transformers (default: bfloat16)",
+    )
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated max-concurrency levels (default: 1,8,32)")
-    p.add_argument("--prompts-per-concurrency", type=int, default=4,
-                   help="prompts per level = max(--min-prompts, this x concurrency) (default: 4)")
+    p.add_argument(
+        "--prompts-per-concurrency",
+        type=int,
+        default=4,
+        help="prompts per level = max(--min-prompts, this x concurrency) (default: 4)",
+    )
     p.add_argument("--min-prompts", type=int, default=8, help="(default: 8)")
-    p.add_argument("--request-rate", default="", help="comma-separated request rates (req/s) measured after the "
-                   "concurrency levels, e.g. 1 (default: none)")
+    p.add_argument(
+        "--request-rate",
+        default="",
+        help="comma-separated request rates (req/s) measured after the concurrency levels, e.g. 1 (default: none)",
+    )
     p.add_argument("--rate-prompts", type=int, default=32, help="prompts per request-rate level (default: 32)")
     p.add_argument("--base-ref", default=None, help="git ref that tokenmill-base runs (required with that system)")
     p.add_argument("--seed", type=int, default=0)
@@ -486,22 +575,46 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=1.0, help="with --temperature > 0")
     p.add_argument("--top-k", type=int, default=0, help="with --temperature > 0 (0: off)")
     p.add_argument("--threads", type=int, default=None, help="threads of every system (default: all cores available)")
-    p.add_argument("--peers-dir", default=os.environ.get("TOKENMILL_PEERS_DIR", str(Path.home() / ".cache" / "tokenmill-peers")),
-                   help="where the peer venvs and converted models are cached (default: ~/.cache/tokenmill-peers)")
-    p.add_argument("--redo-setup", action="store_true", help="delete and rebuild the peer environments of the chosen systems")
+    p.add_argument(
+        "--peers-dir",
+        default=os.environ.get("TOKENMILL_PEERS_DIR", str(Path.home() / ".cache" / "tokenmill-peers")),
+        help="where the peer venvs and converted models are cached (default: ~/.cache/tokenmill-peers)",
+    )
+    p.add_argument(
+        "--redo-setup", action="store_true", help="delete and rebuild the peer environments of the chosen systems"
+    )
     p.add_argument("--setup-only", action="store_true", help="set up the peer environments, then exit")
     p.add_argument("--no-nice", action="store_true", help="do not run set-up steps under nice -n 19")
     p.add_argument("--vllm-kvcache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (default: 4)")
-    p.add_argument("--llamaserver-args", default="",
-                   help="extra llama-server flags, e.g. '--no-repack' where its repacked Q4 kernels die with "
-                        "SIGILL (seen on a Sapphire Rapids VM)")
-    p.add_argument("--ready-timeout", type=float, default=900, help="seconds to wait for a server to answer (default: 900)")
-    p.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
-                   help="before each level, wait up to this long for other processes to go quiet (default: 0, no wait)")
-    p.add_argument("--idle-threshold", type=float, default=0.3, metavar="CORES",
-                   help="CPU cores other processes (the idle server included) may use to count as quiet (default: 0.3)")
-    p.add_argument("--report", default=None, help="markdown report (default: beside the JSON result, .md for .json); the "
-                   "docs' results page is built from benchmarks/results/*.yaml, not from this report")
+    p.add_argument(
+        "--llamaserver-args",
+        default="",
+        help="extra llama-server flags, e.g. '--no-repack' where its repacked Q4 kernels die with "
+        "SIGILL (seen on a Sapphire Rapids VM)",
+    )
+    p.add_argument(
+        "--ready-timeout", type=float, default=900, help="seconds to wait for a server to answer (default: 900)"
+    )
+    p.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="before each level, wait up to this long for other processes to go quiet (default: 0, no wait)",
+    )
+    p.add_argument(
+        "--idle-threshold",
+        type=float,
+        default=0.3,
+        metavar="CORES",
+        help="CPU cores other processes (the idle server included) may use to count as quiet (default: 0.3)",
+    )
+    p.add_argument(
+        "--report",
+        default=None,
+        help="markdown report (default: beside the JSON result, .md for .json); the "
+        "docs' results page is built from benchmarks/results/*.yaml, not from this report",
+    )
     p.add_argument("--no-report", action="store_true", help="do not write the markdown report")
     p.add_argument("--out", default=None, help="JSON result (default: benchmarks/results/compare-<timestamp>.json)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -539,20 +652,25 @@ def main(argv=None) -> int:
     try:
         # ---- peer environments (long the first time) ------------------------------------
         peers = {}
-        need = {"vllm"} & set(args.systems) | ({"llamacpp"} if any(s.startswith("llamacpp") for s in args.systems) else set())
+        need = {"vllm"} & set(args.systems) | (
+            {"llamacpp"} if any(s.startswith("llamacpp") for s in args.systems) else set()
+        )
         for kind in sorted(need):
             try:
                 peers[kind] = ensure_peer(kind, peers_dir, args.redo_setup, nice)
-                setup[kind] = (f"{'cached; ' if peers[kind]['cached'] else ''}first set-up took "
-                               f"{fmt_min(peers[kind]['setup_s'])} ({peers[kind]['dir']})")
+                setup[kind] = (
+                    f"{'cached; ' if peers[kind]['cached'] else ''}first set-up took "
+                    f"{fmt_min(peers[kind]['setup_s'])} ({peers[kind]['dir']})"
+                )
             except Exception as e:  # noqa: BLE001 - the other systems still run
                 setup[kind] = f"FAILED: {e}"
                 print(f"[setup] {kind} FAILED: {e}", file=sys.stderr)
         if any(s.startswith("llamaserver") for s in args.systems):
             try:
                 peers["llama-server"] = ls = ensure_llama_server(peers_dir, args.redo_setup, nice)
-                setup["llama-server"] = (f"{'cached; ' if ls['cached'] else ''}first build took "
-                                         f"{fmt_min(ls['setup_s'])} ({ls['binary']})")
+                setup["llama-server"] = (
+                    f"{'cached; ' if ls['cached'] else ''}first build took {fmt_min(ls['setup_s'])} ({ls['binary']})"
+                )
             except Exception as e:  # noqa: BLE001
                 setup["llama-server"] = f"FAILED: {e}"
                 print(f"[setup] llama-server FAILED: {e}", file=sys.stderr)
@@ -574,59 +692,111 @@ def main(argv=None) -> int:
         for rate in args.request_rate:
             levels[rate] = random_requests(tok, args.rate_prompts, args.input_len, args.output_len, 0.0, args.seed)
         machine = tm.machine_facts(threads)
-        print(f"model {model_path} ({args.dtype}); {args.input_len} in / {args.output_len} out; concurrency "
-              f"{args.concurrency} with {[len(v) for v in levels.values()]} prompts; {threads} threads; "
-              f"load avg {tm.loadavg()}", flush=True)
+        print(
+            f"model {model_path} ({args.dtype}); {args.input_len} in / {args.output_len} out; concurrency "
+            f"{args.concurrency} with {[len(v) for v in levels.values()]} prompts; {threads} threads; "
+            f"load avg {tm.loadavg()}",
+            flush=True,
+        )
         base_env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
 
         for name in args.systems:
             print(f"\n=== {LABELS[name]} ===", flush=True)
             try:
                 if name == "tokenmill":
-                    cmd = lambda port: [sys.executable, "-m", "tokenmill.cli", "serve", model_path, "--dtype", args.dtype,  # noqa: E731
-                                        "--host", "127.0.0.1", "--port", str(port), "--num-threads", str(threads),
-                                        "--disable-log-requests", "--uvicorn-log-level", "warning"]
+                    cmd = lambda port: [
+                        sys.executable,
+                        "-m",
+                        "tokenmill.cli",
+                        "serve",
+                        model_path,
+                        "--dtype",
+                        args.dtype,  # noqa: E731
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(port),
+                        "--num-threads",
+                        str(threads),
+                        "--disable-log-requests",
+                        "--uvicorn-log-level",
+                        "warning",
+                    ]
                     if shutil.which("tokenmill"):
                         cmd = lambda port, _c=cmd: ["tokenmill"] + _c(port)[3:]  # noqa: E731
                     r = run_server_system(name, cmd, base_env, levels, args, tm, run_dir)
-                    r["how"] = (f"`tokenmill serve --dtype {args.dtype} --num-threads {threads}` (defaults otherwise), "
-                                "`/v1/completions` streaming with ignore_eos.")
+                    r["how"] = (
+                        f"`tokenmill serve --dtype {args.dtype} --num-threads {threads}` (defaults otherwise), "
+                        "`/v1/completions` streaming with ignore_eos."
+                    )
                 elif name in ("tokenmill-q4_1", "tokenmill-base", *MODES):
                     if name in MODES:
                         env, flags, how = base_env, MODES[name], " ".join(MODES[name])
                     elif name == "tokenmill-q4_1":
                         if args.model is not None:
-                            raise RuntimeError("tokenmill-q4_1 serves the packaged SmolLM2 GGUF: only with the default model")
+                            raise RuntimeError(
+                                "tokenmill-q4_1 serves the packaged SmolLM2 GGUF: only with the default model"
+                            )
                         env, flags, how = base_env, ["--quantization", "gguf"], "--quantization gguf"
                     else:
                         src = base_checkout(REPO, peers_dir, args.base_ref)
                         # An older tokenmill converts the GGUF itself, into a cache of its own: a folder
                         # converted by this version may hold files it does not know.
-                        env = dict(base_env, PYTHONPATH=str(src),
-                                   TOKENMILL_CACHE_DIR=str(src.parent / ".tokenmill-cache"))
+                        env = dict(
+                            base_env, PYTHONPATH=str(src), TOKENMILL_CACHE_DIR=str(src.parent / ".tokenmill-cache")
+                        )
                         flags, how = [], f"at {args.base_ref} (`PYTHONPATH={src}`)"
                     served = model_path
                     if name == "tokenmill-base" and args.model is None:
                         from tokenmill.model.gguf_loader import default_model_path
 
                         served = default_model_path()
-                    cmd = lambda port, _x=flags, _m=served: [sys.executable, "-m", "tokenmill.cli", "serve", _m,  # noqa: E731
-                                                  "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port),
-                                                  "--num-threads", str(threads), "--disable-log-requests",
-                                                  "--uvicorn-log-level", "warning", *_x]
+                    cmd = lambda port, _x=flags, _m=served: [
+                        sys.executable,
+                        "-m",
+                        "tokenmill.cli",
+                        "serve",
+                        _m,  # noqa: E731
+                        "--dtype",
+                        args.dtype,
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(port),
+                        "--num-threads",
+                        str(threads),
+                        "--disable-log-requests",
+                        "--uvicorn-log-level",
+                        "warning",
+                        *_x,
+                    ]
                     r = run_server_system(name, cmd, env, levels, args, tm, run_dir)
                     r["how"] = f"`tokenmill serve --dtype {args.dtype} --num-threads {threads}` {how}."
                 elif name == "vllm":
                     if "vllm" not in peers:
                         raise RuntimeError(f"no vLLM environment: {setup.get('vllm')}")
                     py = str(peers["vllm"]["python"])
-                    env = dict(base_env, VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kvcache_gib),
-                               VLLM_CPU_NUM_OF_RESERVED_CPU="0")
-                    cmd = lambda port: [py, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,  # noqa: E731
-                                        "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port)]
+                    env = dict(
+                        base_env, VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kvcache_gib), VLLM_CPU_NUM_OF_RESERVED_CPU="0"
+                    )
+                    cmd = lambda port: [
+                        py,
+                        "-m",
+                        "vllm.entrypoints.openai.api_server",
+                        "--model",
+                        model_path,  # noqa: E731
+                        "--dtype",
+                        args.dtype,
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(port),
+                    ]
                     r = run_server_system(name, cmd, env, levels, args, tm, run_dir)
-                    r["how"] = (f"vllm-cpu {VLLM_VERSION}, `python -m vllm.entrypoints.openai.api_server --dtype {args.dtype}`, "
-                                f"VLLM_CPU_KVCACHE_SPACE={args.vllm_kvcache_gib} VLLM_CPU_NUM_OF_RESERVED_CPU=0; ignore_eos.")
+                    r["how"] = (
+                        f"vllm-cpu {VLLM_VERSION}, `python -m vllm.entrypoints.openai.api_server --dtype {args.dtype}`, "
+                        f"VLLM_CPU_KVCACHE_SPACE={args.vllm_kvcache_gib} VLLM_CPU_NUM_OF_RESERVED_CPU=0; ignore_eos."
+                    )
                 elif name.startswith(("llamacpp", "llamaserver")):
                     kind = "llama-server" if name.startswith("llamaserver") else "llamacpp"
                     if kind not in peers:
@@ -640,38 +810,87 @@ def main(argv=None) -> int:
                     else:
                         t0 = time.monotonic()
                         gguf = str(converted_gguf(peers_dir, model_path, "bf16", nice))
-                        setup["llama.cpp bf16 GGUF"] = f"{gguf} ({time.monotonic() - t0:.0f} s this run; cached afterwards)"
+                        setup["llama.cpp bf16 GGUF"] = (
+                            f"{gguf} ({time.monotonic() - t0:.0f} s this run; cached afterwards)"
+                        )
                     if kind == "llama-server":
                         # One slot per request in flight at the highest concurrency, each with a 2048-token
                         # context (the Python server's n_ctx); continuous batching is llama-server's default.
                         slots = max(args.concurrency)
-                        flags = ["-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(2048 * slots),
-                                 *shlex.split(args.llamaserver_args)]
+                        flags = [
+                            "-t",
+                            str(threads),
+                            "-tb",
+                            str(threads),
+                            "-np",
+                            str(slots),
+                            "-c",
+                            str(2048 * slots),
+                            *shlex.split(args.llamaserver_args),
+                        ]
                         cmd = lambda port, g=gguf, b=str(peers[kind]["binary"]): [  # noqa: E731
-                            b, "-m", g, "--host", "127.0.0.1", "--port", str(port), *flags]
+                            b,
+                            "-m",
+                            g,
+                            "--host",
+                            "127.0.0.1",
+                            "--port",
+                            str(port),
+                            *flags,
+                        ]
                         r = run_server_system(name, cmd, base_env, levels, args, tm, run_dir)
-                        r["how"] = (f"llama.cpp's C++ `llama-server` from the sources vendored in llama-cpp-python "
-                                    f"{LLAMA_CPP_VERSION}, built with GGML_NATIVE, `{' '.join(flags)}` (continuous "
-                                    f"batching over {slots} slots) on `{Path(gguf).name}`; ignore_eos.")
+                        r["how"] = (
+                            f"llama.cpp's C++ `llama-server` from the sources vendored in llama-cpp-python "
+                            f"{LLAMA_CPP_VERSION}, built with GGML_NATIVE, `{' '.join(flags)}` (continuous "
+                            f"batching over {slots} slots) on `{Path(gguf).name}`; ignore_eos."
+                        )
                     else:
                         py = str(peers["llamacpp"]["python"])
-                        cmd = lambda port, g=gguf: [py, "-m", "llama_cpp.server", "--model", g, "--host", "127.0.0.1",  # noqa: E731
-                                                    "--port", str(port), "--n_threads", str(threads),
-                                                    "--n_threads_batch", str(threads), "--n_ctx", "2048",
-                                                    # its default cancels a running request when another arrives
-                                                    "--interrupt_requests", "False"]
+                        cmd = lambda port, g=gguf: [
+                            py,
+                            "-m",
+                            "llama_cpp.server",
+                            "--model",
+                            g,
+                            "--host",
+                            "127.0.0.1",  # noqa: E731
+                            "--port",
+                            str(port),
+                            "--n_threads",
+                            str(threads),
+                            "--n_threads_batch",
+                            str(threads),
+                            "--n_ctx",
+                            "2048",
+                            # its default cancels a running request when another arrives
+                            "--interrupt_requests",
+                            "False",
+                        ]
                         bias = {str(i): -100.0 for i in sorted(set(tok.all_special_ids or []))}
-                        r = run_server_system(name, cmd, base_env, levels, args, tm, run_dir,
-                                              extra_body={"logit_bias": bias}, exact_output_len=True)
-                        r["how"] = (f"llama-cpp-python {LLAMA_CPP_VERSION} compiled from source, `python -m llama_cpp.server "
-                                    f"--n_threads {threads} --n_threads_batch {threads} --n_ctx 2048 --interrupt_requests False` on "
-                                    f"`{Path(gguf).name}` (one request at a time: its server does not batch requests); "
-                                    "no ignore_eos, so the special tokens get a -100 logit bias; no usage in its stream, so "
-                                    "output tokens are counted as max_tokens (see mean_streamed_tokens in the JSON).")
+                        r = run_server_system(
+                            name,
+                            cmd,
+                            base_env,
+                            levels,
+                            args,
+                            tm,
+                            run_dir,
+                            extra_body={"logit_bias": bias},
+                            exact_output_len=True,
+                        )
+                        r["how"] = (
+                            f"llama-cpp-python {LLAMA_CPP_VERSION} compiled from source, `python -m llama_cpp.server "
+                            f"--n_threads {threads} --n_threads_batch {threads} --n_ctx 2048 --interrupt_requests False` on "
+                            f"`{Path(gguf).name}` (one request at a time: its server does not batch requests); "
+                            "no ignore_eos, so the special tokens get a -100 logit bias; no usage in its stream, so "
+                            "output tokens are counted as max_tokens (see mean_streamed_tokens in the JSON)."
+                        )
                 elif name == "hf-static":
                     r = run_hf_static(model_path, args.dtype, levels, args, threads, tm)
-                    r["how"] = (f"transformers `generate` in this process, {threads} torch threads, left-padded static "
-                                "batches of `concurrency` prompts, min_new_tokens = max_new_tokens; SDPA attention.")
+                    r["how"] = (
+                        f"transformers `generate` in this process, {threads} torch threads, left-padded static "
+                        "batches of `concurrency` prompts, min_new_tokens = max_new_tokens; SDPA attention."
+                    )
                 results[name] = r
             except KeyboardInterrupt:
                 raise
@@ -687,11 +906,22 @@ def main(argv=None) -> int:
         doc = {
             "command": "python benchmarks/compare/run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "date": _dt.datetime.now().isoformat(timespec="seconds"),
-            "config": {"model": model_path, "dtype": args.dtype, "input_len": args.input_len,
-                       "output_len": args.output_len, "concurrency": args.concurrency, "seed": args.seed,
-                       "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-                       "threads": threads, "prompts": {str(c): len(v) for c, v in levels.items()}},
-            "machine": machine, "setup": setup, "json": str(json_path.relative_to(REPO) if json_path.is_relative_to(REPO) else json_path),
+            "config": {
+                "model": model_path,
+                "dtype": args.dtype,
+                "input_len": args.input_len,
+                "output_len": args.output_len,
+                "concurrency": args.concurrency,
+                "seed": args.seed,
+                "temperature": args.temperature,
+                "top_p": args.top_p,
+                "top_k": args.top_k,
+                "threads": threads,
+                "prompts": {str(c): len(v) for c, v in levels.items()},
+            },
+            "machine": machine,
+            "setup": setup,
+            "json": str(json_path.relative_to(REPO) if json_path.is_relative_to(REPO) else json_path),
             "results": results,
         }
         json_path.parent.mkdir(parents=True, exist_ok=True)

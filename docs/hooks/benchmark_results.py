@@ -46,8 +46,7 @@ def _num(v) -> bool:
 def _table(t: dict, where: str) -> list[str]:
     cols, rows = t["columns"], t["rows"]
     by_name = {r["name"]: r for r in rows}
-    out = [f"**{t['title']}**", "", "| " + " | ".join(map(str, cols)) + " |",
-           "|---|" + "---:|" * (len(cols) - 1)]
+    out = [f"**{t['title']}**", "", "| " + " | ".join(map(str, cols)) + " |", "|---|" + "---:|" * (len(cols) - 1)]
     for r in rows:
         values = r.get("values", [])
         if len(values) != len(cols) - 1:
@@ -82,20 +81,28 @@ def _load() -> list[tuple[Path, dict]]:
 
 def render() -> str:
     docs = _load()
-    lines = ["# Benchmark results", "",
-             "The current figures of each benchmark, with the command and the machine that produced them. Each "
-             "section is one file under `benchmarks/results/` in the repository; ratios are only ever taken "
-             "between figures of one run on one machine. How to run each benchmark: "
-             "[Running the benchmarks](running-benchmarks.md).", ""]
+    lines = [
+        "# Benchmark results",
+        "",
+        "The current figures of each benchmark, with the command and the machine that produced them. Each "
+        "section is one file under `benchmarks/results/` in the repository; ratios are only ever taken "
+        "between figures of one run on one machine. How to run each benchmark: "
+        "[Running the benchmarks](running-benchmarks.md).",
+        "",
+    ]
     lines += ["| benchmark | machine | date |", "|---|---|---|"]
     lines += [f"| [{d['benchmark']}](#{p.stem}) | {_fmt(d['machine'])} | {d['date']} |" for p, d in docs]
     lines.append("")
     for path, d in docs:
         lines += [f"## {d['benchmark']} {{#{path.stem}}}", "", " ".join(str(d["summary"]).split()), ""]
         commands = d["command"] if isinstance(d["command"], list) else [d["command"]]
-        facts = [("Machine", d["machine"]), ("Date", d["date"]), ("Model", d.get("model")),
-                 ("Workload", d.get("workload")),
-                 ("Peers", ", ".join(d["peers"]) if isinstance(d.get("peers"), list) else d.get("peers"))]
+        facts = [
+            ("Machine", d["machine"]),
+            ("Date", d["date"]),
+            ("Model", d.get("model")),
+            ("Workload", d.get("workload")),
+            ("Peers", ", ".join(d["peers"]) if isinstance(d.get("peers"), list) else d.get("peers")),
+        ]
         lines += [f"- {k}: {' '.join(str(v).split())}" for k, v in facts if v]
         lines += [f"- Data: `benchmarks/results/{path.name}`", "", "```bash", *commands, "```", ""]
         for t in d["tables"]:

@@ -52,8 +52,7 @@ def _flags(action: argparse.Action) -> str:
 def _default(action: argparse.Action) -> str:
     if action.nargs == 0 or action.default in (None, argparse.SUPPRESS) or not action.option_strings:
         return ""
-    return _code(repr(action.default) if isinstance(action.default, str) and not action.default
-                 else action.default)
+    return _code(repr(action.default) if isinstance(action.default, str) and not action.default else action.default)
 
 
 def _help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
@@ -85,8 +84,11 @@ def _section(path: list[str], parser: argparse.ArgumentParser, summary: str, lin
     usage = " ".join(parser.format_usage().replace("usage:", "", 1).split())
     lines += ["```text", usage, "```", ""]
     for group in parser._action_groups:
-        actions = [a for a in group._group_actions
-                   if a.help != argparse.SUPPRESS and not isinstance(a, (argparse._SubParsersAction, argparse._HelpAction))]
+        actions = [
+            a
+            for a in group._group_actions
+            if a.help != argparse.SUPPRESS and not isinstance(a, (argparse._SubParsersAction, argparse._HelpAction))
+        ]
         if not actions:
             continue
         title = (group.title or "options").strip()
@@ -103,10 +105,14 @@ def _section(path: list[str], parser: argparse.ArgumentParser, summary: str, lin
 
 
 def render() -> str:
-    lines = ["# CLI reference", "",
-             "Generated from the command line's argument parser (`tokenmill.cli.build_parser()`) when the site is "
-             "built: every subcommand, every flag, its default and its help. [Command line](../cli.md) shows "
-             "them in use; `tokenmill <command> --help` prints the same.", ""]
+    lines = [
+        "# CLI reference",
+        "",
+        "Generated from the command line's argument parser (`tokenmill.cli.build_parser()`) when the site is "
+        "built: every subcommand, every flag, its default and its help. [Command line](../cli.md) shows "
+        "them in use; `tokenmill <command> --help` prints the same.",
+        "",
+    ]
     _section(["tokenmill"], _build_parser(), "", lines)
     return "\n".join(lines)
 

@@ -13,4 +13,13 @@ from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "LoRARequest", "AsyncLLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineArgs", "__version__"]
+__all__ = [
+    "LLM",
+    "LoRARequest",
+    "AsyncLLMEngine",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "EngineArgs",
+    "__version__",
+]

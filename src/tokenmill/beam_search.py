@@ -75,8 +75,11 @@ class BeamSearch:
         # be kept: the best width + (EOS candidates) (n=128 ranks 32,768 candidates a round, on the
         # server's event loop). nlargest is sorted(...)[:k]: ties keep beam, then token order.
         width, live = self.params.beam_width, []
-        scored = [(beam.cum_logprob + lp.logprob, i, tok) for i, (beam, out) in enumerate(zip(self.beams, outs))
-                  for tok, lp in out.outputs[0].logprobs[0].items()]
+        scored = [
+            (beam.cum_logprob + lp.logprob, i, tok)
+            for i, (beam, out) in enumerate(zip(self.beams, outs))
+            for tok, lp in out.outputs[0].logprobs[0].items()
+        ]
         keep = width + (0 if self.params.ignore_eos else sum(1 for _, _, tok in scored if tok in self.eos))
         for cum, i, tok in heapq.nlargest(keep, scored, key=lambda x: x[0]):
             beam = self.beams[i]

@@ -24,18 +24,24 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def sampling_params_from(ns: argparse.Namespace):
-    from tokenmill.sampling_params import (
-        SamplingParams,  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
-    )
+    # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+    from tokenmill.sampling_params import SamplingParams
 
     return SamplingParams(
-        max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p,
-        repetition_penalty=ns.repetition_penalty, seed=ns.sampling_seed, stop=ns.stop,
+        max_tokens=ns.max_tokens,
+        temperature=ns.temperature,
+        top_p=ns.top_p,
+        top_k=ns.top_k,
+        min_p=ns.min_p,
+        repetition_penalty=ns.repetition_penalty,
+        seed=ns.sampling_seed,
+        stop=ns.stop,
     )
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
-    from tokenmill.llm import LLM  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+    # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+    from tokenmill.llm import LLM
 
     llm = LLM(**vars(engine_args_from(ns)))
     params = sampling_params_from(ns)
@@ -52,13 +58,17 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
         m = last.metrics
         n = len(last.outputs[0].token_ids)
         dt = (m.finished_time or 0) - m.arrival_time
-        print(f"[{n} tokens in {dt:.2f}s, {n / max(dt, 1e-9):.1f} tokens/s, "
-              f"finish_reason={last.outputs[0].finish_reason}]", file=sys.stderr)
+        print(
+            f"[{n} tokens in {dt:.2f}s, {n / max(dt, 1e-9):.1f} tokens/s, "
+            f"finish_reason={last.outputs[0].finish_reason}]",
+            file=sys.stderr,
+        )
     return 0
 
 
 def _cmd_chat(ns: argparse.Namespace) -> int:
-    from tokenmill.llm import LLM  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+    # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+    from tokenmill.llm import LLM
 
     llm = LLM(**vars(engine_args_from(ns)))
     params = sampling_params_from(ns)
@@ -94,20 +104,21 @@ def _cmd_chat(ns: argparse.Namespace) -> int:
 
 
 def _cmd_serve(ns: argparse.Namespace) -> int:
-    from tokenmill.server.listen import (
-        bind_socket,  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
-    )
+    # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+    from tokenmill.server.listen import bind_socket
 
     args = ServerArgs.from_cli_args(ns).with_chat_template_file()
     if args.max_waiting is not None and args.max_waiting < 0:
         raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
     if ns.allow_runtime_lora_updating and not ns.enable_lora:
-        logging.getLogger("tokenmill").warning("--allow-runtime-lora-updating (or %s) without --enable-lora: "
-                                               "the LoRA routes stay off", RUNTIME_LORA_ENV)
-    from tokenmill.server import tracing  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
-    from tokenmill.server.metrics import (
-        check_metrics_prefix,  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
-    )
+        logging.getLogger("tokenmill").warning(
+            "--allow-runtime-lora-updating (or %s) without --enable-lora: the LoRA routes stay off", RUNTIME_LORA_ENV
+        )
+    # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+    from tokenmill.server import tracing
+
+    # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+    from tokenmill.server.metrics import check_metrics_prefix
 
     check_metrics_prefix(args.metrics_prefix)
     traced = tracing.tracing_requested(args.otlp_traces_endpoint)
@@ -115,8 +126,9 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         if ns.enable_lora:
             raise ValueError("--enable-lora with Ray Serve replicas is not supported yet")
         if traced or args.metrics_prefix != "tokenmill":
-            raise ValueError("--otlp-traces-endpoint and --metrics-prefix with Ray Serve replicas are not supported "
-                             "yet")
+            raise ValueError(
+                "--otlp-traces-endpoint and --metrics-prefix with Ray Serve replicas are not supported yet"
+            )
         return _serve_on_ray(ns, args)
     # Before the model loads: a missing OpenTelemetry package or a bad protocol fails now.
     tracer = tracing.RequestTracer(args.otlp_traces_endpoint) if traced else None
@@ -126,18 +138,17 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         if tracer is not None:
             tracer.shutdown()
         raise
-    from tokenmill.server.startup import (
-        serve,  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
-    )
+    # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+    from tokenmill.server.startup import serve
 
     def load_engine():
         """On the load's thread, while the server already answers /health (503 "loading")."""
-        from tokenmill import progress  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+        # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+        from tokenmill import progress
 
         progress.set_phase("importing the engine")
-        from tokenmill.engine.async_engine import (
-            AsyncLLMEngine,  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
-        )
+        # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+        from tokenmill.engine.async_engine import AsyncLLMEngine
 
         return AsyncLLMEngine.from_args(max_waiting=args.max_waiting, **vars(engine_args_from(ns)))
 
@@ -155,42 +166,75 @@ def _serve_on_ray(ns: argparse.Namespace, args) -> int:
     """`serve --num-replicas N` (or --ray-address / --min-replicas / --max-replicas): Ray Serve.
     `args`: the ServerArgs (the ingress reads server.args.RAY_INGRESS_FIELDS of them)."""
     try:
-        from tokenmill import ray_serve  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+        # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+        from tokenmill import ray_serve
     except ImportError as e:
         raise ValueError(f"{e} (needed by --num-replicas / --ray-address)") from None
     replicas = ray_serve.ReplicaOptions(
-        num_replicas=ns.num_replicas or ns.min_replicas or 1, min_replicas=ns.min_replicas,
-        max_replicas=ns.max_replicas, target_ongoing_requests=ns.target_ongoing_requests, routing=ns.routing,
-        max_waiting=args.max_waiting, drain_timeout=args.drain_timeout)
+        num_replicas=ns.num_replicas or ns.min_replicas or 1,
+        min_replicas=ns.min_replicas,
+        max_replicas=ns.max_replicas,
+        target_ongoing_requests=ns.target_ongoing_requests,
+        routing=ns.routing,
+        max_waiting=args.max_waiting,
+        drain_timeout=args.drain_timeout,
+    )
     cluster = ray_serve.ClusterOptions(
-        ray_address=ns.ray_address, host=args.host, port=args.port, keep_alive_timeout_s=args.timeout_keep_alive,
-        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, root_path=args.root_path)
+        ray_address=ns.ray_address,
+        host=args.host,
+        port=args.port,
+        keep_alive_timeout_s=args.timeout_keep_alive,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        root_path=args.root_path,
+    )
     return ray_serve.run_cli(engine_args_from(ns), replicas, args, cluster)
 
 
 def add_ray_args(s: argparse.ArgumentParser) -> None:
-    g = s.add_argument_group("Ray Serve replicas", "any of --num-replicas, --min-replicas, --max-replicas or "
-                             "--ray-address serves through Ray Serve (pip install 'tokenmill[ray]')")
-    g.add_argument("--num-replicas", type=int, default=None,
-                   help="engine replicas behind one endpoint, each a full engine with --num-threads threads per "
-                        "tensor-parallel rank (default without Ray: one engine in this process)")
-    g.add_argument("--min-replicas", type=int, default=None,
-                   help="autoscale on ongoing requests, down to this many replicas (>= 1)")
+    g = s.add_argument_group(
+        "Ray Serve replicas",
+        "any of --num-replicas, --min-replicas, --max-replicas or "
+        "--ray-address serves through Ray Serve (pip install 'tokenmill[ray]')",
+    )
+    g.add_argument(
+        "--num-replicas",
+        type=int,
+        default=None,
+        help="engine replicas behind one endpoint, each a full engine with --num-threads threads per "
+        "tensor-parallel rank (default without Ray: one engine in this process)",
+    )
+    g.add_argument(
+        "--min-replicas",
+        type=int,
+        default=None,
+        help="autoscale on ongoing requests, down to this many replicas (>= 1)",
+    )
     g.add_argument("--max-replicas", type=int, default=None, help="autoscale up to this many replicas")
-    g.add_argument("--target-ongoing-requests", type=float, default=16.0,
-                   help="ongoing requests per replica the autoscaler aims for (default 16)")
-    g.add_argument("--routing", default="prefix", choices=["prefix", "round_robin", "pow2"],
-                   help="prefix: to the replica most likely holding the prompt's prefix in its cache, else the "
-                        "least loaded; round_robin; pow2: Serve's power of two choices (default prefix)")
-    g.add_argument("--ray-address", default=None,
-                   help="join this Ray cluster (e.g. ray://head:10001 or auto) instead of starting a local Ray on "
-                        "127.0.0.1; the HTTP proxy listens on --host:--port on the head node")
+    g.add_argument(
+        "--target-ongoing-requests",
+        type=float,
+        default=16.0,
+        help="ongoing requests per replica the autoscaler aims for (default 16)",
+    )
+    g.add_argument(
+        "--routing",
+        default="prefix",
+        choices=["prefix", "round_robin", "pow2"],
+        help="prefix: to the replica most likely holding the prompt's prefix in its cache, else the "
+        "least loaded; round_robin; pow2: Serve's power of two choices (default prefix)",
+    )
+    g.add_argument(
+        "--ray-address",
+        default=None,
+        help="join this Ray cluster (e.g. ray://head:10001 or auto) instead of starting a local Ray on "
+        "127.0.0.1; the HTTP proxy listens on --host:--port on the head node",
+    )
 
 
 def _cmd_build_kernels(ns: argparse.Namespace) -> int:
-    from tokenmill.kernels import (
-        cpu_kernels,  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
-    )
+    # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+    from tokenmill.kernels import cpu_kernels
 
     t0 = time.perf_counter()
     module = cpu_kernels.load()
@@ -203,9 +247,8 @@ def _cmd_build_kernels(ns: argparse.Namespace) -> int:
 
 
 def _cmd_bench_serve(ns: argparse.Namespace) -> int:
-    from tokenmill.bench.serve import (
-        run_from_args,  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
-    )
+    # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+    from tokenmill.bench.serve import run_from_args
 
     return run_from_args(ns)
 
@@ -239,12 +282,14 @@ def _tag_subcommands(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tokenmill import __version__  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+    # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+    from tokenmill import __version__
 
     p = _Parser(prog="tokenmill", description="LLM inference and serving engine")
     p.add_argument("--version", action="version", version=f"tokenmill {__version__}")
-    p.add_argument("--log-level", default=None,
-                   help="DEBUG, INFO, WARNING, ... (default: INFO for serve, WARNING otherwise)")
+    p.add_argument(
+        "--log-level", default=None, help="DEBUG, INFO, WARNING, ... (default: INFO for serve, WARNING otherwise)"
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
@@ -262,37 +307,41 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_cmd_chat)
 
     s = sub.add_parser(
-        "serve", help="OpenAI-compatible (and TGI-compatible) HTTP server",
+        "serve",
+        help="OpenAI-compatible (and TGI-compatible) HTTP server",
         description="Serve a model over HTTP: OpenAI's /v1/completions, /v1/chat/completions and /v1/models "
-                    "(SSE streaming), /tokenize, /detokenize, TGI's /generate and /generate_stream, /health, "
-                    "/version, /metrics (Prometheus) and /openapi.json.",
+        "(SSE streaming), /tokenize, /detokenize, TGI's /generate and /generate_stream, /health, "
+        "/version, /metrics (Prometheus) and /openapi.json.",
     )
     add_engine_args(s, positional_model=True)
     add_server_args(s)
     add_ray_args(s)
     s.set_defaults(func=_cmd_serve, default_log_level="INFO")
 
-    k = sub.add_parser("build-kernels", help="load the C++ CPU kernels for this CPU, compiling them if the "
-                                             "installation has none for it",
-                       description="Load the engine's C++ CPU kernels for this CPU's ISA level (or TOKENMILL_CPU_ISA's): "
-                                   "an installed package has them compiled; a source tree, another torch or a level "
-                                   "the build skipped compiles them now (about a minute on 2 cores, once). Prints the "
-                                   "level and where it came from.")
+    k = sub.add_parser(
+        "build-kernels",
+        help="load the C++ CPU kernels for this CPU, compiling them if the installation has none for it",
+        description="Load the engine's C++ CPU kernels for this CPU's ISA level (or TOKENMILL_CPU_ISA's): "
+        "an installed package has them compiled; a source tree, another torch or a level "
+        "the build skipped compiles them now (about a minute on 2 cores, once). Prints the "
+        "level and where it came from.",
+    )
     k.set_defaults(func=_cmd_build_kernels, default_log_level="INFO")
 
     b = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
-    bs = b.add_parser("serve", help="load generator for any OpenAI-compatible server",
-                      description="Stream requests to an OpenAI-compatible server and report TTFT, TPOT, ITL, "
-                                  "E2E latency, throughput and goodput.")
-    from tokenmill.bench.serve import (
-        add_bench_serve_args,  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+    bs = b.add_parser(
+        "serve",
+        help="load generator for any OpenAI-compatible server",
+        description="Stream requests to an OpenAI-compatible server and report TTFT, TPOT, ITL, "
+        "E2E latency, throughput and goodput.",
     )
+    # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+    from tokenmill.bench.serve import add_bench_serve_args
 
     add_bench_serve_args(bs)
     bs.set_defaults(func=_cmd_bench_serve)
-    from tokenmill.bench.offline import (
-        add_offline_parsers,  # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
-    )
+    # lazy: a command imports only what it runs (`tokenmill --help` stays fast)
+    from tokenmill.bench.offline import add_offline_parsers
 
     add_offline_parsers(b)
     add_watermark_parsers(sub)
@@ -302,9 +351,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_watermark_parsers(sub: argparse._SubParsersAction) -> None:
     w = sub.add_parser("watermark", help="watermark tools").add_subparsers(dest="watermark_command", required=True)
-    d = w.add_parser("detect", help="z-score of a text against the green-list watermark",
-                     description="Re-derive each token's green list from the token before it and count green "
-                                 "tokens; prints a JSON score. z > 4 means watermarked with near certainty.")
+    d = w.add_parser(
+        "detect",
+        help="z-score of a text against the green-list watermark",
+        description="Re-derive each token's green list from the token before it and count green "
+        "tokens; prints a JSON score. z > 4 means watermarked with near certainty.",
+    )
     d.add_argument("text", nargs="?", help="the text (or use --file)")
     d.add_argument("--file", help="read the text from this file ('-' for stdin)")
     d.add_argument("--model", default=None, help="the model whose tokenizer made the text (default: built-in)")
@@ -316,15 +368,24 @@ def add_watermark_parsers(sub: argparse._SubParsersAction) -> None:
 def _cmd_detect(ns: argparse.Namespace) -> int:
     import json
 
-    from tokenmill.sample import watermark  # lazy: the model loader's imports stay out of every other command
+    # lazy: the model loader's imports stay out of every other command
+    from tokenmill.sample import watermark
 
     if (ns.text is None) == (ns.file is None):
         raise ValueError("give the text or --file, not both")
     text = ns.text if ns.file is None else (sys.stdin.read() if ns.file == "-" else open(ns.file).read())
     score = watermark.detect_text(text, ns.model, ns.gamma)
-    print(json.dumps({"z_score": round(score.z_score, 3), "green_fraction": round(score.green_fraction, 4),
-                      "num_tokens_scored": score.num_tokens_scored, "num_green_tokens": score.num_green_tokens,
-                      "watermarked": score.detected(ns.threshold)}))
+    print(
+        json.dumps(
+            {
+                "z_score": round(score.z_score, 3),
+                "green_fraction": round(score.green_fraction, 4),
+                "num_tokens_scored": score.num_tokens_scored,
+                "num_green_tokens": score.num_green_tokens,
+                "watermarked": score.detected(ns.threshold),
+            }
+        )
+    )
     return 0
 
 

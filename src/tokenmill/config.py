@@ -48,8 +48,10 @@ def resolve_device(device: str) -> str:
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         raise ValueError(f"unknown device {device!r}; choose one of auto, cpu, cuda")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: no CUDA GPU is visible to torch {torch.__version__} "
-                         f"(a CPU build, or no driver); use --device cpu")
+        raise ValueError(
+            f"--device {device}: no CUDA GPU is visible to torch {torch.__version__} "
+            f"(a CPU build, or no driver); use --device cpu"
+        )
     return device
 
 

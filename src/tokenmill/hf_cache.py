@@ -140,8 +140,11 @@ def _attributes(config) -> dict[str, Any]:
         if issubclass(PretrainedConfig, klass):  # PretrainedConfig and its bases
             continue
         for name, value in vars(klass).items():
-            if not name.startswith("__") and not callable(value) and not isinstance(
-                    value, (property, classmethod, staticmethod)):
+            if (
+                not name.startswith("__")
+                and not callable(value)
+                and not isinstance(value, (property, classmethod, staticmethod))
+            ):
                 out[name] = value
     out.update(vars(config))
     return out

@@ -148,8 +148,9 @@ class BlockPool:
 class KVCacheManager:
     """The scheduler's only view of KV memory: per-request block tables over a BlockPool."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 sliding_window: int | None = None) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, sliding_window: int | None = None
+    ) -> None:
         """sliding_window: the window every layer's keys leave (attention.kv_window); None: some
         layer reads every key."""
         self.block_size = block_size

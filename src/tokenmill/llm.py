@@ -51,13 +51,21 @@ class LLM:
         loras = _as_lora_list(lora_request, len(batch))
         priorities = _as_priority_list(priority, len(batch))
         # Validate everything before queueing anything, so a bad prompt leaves no work behind.
-        requests = [self.engine.make_requests(p, sp, lora_request=lr, priority=pr)
-                    for p, sp, lr, pr in zip(batch, params, loras, priorities)]
+        requests = [
+            self.engine.make_requests(p, sp, lora_request=lr, priority=pr)
+            for p, sp, lr, pr in zip(batch, params, loras, priorities)
+        ]
         done = self._run([req for reqs in requests for req in reqs], "Generating", use_tqdm)
         return [merge_samples([done[r.request_id] for r in reqs], sp) for reqs, sp in zip(requests, params)]
 
-    def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None, *,
-              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
         """Embeddings of prompts (text or token ids), in input order, batched by the engine as
         vLLM's LLM.embed: needs an embedding model (an encoder such as BERT) or task="embed".
         truncate_prompt_tokens: cut longer prompts to this many tokens (-1: max_model_len) instead of
@@ -94,7 +102,9 @@ class LLM:
         """Forget every cached prefix (vLLM's LLM.reset_prefix_cache); returns the hashes dropped."""
         return self.engine.reset_prefix_cache()
 
-    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
+    def beam_search(
+        self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
         """Beam search over each prompt (vLLM's LLM.beam_search): the beam_width best sequences,
         best first; each round runs every live beam of every prompt in one continuous batch."""
         batch = _as_prompt_list(prompts, None)
@@ -104,8 +114,9 @@ class LLM:
         for p in batch:
             ids = tok.encode(p) if isinstance(p, str) else list(p)
             room = max(limit - len(ids), 1)
-            searches.append(BeamSearch(ids, replace(params, max_tokens=min(params.max_tokens, room)),
-                                       self.engine.eos_token_ids))
+            searches.append(
+                BeamSearch(ids, replace(params, max_tokens=min(params.max_tokens, room)), self.engine.eos_token_ids)
+            )
         while not all(s.done for s in searches):
             live = [s for s in searches if not s.done]
             seqs = [b.tokens for s in live for b in s.beams]
@@ -207,5 +218,9 @@ def merge_samples(outs: list[RequestOutput], params: SamplingParams) -> RequestO
     for i, c in enumerate(comps):
         c.index = i
     first = outs[0]
-    return replace(first, request_id=first.request_id.rsplit("-", 1)[0], outputs=comps,
-                   num_cached_tokens=min(o.num_cached_tokens for o in outs))
+    return replace(
+        first,
+        request_id=first.request_id.rsplit("-", 1)[0],
+        outputs=comps,
+        num_cached_tokens=min(o.num_cached_tokens for o in outs),
+    )

@@ -102,5 +102,6 @@ class EmbeddingRequestOutput:
 
     @classmethod
     def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
-        return cls(out.request_id, EmbeddingOutput(out.outputs.data.tolist()), out.prompt_token_ids, out.finished,
-                   out.prompt)
+        return cls(
+            out.request_id, EmbeddingOutput(out.outputs.data.tolist()), out.prompt_token_ids, out.finished, out.prompt
+        )

@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from tokenmill.sample.sampler import SampleLogprobs
 
 
-
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
@@ -75,7 +74,9 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_draft_probs: torch.Tensor | None = None  # [len(spec_token_ids), V] for sampled drafts (draft model)
     generator: torch.Generator | None = None  # the seed's CPU generator (see generator_for)
-    _device_generators: dict[torch.device, torch.Generator] = field(default_factory=dict, init=False, repr=False, compare=False)  # device -> generator
+    _device_generators: dict[torch.device, torch.Generator] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )  # device -> generator
     # Timing, for metrics.
     scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -22,8 +22,9 @@ class GuidedDecodingParams:
         given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
-            raise ValueError(f"guided decoding needs exactly one of json, json_object, regex, choice, grammar; "
-                             f"got {given or 'none'}")
+            raise ValueError(
+                f"guided decoding needs exactly one of json, json_object, regex, choice, grammar; got {given or 'none'}"
+            )
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
             raise ValueError("guided choice must be a non-empty list of non-empty strings")
 
@@ -113,8 +114,7 @@ class SamplingParams:
         def bad(msg: str) -> None:
             raise ValueError(msg)
 
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                     "frequency_penalty"):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             try:
                 finite = math.isfinite(v)
@@ -135,8 +135,10 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             bad(f"min_p must be in [0, 1], got {self.min_p}")
         if not self.REPETITION_PENALTY_MIN <= self.repetition_penalty <= self.REPETITION_PENALTY_MAX:
-            bad(f"repetition_penalty must be in [{self.REPETITION_PENALTY_MIN:g}, {self.REPETITION_PENALTY_MAX:g}] "
-                f"(1 disables), got {self.repetition_penalty}")
+            bad(
+                f"repetition_penalty must be in [{self.REPETITION_PENALTY_MIN:g}, {self.REPETITION_PENALTY_MAX:g}] "
+                f"(1 disables), got {self.repetition_penalty}"
+            )
         if not -2.0 <= self.presence_penalty <= 2.0:
             bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:

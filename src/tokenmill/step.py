@@ -24,8 +24,10 @@ class ScheduledRequest:
         """True when this chunk reaches the end of the known tokens: a new token is sampled (a
         pooling request's last chunk pools instead)."""
         r = self.request
-        return (r.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids) == r.num_tokens
-                and r.pooling_params is None)
+        return (
+            r.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids) == r.num_tokens
+            and r.pooling_params is None
+        )
 
 
 @dataclass

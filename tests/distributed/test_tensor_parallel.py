@@ -89,7 +89,9 @@ def test_each_rank_reads_its_slices(tiny_llama_dir):
     vocab, per = cfg.vocab_size, -(-cfg.vocab_size // 2)  # an odd vocabulary: rank 1's slice is padded
     head = model.lm_head.weight
     assert vocab % 2 and head.shape[0] == per
-    assert torch.equal(head[: vocab - per], load_hf(tiny_llama_dir).lm_head.weight[per:]) and not head[vocab - per :].any()
+    assert (
+        torch.equal(head[: vocab - per], load_hf(tiny_llama_dir).lm_head.weight[per:]) and not head[vocab - per :].any()
+    )
 
 
 def test_tp2_matches_one_rank_and_transformers(tp2_llama, tiny_llama_llm, tiny_llama_dir):
@@ -133,8 +135,10 @@ def test_tp2_chunked_prefill_preemption_prefix_caching_prompt_logprobs(tiny_llam
         got = llm.generate(prompt_token_ids=prompts[:2], sampling_params=want)
         exp = tiny_llama_llm.generate(prompt_token_ids=prompts[:2], sampling_params=want)
         for g, e in zip(got, exp):
-            pairs = [(next(iter(a.values())).logprob, next(iter(b.values())).logprob)
-                     for a, b in zip(g.prompt_logprobs[1:], e.prompt_logprobs[1:])]
+            pairs = [
+                (next(iter(a.values())).logprob, next(iter(b.values())).logprob)
+                for a, b in zip(g.prompt_logprobs[1:], e.prompt_logprobs[1:])
+            ]
             assert len(pairs) == len(g.prompt_token_ids) - 1 and max(abs(a - b) for a, b in pairs) < 1e-3
         kv = llm.engine.core.kv
         assert kv.num_free_blocks == kv.num_usable_blocks
@@ -168,8 +172,16 @@ def test_tp2_qwen2_tied_embeddings_and_qkv_bias(tiny_qwen2_dir):
 
 def test_tp3_uneven_vocab_matches_transformers(tmp_path_factory):
     """6 query / 3 kv heads split 3 ways; the vocabulary (not a multiple of 3) padded in the LM head."""
-    model_dir = str(build_tiny_model(tmp_path_factory.mktemp("tiny-6h"), "llama", num_attention_heads=6,
-                                     num_key_value_heads=3, hidden_size=96, intermediate_size=96))
+    model_dir = str(
+        build_tiny_model(
+            tmp_path_factory.mktemp("tiny-6h"),
+            "llama",
+            num_attention_heads=6,
+            num_key_value_heads=3,
+            hidden_size=96,
+            intermediate_size=96,
+        )
+    )
     llm = _tp(model_dir, 3)
     try:
         assert llm.engine.config.model.vocab_size % 3
@@ -232,9 +244,27 @@ class _Serve:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tokenmill.cli", "serve", model_dir, "--tensor-parallel-size", "2", "--dtype",
-             "float32", "--kv-cache-memory", "0.02", "--host", "127.0.0.1", "--port", str(self.port)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            [
+                sys.executable,
+                "-m",
+                "tokenmill.cli",
+                "serve",
+                model_dir,
+                "--tensor-parallel-size",
+                "2",
+                "--dtype",
+                "float32",
+                "--kv-cache-memory",
+                "0.02",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.lines: list[str] = []
         self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
         self.reader.start()
@@ -302,8 +332,10 @@ def test_shm_all_reduce_sums_in_rank_order_and_aborts(tmp_path, use_kernel):
     elif ranks[0].kernel is None:
         pytest.skip("no C++ kernels here")
     g = torch.Generator().manual_seed(0)
-    inputs = [[torch.randn(n, generator=g).to(dtype) for n, dtype in ((3, torch.float32), (700, torch.bfloat16))]
-              for _ in range(2)]
+    inputs = [
+        [torch.randn(n, generator=g).to(dtype) for n, dtype in ((3, torch.float32), (700, torch.bfloat16))]
+        for _ in range(2)
+    ]
     outs: list = [None, None]
 
     def run(r):
@@ -352,8 +384,9 @@ def test_shm_gather_to_first_in_pieces(tmp_path):
     ranks = [ShmAllReduce(path, r, 2, 4 * 40, create=False) for r in range(2)]
     xs = [torch.arange(7 * 12, dtype=torch.float32).view(7, 12) + 1000 * r for r in range(2)]
     outs: list = [None, None]
-    threads = [threading.Thread(target=lambda r=r: outs.__setitem__(r, ranks[r].gather_to_first(xs[r])))
-               for r in range(2)]
+    threads = [
+        threading.Thread(target=lambda r=r: outs.__setitem__(r, ranks[r].gather_to_first(xs[r]))) for r in range(2)
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -97,8 +97,12 @@ def test_rows_kernel_gives_each_row_the_bits_it_has_alone(rows_kernels):
     from conftest import reference_paged_decode
 
     g = torch.Generator().manual_seed(0)
-    for H, Hkv, D, bs, dtype in [(9, 3, 64, 16, torch.bfloat16), (4, 2, 16, 16, torch.bfloat16),
-                                 (8, 8, 128, 32, torch.bfloat16), (6, 2, 80, 16, torch.float32)]:
+    for H, Hkv, D, bs, dtype in [
+        (9, 3, 64, 16, torch.bfloat16),
+        (4, 2, 16, 16, torch.bfloat16),
+        (8, 8, 128, 32, torch.bfloat16),
+        (6, 2, 80, 16, torch.float32),
+    ]:
         kc = torch.randn(4096, Hkv, D, generator=g).to(dtype)
         vc = torch.randn(4096, Hkv, D, generator=g).to(dtype)
         seqs = [(0, 1), (5, 3), (37, 8), (100, 1), (16, 16), (0, 40), (250, 5)]  # (cached, rows)
@@ -112,12 +116,24 @@ def test_rows_kernel_gives_each_row_the_bits_it_has_alone(rows_kernels):
         for b, (c, n) in enumerate(seqs):
             for i in range(n):
                 r = int(loc[b]) + i
-                alone = rows_kernels.paged_rows(q[r : r + 1], kc, vc, tables[b : b + 1], torch.tensor([c + i + 1]),
-                                                torch.tensor([0, 1]), bs, D**-0.5)
+                alone = rows_kernels.paged_rows(
+                    q[r : r + 1],
+                    kc,
+                    vc,
+                    tables[b : b + 1],
+                    torch.tensor([c + i + 1]),
+                    torch.tensor([0, 1]),
+                    bs,
+                    D**-0.5,
+                )
                 assert torch.equal(out[r : r + 1], alone), (H, Hkv, D, b, i)
                 ref = reference_paged_decode(q[r : r + 1], kc, vc, tables[b : b + 1], torch.tensor([c + i + 1]), bs)
-                torch.testing.assert_close(alone.float(), ref, atol=1e-2 if dtype == torch.bfloat16 else 1e-5,
-                                           rtol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+                torch.testing.assert_close(
+                    alone.float(),
+                    ref,
+                    atol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+                    rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+                )
     with pytest.raises(RuntimeError, match="paged_rows"):
         rows_kernels.paged_rows(q, kc, vc, tables, lens, loc[:-1], bs, 1.0)
 
@@ -133,8 +149,9 @@ def random_cache(cache: str, slots: int, Hkv: int, D: int, g, null: int = 0):
     if cache == "int8":
         kc, vc = (torch.randint(-127, 128, (slots, Hkv, D), generator=g, dtype=torch.int8) for _ in range(2))
     else:
-        kc, vc = ((torch.randn(slots, Hkv, D, generator=g) * 64).clamp(-440, 440).to(torch.float8_e4m3fn)
-                  for _ in range(2))
+        kc, vc = (
+            (torch.randn(slots, Hkv, D, generator=g) * 64).clamp(-440, 440).to(torch.float8_e4m3fn) for _ in range(2)
+        )
         kc[:null], vc[:null] = float("nan"), float("nan")
     ks, vs = (torch.rand(slots, Hkv, generator=g) * 0.02 + 0.001 for _ in range(2))
     ks[:null], vs[:null] = float("nan"), float("nan")
@@ -163,11 +180,24 @@ def test_rows_kernel_long_context_rows_equal_alone(rows_kernels, cache):
         for b, (c, _n) in enumerate(seqs):
             rows = range(int(loc[b]), int(loc[b + 1]))
             for i, r in enumerate(rows):
-                alone = rows_kernels.paged_rows(q[r : r + 1], kc, vc, tables[b : b + 1], torch.tensor([c + i + 1]),
-                                                torch.tensor([0, 1]), bs, D**-0.5, *scales)
+                alone = rows_kernels.paged_rows(
+                    q[r : r + 1],
+                    kc,
+                    vc,
+                    tables[b : b + 1],
+                    torch.tensor([c + i + 1]),
+                    torch.tensor([0, 1]),
+                    bs,
+                    D**-0.5,
+                    *scales,
+                )
                 assert torch.equal(out[r : r + 1], alone), (bs, b, i)
-            ref = torch.cat([reference_paged_decode(q[r : r + 1], kf, vf, tables[b : b + 1], torch.tensor([c + i + 1]),
-                                                    bs) for i, r in enumerate(rows)])
+            ref = torch.cat(
+                [
+                    reference_paged_decode(q[r : r + 1], kf, vf, tables[b : b + 1], torch.tensor([c + i + 1]), bs)
+                    for i, r in enumerate(rows)
+                ]
+            )
             torch.testing.assert_close(out[rows.start : rows.stop].float(), ref, atol=1e-2, rtol=1e-2)
 
 
@@ -201,8 +231,16 @@ def test_prompt_rows_sum_their_dots_in_the_decode_order(rows_kernels):
         for b, (c, n) in enumerate(seqs):
             for i in range(n):
                 r = int(loc[b]) + i
-                alone = rows_kernels.paged_rows(q[r : r + 1], kc, vc, tables[b : b + 1], torch.tensor([c + i + 1]),
-                                                torch.tensor([0, 1]), bs, D**-0.5)
+                alone = rows_kernels.paged_rows(
+                    q[r : r + 1],
+                    kc,
+                    vc,
+                    tables[b : b + 1],
+                    torch.tensor([c + i + 1]),
+                    torch.tensor([0, 1]),
+                    bs,
+                    D**-0.5,
+                )
                 assert torch.equal(out[r : r + 1], alone), (H, D, b, i)
 
 
@@ -214,8 +252,12 @@ def test_windows_and_softcaps_in_the_rows_and_decode_kernels(rows_kernels):
     from conftest import reference_paged_decode
 
     g = torch.Generator().manual_seed(3)
-    for H, Hkv, D, bs, dtype, window, cap in [(4, 2, 16, 16, torch.bfloat16, 13, 5.0), (9, 3, 64, 16, torch.bfloat16, 40, 0.0),
-                                               (8, 8, 128, 32, torch.bfloat16, 21, 30.0), (6, 2, 80, 16, torch.float32, 7, 2.0)]:
+    for H, Hkv, D, bs, dtype, window, cap in [
+        (4, 2, 16, 16, torch.bfloat16, 13, 5.0),
+        (9, 3, 64, 16, torch.bfloat16, 40, 0.0),
+        (8, 8, 128, 32, torch.bfloat16, 21, 30.0),
+        (6, 2, 80, 16, torch.float32, 7, 2.0),
+    ]:
         kc = torch.randn(4096, Hkv, D, generator=g).to(dtype)
         vc = torch.randn(4096, Hkv, D, generator=g).to(dtype)
         kc[:bs], vc[:bs] = float("nan"), float("nan")  # the null block
@@ -234,8 +276,9 @@ def test_windows_and_softcaps_in_the_rows_and_decode_kernels(rows_kernels):
         for b, (c, n) in enumerate(seqs):
             for i in range(n):
                 r, length = int(loc[b]) + i, torch.tensor([c + i + 1])
-                alone = rows_kernels.paged_rows(q[r : r + 1], kc, vc, tables[b : b + 1], length, torch.tensor([0, 1]),
-                                                bs, 0.3, **kw)
+                alone = rows_kernels.paged_rows(
+                    q[r : r + 1], kc, vc, tables[b : b + 1], length, torch.tensor([0, 1]), bs, 0.3, **kw
+                )
                 assert torch.equal(out[r : r + 1], alone), (H, D, b, i)
                 ref = reference_paged_decode(q[r : r + 1], kc, vc, tables[b : b + 1], length, bs, 0.3, window, cap)
                 torch.testing.assert_close(alone.float(), ref, **tol)
@@ -259,8 +302,12 @@ def test_rows_kernel_window_and_softcap_long_context(rows_kernels, cache):
 
     g = torch.Generator().manual_seed(5)
     H, Hkv, D, slots = 8, 2, 128, 4096 * 2
-    for bs, window, cap, seqs in [(16, 300, 50.0, [(1500, 13)]), (16, 7, 20.0, [(900, 20), (37, 1)]),
-                                  (32, 45, 0.0, [(2000, 5), (700, 16), (250, 20)]), (32, 1, 30.0, [(64, 9)])]:
+    for bs, window, cap, seqs in [
+        (16, 300, 50.0, [(1500, 13)]),
+        (16, 7, 20.0, [(900, 20), (37, 1)]),
+        (32, 45, 0.0, [(2000, 5), (700, 16), (250, 20)]),
+        (32, 1, 30.0, [(64, 9)]),
+    ]:
         kc, vc, scales, kf, vf = random_cache(cache, slots, Hkv, D, g, null=bs)
         width = max(-(-(c + n) // bs) for c, n in seqs)
         perm = torch.randperm(slots // bs - 1, generator=g) + 1
@@ -276,11 +323,27 @@ def test_rows_kernel_window_and_softcap_long_context(rows_kernels, cache):
         for b, (c, _n) in enumerate(seqs):
             rows = range(int(loc[b]), int(loc[b + 1]))
             for i, r in enumerate(rows):
-                alone = rows_kernels.paged_rows(q[r : r + 1], kc, vc, tables[b : b + 1], torch.tensor([c + i + 1]),
-                                                torch.tensor([0, 1]), bs, D**-0.5, *scales, **kw)
+                alone = rows_kernels.paged_rows(
+                    q[r : r + 1],
+                    kc,
+                    vc,
+                    tables[b : b + 1],
+                    torch.tensor([c + i + 1]),
+                    torch.tensor([0, 1]),
+                    bs,
+                    D**-0.5,
+                    *scales,
+                    **kw,
+                )
                 assert torch.equal(out[r : r + 1], alone), (bs, window, b, i)
-            ref = torch.cat([reference_paged_decode(q[r : r + 1], kf, vf, tables[b : b + 1], torch.tensor([c + i + 1]),
-                                                    bs, D**-0.5, window, cap) for i, r in enumerate(rows)])
+            ref = torch.cat(
+                [
+                    reference_paged_decode(
+                        q[r : r + 1], kf, vf, tables[b : b + 1], torch.tensor([c + i + 1]), bs, D**-0.5, window, cap
+                    )
+                    for i, r in enumerate(rows)
+                ]
+            )
             torch.testing.assert_close(out[rows.start : rows.stop].float(), ref, atol=1e-2, rtol=1e-2)
 
 
@@ -321,7 +384,9 @@ def test_a_verification_chunk_equals_decoding_one_token_at_a_time(tiny_bf16, pat
     one_by_one_table, chunk_table = d.table(48), d.table(48)
     d.step([(tokens, 0, 40, one_by_one_table)])
     d.step([(tokens, 0, 40, chunk_table)])
-    one_by_one = torch.cat([d.step([(tokens, p, 1, one_by_one_table)], fused=path == "fused")[0] for p in range(40, 45)])
+    one_by_one = torch.cat(
+        [d.step([(tokens, p, 1, one_by_one_table)], fused=path == "fused")[0] for p in range(40, 45)]
+    )
     chunk = d.step([(tokens, 40, 5, chunk_table)], fused=path == "fused")[0]
     assert chunk.shape == one_by_one.shape == (5, _vocab(llm))
     assert torch.equal(chunk, one_by_one)
@@ -331,8 +396,12 @@ def test_a_verification_chunk_equals_decoding_one_token_at_a_time(tiny_bf16, pat
     d2 = Driver(llm)
     t = d2.table(48)
     d2.step([(tokens, 0, 40, t)])
-    split = torch.cat([d2.step([(tokens, 40, 2, t)], fused=path != "fused")[0],
-                       d2.step([(tokens, 42, 3, t)], fused=path != "fused")[0]])
+    split = torch.cat(
+        [
+            d2.step([(tokens, 40, 2, t)], fused=path != "fused")[0],
+            d2.step([(tokens, 42, 3, t)], fused=path != "fused")[0],
+        ]
+    )
     assert torch.equal(split, one_by_one)
 
 
@@ -391,8 +460,14 @@ def test_fused_step_takes_few_rows_per_request_only(tiny_bf16):
             row += n
         return attn.build_metadata(seqs, list(range(row)), bs), row
 
-    for ns, ok in [([1] * SMALL_BATCH, True), ([1] * (SMALL_BATCH + 1), False), ([MAX_Q, 1, 5], True),
-                   ([MAX_Q + 1, 1], False), ([MAX_Q] * (SMALL_BATCH // MAX_Q), True), ([8] * 9, False)]:
+    for ns, ok in [
+        ([1] * SMALL_BATCH, True),
+        ([1] * (SMALL_BATCH + 1), False),
+        ([MAX_Q, 1, 5], True),
+        ([MAX_Q + 1, 1], False),
+        ([MAX_Q] * (SMALL_BATCH // MAX_Q), True),
+        ([8] * 9, False),
+    ]:
         m, rows = meta(ns)
         assert fd.accepts(m, rows) == ok, ns
 
@@ -405,8 +480,9 @@ def test_off_it_is_the_previous_engine(tiny_llama_dir, monkeypatch):
     runner = llm.engine.core.runner
     assert not runner.attn.batch_invariant
     if runner.fast_decode is not None:
-        m = runner.attn.build_metadata([SeqChunk(0, 3, 10, [1]), SeqChunk(3, 1, 5, [2])], [16, 17, 18, 32],
-                                       runner.block_size)
+        m = runner.attn.build_metadata(
+            [SeqChunk(0, 3, 10, [1]), SeqChunk(3, 1, 5, [2])], [16, 17, 18, 32], runner.block_size
+        )
         assert not runner.fast_decode.accepts(m, 4)
     assert isinstance(cpu_kernels.batch_invariant(), bool)
 
@@ -426,10 +502,10 @@ def test_quantized_weights_alone_and_batched_under_128_rows(tmp_path_factory, qu
     def key(o):
         return o.token_ids, [next(iter(d.values())).logprob for d in o.logprobs]
 
-    alone = [key(llm.generate(prompt_token_ids=[p], sampling_params=sp, use_tqdm=False)[0].outputs[0])
-             for p in prompts]
+    alone = [key(llm.generate(prompt_token_ids=[p], sampling_params=sp, use_tqdm=False)[0].outputs[0]) for p in prompts]
     together = [key(o.outputs[0]) for o in llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)]
     assert [i for i, (a, b) in enumerate(zip(alone, together)) if a != b] == []
+
 
 @pytest.mark.slow
 def test_smollm2_64_greedy_requests_alone_and_all_at_once(smollm2_dir):
@@ -438,14 +514,18 @@ def test_smollm2_64_greedy_requests_alone_and_all_at_once(smollm2_dir):
     are common, 27 of 64)."""
     llm = LLM(smollm2_dir, dtype="bfloat16", kv_cache_memory=0.5)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(100, 20000, (int(torch.randint(5, 120, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(64)]
+    prompts = [
+        torch.randint(100, 20000, (int(torch.randint(5, 120, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(64)
+    ]
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    alone = [llm.generate(prompt_token_ids=[p], sampling_params=sp, use_tqdm=False)[0].outputs[0].token_ids
-             for p in prompts]
+    alone = [
+        llm.generate(prompt_token_ids=[p], sampling_params=sp, use_tqdm=False)[0].outputs[0].token_ids for p in prompts
+    ]
     llm2 = LLM(smollm2_dir, dtype="bfloat16", kv_cache_memory=0.5, max_num_batched_tokens=512)  # chunked prompts
-    together = [o.outputs[0].token_ids for o in llm2.generate(prompt_token_ids=prompts, sampling_params=sp,
-                                                               use_tqdm=False)]
+    together = [
+        o.outputs[0].token_ids for o in llm2.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
+    ]
     assert [i for i, (a, b) in enumerate(zip(alone, together)) if a != b] == []
 
 

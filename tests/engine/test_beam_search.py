@@ -46,8 +46,9 @@ def round_outputs(search: BeamSearch, rng: random.Random, vocab: int) -> list[Re
 @pytest.mark.parametrize("ignore_eos", [False, True])
 def test_a_round_keeps_what_sorting_every_candidate_keeps(ignore_eos):
     rng = random.Random(0)
-    search = BeamSearch([1, 2, 3], BeamSearchParams(beam_width=8, max_tokens=6, ignore_eos=ignore_eos),
-                        frozenset({5, 6, 7}))
+    search = BeamSearch(
+        [1, 2, 3], BeamSearchParams(beam_width=8, max_tokens=6, ignore_eos=ignore_eos), frozenset({5, 6, 7})
+    )
     while not search.done:
         outs = round_outputs(search, rng, vocab=40)  # a small vocabulary: EOS candidates in most rounds
         live, finished = reference_advance(search, outs)
@@ -65,8 +66,9 @@ def test_a_round_builds_sequences_only_for_the_kept(monkeypatch):
             built.append(self)
 
     monkeypatch.setattr(beam_search, "BeamSearchSequence", Counting)
-    search = BeamSearch(list(range(64)), BeamSearchParams(beam_width=128, max_tokens=3, ignore_eos=True),
-                        frozenset({0}))
+    search = BeamSearch(
+        list(range(64)), BeamSearchParams(beam_width=128, max_tokens=3, ignore_eos=True), frozenset({0})
+    )
     rng = random.Random(1)
     search.advance(round_outputs(search, rng, vocab=50_000))
     search.advance(round_outputs(search, rng, vocab=50_000))  # 128 beams x 256 candidates

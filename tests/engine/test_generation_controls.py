@@ -27,13 +27,20 @@ def tok(smollm2_server):
 
 def test_logit_bias(smollm2_client, smollm2_model, tok):
     rome = tok.encode(" Rome", add_special_tokens=False)[0]
-    r = smollm2_client.completions.create(model=smollm2_model, prompt="Once upon a time", max_tokens=6, temperature=0,
-                                  logit_bias={str(rome): 100}, logprobs=0)
+    r = smollm2_client.completions.create(
+        model=smollm2_model,
+        prompt="Once upon a time",
+        max_tokens=6,
+        temperature=0,
+        logit_bias={str(rome): 100},
+        logprobs=0,
+    )
     assert r.choices[0].logprobs.tokens == [" Rome"] * 6
     plain = smollm2_client.chat.completions.create(model=smollm2_model, messages=QUESTION, max_tokens=3, temperature=0)
     first = tok.encode(plain.choices[0].message.content, add_special_tokens=False)[0]
-    banned = smollm2_client.chat.completions.create(model=smollm2_model, messages=QUESTION, max_tokens=3, temperature=0,
-                                            logit_bias={str(first): -100})
+    banned = smollm2_client.chat.completions.create(
+        model=smollm2_model, messages=QUESTION, max_tokens=3, temperature=0, logit_bias={str(first): -100}
+    )
     assert tok.encode(banned.choices[0].message.content, add_special_tokens=False)[0] != first
     for bias, msg in (({"abc": 1}, "token ids"), ({"99999999": 1}, "token ids"), ({str(rome): 250}, "-100, 100")):
         with pytest.raises(openai.BadRequestError, match=msg):
@@ -48,12 +55,19 @@ def test_bad_words(smollm2_client, smollm2_model, tok):
     """vLLM's rule: each bad word's token sequence, alone and after a space, is never generated
     (another tokenization of the same letters, e.g. " Rom" + "ans", is not banned)."""
     words = ["Roman", "empire", "Empire"]
-    banned = [[tok.decode([i]).encode() for i in tok.encode(t, add_special_tokens=False)]
-              for w in words for t in (w, " " + w)]
+    banned = [
+        [tok.decode([i]).encode() for i in tok.encode(t, add_special_tokens=False)] for w in words for t in (w, " " + w)
+    ]
 
     def answer(**extra):
-        r = smollm2_client.chat.completions.create(model=smollm2_model, messages=QUESTION, max_tokens=40,
-                                                   temperature=0, logprobs=True, extra_body=extra or None)
+        r = smollm2_client.chat.completions.create(
+            model=smollm2_model,
+            messages=QUESTION,
+            max_tokens=40,
+            temperature=0,
+            logprobs=True,
+            extra_body=extra or None,
+        )
         return r.choices[0].message.content, [bytes(c.bytes) for c in r.choices[0].logprobs.content]
 
     text, pieces = answer()
@@ -64,8 +78,13 @@ def test_bad_words(smollm2_client, smollm2_model, tok):
 
 def _story(smollm2_client, smollm2_model, watermark: bool) -> str:
     r = smollm2_client.chat.completions.create(
-        model=smollm2_model, messages=[{"role": "user", "content": "Write a long story about a dragon who bakes bread."}],
-        max_tokens=200, temperature=1.0, seed=3, extra_body={"ignore_eos": True, "watermark": watermark})
+        model=smollm2_model,
+        messages=[{"role": "user", "content": "Write a long story about a dragon who bakes bread."}],
+        max_tokens=200,
+        temperature=1.0,
+        seed=3,
+        extra_body={"ignore_eos": True, "watermark": watermark},
+    )
     assert r.usage.completion_tokens == 200
     return r.choices[0].message.content
 
@@ -81,8 +100,10 @@ def test_watermark_detected_only_when_on(smollm2_client, smollm2_model, smollm2_
 
 
 def test_watermark_tgi_parameter(url, smollm2_dir):
-    body = {"inputs": "The history of bread begins", "parameters": {
-        "max_new_tokens": 120, "do_sample": True, "seed": 1, "watermark": True}}
+    body = {
+        "inputs": "The history of bread begins",
+        "parameters": {"max_new_tokens": 120, "do_sample": True, "seed": 1, "watermark": True},
+    }
     r = httpx.post(url + "/generate", json=body, timeout=120)
     assert r.status_code == 200, r.text
     assert detect_text(r.json()["generated_text"], smollm2_dir).z_score > 4

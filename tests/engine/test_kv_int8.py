@@ -94,8 +94,10 @@ def test_quantized_cache_memory_and_kernel_vs_torch_path(tiny_llama_dir, monkeyp
     b = kernel_path.generate(PROMPTS, params)
     for x, y in zip(a, b):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids
-        lp = [abs(next(iter(p.values())).logprob - next(iter(q.values())).logprob)
-              for p, q in zip(x.outputs[0].logprobs, y.outputs[0].logprobs)]
+        lp = [
+            abs(next(iter(p.values())).logprob - next(iter(q.values())).logprob)
+            for p, q in zip(x.outputs[0].logprobs, y.outputs[0].logprobs)
+        ]
         assert max(lp) < 1e-3
     for llm in (torch_path, kernel_path):
         assert llm.engine.core.kv.num_free_blocks == llm.engine.core.kv.num_usable_blocks
@@ -127,8 +129,12 @@ def test_quantized_cache_quality_on_smollm2(smollm2_dir, smollm2_llm, kv):
         for i in range(len(rt)):
             if rt[i] != gt[i]:
                 break
-            diffs.append(abs(next(iter(r.outputs[0].logprobs[i].values())).logprob
-                             - next(iter(g.outputs[0].logprobs[i].values())).logprob))
+            diffs.append(
+                abs(
+                    next(iter(r.outputs[0].logprobs[i].values())).logprob
+                    - next(iter(g.outputs[0].logprobs[i].values())).logprob
+                )
+            )
     assert same_start >= len(PROMPTS) - 1
     assert sum(diffs) / len(diffs) < 0.05 and max(diffs) < 0.5
 

@@ -180,8 +180,10 @@ def test_multi_turn_chat_reuses_the_earlier_turn(smollm2_llm):
     convo = [{"role": "user", "content": "Name three colours of the rainbow, with a sentence on each."}]
     first = llm.chat(convo, params)[0]
     answer = first.outputs[0]
-    convo += [{"role": "assistant", "content": answer.text},
-              {"role": "user", "content": "And which of them is your favourite?"}]
+    convo += [
+        {"role": "assistant", "content": answer.text},
+        {"role": "user", "content": "And which of them is your favourite?"},
+    ]
     second = llm.chat(convo, params)[0]
     bs = llm.engine.config.cache.block_size
     # Turn 2 repeats turn 1's prompt and answer: their blocks are served from cache, the

@@ -180,7 +180,9 @@ def test_bf16_packed_linear_same_tokens(tiny_llama_dir, monkeypatch):
 
 def test_kv_budget_too_small_for_one_request_refuses_to_start(tiny_llama_dir, caplog):
     # 0.0001 GiB of float32 KV for this model is 12 blocks = 192 tokens < max_model_len 512.
-    with pytest.raises(ValueError, match=r"holds 192 tokens.*--kv-cache-memory to at least.*--max-model-len to at most 192"):
+    with pytest.raises(
+        ValueError, match=r"holds 192 tokens.*--kv-cache-memory to at least.*--max-model-len to at most 192"
+    ):
         LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.0001)
     with caplog.at_level("INFO", logger="tokenmill"):
         llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.0001, max_model_len=128)
@@ -192,8 +194,9 @@ def test_kv_budget_too_small_for_one_request_refuses_to_start(tiny_llama_dir, ca
 # ---- --scheduling-policy priority -------------------------------------------------------
 def _policy_scheduler(policy: str, num_blocks: int = 65, max_num_seqs: int = 8) -> Scheduler:
     kv = KVCacheManager(num_blocks=num_blocks, block_size=4)
-    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64, max_model_len=64,
-                                     policy=policy), kv)
+    return Scheduler(
+        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64, max_model_len=64, policy=policy), kv
+    )
 
 
 def _req(rid: str, priority: int, arrival: float, max_tokens: int = 2) -> Request:

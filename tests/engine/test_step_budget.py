@@ -57,8 +57,12 @@ def test_decode_rows_go_first_and_the_prompt_gets_what_fits():
     kv = KVCacheManager(num_blocks=1024, block_size=16)
     # priority: the long prompt (priority 0) is served before the stream (priority 5) and so comes
     # first among the running requests; the stream's decode row still goes first in every step
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=8192,
-                                      policy="priority", itl_target_ms=250), kv)
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=8192, policy="priority", itl_target_ms=250
+        ),
+        kv,
+    )
     short = Request("short", [1, 2, 3], SamplingParams(max_tokens=500), priority=5)
     sched.add_request(short)
     out = sched.schedule()

@@ -45,19 +45,28 @@ def test_v2_unlimited_and_missing(tmp_path):
 
 def test_v2_nested_tightest_wins(tmp_path):
     # A host view: the process sits in /system.slice/app.service; its parent slice has the tighter quota.
-    proc = fake_host(tmp_path, [V2_MOUNT], ["0::/system.slice/app.service"], {
-        "cgroup/cpu.max": "max 100000",
-        "cgroup/system.slice/cpu.max": "50000 100000",
-        "cgroup/system.slice/app.service/cpu.max": "300000 100000",
-    })
+    proc = fake_host(
+        tmp_path,
+        [V2_MOUNT],
+        ["0::/system.slice/app.service"],
+        {
+            "cgroup/cpu.max": "max 100000",
+            "cgroup/system.slice/cpu.max": "50000 100000",
+            "cgroup/system.slice/app.service/cpu.max": "300000 100000",
+        },
+    )
     assert cpu_threads.cgroup_cpu_limit(proc) == pytest.approx(0.5)
     assert cpu_threads.available_cpus(proc, affinity=4) == 1  # never below one
 
 
 def test_v2_container_view(tmp_path):
     # /proc/self/cgroup names a host path the container's mount does not show: read the mount's root.
-    proc = fake_host(tmp_path, ["40 30 0:31 /kubepods/pod1/abc @/cgroup rw - cgroup2 cgroup2 rw"],
-                     ["0::/../other"], {"cgroup/cpu.max": "200000 100000"})
+    proc = fake_host(
+        tmp_path,
+        ["40 30 0:31 /kubepods/pod1/abc @/cgroup rw - cgroup2 cgroup2 rw"],
+        ["0::/../other"],
+        {"cgroup/cpu.max": "200000 100000"},
+    )
     assert cpu_threads.cgroup_cpu_limit(proc) == pytest.approx(2.0)
 
 
@@ -67,13 +76,18 @@ def test_v1_quota(tmp_path):
         "31 25 0:27 / @/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct",
     ]
     cg = ["9:memory:/docker/abc", "4:cpu,cpuacct:/docker/abc", "0::/"]
-    proc = fake_host(tmp_path, mounts, cg, {
-        "cgroup/cpu,cpuacct/cpu.cfs_quota_us": "-1",
-        "cgroup/cpu,cpuacct/cpu.cfs_period_us": "100000",
-        "cgroup/cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "100000",
-        "cgroup/cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000",
-        "cgroup/memory/docker/abc/cpu.cfs_quota_us": "1000",  # not the cpu hierarchy: ignored
-    })
+    proc = fake_host(
+        tmp_path,
+        mounts,
+        cg,
+        {
+            "cgroup/cpu,cpuacct/cpu.cfs_quota_us": "-1",
+            "cgroup/cpu,cpuacct/cpu.cfs_period_us": "100000",
+            "cgroup/cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "100000",
+            "cgroup/cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000",
+            "cgroup/memory/docker/abc/cpu.cfs_quota_us": "1000",  # not the cpu hierarchy: ignored
+        },
+    )
     assert cpu_threads.cgroup_cpu_limit(proc) == pytest.approx(1.0)
     assert cpu_threads.available_cpus(proc, affinity=2) == 1
 
@@ -84,17 +98,27 @@ def test_v1_unlimited_hybrid(tmp_path):
         "28 25 0:24 / @/cgroup/unified rw - cgroup2 cgroup2 rw",
         "31 25 0:27 / @/cgroup/cpu rw - cgroup cgroup rw,cpu",
     ]
-    proc = fake_host(tmp_path, mounts, ["1:cpu:/", "0::/"], {
-        "cgroup/cpu/cpu.cfs_quota_us": "-1", "cgroup/cpu/cpu.cfs_period_us": "100000",
-        "cgroup/unified/cgroup.procs": "",
-    })
+    proc = fake_host(
+        tmp_path,
+        mounts,
+        ["1:cpu:/", "0::/"],
+        {
+            "cgroup/cpu/cpu.cfs_quota_us": "-1",
+            "cgroup/cpu/cpu.cfs_period_us": "100000",
+            "cgroup/unified/cgroup.procs": "",
+        },
+    )
     assert cpu_threads.cgroup_cpu_limit(proc) is None
     assert cpu_threads.available_cpus(proc, affinity=2) == 2
 
 
 def test_mount_point_with_space(tmp_path):
-    proc = fake_host(tmp_path, [r"35 24 0:30 / @/my\040cgroup rw - cgroup2 cgroup2 rw"], ["0::/"],
-                     {"my cgroup/cpu.max": "100000 100000"})
+    proc = fake_host(
+        tmp_path,
+        [r"35 24 0:30 / @/my\040cgroup rw - cgroup2 cgroup2 rw"],
+        ["0::/"],
+        {"my cgroup/cpu.max": "100000 100000"},
+    )
     assert cpu_threads.cgroup_cpu_limit(proc) == pytest.approx(1.0)
 
 
@@ -152,8 +176,9 @@ def test_fused_step_barrier_wait_modes_give_the_same_logits(tiny_llama_dir, thre
     runner.execute = spy
     try:
         prompts = [[5 + (7 * i + j) % 200 for j in range(40 + 30 * i)] for i in range(3)]
-        llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=3,
-                                                                             ignore_eos=True))
+        llm.generate(
+            prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        )
     finally:
         runner.execute = inner
     ids, pos, meta, rows, kv = steps[0]

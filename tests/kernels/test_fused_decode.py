@@ -42,14 +42,18 @@ def _decode_steps(llm, prompts: list[list[int]], max_tokens: int = 3, scales: bo
     def spy(sched):
         if all(s.num_new_tokens == 1 for s in sched.scheduled):
             step = runner.prepare(sched)
-            steps.append((step.input_ids, step.positions, step.meta, step.logits_rows, runner.kv_cache.clone())
-                         + ((runner.kv_scales.clone(),) if scales else ()))
+            steps.append(
+                (step.input_ids, step.positions, step.meta, step.logits_rows, runner.kv_cache.clone())
+                + ((runner.kv_scales.clone(),) if scales else ())
+            )
         return inner(sched)
 
     runner.execute = spy
     try:
-        llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens,
-                                                                             ignore_eos=True))
+        llm.generate(
+            prompt_token_ids=prompts,
+            sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+        )
     finally:
         runner.execute = inner
     return steps
@@ -69,7 +73,9 @@ def test_fused_logits_equal_the_model_run_op_by_op(arch, quantization, rows, inv
     tied table is a quantized embedding shared with the lm_head). Batch-invariant (attention by
     the rows kernel) or not (the decode kernel)."""
     monkeypatch.setenv("TOKENMILL_BATCH_INVARIANT", "1" if invariant else "0")
-    _check_fused_equals_op_by_op(LLM(request.getfixturevalue(f"tiny_{arch}_dir"), quantization=quantization, **KW), rows)
+    _check_fused_equals_op_by_op(
+        LLM(request.getfixturevalue(f"tiny_{arch}_dir"), quantization=quantization, **KW), rows
+    )
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -133,8 +139,10 @@ def test_quantized_kv_cache_equals_the_model_run_op_by_op(tiny_llama_dir, kv_cac
     ids, pos, meta, rows, kv, sc = _decode_steps(llm, prompts, scales=True)[0]
     outs = []
     with torch.inference_mode():
-        for run in (lambda: fd(ids, pos, meta, rows),
-                    lambda: runner.model.compute_logits(runner.model(ids, pos, runner.attn, meta)[rows])):
+        for run in (
+            lambda: fd(ids, pos, meta, rows),
+            lambda: runner.model.compute_logits(runner.model(ids, pos, runner.attn, meta)[rows]),
+        ):
             runner.kv_cache.copy_(kv)
             runner.kv_scales.copy_(sc)
             outs.append((run(), runner.kv_cache.view(torch.uint8).clone(), runner.kv_scales.clone()))
@@ -178,20 +186,27 @@ def test_runner_uses_it_only_for_small_steps_of_few_rows_per_request(tiny_llama_
     runner.fast_decode = Spy()
     vocab = llm.engine.config.model.vocab_size
     same_length = [[5 + (i + j) % 200 for j in range(8)] for i in range(SMALL_BATCH + 4)]  # decode in step
-    llm.generate(prompt_token_ids=same_length, sampling_params=SamplingParams(temperature=0, max_tokens=4,
-                                                                            ignore_eos=True))
+    llm.generate(
+        prompt_token_ids=same_length, sampling_params=SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    )
     assert calls == []  # SMALL_BATCH + 4 decode rows: more than it takes, op by op
-    llm.generate(prompt_token_ids=_prompts(3, vocab), sampling_params=SamplingParams(temperature=0, max_tokens=4,
-                                                                                   ignore_eos=True))
+    llm.generate(
+        prompt_token_ids=_prompts(3, vocab),
+        sampling_params=SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+    )
     assert calls == [3, 3, 3]  # the prompt step (a 19-token prompt: > MAX_Q) ran op by op, the 3 decode steps fused
     calls.clear()
     assert MAX_Q < 19
-    llm.generate(prompt_token_ids=_prompts(2, vocab), sampling_params=SamplingParams(temperature=0, max_tokens=4,
-                                                                                   ignore_eos=True))
+    llm.generate(
+        prompt_token_ids=_prompts(2, vocab),
+        sampling_params=SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+    )
     assert calls == [5 + 12, 2, 2, 2]  # prompts of 5 and 12 tokens: the prompt step fused too
     calls.clear()
-    llm.generate(prompt_token_ids=_prompts(2, vocab),
-                 sampling_params=SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=1))
+    llm.generate(
+        prompt_token_ids=_prompts(2, vocab),
+        sampling_params=SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=1),
+    )
     assert calls == [2, 2]  # prompt logprobs need hidden states: only their prompt step is op by op
 
 
@@ -208,8 +223,24 @@ def test_bad_inputs_raise_instead_of_crashing(tiny_llama_dir):
     with pytest.raises(RuntimeError, match="logits row"):
         fd(ids, pos, meta, [3])
     with pytest.raises(RuntimeError, match="2 norms and 4 linears per layer"):
-        type(fd.decoder)(torch.zeros(4, 64, dtype=torch.bfloat16), None, 16, [], [], [], torch.zeros(1), torch.zeros(1),
-                         1, 1, 64, 64, 4, 1e-6, 16, 0.125)
+        type(fd.decoder)(
+            torch.zeros(4, 64, dtype=torch.bfloat16),
+            None,
+            16,
+            [],
+            [],
+            [],
+            torch.zeros(1),
+            torch.zeros(1),
+            1,
+            1,
+            64,
+            64,
+            4,
+            1e-6,
+            16,
+            0.125,
+        )
     assert isinstance(FusedDecode.build(_runner(llm).model, _runner(llm).attn, torch.bfloat16, 16), FusedDecode)
 
 
@@ -296,7 +327,8 @@ def test_runner_populates_the_cpu_kv_cache(tiny_qwen2_dir, caplog):
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location(
-        "compare_run", Path(__file__).resolve().parents[2] / "benchmarks" / "compare" / "run.py")
+        "compare_run", Path(__file__).resolve().parents[2] / "benchmarks" / "compare" / "run.py"
+    )
     harness = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(harness)
     assert harness.POPULATE_START in caplog.text and harness.POPULATE_END[0] in caplog.text
@@ -333,9 +365,11 @@ def test_multi_row_steps_equal_the_model_run_op_by_op(tiny_qwen2_dir, quantizati
     runner = _runner(llm)
     bs, vocab = runner.block_size, llm.engine.config.model.vocab_size
     g = torch.Generator().manual_seed(5)
-    reqs = [(torch.randint(3, vocab, (45,), generator=g).tolist(), 40, 5, [1, 2, 3]),
-            (torch.randint(3, vocab, (21,), generator=g).tolist(), 20, 1, [4, 5]),
-            (torch.randint(3, vocab, (7,), generator=g).tolist(), 0, 7, [6])]
+    reqs = [
+        (torch.randint(3, vocab, (45,), generator=g).tolist(), 40, 5, [1, 2, 3]),
+        (torch.randint(3, vocab, (21,), generator=g).tolist(), 20, 1, [4, 5]),
+        (torch.randint(3, vocab, (7,), generator=g).tolist(), 0, 7, [6]),
+    ]
     with torch.inference_mode():
         for tokens, start, _, table in reqs[:2]:  # their cached prefixes
             slots = [table[p // bs] * bs + p % bs for p in range(start)]

@@ -39,8 +39,17 @@ def test_rope_and_cache_refuses_bad_shapes(kernels):
     rope = RotaryEmbedding(16, 64, 10000.0, None, torch.float32)
     cache = torch.zeros(8, 1, 16)
     with pytest.raises(RuntimeError, match="qkv must be"):
-        kernels.rope_and_cache(torch.zeros(2, 16 * 5), torch.zeros(2, dtype=torch.long), rope.cos, rope.sin,
-                               cache, cache.clone(), torch.zeros(2, dtype=torch.long), 2, 1)
+        kernels.rope_and_cache(
+            torch.zeros(2, 16 * 5),
+            torch.zeros(2, dtype=torch.long),
+            rope.cos,
+            rope.sin,
+            cache,
+            cache.clone(),
+            torch.zeros(2, dtype=torch.long),
+            2,
+            1,
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -66,8 +75,13 @@ def test_model_with_fused_kernels_matches_without(tiny_llama_dir, monkeypatch, d
     """Greedy tokens and logprobs of prompts and chunked decode: fused kernels on vs off."""
     prompts = ["The capital of France is", "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20", "Hello"]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
-    kw = dict(dtype=dtype, kv_cache_memory=0.02, max_num_batched_tokens=16, enable_chunked_prefill=True,
-              enable_prefix_caching=False)
+    kw = dict(
+        dtype=dtype,
+        kv_cache_memory=0.02,
+        max_num_batched_tokens=16,
+        enable_chunked_prefill=True,
+        enable_prefix_caching=False,
+    )
     with_kernels = LLM(tiny_llama_dir, **kw).generate(prompts, params)
     monkeypatch.setenv("TOKENMILL_NO_CPP_KERNELS", "1")
     without = LLM(tiny_llama_dir, **kw).generate(prompts, params)
@@ -75,7 +89,9 @@ def test_model_with_fused_kernels_matches_without(tiny_llama_dir, monkeypatch, d
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         la = [next(iter(d.values())).logprob for d in a.outputs[0].logprobs]
         lb = [next(iter(d.values())).logprob for d in b.outputs[0].logprobs]
-        assert max(abs(x - y) for x, y in zip(la, lb)) < (0.1 if dtype == "bfloat16" else 1e-3)  # bf16: a few roundings apart after 12 steps
+        assert max(abs(x - y) for x, y in zip(la, lb)) < (
+            0.1 if dtype == "bfloat16" else 1e-3
+        )  # bf16: a few roundings apart after 12 steps
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -46,21 +46,36 @@ def family_dirs(tmp_path_factory):
 
 
 # ---- kernels bound at load ---------------------------------------------------------------------
-@pytest.mark.parametrize("family,dtype,quantization", [("llama", "bfloat16", None), ("llama", "float32", "int4"),
-                                                       ("qwen3", "bfloat16", None), ("mixtral", "float32", None),
-                                                       ("gemma2", "bfloat16", None)])
+@pytest.mark.parametrize(
+    "family,dtype,quantization",
+    [
+        ("llama", "bfloat16", None),
+        ("llama", "float32", "int4"),
+        ("qwen3", "bfloat16", None),
+        ("mixtral", "float32", None),
+        ("gemma2", "bfloat16", None),
+    ],
+)
 def test_no_forward_asks_which_kernels_exist(family, dtype, quantization, family_dirs, monkeypatch):
     """After load, generating (prompt steps, decode steps, greedy and sampled) never calls
     cpu_kernels.ops_for / load / enabled: every module was bound its kernels at load, and they
     are the kernels (not the torch fallbacks) on this CPU. The tokens are those of the run before."""
-    llm = LLM(family_dirs(family), dtype=dtype, quantization=quantization, kv_cache_memory=0.02,
-              max_num_batched_tokens=16, enable_prefix_caching=False)
+    llm = LLM(
+        family_dirs(family),
+        dtype=dtype,
+        quantization=quantization,
+        kv_cache_memory=0.02,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=False,
+    )
     model = llm.engine.core.runner.model
     kernels = cpu_kernels.load() if cpu_kernels.enabled() else None
     bound = [m for m in model.modules() if hasattr(m, "bind_kernels")]
     assert bound and all(m.ops is kernels for m in bound)
-    params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
-              SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=1, max_tokens=MAX_TOKENS, ignore_eos=True)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=1, max_tokens=MAX_TOKENS, ignore_eos=True),
+    ]
     before = [o.outputs[0].token_ids for p in params for o in llm.generate(PROMPTS[:3], p, use_tqdm=False)]
 
     def refuse(*args, **kwargs):
@@ -99,8 +114,11 @@ CAPABILITIES = {
     "phi3_partial": (None, None, "rope (RotaryEmbedding turning part of each head: the step turns whole heads)"),
     "mixtral": (None, "layers.0.mlp (SparseMoeBlock) has no gate_up_proj linear", "layers.0.mlp (SparseMoeBlock)"),
     "qwen2_moe": (None, "layers.0.mlp (SparseMoeBlock) has no gate_up_proj linear", "layers.0.mlp (SparseMoeBlock)"),
-    "qwen3_moe": (None, "layers.1.mlp (SparseMoeBlock) has no gate_up_proj linear",
-                  "layers.0.self_attn (QKNormAttention)"),
+    "qwen3_moe": (
+        None,
+        "layers.1.mlp (SparseMoeBlock) has no gate_up_proj linear",
+        "layers.0.self_attn (QKNormAttention)",
+    ),
     "gemma2": (None, None, "the model (GemmaForCausalLM: its own forward)"),
     "gemma3": (None, None, "the model (GemmaForCausalLM: its own forward)"),
 }
@@ -177,8 +195,10 @@ def test_gemma_lora_matches_peft(family_dirs, tmp_path):
     oracle = {"model": peft_model(path, adapter), "kw": {"lora_request": LoRARequest("a", 1, adapter)}}
     _check_against_hf(llm, path, oracle=oracle)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
-    runs = [llm.generate(PROMPTS[:1], params, use_tqdm=False, **kw)[0].outputs[0] for kw in (
-        {}, {"lora_request": LoRARequest("a", 1, adapter)})]
+    runs = [
+        llm.generate(PROMPTS[:1], params, use_tqdm=False, **kw)[0].outputs[0]
+        for kw in ({}, {"lora_request": LoRARequest("a", 1, adapter)})
+    ]
     first = [next(iter(o.logprobs[0].values())).logprob for o in runs]
     assert abs(first[0] - first[1]) > 1e-3  # the adapter matters (and the base model still serves)
 

@@ -33,9 +33,18 @@ EXPECTED = {
 }
 
 
-@pytest.mark.parametrize("flags, top", [(frozenset({"sse2"}), "generic"), (ZEN3, "avx2"), (SKYLAKE_SP, "avx512"),
-                                        (ICE_LAKE, "avx512_vnni"), (ZEN4, "avx512_bf16"),
-                                        (SAPPHIRE_RAPIDS, "amx"), (ZEN3 - {"fma"}, "generic")])
+@pytest.mark.parametrize(
+    "flags, top",
+    [
+        (frozenset({"sse2"}), "generic"),
+        (ZEN3, "avx2"),
+        (SKYLAKE_SP, "avx512"),
+        (ICE_LAKE, "avx512_vnni"),
+        (ZEN4, "avx512_bf16"),
+        (SAPPHIRE_RAPIDS, "amx"),
+        (ZEN3 - {"fma"}, "generic"),
+    ],
+)
 def test_a_cpu_loads_its_highest_level(flags, top, monkeypatch):
     monkeypatch.delenv(isa.ISA_ENV, raising=False)
     assert isa.host_level(flags).name == top
@@ -56,8 +65,11 @@ def test_the_cap_selects_a_lower_level_and_refuses_a_higher_one(monkeypatch):
 
 
 def test_env_for_caps_torch_too():
-    assert isa.env_for("avx2") == {"TOKENMILL_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2",
-                                   "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert isa.env_for("avx2") == {
+        "TOKENMILL_CPU_ISA": "avx2",
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+    }
 
 
 def test_a_unit_is_compiled_again_only_where_a_level_changes_it():
@@ -68,8 +80,14 @@ def test_a_unit_is_compiled_again_only_where_a_level_changes_it():
 
     # no ISA macro: one object per vector width (the compiler's own vectorization changes)
     assert eff("int f() { return 1; }") == ["generic", "avx2", "avx512", "avx512", "avx512", "avx512"]
-    assert eff("#if defined(__AVX512BF16__)\n#endif") == ["generic", "avx2", "avx512", "avx512", "avx512_bf16",
-                                                          "avx512_bf16"]
+    assert eff("#if defined(__AVX512BF16__)\n#endif") == [
+        "generic",
+        "avx2",
+        "avx512",
+        "avx512",
+        "avx512_bf16",
+        "avx512_bf16",
+    ]
     assert eff("#ifdef __AMX_TILE__\n#endif") == ["generic", "avx2", "avx512", "avx512", "avx512", "amx"]
     assert eff("__AVX512VNNI__ __AMX_INT8__") == ["generic", "avx2", "avx512", "avx512_vnni", "avx512_vnni", "amx"]
 
@@ -81,8 +99,9 @@ def test_the_build_plan_compiles_the_bindings_once():
     units = build.kernel_units()
     assert len(jobs) < len(units) * len(isa.level_names())  # levels share what they do not change
     for level, objs in links.items():
-        assert sorted(j.source.name for j in objs) == sorted([u.name for u in units] + [build.BINDINGS,
-                                                                                         build.MODULE_INIT])
+        assert sorted(j.source.name for j in objs) == sorted(
+            [u.name for u in units] + [build.BINDINGS, build.MODULE_INIT]
+        )
         # a level links objects compiled for itself or a lower level, never a higher one
         names_ = isa.level_names()
         assert all(names_.index(j.level) <= names_.index(level) for j in objs if j.level)
@@ -100,8 +119,12 @@ def test_each_level_says_what_it_runs(level_modules):
         panel, w8a8, fused = EXPECTED[name]
         if name == "amx" and module.panel_isa() != "amx-bf16":  # Linux may refuse the tile state
             panel, w8a8 = "avx512-bf16", "avx512-vnni"
-        assert (module.isa(), module.panel_isa(), module.w8a8_isa(), hasattr(module, "FusedDecoder")) == \
-            (name, panel, w8a8, fused)
+        assert (module.isa(), module.panel_isa(), module.w8a8_isa(), hasattr(module, "FusedDecoder")) == (
+            name,
+            panel,
+            w8a8,
+            fused,
+        )
 
 
 def test_each_level_computes_what_torch_does(level_modules):
@@ -125,10 +148,16 @@ def test_each_level_computes_what_torch_does(level_modules):
 def test_the_cap_selects_the_module_a_process_loads():
     levels = [lv.name for lv in isa.supported()]
     want = "avx2" if "avx2" in levels else "generic"
-    code = ("from tokenmill.kernels import cpu_kernels; m = cpu_kernels.load(); "
-            "print(m.isa() if m is not None else None)")
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **isa.env_for(want)}, capture_output=True,
-                         text=True, timeout=300)
+    code = (
+        "from tokenmill.kernels import cpu_kernels; m = cpu_kernels.load(); print(m.isa() if m is not None else None)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, **isa.env_for(want)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == want
 

@@ -71,7 +71,7 @@ def test_lora_add_matches_a_torch_reference(lora_kernels, dtype, K, bounds):
         for m, s in enumerate(slots.tolist()):  # untouched: rows without adapter, rank-0 slices
             for i in range(ns):
                 if s < 0 or ranks[s, i] == 0:
-                    assert torch.equal(got[m, bounds[i]:bounds[i + 1]], y[m, bounds[i]:bounds[i + 1]])
+                    assert torch.equal(got[m, bounds[i] : bounds[i + 1]], y[m, bounds[i] : bounds[i + 1]])
         adapted = slice(bounds[1] if ns > 1 else 0, None)  # slot 1's later slices (or its one slice)
         assert not torch.equal(got[0, adapted], y[0, adapted])
 
@@ -97,9 +97,9 @@ def test_lora_add_is_batch_invariant(lora_kernels, dtype):
             lora_kernels.lora_add(again, x, A, Bt, ranks, sb, slots)
             assert torch.equal(again, whole)
             for m in (0, 7, 36):
-                one = y[m:m + 1].clone()
-                lora_kernels.lora_add(one, x[m:m + 1], A, Bt, ranks, sb, slots[m:m + 1])
-                assert torch.equal(one, whole[m:m + 1])
+                one = y[m : m + 1].clone()
+                lora_kernels.lora_add(one, x[m : m + 1], A, Bt, ranks, sb, slots[m : m + 1])
+                assert torch.equal(one, whole[m : m + 1])
             part = y[3:20].clone()  # other neighbours, one slot for all
             same = torch.full((17,), 2, dtype=torch.int32)
             lora_kernels.lora_add(part, x[3:20], A, Bt, ranks, sb, same)
@@ -244,9 +244,11 @@ def test_fused_multi_row_step_with_adapters(lora_kernels, tiny_qwen2_dir):
     runner = _runner(llm)
     bs, vocab = runner.block_size, llm.engine.config.model.vocab_size
     g = torch.Generator().manual_seed(5)
-    reqs = [(torch.randint(3, vocab, (45,), generator=g).tolist(), 40, 5, [1, 2, 3], 1),
-            (torch.randint(3, vocab, (21,), generator=g).tolist(), 20, 1, [4, 5], -1),
-            (torch.randint(3, vocab, (7,), generator=g).tolist(), 0, 7, [6], 0)]
+    reqs = [
+        (torch.randint(3, vocab, (45,), generator=g).tolist(), 40, 5, [1, 2, 3], 1),
+        (torch.randint(3, vocab, (21,), generator=g).tolist(), 20, 1, [4, 5], -1),
+        (torch.randint(3, vocab, (7,), generator=g).tolist(), 0, 7, [6], 0),
+    ]
     with torch.inference_mode():
         for tokens, start, _, table, _ in reqs[:2]:  # their cached prefixes
             slots = [table[p // bs] * bs + p % bs for p in range(start)]
@@ -266,8 +268,9 @@ def test_fused_multi_row_step_with_adapters(lora_kernels, tiny_qwen2_dir):
     fd.set_lora(specs)
     try:
         kv = runner.kv_cache.clone()
-        fused, want = _fused_and_op_by_op(lora_kernels, llm, fd, specs, ids, pos, meta, rows, kv,
-                                          torch.tensor(row_slots, dtype=torch.int32))
+        fused, want = _fused_and_op_by_op(
+            lora_kernels, llm, fd, specs, ids, pos, meta, rows, kv, torch.tensor(row_slots, dtype=torch.int32)
+        )
     finally:
         fd.clear_lora()
     assert torch.equal(fused, want)

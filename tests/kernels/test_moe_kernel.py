@@ -50,8 +50,9 @@ def test_dense_experts_match_the_definition(shape):
     each row's top-k right: against the float64 definition, on the CPU."""
     T, E, k, H, I = shape
     x, w13, w2, ids, weights = make(T, E, k, H, I, torch.float32, seed=7, skew=True)
-    torch.testing.assert_close(experts_dense(x, w13, w2, ids, weights).double(), torch_experts(x, w13, w2, ids, weights),
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        experts_dense(x, w13, w2, ids, weights).double(), torch_experts(x, w13, w2, ids, weights), rtol=1e-4, atol=1e-4
+    )
 
 
 @pytest.mark.parametrize("shape", SHAPES)

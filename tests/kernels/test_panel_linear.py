@@ -99,7 +99,9 @@ def test_gate_up_with_silu_in_the_amx_epilogue_equals_the_two_ops(panel_kernels,
         x = torch.randn(M, K).bfloat16()
         assert torch.equal(layer.silu_and_mul(x), panel_kernels.silu_and_mul(layer(x))), M
     odd = torch.nn.Linear(K, 2 * 48).bfloat16()
-    assert linear.PackedLinear(odd, panel_kernels.pack_panels(odd.weight.detach()), onednn=False).silu_and_mul(x) is None
+    assert (
+        linear.PackedLinear(odd, panel_kernels.pack_panels(odd.weight.detach()), onednn=False).silu_and_mul(x) is None
+    )
     assert linear.PackedLinear(lin, panel_kernels.pack_panels(lin.weight.detach())).silu_and_mul(x) is None
 
 
@@ -108,8 +110,10 @@ def test_small_batches_use_panels_and_agree_with_onednn(panel_kernels, tiny_qwen
     a packed copy of the table (which stays plain for the lookup); <= SMALL_BATCH rows run the
     panel kernel, more run oneDNN, and the two agree within bf16 rounding."""
     if not linear.onednn_bf16_fast():
-        pytest.skip("oneDNN has no bf16 GEMM on this CPU (AVX2): bf16 linears are panels only "
-                    "(test_panels_kept_within_the_memory_limit)")
+        pytest.skip(
+            "oneDNN has no bf16 GEMM on this CPU (AVX2): bf16 linears are panels only "
+            "(test_panels_kept_within_the_memory_limit)"
+        )
     monkeypatch.setenv("TOKENMILL_BATCH_INVARIANT", "0")
     llm = LLM(tiny_qwen2_dir, dtype="bfloat16", kv_cache_memory=0.02)
     model = _model(llm)
@@ -132,6 +136,7 @@ def test_panels_kept_within_the_memory_limit(panel_kernels, tiny_llama_dir, monk
     the size. The same greedy text either way (logprobs within bf16 rounding). Batch-invariant,
     or where oneDNN has no bf16 GEMM (AVX2 CPUs), the panels are the only copy, kept whatever the
     size (TOKENMILL_PANEL_WEIGHTS=0 leaves torch's own bf16 linears there)."""
+
     def panels(llm):
         return [m.panels for m in _model(llm).modules() if isinstance(m, linear.PackedLinear)]
 
@@ -156,8 +161,10 @@ def test_panels_kept_within_the_memory_limit(panel_kernels, tiny_llama_dir, monk
     assert without.engine.core.runner.fast_decode is None
     monkeypatch.setenv("TOKENMILL_PANEL_WEIGHTS", "1")
     assert all(p is not None for p in panels(LLM(tiny_llama_dir, **kw)))
-    for a, b in zip(with_panels.generate(["Hello world", "The sky is"], params),
-                    without.generate(["Hello world", "The sky is"], params)):
+    for a, b in zip(
+        with_panels.generate(["Hello world", "The sky is"], params),
+        without.generate(["Hello world", "The sky is"], params),
+    ):
         la = next(iter(a.outputs[0].logprobs[0].values())).logprob
         lb = next(iter(b.outputs[0].logprobs[0].values())).logprob
         assert abs(la - lb) < 0.05  # the first token's logprob: same weights, another summation order

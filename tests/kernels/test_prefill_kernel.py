@@ -16,8 +16,9 @@ from tokenmill.model.layers.attention import (
 )
 
 
-def reference_paged_prefill(q, k_cache, v_cache, table, context_len: int, bs: int, scale: float, window: int = 0,
-                            softcap: float = 0.0):
+def reference_paged_prefill(
+    q, k_cache, v_cache, table, context_len: int, bs: int, scale: float, window: int = 0, softcap: float = 0.0
+):
     """Causal chunk attention in float32 through a block table: [n, H, D]. window > 0: query i sees
     keys context_len + i - window + 1 .. context_len + i only (no other key is read); softcap > 0:
     scores soft-capped."""
@@ -31,8 +32,9 @@ def reference_paged_prefill(q, k_cache, v_cache, table, context_len: int, bs: in
     q_pos = (context_len + torch.arange(n)).unsqueeze(1)
     mask = (pos.unsqueeze(0) <= q_pos) & ((pos.unsqueeze(0) > q_pos - window) if window else True)
     if not softcap:
-        o = F.scaled_dot_product_attention(q.float().transpose(0, 1), k, v, attn_mask=mask, scale=scale,
-                                           enable_gqa=True)
+        o = F.scaled_dot_product_attention(
+            q.float().transpose(0, 1), k, v, attn_mask=mask, scale=scale, enable_gqa=True
+        )
         return o.transpose(0, 1)
     rep = q.shape[1] // k.shape[0]
     s = torch.einsum("nhd,hld->hnl", q.float(), k.repeat_interleave(rep, 0)) * scale
@@ -66,8 +68,9 @@ def test_paged_prefill_matches_reference(kernels, heads, block_size, cache):
             kq, ks = quantize_kv(k)
             vq, vs = quantize_kv(v)
             out = kernels.paged_prefill(q, kq, vq, table, ctx, block_size, scale, ks, vs)
-            ref = reference_paged_prefill(q, kq.float() * ks.unsqueeze(-1), vq.float() * vs.unsqueeze(-1), table, ctx,
-                                          block_size, scale)
+            ref = reference_paged_prefill(
+                q, kq.float() * ks.unsqueeze(-1), vq.float() * vs.unsqueeze(-1), table, ctx, block_size, scale
+            )
         else:
             kc, vc = k.to(q_dtype), v.to(q_dtype)
             out = kernels.paged_prefill(q, kc, vc, table, ctx, block_size, scale)
@@ -86,8 +89,13 @@ def test_paged_prefill_window_and_softcap(kernels, cache):
     H, Hkv, D, bs = 8, 2, 64, 16
     q_dtype = torch.float32 if cache != "bfloat16" else torch.bfloat16
     gen = torch.Generator().manual_seed(7)
-    for ctx, n, window, softcap in [(0, 40, 13, 5.0), (70, 33, 21, 0.0), (100, 5, 50, 2.0), (37, 64, 7, 30.0),
-                                    (5, 3, 100, 0.0)]:
+    for ctx, n, window, softcap in [
+        (0, 40, 13, 5.0),
+        (70, 33, 21, 0.0),
+        (100, 5, 50, 2.0),
+        (37, 64, 7, 30.0),
+        (5, 3, 100, 0.0),
+    ]:
         L = ctx + n
         nb = -(-L // bs)
         table = torch.randperm(nb + 4, generator=gen)[:nb].long() + 1  # block 0: the null block
@@ -100,8 +108,9 @@ def test_paged_prefill_window_and_softcap(kernels, cache):
             (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
             ks[:bs], vs[:bs] = float("nan"), float("nan")
             out = kernels.paged_prefill(q, kq, vq, table, ctx, bs, 0.2, ks, vs, window=window, softcap=softcap)
-            ref = reference_paged_prefill(q, kq.float() * ks.unsqueeze(-1), vq.float() * vs.unsqueeze(-1), table, ctx,
-                                          bs, 0.2, window, softcap)
+            ref = reference_paged_prefill(
+                q, kq.float() * ks.unsqueeze(-1), vq.float() * vs.unsqueeze(-1), table, ctx, bs, 0.2, window, softcap
+            )
         else:
             kc, vc = k.to(q_dtype), v.to(q_dtype)
             out = kernels.paged_prefill(q, kc, vc, table, ctx, bs, 0.2, window=window, softcap=softcap)
@@ -135,8 +144,9 @@ def test_backend_prompt_chunks_kernel_vs_torch(kernels, cache_dtype, layer):
         gen = torch.Generator().manual_seed(2)
         kv = torch.zeros(layers, 2, slots_n, Hkv, D, dtype=cache_dtype)
         scales = torch.zeros(layers, 2, slots_n, Hkv) if cache_dtype in (torch.int8, torch.float8_e4m3fn) else None
-        backend = AttentionBackend(kv, H, Hkv, D, use_cpp_kernels=use_kernels, kv_scales=scales,
-                                   layers=[layer] if layer else None)
+        backend = AttentionBackend(
+            kv, H, Hkv, D, use_cpp_kernels=use_kernels, kv_scales=scales, layers=[layer] if layer else None
+        )
         assert (backend.kernels is not None) == use_kernels
         # Sequence A: blocks [3, 7, 1], 40 cached tokens then a 5-token chunk; sequence B: fresh
         # 19-token prompt in blocks [10, 11]; sequence C: decode at position 8 in block [20].
@@ -146,8 +156,9 @@ def test_backend_prompt_chunks_kernel_vs_torch(kernels, cache_dtype, layer):
         pre_c = torch.randn(8, Hkv, D, generator=torch.Generator().manual_seed(5)).to(dtype)
         c_slots = torch.tensor([table_c[0] * bs + p for p in range(8)])
         pre_meta = AttentionMetadata(slot_mapping=torch.cat([pre_slots, c_slots]), block_size=bs, prefills=[])
-        backend.forward(0, torch.zeros(48, H, D, dtype=dtype), torch.cat([prefix, pre_c]), torch.cat([prefix, pre_c]),
-                        pre_meta)  # fills the cache (no prompt chunks: output unused)
+        backend.forward(
+            0, torch.zeros(48, H, D, dtype=dtype), torch.cat([prefix, pre_c]), torch.cat([prefix, pre_c]), pre_meta
+        )  # fills the cache (no prompt chunks: output unused)
         T = 5 + 19 + 1
         q = torch.randn(T, H, D, generator=gen).to(dtype)
         k = torch.randn(T, Hkv, D, generator=gen).to(dtype)
@@ -157,10 +168,15 @@ def test_backend_prompt_chunks_kernel_vs_torch(kernels, cache_dtype, layer):
         slots += [table_c[0] * bs + 8]
         kv_slots_a = torch.tensor([table_a[p // bs] * bs + p % bs for p in range(45)])
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots), block_size=bs,
-            decode_rows=torch.tensor([24]), decode_block_tables=torch.tensor([table_c]), decode_seq_lens=torch.tensor([9]),
-            prefills=[PrefillChunk(0, 5, 40, kv_slots_a, torch.tensor(table_a)),
-                      PrefillChunk(5, 24, 0, None, torch.tensor(table_b))],
+            slot_mapping=torch.tensor(slots),
+            block_size=bs,
+            decode_rows=torch.tensor([24]),
+            decode_block_tables=torch.tensor([table_c]),
+            decode_seq_lens=torch.tensor([9]),
+            prefills=[
+                PrefillChunk(0, 5, 40, kv_slots_a, torch.tensor(table_a)),
+                PrefillChunk(5, 24, 0, None, torch.tensor(table_b)),
+            ],
         )
         outs.append(backend.forward(0, q, k, v, meta).float())
     atol = 2e-2 if dtype == torch.bfloat16 else 1e-4

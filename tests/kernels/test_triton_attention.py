@@ -61,8 +61,14 @@ def test_in_a_fresh_process():
     assert not os.environ.get(CHILD_ENV), "triton was imported before this module even in a fresh process"
     env = {**os.environ, "TRITON_INTERPRET": "1", CHILD_ENV: "1"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                       env=env, cwd=root, capture_output=True, text=True, timeout=280)
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
     assert " passed" in r.stdout.splitlines()[-1], r.stdout[-2000:]
 
@@ -113,8 +119,15 @@ class PagedCache:
         return dev[0], dev[1], dev[2], dev[3]
 
 
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, scale: float, window: int = 0,
-              softcap: float = 0.0) -> torch.Tensor:
+def reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    context_len: int,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+) -> torch.Tensor:
     """q [n, H, D] at positions context_len.., k/v [L, Hkv, D] float32 -> [n, H, D] float32, causal
     (window > 0: each query sees its last `window` keys; softcap > 0: scores soft-capped)."""
     n, H, _ = q.shape
@@ -147,12 +160,21 @@ def run_decode(lens, heads, kv_heads, d, dtype, quant, num_splits, width=None, s
     q = torch.randn(len(lens), heads, d, generator=cache.g).to(dtype)
     tables = block_table_rows([r[0] for r in reqs], width or max(len(r[0]) for r in reqs))
     scale = d**-0.5
-    out = ta.paged_decode(q.to(DEVICE), *cache.args()[:2], tables.to(DEVICE), torch.tensor(lens).to(DEVICE), BS,
-                          scale, *cache.args()[2:], num_splits=num_splits).cpu()
+    out = ta.paged_decode(
+        q.to(DEVICE),
+        *cache.args()[:2],
+        tables.to(DEVICE),
+        torch.tensor(lens).to(DEVICE),
+        BS,
+        scale,
+        *cache.args()[2:],
+        num_splits=num_splits,
+    ).cpu()
     assert out.shape == q.shape and out.dtype == dtype
     for i, (_, k, v) in enumerate(reqs):
-        torch.testing.assert_close(out[i].float(), reference(q[i : i + 1], k, v, lens[i] - 1, scale)[0],
-                                   **tolerance(dtype))
+        torch.testing.assert_close(
+            out[i].float(), reference(q[i : i + 1], k, v, lens[i] - 1, scale)[0], **tolerance(dtype)
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -193,8 +215,15 @@ def test_decode_padded_row_is_zero():
     q = torch.randn(2, 4, 64, generator=cache.g)
     tables = block_table_rows([blocks, torch.zeros(0, dtype=torch.int64)], 2)
     for splits in (1, 2):
-        out = ta.paged_decode(q.to(DEVICE), *cache.args()[:2], tables.to(DEVICE), torch.tensor([20, 0]).to(DEVICE),
-                              BS, 0.125, num_splits=splits).cpu()
+        out = ta.paged_decode(
+            q.to(DEVICE),
+            *cache.args()[:2],
+            tables.to(DEVICE),
+            torch.tensor([20, 0]).to(DEVICE),
+            BS,
+            0.125,
+            num_splits=splits,
+        ).cpu()
         torch.testing.assert_close(out[0], reference(q[:1], k, v, 19, 0.125)[0], **tolerance(torch.float32))
         assert torch.equal(out[1], torch.zeros(4, 64))
 
@@ -232,11 +261,21 @@ def test_decode_window_and_softcap(dtype, num_splits):
     reqs = [cache.add(n) for n in lens]
     q = torch.randn(len(lens), 8, 64, generator=cache.g).to(dtype)
     tables = block_table_rows([_free_before(r[0], n - 1, window) for r, n in zip(reqs, lens)], 6)
-    out = ta.paged_decode(q.to(DEVICE), *cache.args()[:2], tables.to(DEVICE), torch.tensor(lens).to(DEVICE), BS,
-                          scale, num_splits=num_splits, window=window, softcap=cap).cpu()
+    out = ta.paged_decode(
+        q.to(DEVICE),
+        *cache.args()[:2],
+        tables.to(DEVICE),
+        torch.tensor(lens).to(DEVICE),
+        BS,
+        scale,
+        num_splits=num_splits,
+        window=window,
+        softcap=cap,
+    ).cpu()
     for i, (_, k, v) in enumerate(reqs):
-        torch.testing.assert_close(out[i].float(), reference(q[i : i + 1], k, v, lens[i] - 1, scale, window, cap)[0],
-                                   **tolerance(dtype))
+        torch.testing.assert_close(
+            out[i].float(), reference(q[i : i + 1], k, v, lens[i] - 1, scale, window, cap)[0], **tolerance(dtype)
+        )
 
 
 @pytest.mark.parametrize("quant", [None, torch.int8], ids=["kv", "kv-int8"])
@@ -252,12 +291,27 @@ def test_prefill_window_and_softcap(quant):
     seq_lens = torch.tensor([c + n for c, n in chunks], dtype=torch.int32)
     tables = block_table_rows([_free_before(r[0], c, window) for r, (c, _) in zip(reqs, chunks)], 4)
     kc, vc, ks, vs = cache.args()
-    out = ta.paged_prefill_varlen(q.to(DEVICE), kc, vc, loc.to(DEVICE), seq_lens.to(DEVICE), tables.to(DEVICE),
-                                  40, BS, scale, ks, vs, block_m=16, window=window, softcap=cap).cpu()
+    out = ta.paged_prefill_varlen(
+        q.to(DEVICE),
+        kc,
+        vc,
+        loc.to(DEVICE),
+        seq_lens.to(DEVICE),
+        tables.to(DEVICE),
+        40,
+        BS,
+        scale,
+        ks,
+        vs,
+        block_m=16,
+        window=window,
+        softcap=cap,
+    ).cpu()
     for i, ((c, _n), (_, k, v)) in enumerate(zip(chunks, reqs)):
         rows = slice(loc[i], loc[i + 1])
-        torch.testing.assert_close(out[rows].float(), reference(q[rows], k, v, c, scale, window, cap),
-                                   **tolerance(dtype))
+        torch.testing.assert_close(
+            out[rows].float(), reference(q[rows], k, v, c, scale, window, cap), **tolerance(dtype)
+        )
 
 
 @pytest.mark.parametrize("quant", [None, *QUANT], ids=["kv", *QUANT_IDS])
@@ -273,8 +327,9 @@ def test_prefill_varlen(quant):
     seq_lens = torch.tensor([c + n for c, n in chunks], dtype=torch.int32)
     tables = block_table_rows([r[0] for r in reqs], 4)
     kc, vc, ks, vs = cache.args()
-    out = ta.paged_prefill_varlen(q.to(DEVICE), kc, vc, loc.to(DEVICE), seq_lens.to(DEVICE), tables.to(DEVICE),
-                                  13, BS, d**-0.5, ks, vs).cpu()
+    out = ta.paged_prefill_varlen(
+        q.to(DEVICE), kc, vc, loc.to(DEVICE), seq_lens.to(DEVICE), tables.to(DEVICE), 13, BS, d**-0.5, ks, vs
+    ).cpu()
     for i, ((c, _n), (_, k, v)) in enumerate(zip(chunks, reqs)):
         rows = slice(loc[i], loc[i + 1])
         torch.testing.assert_close(out[rows].float(), reference(q[rows], k, v, c, d**-0.5), **tolerance(dtype))

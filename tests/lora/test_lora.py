@@ -14,8 +14,12 @@ pytest.importorskip("peft")
 from tokenmill import LLM, LoRARequest, SamplingParams  # noqa: E402
 from tokenmill.lora.adapter import LoRAError  # noqa: E402
 
-PROMPTS = ["Hello world, the quick", "def add(a, b):", "Paged attention keeps the KV cache",
-           "Continuous batching admits new requests every step."]
+PROMPTS = [
+    "Hello world, the quick",
+    "def add(a, b):",
+    "Paged attention keeps the KV cache",
+    "Continuous batching admits new requests every step.",
+]
 N = 10
 
 
@@ -25,11 +29,20 @@ def adapters(tiny_llama_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     return {
         "all8": make_adapter(tiny_llama_dir, root / "all8", rank=8, seed=1),
-        "qvd16": make_adapter(tiny_llama_dir, root / "qvd16", rank=16, targets=["q_proj", "v_proj", "down_proj"], seed=2),
-        "mlp8rs": make_adapter(tiny_llama_dir, root / "mlp8rs", rank=8, targets=["gate_proj", "up_proj", "down_proj"],
-                               seed=3, use_rslora=True),
-        "attn16": make_adapter(tiny_llama_dir, root / "attn16", rank=16, targets=["k_proj", "o_proj"], seed=4,
-                               alpha_pattern={"o_proj": 4}),
+        "qvd16": make_adapter(
+            tiny_llama_dir, root / "qvd16", rank=16, targets=["q_proj", "v_proj", "down_proj"], seed=2
+        ),
+        "mlp8rs": make_adapter(
+            tiny_llama_dir,
+            root / "mlp8rs",
+            rank=8,
+            targets=["gate_proj", "up_proj", "down_proj"],
+            seed=3,
+            use_rslora=True,
+        ),
+        "attn16": make_adapter(
+            tiny_llama_dir, root / "attn16", rank=16, targets=["k_proj", "o_proj"], seed=4, alpha_pattern={"o_proj": 4}
+        ),
     }
 
 
@@ -67,16 +80,24 @@ def test_mixed_batch_equals_alone(lora_llm, adapters):
     reqs = [None, *_requests(adapters).values()]
     alone = {i: lora_llm.generate(PROMPTS, GREEDY, lora_request=lr, use_tqdm=False) for i, lr in enumerate(reqs)}
     prompts = [p for p in PROMPTS for _ in reqs]
-    mixed = lora_llm.generate(prompts, GREEDY, lora_request=[reqs[i % len(reqs)] for i in range(len(prompts))],
-                              use_tqdm=False)
+    mixed = lora_llm.generate(
+        prompts, GREEDY, lora_request=[reqs[i % len(reqs)] for i in range(len(prompts))], use_tqdm=False
+    )
     for i, out in enumerate(mixed):
         assert out.outputs[0].token_ids == alone[i % len(reqs)][i // len(reqs)].outputs[0].token_ids
 
 
 def test_more_adapters_than_slots_and_cpu_cache(tiny_llama_dir, adapters):
     """max_loras 2 (a step holds at most 2 adapters) and max_cpu_loras 2 (the others are read again)."""
-    llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.02, enable_lora=True, max_loras=2, max_cpu_loras=2,
-              max_lora_rank=16)
+    llm = LLM(
+        tiny_llama_dir,
+        dtype="float32",
+        kv_cache_memory=0.02,
+        enable_lora=True,
+        max_loras=2,
+        max_cpu_loras=2,
+        max_lora_rank=16,
+    )
     reqs = list(_requests(adapters).values())
     alone = [llm.generate(PROMPTS[:2], GREEDY, lora_request=lr, use_tqdm=False) for lr in reqs]
     prompts = PROMPTS[:2] * len(reqs)
@@ -101,24 +122,46 @@ def test_prefix_cache_keyed_by_adapter(lora_llm, adapters):
 def test_chunked_prefill_preemption_and_n(tiny_llama_dir, adapters, lora_llm):
     """A tiny KV pool (preemptions) and 16-token chunks give the same greedy tokens as a roomy engine."""
     reqs = list(_requests(adapters).values())
-    tight = LLM(tiny_llama_dir, dtype="float32", num_gpu_blocks_override=12, block_size=4, max_num_batched_tokens=16,
-                enable_lora=True, max_loras=2, max_lora_rank=16)
+    tight = LLM(
+        tiny_llama_dir,
+        dtype="float32",
+        num_gpu_blocks_override=12,
+        block_size=4,
+        max_num_batched_tokens=16,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=16,
+    )
     prompts = [p for p in PROMPTS for _ in range(2)]
     loras = [reqs[i % len(reqs)] for i in range(len(prompts))]
     want = lora_llm.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False)
     got = tight.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert tight.engine.core.scheduler.num_preemptions > 0
-    two = lora_llm.generate(PROMPTS[:1], SamplingParams(n=2, max_tokens=N, temperature=0, ignore_eos=True),
-                            lora_request=reqs[0], use_tqdm=False)[0]
+    two = lora_llm.generate(
+        PROMPTS[:1],
+        SamplingParams(n=2, max_tokens=N, temperature=0, ignore_eos=True),
+        lora_request=reqs[0],
+        use_tqdm=False,
+    )[0]
     assert [c.token_ids for c in two.outputs] == [want[0].outputs[0].token_ids] * 2
 
 
 def test_structured_output_and_speculation(tiny_llama_dir, adapters, lora_llm):
     lr = _requests(adapters)["qvd16"]
-    spec = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.02, enable_lora=True, max_lora_rank=16,
-               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-                                   "prompt_lookup_max": 3})
+    spec = LLM(
+        tiny_llama_dir,
+        dtype="float32",
+        kv_cache_memory=0.02,
+        enable_lora=True,
+        max_lora_rank=16,
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3,
+        },
+    )
     prompts = ["the quick brown fox the quick brown fox the quick", *PROMPTS]
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     want = lora_llm.generate(prompts, sp, lora_request=lr, use_tqdm=False)
@@ -145,8 +188,9 @@ def test_bf16_mixed_batch_is_batch_invariant(tiny_llama_dir, adapters):
             fused_lora_steps.append(row_slots is not None)
             return call(*args, row_slots=row_slots, **kw)
 
-        llm.engine.core.runner.fast_decode = type("Counted", (), {"accepts": staticmethod(fd.accepts),
-                                                                  "__call__": staticmethod(counting)})()
+        llm.engine.core.runner.fast_decode = type(
+            "Counted", (), {"accepts": staticmethod(fd.accepts), "__call__": staticmethod(counting)}
+        )()
     reqs = [None, *_requests(adapters).values()]
     alone = [llm.generate(PROMPTS[:1], GREEDY, lora_request=lr, use_tqdm=False)[0].outputs[0] for lr in reqs]
     mixed = llm.generate(PROMPTS[:1] * len(reqs), GREEDY, lora_request=reqs, use_tqdm=False)
@@ -156,8 +200,9 @@ def test_bf16_mixed_batch_is_batch_invariant(tiny_llama_dir, adapters):
         assert any(fused_lora_steps)  # adapters ran inside the fused decode step
     for a, m in zip(alone, mixed):
         assert m.outputs[0].token_ids == a.token_ids
-        assert [lp[t].logprob for lp, t in zip(m.outputs[0].logprobs, a.token_ids)] == \
-               [lp[t].logprob for lp, t in zip(a.logprobs, a.token_ids)]
+        assert [lp[t].logprob for lp, t in zip(m.outputs[0].logprobs, a.token_ids)] == [
+            lp[t].logprob for lp, t in zip(a.logprobs, a.token_ids)
+        ]
 
 
 def test_bad_adapters(tiny_llama_dir, tmp_path_factory, lora_llm, adapters):
@@ -171,8 +216,14 @@ def test_bad_adapters(tiny_llama_dir, tmp_path_factory, lora_llm, adapters):
         "head": make_adapter(tiny_llama_dir, root / "head", rank=8, targets=["q_proj", "lm_head"]),
         "embed": make_adapter(tiny_llama_dir, root / "embed", rank=8, targets=["embed_tokens"]),
     }
-    messages = {"missing": "does not exist", "shapes": "another base model", "rank": "--max-lora-rank",
-                "save": "modules_to_save", "head": "LM-head", "embed": "embedding"}
+    messages = {
+        "missing": "does not exist",
+        "shapes": "another base model",
+        "rank": "--max-lora-rank",
+        "save": "modules_to_save",
+        "head": "LM-head",
+        "embed": "embedding",
+    }
     for i, (name, path) in enumerate(bad.items(), start=10):
         with pytest.raises(LoRAError, match=messages[name]):
             lora_llm.generate(["Hi"], GREEDY, lora_request=LoRARequest(name, i, path), use_tqdm=False)
@@ -207,8 +258,12 @@ def test_smollm2_adapter(smollm2_dir, tmp_path_factory):
     oracle = peft_model(smollm2_dir, path)
     tok = llm.get_tokenizer()
     prompts = PROMPTS[:2]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
-                        lora_request=LoRARequest("s", 1, path), use_tqdm=False)
+    outs = llm.generate(
+        prompts,
+        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+        lora_request=LoRARequest("s", 1, path),
+        use_tqdm=False,
+    )
     base = load_hf(smollm2_dir)
     changed = False
     for prompt, out in zip(prompts, outs):

@@ -123,8 +123,14 @@ def _prompts(llm: LLM) -> list[list[int]]:
 @pytest.mark.parametrize("pooling", ["LAST", "MEAN"])
 def test_decoder_embed_matches_transformers(tiny_embed_dir, pooling):
     # 24-token steps: the longer prompts run in several chunks (MEAN sums across them).
-    llm = LLM(tiny_embed_dir, dtype="float32", task="embed", max_num_batched_tokens=24, num_gpu_blocks_override=16,
-              override_pooler_config=json.dumps({"pooling_type": pooling}))
+    llm = LLM(
+        tiny_embed_dir,
+        dtype="float32",
+        task="embed",
+        max_num_batched_tokens=24,
+        num_gpu_blocks_override=16,
+        override_pooler_config=json.dumps({"pooling_type": pooling}),
+    )
     prompts = _prompts(llm)
     assert max(map(len, prompts)) > 2 * 24
     ref = hf_pooled(tiny_embed_dir, prompts, pooling)
@@ -153,9 +159,14 @@ def _st_folder(tmp_path, minilm_dir, pooling: dict, modules: list[str]) -> str:
     shutil.copy(f"{minilm_dir}/config.json", folder / "config.json")
     (folder / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
     paths = {"Transformer": "", "Pooling": "1_Pooling", "Normalize": "2_Normalize", "Dense": "2_Dense"}
-    (folder / "modules.json").write_text(json.dumps(
-        [{"idx": i, "name": str(i), "path": paths[m], "type": f"sentence_transformers.models.{m}"}
-         for i, m in enumerate(modules)]))
+    (folder / "modules.json").write_text(
+        json.dumps(
+            [
+                {"idx": i, "name": str(i), "path": paths[m], "type": f"sentence_transformers.models.{m}"}
+                for i, m in enumerate(modules)
+            ]
+        )
+    )
     return str(folder)
 
 
@@ -164,8 +175,10 @@ def test_pooler_config_from_sentence_transformers_layout(tmp_path, minilm_dir):
 
     cfg = AutoConfig.from_pretrained(minilm_dir)
     legacy = _st_folder(tmp_path / "a", minilm_dir, {"pooling_mode_cls_token": True}, ["Transformer", "Pooling"])
-    assert (pooler_config_for(legacy, cfg, True).pooling_type, pooler_config_for(legacy, cfg, True).normalize) == \
-        ("CLS", False)
+    assert (pooler_config_for(legacy, cfg, True).pooling_type, pooler_config_for(legacy, cfg, True).normalize) == (
+        "CLS",
+        False,
+    )
     new = _st_folder(tmp_path / "b", minilm_dir, {"pooling_mode": "lasttoken"}, ["Transformer", "Pooling", "Normalize"])
     got = pooler_config_for(new, cfg, True, {"normalize": False})
     assert (got.pooling_type, got.normalize) == ("LAST", False)

@@ -105,13 +105,22 @@ def test_beam_search_matches_hf(tiny_llama_dir, tiny_llama_llm):
     from tokenmill.beam_search import BeamSearchParams
 
     ids = _prompt_ids(tiny_llama_llm, PROMPTS[:3])
-    outs = tiny_llama_llm.beam_search(ids, BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True,
-                                                            length_penalty=0.0))
+    outs = tiny_llama_llm.beam_search(
+        ids, BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True, length_penalty=0.0)
+    )
     for p, out in zip(ids, outs):
         g = load_hf(tiny_llama_dir).generate(
-            torch.tensor([p]), num_beams=3, num_return_sequences=3, max_new_tokens=8, min_new_tokens=8,
-            do_sample=False, length_penalty=0.0, output_scores=True, return_dict_in_generate=True)
-        assert [s.output_tokens for s in out.sequences] == [t[len(p):].tolist() for t in g.sequences]
+            torch.tensor([p]),
+            num_beams=3,
+            num_return_sequences=3,
+            max_new_tokens=8,
+            min_new_tokens=8,
+            do_sample=False,
+            length_penalty=0.0,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+        assert [s.output_tokens for s in out.sequences] == [t[len(p) :].tolist() for t in g.sequences]
         assert all(abs(s.cum_logprob - h) < 1e-3 for s, h in zip(out.sequences, g.sequences_scores.tolist()))
     kv = tiny_llama_llm.engine.core.kv
     assert kv.num_free_blocks == kv.num_usable_blocks

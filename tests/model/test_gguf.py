@@ -98,10 +98,26 @@ def test_q8_0_weights_dequantize_in_hf_layout(tiny_llama_dir: str, tmp_path: Pat
 @pytest.mark.parametrize(
     "dim,theta,rope",
     [
-        (128, 500000.0, {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
-        (64, 500000.0, {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
-        (16, 10000.0, {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 128}),
-        (64, 10000.0, {"factor": 4.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0, "original_max_position_embeddings": 4096}),
+        (
+            128,
+            500000.0,
+            {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        ),
+        (
+            64,
+            500000.0,
+            {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        ),
+        (
+            16,
+            10000.0,
+            {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 128},
+        ),
+        (
+            64,
+            10000.0,
+            {"factor": 4.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0, "original_max_position_embeddings": 4096},
+        ),
     ],
 )
 def test_llama3_rope_recovered_from_rope_freqs(dim: int, theta: float, rope: dict) -> None:
@@ -129,9 +145,9 @@ def test_cache_is_content_keyed_atomic_and_rebuilt_when_incomplete(tiny_qwen2_di
     assert sorted(p.name for p in (cache / "gguf").iterdir()) == [Path(out).name]  # no temp dirs left
 
 
-def test_engine_cache_in_bfloat16_loads_exactly_in_every_dtype(tiny_llama_dir: str, tmp_path: Path,
-                                                             monkeypatch: pytest.MonkeyPatch,
-                                                             caplog: pytest.LogCaptureFixture) -> None:
+def test_engine_cache_in_bfloat16_loads_exactly_in_every_dtype(
+    tiny_llama_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """The engine's cache holds the block-backed tensors in bfloat16 (about half the bytes); the
     weights it loads equal those of the exact float32 folder, in float32 (rebuilt from the blocks)
     as in bfloat16; the log says where the cache is and its size."""
@@ -196,11 +212,32 @@ def _write_minimal(path: Path, arch: str, tokenizer: dict[str, object]) -> Path:
 
 
 def test_sentencepiece_llama_vocab(tmp_path: Path) -> None:
-    pieces = ["▁", "h", "e", "l", "o", "w", "r", "d", "he", "ll", "▁he", "llo", "▁hello", "▁w", "or", "▁wor", "ld", "▁world"]
+    pieces = [
+        "▁",
+        "h",
+        "e",
+        "l",
+        "o",
+        "w",
+        "r",
+        "d",
+        "he",
+        "ll",
+        "▁he",
+        "llo",
+        "▁hello",
+        "▁w",
+        "or",
+        "▁wor",
+        "ld",
+        "▁world",
+    ]
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
     types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
     scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
-    path = _write_minimal(tmp_path / "spm.gguf", "llama", {"model": "llama", "tokens": tokens, "types": types, "scores": scores})
+    path = _write_minimal(
+        tmp_path / "spm.gguf", "llama", {"model": "llama", "tokens": tokens, "types": types, "scores": scores}
+    )
     tok = AutoTokenizer.from_pretrained(gguf_to_hf_folder(str(path), str(tmp_path)))
     idx = {t: i for i, t in enumerate(tokens)}
     assert tok.encode("hello world") == [1, idx["▁hello"], idx["▁world"]]  # BOS added once, as llama.cpp does
@@ -235,15 +272,17 @@ def _header_only(path: Path, name: str | None) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("file, name, served", [
-    ("whatever.Q8_0.gguf", "tiny-chat-v1", "tiny-chat-v1"),  # a usable id: as it is
-    ("SmolLM2-135M-Instruct.Q4_1.gguf", "Smollm2 135M 8k Lc100K Mix1 Ep2", "SmolLM2-135M-Instruct"),  # a title
-    ("Llama-3-8B-Instruct-Q4_K_M.gguf", None, "Llama-3-8B-Instruct"),
-    ("phi-2.BF16.gguf", "", "phi-2"),
-    ("model.gguf", None, "model"),
-])
-def test_served_name_from_general_name_or_file_name(tmp_path: Path, file: str, name: str | None,
-                                                     served: str) -> None:
+@pytest.mark.parametrize(
+    "file, name, served",
+    [
+        ("whatever.Q8_0.gguf", "tiny-chat-v1", "tiny-chat-v1"),  # a usable id: as it is
+        ("SmolLM2-135M-Instruct.Q4_1.gguf", "Smollm2 135M 8k Lc100K Mix1 Ep2", "SmolLM2-135M-Instruct"),  # a title
+        ("Llama-3-8B-Instruct-Q4_K_M.gguf", None, "Llama-3-8B-Instruct"),
+        ("phi-2.BF16.gguf", "", "phi-2"),
+        ("model.gguf", None, "model"),
+    ],
+)
+def test_served_name_from_general_name_or_file_name(tmp_path: Path, file: str, name: str | None, served: str) -> None:
     path = _header_only(tmp_path / file, name)
     assert gguf_loader.served_name(path) == served
     got, aliases = served_names(path)

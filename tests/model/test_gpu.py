@@ -40,10 +40,12 @@ def _scenarios(model_dir: str, **kw) -> dict[str, list]:
     run(llm, "chunked")
     run(llm, "prefix_hits")  # the same prompts again: their full blocks come from the cache
     out["prefix_hits_count"] = llm.engine.core.kv.stats.hits
-    res = run(llm, "logprobs", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2,
-                                              prompt_logprobs=1))
-    out["logprob_values"] = [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
-                             for o in res]
+    res = run(
+        llm, "logprobs", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    )
+    out["logprob_values"] = [
+        [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in res
+    ]
     llm.shutdown()
     llm = LLM(model_dir, num_gpu_blocks_override=9, max_num_batched_tokens=64, **base)  # 8 blocks: preemption
     run(llm, "preempted", SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True), PROMPTS[:3])
@@ -90,8 +92,7 @@ if __name__ == "__main__":  # the child: the Triton backend on the CPU (TRITON_I
 @pytest.mark.slow
 def test_triton_backend_in_the_engine_equals_cpu_backend(tiny_llama_dir, kernels, triton_interpreter):
     env = {**os.environ, "TRITON_INTERPRET": "1", "TOKENMILL_ATTENTION_BACKEND": "triton"}
-    r = subprocess.run([sys.executable, __file__, tiny_llama_dir], env=env, capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run([sys.executable, __file__, tiny_llama_dir], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     triton_run = json.loads(r.stdout.split("RESULT ", 1)[1])
     cpu_run = _scenarios(tiny_llama_dir)
@@ -175,10 +176,14 @@ def _agree(got: list[int], expected: list[int], margins: list[float], near_tie: 
 def test_cuda_greedy_equals_transformers(arch_dir, eager, request):
     model_dir = request.getfixturevalue(arch_dir)
     for dtype, near_tie in (("float32", 1e-3), ("bfloat16", 5e-2)):
-        llm = LLM(model_dir, device="cuda", dtype=dtype, enforce_eager=eager, gpu_memory_utilization=0.3,
-                  max_num_seqs=16)
-        res = llm.generate(prompt_token_ids=PROMPTS, sampling_params=SamplingParams(
-            max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        llm = LLM(
+            model_dir, device="cuda", dtype=dtype, enforce_eager=eager, gpu_memory_utilization=0.3, max_num_seqs=16
+        )
+        res = llm.generate(
+            prompt_token_ids=PROMPTS,
+            sampling_params=SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+            use_tqdm=False,
+        )
         for prompt, o in zip(PROMPTS, res):
             expected, margins = _hf_greedy_cuda(model_dir, prompt, 16, getattr(torch, dtype))
             _agree(o.outputs[0].token_ids, expected, margins, near_tie)
@@ -195,8 +200,13 @@ def test_cuda_tensor_parallel_nccl_equals_one_gpu(tiny_llama_dir):
         llm = LLM(tiny_llama_dir, tensor_parallel_size=tp, **kw)
         try:
             res = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)
-            got[tp] = [(o.outputs[0].token_ids, [max(d.values(), key=lambda x: x.logprob).logprob
-                                                 for d in o.outputs[0].logprobs]) for o in res]
+            got[tp] = [
+                (
+                    o.outputs[0].token_ids,
+                    [max(d.values(), key=lambda x: x.logprob).logprob for d in o.outputs[0].logprobs],
+                )
+                for o in res
+            ]
         finally:
             llm.shutdown()
     for (t1, l1), (t2, l2) in zip(got[1], got[2]):
@@ -239,12 +249,19 @@ def test_cuda_sampling_seeds_grammar_logprobs(tiny_llama_dir):
     llm = LLM(tiny_llama_dir, device="cuda", dtype="float32", gpu_memory_utilization=0.3, max_num_seqs=8)
     seeded = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
     alone = llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=seeded, use_tqdm=False)
-    mixed = llm.generate(prompt_token_ids=[PROMPTS[1], PROMPTS[0], PROMPTS[2]],
-                         sampling_params=[SamplingParams(max_tokens=10, temperature=0.8), seeded,
-                                          SamplingParams(max_tokens=10, repetition_penalty=1.3)], use_tqdm=False)
+    mixed = llm.generate(
+        prompt_token_ids=[PROMPTS[1], PROMPTS[0], PROMPTS[2]],
+        sampling_params=[
+            SamplingParams(max_tokens=10, temperature=0.8),
+            seeded,
+            SamplingParams(max_tokens=10, repetition_penalty=1.3),
+        ],
+        use_tqdm=False,
+    )
     assert alone[0].outputs[0].token_ids == mixed[1].outputs[0].token_ids
-    guided = SamplingParams(max_tokens=20, temperature=0.0,
-                            guided_decoding=GuidedDecodingParams(choice=["hello", "world"]))
+    guided = SamplingParams(
+        max_tokens=20, temperature=0.0, guided_decoding=GuidedDecodingParams(choice=["hello", "world"])
+    )
     out = llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=guided, use_tqdm=False)
     assert out[0].outputs[0].text in ("hello", "world")
     cpu = LLM(tiny_llama_dir, device="cpu", dtype="float32", kv_cache_memory=0.02)
@@ -276,8 +293,9 @@ def test_cuda_server_streams_with_openai_client(tiny_llama_dir):
 
     with running_server(tiny_llama_dir, device="cuda", kv_cache_memory=None, gpu_memory_utilization=0.3) as (srv, _):
         with openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60) as client:
-            stream = client.completions.create(model=tiny_llama_dir, prompt="hello", max_tokens=8, stream=True,
-                                               temperature=0)
+            stream = client.completions.create(
+                model=tiny_llama_dir, prompt="hello", max_tokens=8, stream=True, temperature=0
+            )
             text = "".join(c.choices[0].text for c in stream)
             plain = client.completions.create(model=tiny_llama_dir, prompt="hello", max_tokens=8, temperature=0)
     assert text == plain.choices[0].text

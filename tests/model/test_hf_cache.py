@@ -17,8 +17,15 @@ from tokenmill import hf_cache
 
 # One small config per family the engine serves (MODEL_REGISTRY), as the Hub writes them.
 _FAMILIES = {
-    "LlamaConfig": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "LlamaConfig": dict(
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+    ),
     "Qwen2Config": dict(use_sliding_window=True, sliding_window=16, max_window_layers=1),
     "Qwen3Config": dict(head_dim=32),
     "Phi3Config": dict(partial_rotary_factor=0.75, sliding_window=32),
@@ -41,8 +48,14 @@ def _save(cls_name: str, folder, **extra) -> str:
     import transformers
 
     cls = getattr(transformers, cls_name)
-    small = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 max_position_embeddings=256)
+    small = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+    )
     if cls_name != "BertConfig":
         small["num_key_value_heads"] = 2
     config = cls(**small, **extra)
@@ -107,11 +120,15 @@ def test_the_tokenizer_is_autotokenizers_class_and_encodes_alike(tiny_llama_dir)
 def test_a_warm_load_skips_the_config_classes_imports(tiny_llama_dir, cache_dir):
     """What the snapshot is for: transformers' config modules import torch.distributed.tensor,
     sympy and accelerate (~1.5 s on 2 cores); a second start loads config and tokenizer without them."""
-    code = ("import sys; from tokenmill.model.loader import load_hf_config; from tokenmill.tokenizer import "
-            f"load_tokenizer; load_hf_config({tiny_llama_dir!r}); load_tokenizer({tiny_llama_dir!r}); "
-            "print(sorted(m for m in ('transformers.activations', 'torch.distributed.tensor') if m in sys.modules))")
+    code = (
+        "import sys; from tokenmill.model.loader import load_hf_config; from tokenmill.tokenizer import "
+        f"load_tokenizer; load_hf_config({tiny_llama_dir!r}); load_tokenizer({tiny_llama_dir!r}); "
+        "print(sorted(m for m in ('transformers.activations', 'torch.distributed.tensor') if m in sys.modules))"
+    )
     env = {**os.environ, "TOKENMILL_CACHE_DIR": str(cache_dir)}
-    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-            for _ in range(2)]
+    runs = [
+        subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        for _ in range(2)
+    ]
     assert runs[0].stdout.split("\n")[-2] != "[]"  # the first start imports them (and keeps snapshots)
     assert runs[1].stdout.split("\n")[-2] == "[]", runs[1].stdout

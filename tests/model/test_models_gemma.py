@@ -75,8 +75,9 @@ def test_the_window_and_softcaps_change_the_tokens(gemma):
     if load_hf(path).config.model_type == "gemma2":
         changes.update(attn_logit_softcapping=None, final_logit_softcapping=None)
     for key, value in changes.items():
-        other = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **hf_attention(path),
-                                                     **{key: value}).eval()
+        other = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, **hf_attention(path), **{key: value}
+        ).eval()
         runs = (greedy(other, p, MAX_TOKENS) for p in ids)
         if key == "final_logit_softcapping":
             r, e = next(runs), expected[0]
@@ -91,7 +92,9 @@ def test_matches_hf_alone_batched_chunked_and_preempted(gemma):
     core = llm.engine.core
     assert core.kv.sliding_window is None  # global layers read every key
     assert core.runner.fast_decode is None or core.runner.device.type == "cuda"  # no fused CPU step; CUDA graphs
-    assert [p[0] for p in core.runner.attn.params] == [8 if "sliding" in t else 0 for t in load_hf(path).config.layer_types]
+    assert [p[0] for p in core.runner.attn.params] == [
+        8 if "sliding" in t else 0 for t in load_hf(path).config.layer_types
+    ]
     for p, exp in zip(ids, expected):
         _check(llm.generate(prompt_token_ids=[p], sampling_params=GREEDY, use_tqdm=False), [exp])
     _check(llm.generate(prompt_token_ids=ids, sampling_params=GREEDY, use_tqdm=False), expected)
@@ -118,14 +121,16 @@ def test_bf16_chunking_changes_no_bit(gemma):
     path, ids, _ = gemma
     runs = []
     for chunk in (None, 5):
-        llm = LLM(path, dtype="bfloat16", kv_cache_memory=0.02, max_num_batched_tokens=chunk,
-                  enable_prefix_caching=False)
+        llm = LLM(
+            path, dtype="bfloat16", kv_cache_memory=0.02, max_num_batched_tokens=chunk, enable_prefix_caching=False
+        )
         if llm.engine.core.runner.device.type != "cpu":
             pytest.skip("batch invariance is the CPU kernels' property")
         assert llm.engine.core.runner.attn.batch_invariant
         outs = llm.generate(prompt_token_ids=ids[:2], sampling_params=GREEDY, use_tqdm=False)
-        runs.append([(o.outputs[0].token_ids, [next(iter(d.values())).logprob for d in o.outputs[0].logprobs])
-                     for o in outs])
+        runs.append(
+            [(o.outputs[0].token_ids, [next(iter(d.values())).logprob for d in o.outputs[0].logprobs]) for o in outs]
+        )
     assert runs[0] == runs[1]
 
 
@@ -144,16 +149,20 @@ def test_gguf_file_matches_hf(version, tmp_path, monkeypatch):
     extra = dict(query_pre_attn_scalar=16) | ({} if version == 2 else dict(num_hidden_layers=6, layer_types=None))
     hf_dir = str(build_tiny_gemma(tmp_path / "hf", version, **extra))
     gguf_file = write_gguf_from_hf(hf_dir, tmp_path / f"gemma{version}.gguf")
-    ref, conv = (AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-                 for d in (hf_dir, gguf_to_hf_folder(str(gguf_file))))
+    ref, conv = (
+        AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+        for d in (hf_dir, gguf_to_hf_folder(str(gguf_file)))
+    )
     assert conv.config.layer_types == ref.config.layer_types and type(conv) is type(ref)
     ids = torch.randint(0, ref.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(conv(ids).logits, ref(ids).logits, atol=1e-5, rtol=0)
     prompts = _prompt_ids(hf_dir)[:3]
     llm = LLM(str(gguf_file), dtype="float32", kv_cache_memory=0.02)
-    _check(llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False),
-           [hf_greedy(hf_dir, p, MAX_TOKENS) for p in prompts])
+    _check(
+        llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False),
+        [hf_greedy(hf_dir, p, MAX_TOKENS) for p in prompts],
+    )
 
 
 # ---- a model whose every layer is windowed: KV blocks freed as it runs --------------------------------
@@ -212,10 +221,18 @@ def test_all_sliding_model_admits_requests_longer_than_its_kv_cache(sliding_dir)
     assert need == 8
     gib = 11 * block_bytes / 2**30  # 10 usable blocks and the null block
     with pytest.raises(ValueError, match="holds 40 tokens of KV cache"):
-        LLM(sliding_dir, dtype="float32", block_size=4, kv_cache_memory=gib, max_model_len=128,
-            enable_chunked_prefill=False, max_num_batched_tokens=128)
-    llm = LLM(sliding_dir, dtype="float32", block_size=4, kv_cache_memory=gib, max_model_len=128,
-              max_num_batched_tokens=16)
+        LLM(
+            sliding_dir,
+            dtype="float32",
+            block_size=4,
+            kv_cache_memory=gib,
+            max_model_len=128,
+            enable_chunked_prefill=False,
+            max_num_batched_tokens=128,
+        )
+    llm = LLM(
+        sliding_dir, dtype="float32", block_size=4, kv_cache_memory=gib, max_model_len=128, max_num_batched_tokens=16
+    )
     engine, kv = llm.engine, llm.engine.core.kv
     assert kv.num_usable_blocks == 10 and kv.max_blocks_held(128, 16) == need
     ids = _prompt_ids(sliding_dir)
@@ -286,9 +303,11 @@ def _triton_tokens(paths: list[str]) -> dict[str, list[list[int]]]:
     for path in paths:
         llm = LLM(path, dtype="float32", kv_cache_memory=0.02, max_num_batched_tokens=16)
         assert type(llm.engine.core.runner.attn).__name__ == "TritonAttentionBackend"
-        res = llm.generate(prompt_token_ids=_prompt_ids(path)[:1],
-                           sampling_params=SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
-                           use_tqdm=False)
+        res = llm.generate(
+            prompt_token_ids=_prompt_ids(path)[:1],
+            sampling_params=SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+            use_tqdm=False,
+        )
         out[path] = [list(r.outputs[0].token_ids) for r in res]
     return out
 
@@ -302,10 +321,15 @@ def test_triton_backend_windows_and_caps(gemmas, sliding_dir, triton_interpreter
     """The Triton kernels (interpreted) in the engine: both Gemmas and the all-sliding model give
     transformers' tokens with 16-token prompt chunks (a prompt of 20+ tokens: two chunks)."""
     paths = [gemmas[2][0], gemmas[3][0], sliding_dir]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "TOKENMILL_ATTENTION_BACKEND": "triton",
-           # the child imports the helpers in tests/ (pytest's pythonpath), not its own folder only
-           "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                        os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "TOKENMILL_ATTENTION_BACKEND": "triton",
+        # the child imports the helpers in tests/ (pytest's pythonpath), not its own folder only
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH")])
+        ),
+    }
     r = subprocess.run([sys.executable, __file__, *paths], env=env, capture_output=True, text=True, timeout=580)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     got = json.loads(r.stdout.split("RESULT ", 1)[1])

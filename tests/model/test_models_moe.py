@@ -52,8 +52,9 @@ def test_greedy_matches_transformers(family):
     assert llm.engine.core.scheduler.num_preemptions > 0
     # Each prompt alone: the same tokens (the experts' rows do not depend on their batch).
     for p, exp in zip(ids[:3], expected):
-        matching_prefix(llm.generate(prompt_token_ids=[p], sampling_params=GREEDY, use_tqdm=False)[0]
-                        .outputs[0].token_ids, exp)
+        matching_prefix(
+            llm.generate(prompt_token_ids=[p], sampling_params=GREEDY, use_tqdm=False)[0].outputs[0].token_ids, exp
+        )
 
 
 def test_gguf_matches_transformers(family, tmp_path, monkeypatch):
@@ -68,8 +69,15 @@ def test_gguf_matches_transformers(family, tmp_path, monkeypatch):
     llm = tight_llm(str(gguf_file))
     want, got = AutoConfig.from_pretrained(path), AutoConfig.from_pretrained(llm.engine.config.model.path)
     assert got.architectures == want.architectures
-    for key in ("num_local_experts", "num_experts", "num_experts_per_tok", "intermediate_size",
-                "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob"):
+    for key in (
+        "num_local_experts",
+        "num_experts",
+        "num_experts_per_tok",
+        "intermediate_size",
+        "moe_intermediate_size",
+        "shared_expert_intermediate_size",
+        "norm_topk_prob",
+    ):
         assert getattr(got, key, None) == getattr(want, key, None), key
     if hasattr(want, "decoder_sparse_step"):  # the same layers sparse (GGUF lists the dense ones in mlp_only_layers)
         from tokenmill.model.models.qwen2_moe import is_sparse

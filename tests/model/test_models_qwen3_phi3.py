@@ -24,9 +24,12 @@ MAX_TOKENS = 16
 TIGHT = dict(dtype="float32", num_gpu_blocks_override=12, block_size=4, max_num_batched_tokens=8)
 # Over 32 tokens (Phi-3 longrope's pretrained context below): the long factors
 LONG_PROMPTS = [" ".join(CORPUS[:4]), " ".join(CORPUS[2:5])]
-LONGROPE = dict(max_position_embeddings=256, original_max_position_embeddings=32, partial_rotary_factor=0.5,
-                rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.7],
-                              "long_factor": [1.0, 2.5, 6.0, 15.0]})  # head_dim 16, rotary 8: 4 frequencies
+LONGROPE = dict(
+    max_position_embeddings=256,
+    original_max_position_embeddings=32,
+    partial_rotary_factor=0.5,
+    rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.7], "long_factor": [1.0, 2.5, 6.0, 15.0]},
+)  # head_dim 16, rotary 8: 4 frequencies
 
 
 def check_against_hf(llm: LLM, hf_dir: str, prompts: list[str], max_tokens: int = MAX_TOKENS) -> None:
@@ -148,20 +151,39 @@ def test_gguf_matches_hf(which: str, request: pytest.FixtureRequest, tmp_path, m
 
 
 # Every k-quant the gguf package dequantizes, placed as Q4_K_M-style files mix them.
-K_MIX = {"token_embd": "Q4_K", "attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q3_K",
-         "ffn_gate": "Q2_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K"}
+K_MIX = {
+    "token_embd": "Q4_K",
+    "attn_q": "Q4_K",
+    "attn_k": "Q5_K",
+    "attn_v": "Q6_K",
+    "attn_output": "Q3_K",
+    "ffn_gate": "Q2_K",
+    "ffn_up": "Q4_K",
+    "ffn_down": "Q6_K",
+}
 
 
 # What llama.cpp's Q4_K_M puts where (roughly: it gives half the attn_v / ffn_down tensors Q6_K)
-Q4_K_M = {"token_embd": "Q4_K", "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K",
-          "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K"}
+Q4_K_M = {
+    "token_embd": "Q4_K",
+    "attn_q": "Q4_K",
+    "attn_k": "Q4_K",
+    "attn_v": "Q6_K",
+    "attn_output": "Q4_K",
+    "ffn_gate": "Q4_K",
+    "ffn_up": "Q4_K",
+    "ffn_down": "Q6_K",
+}
 
 
 @pytest.fixture(scope="module")
 def qwen3_256_dir(tmp_path_factory) -> str:
     """k-quant blocks hold 256 values: rows of 256 and 512."""
-    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-256"), "qwen3", hidden_size=256,
-                                intermediate_size=512, head_dim=64))
+    return str(
+        build_tiny_model(
+            tmp_path_factory.mktemp("tiny-qwen3-256"), "qwen3", hidden_size=256, intermediate_size=512, head_dim=64
+        )
+    )
 
 
 def test_kquant_gguf_loads_dequantized(qwen3_256_dir: str, tmp_path, monkeypatch, caplog) -> None:

@@ -84,6 +84,7 @@ def test_kernel_gives_each_row_the_bits_it_has_alone(bits: int, dtype: torch.dty
             out = kernels.quant_linear(x[start : start + M], qweight, scales, bits)
             assert torch.equal(out, alone[start : start + len(out)]), (M, start)
 
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_kernel_on_random_shapes_matches_reference_and_is_row_invariant(bits: int) -> None:
     """Random shapes with ragged output tails and 1..40 bf16 rows: close to the dequantized float
@@ -227,8 +228,9 @@ def test_amx_int8_products_give_the_vector_paths_bits(bits: int) -> None:
     kernels = _panel_kernels()
     # the loaded level's answer, not the CPU's flags: TOKENMILL_CPU_ISA may cap an AMX machine below AMX
     if not hasattr(kernels, "quant_panels_amx_int") or not kernels.quant_panels_amx_int(1 << 40):
-        pytest.skip("the int8 products run on AMX-INT8 tiles only where the CPU has them and the kernels' level "
-                    "uses them")
+        pytest.skip(
+            "the int8 products run on AMX-INT8 tiles only where the CPU has them and the kernels' level uses them"
+        )
     rows = kernels.QUANT_AMX_INT_ROWS
     assert rows == 16 and kernels.quant_panels_amx_int(rows) and not kernels.quant_panels_amx_int(rows - 1)
     gen = torch.Generator().manual_seed(13)
@@ -310,9 +312,18 @@ def test_activation_codes_use_the_int8_range_without_overflow() -> None:
     assert torch.equal(codes[0, 2], torch.tensor([-127.0] * 16 + [127.0] * 16))
     N, K = 40, 96
     gen = torch.Generator().manual_seed(3)
-    xs = (torch.full((3, K), 7.0), torch.full((3, K), -7.0), torch.randn(9, K, generator=gen) * torch.tensor([1e3] + [1.0] * 95))
-    weights = [(4, torch.full((N, K // 2), 0xFF, dtype=torch.uint8),  # every code 15
-                torch.stack([torch.full((N, K // 32), 0.01), torch.full((N, K // 32), -0.05)], -1).half())]
+    xs = (
+        torch.full((3, K), 7.0),
+        torch.full((3, K), -7.0),
+        torch.randn(9, K, generator=gen) * torch.tensor([1e3] + [1.0] * 95),
+    )
+    weights = [
+        (
+            4,
+            torch.full((N, K // 2), 0xFF, dtype=torch.uint8),  # every code 15
+            torch.stack([torch.full((N, K // 32), 0.01), torch.full((N, K // 32), -0.05)], -1).half(),
+        )
+    ]
     for code in (127, -127, -128):
         weights.append((8, torch.full((N, K), code, dtype=torch.int8), torch.full((N, K // 32), 0.01).half()))
     for bits, qweight, scales in weights:
@@ -337,8 +348,9 @@ def test_torch_fallback_matches_kernel(bits: int, monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.mark.parametrize("arch,qtype,bits", [("llama", "Q4_1", 4), ("llama", "Q4_0", 4), ("qwen2", "Q8_0", 8)])
-def test_gguf_blocks_load_without_dequantizing(arch: str, qtype: str, bits: int, request: pytest.FixtureRequest,
-                                              tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gguf_blocks_load_without_dequantizing(
+    arch: str, qtype: str, bits: int, request: pytest.FixtureRequest, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """--quantization gguf keeps the file's blocks: every QuantLinear stands for exactly the weight
     the dense (dequantized) load produces, and both models score prompts alike (float activations:
     the row kernel; where the panels run, their int8 activations cost a little more)."""
@@ -374,8 +386,9 @@ def test_hf_checkpoint_quantized_at_load(tiny_qwen2_dir: str) -> None:
     the weights take a quarter / half of the bytes, and int4 costs more accuracy than int8."""
     base = LLM(tiny_qwen2_dir, dtype="bfloat16", kv_cache_memory=0.02)
     ref = _prompt_logprobs(base)
-    dense_bytes = sum(2 * m.in_features * m.out_features for n, m in _model(base).named_modules()
-                      if n.endswith("proj"))  # bfloat16
+    dense_bytes = sum(
+        2 * m.in_features * m.out_features for n, m in _model(base).named_modules() if n.endswith("proj")
+    )  # bfloat16
     diffs = {}
     for method, bits in (("int8", 8), ("int4", 4)):
         llm = LLM(tiny_qwen2_dir, dtype="bfloat16", kv_cache_memory=0.02, quantization=method)
@@ -404,8 +417,9 @@ def test_server_serves_an_int4_model(tiny_llama_dir: str) -> None:
     with running_server(tiny_llama_dir, quantization="int4") as (server, aengine):
         assert isinstance(aengine.engine.core.runner.model.layers[0].mlp.down_proj, QuantLinear)
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-        out = client.completions.create(model=aengine.engine.config.model.name, prompt="Hello world",
-                                        max_tokens=8, temperature=0)
+        out = client.completions.create(
+            model=aengine.engine.config.model.name, prompt="Hello world", max_tokens=8, temperature=0
+        )
         assert out.usage.completion_tokens == 8 and out.choices[0].finish_reason == "length"
 
 

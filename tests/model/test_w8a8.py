@@ -19,7 +19,17 @@ from tokenmill.model import smoothquant
 from tokenmill.model.layers.bind import bind_kernels
 from tokenmill.model.layers.w8a8 import W8A8Linear, pack, quantize_activations, quantize_weight, reference, unpack
 
-SHAPES = [(1, 1, 4), (1, 16, 64), (3, 17, 37), (4, 40, 100), (5, 15, 576), (9, 33, 128), (17, 64, 64), (33, 7, 20), (70, 50, 192)]
+SHAPES = [
+    (1, 1, 4),
+    (1, 16, 64),
+    (3, 17, 37),
+    (4, 40, 100),
+    (5, 15, 576),
+    (9, 33, 128),
+    (17, 64, 64),
+    (33, 7, 20),
+    (70, 50, 192),
+]
 
 
 def _model(llm: LLM) -> nn.Module:
@@ -96,7 +106,9 @@ def test_kernel_matches_dequantized_reference(kernels, dtype: torch.dtype, bias:
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
         # and the torch path (no C++ kernels) computes the same integers and epilogue
-        torch.testing.assert_close(out, reference(x, layer.weight_int8(), layer.w_scale, layer.bias), rtol=tol, atol=tol)
+        torch.testing.assert_close(
+            out, reference(x, layer.weight_int8(), layer.w_scale, layer.bias), rtol=tol, atol=tol
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -217,8 +229,7 @@ def w8a8_llama(tiny_llama_dir, cache_dir):
     return LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.02, quantization="w8a8")
 
 
-def test_w8a8_model_matches_a_fake_quantized_float_model(tiny_llama_dir, w8a8_llama, cache_dir,
-                                                        monkeypatch) -> None:
+def test_w8a8_model_matches_a_fake_quantized_float_model(tiny_llama_dir, w8a8_llama, cache_dir, monkeypatch) -> None:
     """Greedy tokens equal token for token against the same model with every W8A8Linear (the
     lm_head's too) replaced by float64 fake quantization, and their logprobs close: the median
     within 1e-4, every one within a bound derived from the quantization step. An activation whose
@@ -235,8 +246,14 @@ def test_w8a8_model_matches_a_fake_quantized_float_model(tiny_llama_dir, w8a8_ll
     layers = [m for m in model.modules() if isinstance(m, W8A8Linear)]
     assert len(layers) == 4 * len(model.layers) + 1 and isinstance(model.lm_head, W8A8Linear)
     assert isinstance(model.embed_tokens, nn.Embedding)  # the tied table stays in the model's dtype
-    chunked = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.02, quantization="w8a8",
-                  max_num_batched_tokens=8, enable_prefix_caching=False)
+    chunked = LLM(
+        tiny_llama_dir,
+        dtype="float32",
+        kv_cache_memory=0.02,
+        quantization="w8a8",
+        max_num_batched_tokens=8,
+        enable_prefix_caching=False,
+    )
     want = _greedy(_fake_quantized(tiny_llama_dir))
     tie_effect = _logprob_diffs(_greedy(_fake_quantized(tiny_llama_dir, other_at_ties=True)), want).max().item()
     bound = 1e-4 + 2 * tie_effect
@@ -281,11 +298,19 @@ def test_calibration_is_cached_and_user_files_are_read(tiny_llama_dir, w8a8_llam
     LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.02, quantization="w8a8")
     assert sorted((cache_dir / "w8a8").glob("*.safetensors")) == files  # the same statistics reused
     user = tmp_path / "calib.jsonl"
-    user.write_text("\n".join(json.dumps(d) for d in (
-        {"prompt": "def add(a, b):\n    return a + b"}, "The quick brown fox jumps over the lazy dog.",
-        {"messages": [{"role": "user", "content": "Hello world!"}]})))
-    llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.02, quantization="w8a8",
-              quantization_calibration=str(user))
+    user.write_text(
+        "\n".join(
+            json.dumps(d)
+            for d in (
+                {"prompt": "def add(a, b):\n    return a + b"},
+                "The quick brown fox jumps over the lazy dog.",
+                {"messages": [{"role": "user", "content": "Hello world!"}]},
+            )
+        )
+    )
+    llm = LLM(
+        tiny_llama_dir, dtype="float32", kv_cache_memory=0.02, quantization="w8a8", quantization_calibration=str(user)
+    )
     assert len(sorted((cache_dir / "w8a8").glob("*.safetensors"))) == len(files) + 1
     assert llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0))[0].outputs[0].token_ids
     text = tmp_path / "calib.txt"
@@ -302,8 +327,13 @@ def test_bad_w8a8_combinations_refused(tiny_llama_dir, tmp_path) -> None:
     with pytest.raises(ValueError, match="w8a8 is not supported with --tensor-parallel-size"):
         LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.02, quantization="w8a8", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="does not exist"):
-        LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.02, quantization="w8a8",
-            quantization_calibration=str(tmp_path / "missing.jsonl"))
+        LLM(
+            tiny_llama_dir,
+            dtype="float32",
+            kv_cache_memory=0.02,
+            quantization="w8a8",
+            quantization_calibration=str(tmp_path / "missing.jsonl"),
+        )
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"oops": 1}\n')
     with pytest.raises(ValueError, match="line 2"):

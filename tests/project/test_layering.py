@@ -76,7 +76,9 @@ def _imports(path: pathlib.Path):
                 names = []
             for name in names:
                 if name.startswith("tokenmill."):
-                    lazy = any("# lazy:" in line for line in lines[max(child.lineno - 2, 0):child.lineno])  # or the line above
+                    lazy = any(
+                        "# lazy:" in line for line in lines[max(child.lineno - 2, 0) : child.lineno]
+                    )  # or the line above
                     yield child.lineno, name, in_function, tc, lazy
             yield from visit(child, func, tc)
 
@@ -112,8 +114,11 @@ def test_imports_point_down():
 
 
 def test_no_unexplained_imports_inside_functions():
-    hidden = [f"{path}:{line}: {unit} -> {target}" for path, line, unit, target, in_function, _, lazy
-              in _all_imports() if in_function and not lazy]
+    hidden = [
+        f"{path}:{line}: {unit} -> {target}"
+        for path, line, unit, target, in_function, _, lazy in _all_imports()
+        if in_function and not lazy
+    ]
     assert hidden == [], "import at the top of the module, or say why it waits with `# lazy: <reason>`"
 
 

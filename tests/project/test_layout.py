@@ -9,8 +9,16 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
 # tests/ itself: conftest.py and the helpers the test modules import by name (pyproject's pythonpath = ["tests"])
-ROOT_FILES = {"conftest.py", "tiny_models.py", "hf_oracle.py", "gguf_writer.py", "lora_adapters.py",
-              "embedding_data.py", "sampler_scenario.py", "sampler_golden.json"}
+ROOT_FILES = {
+    "conftest.py",
+    "tiny_models.py",
+    "hf_oracle.py",
+    "gguf_writer.py",
+    "lora_adapters.py",
+    "embedding_data.py",
+    "sampler_scenario.py",
+    "sampler_golden.json",
+}
 # markers the tokenmill tests apply (pyproject.toml's [tool.pytest.ini_options] markers)
 OWN_MARKERS = {"slow", "gpu", "browser", "ray"}
 

@@ -107,16 +107,18 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir, request):
     """A local Ray, Serve's proxy on a free loopback port, and the app: 2 replicas x 1 thread."""
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", namespace=GATE_NAMESPACE,
-             log_to_driver=True)
+    ray.init(
+        num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", namespace=GATE_NAMESPACE, log_to_driver=True
+    )
     request.addfinalizer(ray.shutdown)
     request.addfinalizer(serve.shutdown)
     gate = Gate.options(name="gate", namespace=GATE_NAMESPACE).remote()
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     engine = {"model": tiny_llama_dir, "dtype": "float32", "kv_cache_memory": 0.01, "num_threads": 1}
-    setup = functools.partial(hold_requests, prompts={"spread": HOLD_SPREAD, "victim": HOLD_VICTIM,
-                                                      "scale": HOLD_SCALE})
+    setup = functools.partial(
+        hold_requests, prompts={"spread": HOLD_SPREAD, "victim": HOLD_VICTIM, "scale": HOLD_SCALE}
+    )
     app = build_app(engine, ReplicaOptions(num_replicas=2, routing="prefix"), IngressOptions(), replica_setup=setup)
     serve.run(app, name="tokenmill", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
@@ -148,8 +150,14 @@ def all_idle(cluster, n: int = 2) -> list[dict] | None:
     """Every replica answering, nothing in flight and every KV block back in the pool."""
     replicas = health(cluster)["replicas"]
     idle = len(replicas) == n and all(
-        r["healthy"] and r["running"] == 0 and r["waiting"] == 0 and r["in_flight"] == 0
-        and r["free_blocks"] == r["usable_blocks"] and r["kv_cache_usage"] == 0.0 for r in replicas)
+        r["healthy"]
+        and r["running"] == 0
+        and r["waiting"] == 0
+        and r["in_flight"] == 0
+        and r["free_blocks"] == r["usable_blocks"]
+        and r["kv_cache_usage"] == 0.0
+        for r in replicas
+    )
     return replicas if idle else None
 
 
@@ -158,7 +166,7 @@ def sse_events(response: httpx.Response) -> list:
     events = []
     for line in response.iter_lines():
         if line.startswith("data: "):
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             events.append(data if data == "[DONE]" else json.loads(data))
     return events
 
@@ -193,8 +201,9 @@ def _router(policy: str):
     from tokenmill.ray_serve.routing import TokenmillRouter
 
     dep = DeploymentID(name="TokenmillEngine", app_name="test")
-    router = TokenmillRouter(deployment_id=dep, handle_source=DeploymentHandleSource.UNKNOWN,
-                             use_replica_queue_len_cache=True)
+    router = TokenmillRouter(
+        deployment_id=dep, handle_source=DeploymentHandleSource.UNKNOWN, use_replica_queue_len_cache=True
+    )
     router.initialize_state(policy=policy, block_size=16, imbalance_threshold=8)
     replicas = [types.SimpleNamespace(replica_id=ReplicaID(name, dep), max_ongoing_requests=256) for name in "ab"]
 
@@ -251,8 +260,12 @@ def test_options_and_config_file():
 def test_cli_refuses_bad_replica_flags_before_starting_ray():
     import subprocess
 
-    r = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", "--min-replicas", "0"],
-                       capture_output=True, text=True, timeout=DEADLINE_S)
+    r = subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli", "serve", "--min-replicas", "0"],
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE_S,
+    )
     assert r.returncode == 2
     assert "--min-replicas must be >= 1" in r.stderr, r.stderr
 
@@ -263,14 +276,20 @@ def test_two_replicas_stream_with_the_openai_client(cluster):
     before = served_per_replica(cluster)
     assert len(before) == 2, before
     # A stream held running on one replica (its engine blocked after the first token) ...
-    held = client.completions.create(model=cluster.model, prompt=HOLD_SPREAD, max_tokens=8, temperature=0,
-                                     stream=True)
+    held = client.completions.create(model=cluster.model, prompt=HOLD_SPREAD, max_tokens=8, temperature=0, stream=True)
     first = next(iter(held))
     assert first.choices[0].text is not None
     busy = wait_for(lambda: replica_with(cluster, "running"), "the held stream to run on a replica")
     # ... so the least-loaded fallback sends a new prompt to the other replica, which streams it.
-    chunks = list(client.chat.completions.create(model=cluster.model, max_tokens=8, temperature=0, stream=True,
-                                                 messages=[{"role": "user", "content": "Hello world!"}]))
+    chunks = list(
+        client.chat.completions.create(
+            model=cluster.model,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            messages=[{"role": "user", "content": "Hello world!"}],
+        )
+    )
     assert chunks[-1].choices[0].finish_reason == "length"
     assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 1
     cluster.gate.release.remote("spread")
@@ -292,8 +311,9 @@ def test_affinity_sends_a_repeated_prefix_to_one_replica(cluster):
     before = served_per_replica(cluster)
     hits_before = _prefix_hits(cluster)
     for i in range(6):
-        out = client.completions.create(model=cluster.model, prompt=SHARED + f"Question {i}: why?", max_tokens=4,
-                                        temperature=0)
+        out = client.completions.create(
+            model=cluster.model, prompt=SHARED + f"Question {i}: why?", max_tokens=4, temperature=0
+        )
         assert out.choices[0].finish_reason == "length"
     after = served_per_replica(cluster)
     assert sorted(after[r] - before[r] for r in after) == [0, 6], (before, after)
@@ -316,8 +336,9 @@ def _samples(cluster, family: str):
 
 
 def test_bad_request_through_the_ingress(cluster):
-    r = httpx.post(cluster.url + "/v1/completions", timeout=30,
-                   json={"model": cluster.model, "prompt": "Hello", "max_tokens": 0})
+    r = httpx.post(
+        cluster.url + "/v1/completions", timeout=30, json={"model": cluster.model, "prompt": "Hello", "max_tokens": 0}
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     r = httpx.post(cluster.url + "/v1/completions", timeout=30, json={"model": "nope", "prompt": "Hello"})
     assert r.status_code == 404
@@ -338,14 +359,23 @@ def test_web_ui_through_the_ingress(cluster):
 def test_responses_and_messages_through_the_ingress(cluster):
     """The Responses and Anthropic Messages routes are served behind Ray Serve too (stored responses in the ingress)."""
     client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=DEADLINE_S)
-    first = client.responses.create(model=cluster.model, input="Hello world!", max_output_tokens=4, temperature=0,
-                                    extra_body={"cache_salt": "tenant-a"})  # vLLM's extras reach the replica too
+    first = client.responses.create(
+        model=cluster.model,
+        input="Hello world!",
+        max_output_tokens=4,
+        temperature=0,
+        extra_body={"cache_salt": "tenant-a"},
+    )  # vLLM's extras reach the replica too
     assert first.status == "incomplete" and first.usage.output_tokens == 4
-    follow = client.responses.create(model=cluster.model, input="Again.", previous_response_id=first.id,
-                                     max_output_tokens=4, temperature=0)
+    follow = client.responses.create(
+        model=cluster.model, input="Again.", previous_response_id=first.id, max_output_tokens=4, temperature=0
+    )
     assert follow.usage.input_tokens > first.usage.input_tokens  # the stored turn came first
-    r = httpx.post(cluster.url + "/v1/messages", timeout=DEADLINE_S, json={
-        "model": cluster.model, "max_tokens": 4, "messages": [{"role": "user", "content": "Hello world!"}]})
+    r = httpx.post(
+        cluster.url + "/v1/messages",
+        timeout=DEADLINE_S,
+        json={"model": cluster.model, "max_tokens": 4, "messages": [{"role": "user", "content": "Hello world!"}]},
+    )
     assert r.status_code == 200 and r.json()["stop_reason"] == "max_tokens", r.text
 
 
@@ -364,15 +394,32 @@ def test_killed_replica_recovers_without_losing_unstarted_requests(cluster):
         doomed = wait_for(lambda: replica_with(cluster, "running"), "the victim's replica")
         # Requests sharing the victim's prefix follow it (affinity) and queue behind its blocked engine:
         # sent, not started.
-        queued = [pool.submit(httpx.post, url, timeout=DEADLINE_S,
-                              json={"model": cluster.model, "prompt": VICTIM_PREFIX + f"Queued request {i}.",
-                                    "max_tokens": 4, "temperature": 0}) for i in range(3)]
-        wait_for(lambda: next((r for r in health(cluster)["replicas"] if r["replica"] == doomed["replica"]
-                               and r["in_flight"] >= 4), None), "three requests queued on the victim's replica")
+        queued = [
+            pool.submit(
+                httpx.post,
+                url,
+                timeout=DEADLINE_S,
+                json={
+                    "model": cluster.model,
+                    "prompt": VICTIM_PREFIX + f"Queued request {i}.",
+                    "max_tokens": 4,
+                    "temperature": 0,
+                },
+            )
+            for i in range(3)
+        ]
+        wait_for(
+            lambda: next(
+                (r for r in health(cluster)["replicas"] if r["replica"] == doomed["replica"] and r["in_flight"] >= 4),
+                None,
+            ),
+            "three requests queued on the victim's replica",
+        )
         ray.kill(ray.get_actor(doomed["actor_name"], namespace="serve"), no_restart=True)
         # The running stream ends with an error event and [DONE], never a hang.
-        events = [json.loads(line[6:]) if line != "data: [DONE]" else "[DONE]"
-                  for line in lines if line.startswith("data: ")]
+        events = [
+            json.loads(line[6:]) if line != "data: [DONE]" else "[DONE]" for line in lines if line.startswith("data: ")
+        ]
     assert events[-1] == "[DONE]"
     assert events[-2]["error"]["code"] == 503 and "died" in events[-2]["error"]["message"], events[-2]
     # The queued requests went to the live replica.
@@ -393,8 +440,13 @@ def test_killed_replica_recovers_without_losing_unstarted_requests(cluster):
 @pytest.mark.slow
 def test_autoscaling_adds_a_replica_under_load(cluster):
     # 1 to 2 replicas, aiming at 1 ongoing request each; Serve's delays shortened so the test is quick.
-    options = ReplicaOptions(num_replicas=1, min_replicas=1, max_replicas=2, target_ongoing_requests=1,
-                             extra_autoscaling_config={"upscale_delay_s": 0, "look_back_period_s": 12})
+    options = ReplicaOptions(
+        num_replicas=1,
+        min_replicas=1,
+        max_replicas=2,
+        target_ongoing_requests=1,
+        extra_autoscaling_config={"upscale_delay_s": 0, "look_back_period_s": 12},
+    )
     serve.delete("tokenmill")  # an update in place would keep both old replicas (all the CPUs) until the new one ran
     serve.run(build_app(cluster.engine, options, replica_setup=cluster.setup), name="tokenmill", route_prefix="/")
     wait_for(lambda: len(health(cluster)["replicas"]) == 1, "the autoscaled app to start with one replica")
@@ -403,8 +455,9 @@ def test_autoscaling_adds_a_replica_under_load(cluster):
     body = {"model": cluster.model, "prompt": HOLD_SCALE, "max_tokens": 4, "temperature": 0}
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
         # Two requests held on the one replica: 2 ongoing > target 1.
-        held = [pool.submit(httpx.post, cluster.url + "/v1/completions", json=body, timeout=DEADLINE_S)
-                for _ in range(2)]
+        held = [
+            pool.submit(httpx.post, cluster.url + "/v1/completions", json=body, timeout=DEADLINE_S) for _ in range(2)
+        ]
         wait_for(lambda: replica_with(cluster, "in_flight", 2), "two requests on the replica")
         wait_for(lambda: len(health(cluster)["replicas"]) == 2, "the autoscaler to add a replica", interval_s=0.5)
         cluster.gate.release.remote("scale")

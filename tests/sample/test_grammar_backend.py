@@ -36,8 +36,7 @@ def test_a_grammar_step_imports_neither_llguidance_torch_nor_dynamo(tiny_llama_d
     assert text.rstrip("c").strip("ab") == "" and text, text
 
 
-def test_server_builds_the_backend_in_the_background_and_a_grammar_request_waits_for_it(tiny_llama_dir,
-                                                                                         monkeypatch):
+def test_server_builds_the_backend_in_the_background_and_a_grammar_request_waits_for_it(tiny_llama_dir, monkeypatch):
     """The server starts the build once it is ready, on a thread of its own. Held there, a grammar
     request waits for it without reaching the engine, while plain requests (the engine thread) and
     the event loop carry on; released, the grammar request is served."""
@@ -64,8 +63,14 @@ def test_server_builds_the_backend_in_the_background_and_a_grammar_request_waits
         assert building.wait(60), "no build started without a grammar request"
         with httpx.Client(base_url=server.url, timeout=120) as http:
             answer: list[httpx.Response] = []
-            grammar = threading.Thread(target=lambda: answer.append(http.post("/v1/completions", json={
-                "prompt": "Hi", "max_tokens": 6, "temperature": 0, "guided_regex": "[ab]+c"})))
+            grammar = threading.Thread(
+                target=lambda: answer.append(
+                    http.post(
+                        "/v1/completions",
+                        json={"prompt": "Hi", "max_tokens": 6, "temperature": 0, "guided_regex": "[ab]+c"},
+                    )
+                )
+            )
             grammar.start()
             try:
                 plain = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "temperature": 0})

@@ -34,8 +34,11 @@ def test_greedy_rows_and_scores_match_cpu(cuda_run):
     # Processed logits: every row at step 0 (same history everywhere), the greedy rows after.
     assert_same(cuda_run["processed"][0], gold["processed"][0], tol=1e-3)
     for step in range(1, STEPS):
-        assert_same([cuda_run["processed"][step][r] for r in GREEDY_ROWS],
-                    [gold["processed"][step][r] for r in GREEDY_ROWS], tol=1e-3)
+        assert_same(
+            [cuda_run["processed"][step][r] for r in GREEDY_ROWS],
+            [gold["processed"][step][r] for r in GREEDY_ROWS],
+            tol=1e-3,
+        )
 
 
 def test_logprobs_match_cpu(cuda_run):
@@ -108,8 +111,11 @@ def test_grammar_masks_of_a_real_matcher(tmp_path):
     vocab = build_tokenizer(tmp_path)
     tok = load_tokenizer(str(tmp_path))
     so = StructuredOutputManager(tok, vocab, frozenset({tok.convert_tokens_to_ids("<|im_end|>")}))
-    matchers = [so.matcher_for(GuidedDecodingParams(regex="[ab]+c")), None,
-                so.matcher_for(GuidedDecodingParams(choice=["hello", "world"]))]
+    matchers = [
+        so.matcher_for(GuidedDecodingParams(regex="[ab]+c")),
+        None,
+        so.matcher_for(GuidedDecodingParams(choice=["hello", "world"])),
+    ]
     logits = torch.randn(3, vocab)
     masked, on_cuda = logits.clone(), logits.cuda()
     apply_grammar_masks(masked, matchers)

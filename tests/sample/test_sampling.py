@@ -100,8 +100,9 @@ def test_top_k_top_p_kernel_cuts_where_a_sort_would(scale):
             if r == 7:
                 assert torch.isneginf(out[r]).all()
                 continue
-            cut = _reference_cut(logits[r], int(top_k[r]) if top_k is not None else V,
-                                 float(top_p[r]) if top_p is not None else 1.0)
+            cut = _reference_cut(
+                logits[r], int(top_k[r]) if top_k is not None else V, float(top_p[r]) if top_p is not None else 1.0
+            )
             kept = torch.isfinite(out[r])
             assert torch.equal(kept, (logits[r] >= cut) & torch.isfinite(logits[r])), (r, top_k is None, top_p is None)
             assert torch.equal(out[r][kept], logits[r][kept])
@@ -130,7 +131,9 @@ def test_penalties():
 
 
 def test_min_tokens_blocks_eos_and_stop_ids():
-    req = Request("r", [1], SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[2]), eos_token_ids=frozenset({0}))
+    req = Request(
+        "r", [1], SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[2]), eos_token_ids=frozenset({0})
+    )
     logits = torch.tensor([[5.0, 1.0, 4.0, 0.0]])
     assert Sampler()(logits, SamplingBatch.from_requests([req], 4)).token_ids == [1]
 
@@ -276,7 +279,9 @@ def test_unknown_architecture(tmp_path, tiny_llama_dir):
 def test_max_tokens_capped_by_context(tiny_llama_dir):
     llm = LLM(tiny_llama_dir, dtype="float32", max_model_len=20, kv_cache_memory=0.01)
     ids = llm.get_tokenizer().encode("Hello world, the quick")
-    out = llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
+    out = llm.generate(
+        prompt_token_ids=[ids], sampling_params=SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    )
     assert out[0].outputs[0].finish_reason == "length"
     assert len(ids) + len(out[0].outputs[0].token_ids) == 20
 
@@ -300,7 +305,9 @@ def test_n_and_best_of_offline(tiny_llama_dir):
     bs = llm.engine.config.cache.block_size
     hits0 = kv.stats.hits
     llm.generate("A fresh prompt that nobody has sent before, long enough for a block or two.", params)
-    n_prompt = len(llm.get_tokenizer().encode("A fresh prompt that nobody has sent before, long enough for a block or two."))
+    n_prompt = len(
+        llm.get_tokenizer().encode("A fresh prompt that nobody has sent before, long enough for a block or two.")
+    )
     assert kv.stats.hits - hits0 == 3 * ((n_prompt - 1) // bs * bs)  # samples 2-4 reuse sample 1's blocks
     (best,) = llm.generate(prompt, SamplingParams(n=2, best_of=5, temperature=1.0, seed=7, max_tokens=8, logprobs=0))
     assert len(best.outputs) == 2 and best.outputs[0].cumulative_logprob >= best.outputs[1].cumulative_logprob

@@ -34,8 +34,13 @@ MAX_MODEL_LEN = 64
 MAX_NEW_TOKENS = 24
 MIN_CASES = 2000
 EXAMPLES_PER_OPERATION = 80  # fuzzing phase; the coverage and examples phases add their own cases
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
-          response_headers_conformance]
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+    response_headers_conformance,
+]
 CASES: collections.Counter = collections.Counter()  # requests sent, per operation
 SECONDS: collections.Counter = collections.Counter()  # and the time they took
 ANSWERED: collections.Counter = collections.Counter()  # and how many were 2xx (the rest refused)
@@ -82,8 +87,14 @@ schema = schemathesis.pytest.from_fixture("api")
 
 
 @schema.parametrize()
-@settings(max_examples=EXAMPLES_PER_OPERATION, derandomize=True, database=None, deadline=None,
-          suppress_health_check=list(HealthCheck), print_blob=False)
+@settings(
+    max_examples=EXAMPLES_PER_OPERATION,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+    print_blob=False,
+)
 def test_api(case, session):
     CASES[case.operation.label] += 1
     t0 = time.perf_counter()

@@ -30,9 +30,22 @@ def test_flags_parse_into_server_args(monkeypatch, tmp_path):
     monkeypatch.setenv("TOKENMILL_API_KEY", "from-env")
     template = tmp_path / "t.jinja"
     template.write_text("{{ messages }}")
-    ns = build_parser().parse_args(["serve", "--port", "9001", "--drain-timeout", "2.5", "--disable-web-ui",
-                                    "--uvicorn-log-level", "debug", "--chat-template", str(template),
-                                    "--max-request-body-bytes", "0"])
+    ns = build_parser().parse_args(
+        [
+            "serve",
+            "--port",
+            "9001",
+            "--drain-timeout",
+            "2.5",
+            "--disable-web-ui",
+            "--uvicorn-log-level",
+            "debug",
+            "--chat-template",
+            str(template),
+            "--max-request-body-bytes",
+            "0",
+        ]
+    )
     args = ServerArgs.from_cli_args(ns)
     assert (args.port, args.drain_timeout, args.disable_web_ui, args.uvicorn_log_level) == (9001, 2.5, True, "debug")
     assert args.api_key == "from-env" and "from-env" not in repr(args)  # the key stays out of logs

@@ -31,9 +31,23 @@ def test_serve_help_documents_every_flag(capsys):
         build_parser().parse_args(["serve", "--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    for flag in ("--host", "--port", "--api-key", "--max-waiting", "--served-model-name", "--drain-timeout",
-                 "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--dtype", "--block-size",
-                 "--model", "--kv-cache-memory", "--max-logprobs", "--chat-template"):
+    for flag in (
+        "--host",
+        "--port",
+        "--api-key",
+        "--max-waiting",
+        "--served-model-name",
+        "--drain-timeout",
+        "--max-model-len",
+        "--max-num-seqs",
+        "--max-num-batched-tokens",
+        "--dtype",
+        "--block-size",
+        "--model",
+        "--kv-cache-memory",
+        "--max-logprobs",
+        "--chat-template",
+    ):
         assert flag in out, flag
     for action in _serve_parser()._actions:
         assert action.help and action.help.strip(), action.option_strings or action.dest
@@ -64,10 +78,14 @@ def test_serve_help_tells_the_truth_about_methods_and_dtypes():
         assert name in dtype.split("a GPU ", 1)[1]
 
 
-@pytest.mark.parametrize("argv, usage", [(["serve", "--bogus"], "usage: tokenmill serve "),
-                                         (["generate", "hi", "--bogus"], "usage: tokenmill generate "),
-                                         (["bench", "serve", "--base-url", "http://x", "--bogus"],
-                                          "usage: tokenmill bench serve ")])
+@pytest.mark.parametrize(
+    "argv, usage",
+    [
+        (["serve", "--bogus"], "usage: tokenmill serve "),
+        (["generate", "hi", "--bogus"], "usage: tokenmill generate "),
+        (["bench", "serve", "--base-url", "http://x", "--bogus"], "usage: tokenmill bench serve "),
+    ],
+)
 def test_an_unknown_flag_prints_the_subcommands_usage(argv, usage, capsys):
     from tokenmill.cli import main
 
@@ -103,9 +121,25 @@ def test_sigterm_drains_in_flight_request_and_exits_0(tiny_llama_dir, tmp_path):
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "serve.log", "w+")
     env = {**os.environ, "TOKENMILL_API_KEY": "k3y"}
-    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", tiny_llama_dir, "--host", "127.0.0.1", "--port",
-           str(port), "--dtype", "float32", "--kv-cache-memory", "0.05", "--served-model-name", "tiny",
-           "--drain-timeout", "60"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tokenmill.cli",
+        "serve",
+        tiny_llama_dir,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        "0.05",
+        "--served-model-name",
+        "tiny",
+        "--drain-timeout",
+        "60",
+    ]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     auth = {"Authorization": "Bearer k3y"}
     try:
@@ -126,13 +160,20 @@ def test_sigterm_drains_in_flight_request_and_exits_0(tiny_llama_dir, tmp_path):
         started, result = threading.Event(), {}
 
         def client():
-            body = {"model": "tiny", "prompt": "Hello world", "max_tokens": max_tokens, "temperature": 0,
-                    "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+            body = {
+                "model": "tiny",
+                "prompt": "Hello world",
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "stream": True,
+                "ignore_eos": True,
+                "stream_options": {"include_usage": True},
+            }
             events = []
             with httpx.stream("POST", url + "/v1/completions", json=body, headers=auth, timeout=60) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: "):
-                        events.append(line[len("data: "):])
+                        events.append(line[len("data: ") :])
                         started.set()
             result["events"] = events
 

@@ -60,25 +60,29 @@ def test_batch_and_single_match_sentence_transformers(minilm_server, st_vectors)
 
 def test_base64_is_little_endian_float32(minilm_server, st_vectors):
     server = minilm_server[0]
-    body = httpx.post(server.url + "/v1/embeddings", json={"input": SENTENCES[:2], "encoding_format": "base64"},
-                      timeout=60).json()
+    body = httpx.post(
+        server.url + "/v1/embeddings", json={"input": SENTENCES[:2], "encoding_format": "base64"}, timeout=60
+    ).json()
     vecs = [np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") for d in body["data"]]
     assert all(v.shape == (384,) for v in vecs) and body["id"].startswith("embd-")
     assert_cosine(torch.tensor(np.array(vecs)), st_vectors[:2])
 
 
-@pytest.mark.parametrize("payload, param, words", [
-    ({"input": []}, "input", "must not be empty"),
-    ({"input": [""]}, "input", "non-empty string"),
-    ({"input": ""}, "input", "must not be empty"),
-    ({"input": [[]]}, "input", "non-empty"),
-    ({"input": "word " * 300}, "input", "maximum context length is 256 tokens"),
-    ({"input": [[101, 10**6]]}, "input", "token ids must be"),
-    ({"input": ["a"] * 2049}, "input", "at most 2048 inputs"),
-    ({"input": "hi", "dimensions": 64}, "dimensions", "does not support matryoshka"),
-    ({"input": "hi", "dimensions": 0}, "dimensions", "dimensions must be >= 1"),
-    ({"input": "hi", "encoding_format": "hex"}, "encoding_format", "encoding_format"),
-])
+@pytest.mark.parametrize(
+    "payload, param, words",
+    [
+        ({"input": []}, "input", "must not be empty"),
+        ({"input": [""]}, "input", "non-empty string"),
+        ({"input": ""}, "input", "must not be empty"),
+        ({"input": [[]]}, "input", "non-empty"),
+        ({"input": "word " * 300}, "input", "maximum context length is 256 tokens"),
+        ({"input": [[101, 10**6]]}, "input", "token ids must be"),
+        ({"input": ["a"] * 2049}, "input", "at most 2048 inputs"),
+        ({"input": "hi", "dimensions": 64}, "dimensions", "does not support matryoshka"),
+        ({"input": "hi", "dimensions": 0}, "dimensions", "dimensions must be >= 1"),
+        ({"input": "hi", "encoding_format": "hex"}, "encoding_format", "encoding_format"),
+    ],
+)
 def test_bad_input_is_400_with_openai_error_body(minilm_server, payload, param, words):
     r = httpx.post(minilm_server[0].url + "/v1/embeddings", json=payload, timeout=60)
     assert r.status_code == 400, r.text
@@ -113,8 +117,13 @@ def test_decoder_embed_server_concurrent_mixed_requests_leak_no_blocks(tiny_llam
     timeout): every good answer equals the same input embedded alone, and once the server is idle
     every KV block is free and none was put in the prefix cache."""
     text = [s * 2 for s in SENTENCES[:24]]  # 50-200 tokens each: several 32-token chunks
-    with running_server(tiny_llama_dir, task="embed", max_num_batched_tokens=32, served_model_name="tiny",
-                        override_pooler_config='{"pooling_type": "MEAN"}') as (server, aengine):
+    with running_server(
+        tiny_llama_dir,
+        task="embed",
+        max_num_batched_tokens=32,
+        served_model_name="tiny",
+        override_pooler_config='{"pooling_type": "MEAN"}',
+    ) as (server, aengine):
         url = server.url + "/v1/embeddings"
 
         def post(payload, timeout=120.0):
@@ -124,18 +133,25 @@ def test_decoder_embed_server_concurrent_mixed_requests_leak_no_blocks(tiny_llam
                 return None
 
         alone = [post({"input": t}).json()["data"][0]["embedding"] for t in text[:6]]
-        jobs = [({"input": text[i: i + 6], "encoding_format": fmt}, 120.0) for i, fmt in
-                ((0, "float"), (0, "base64"), (6, "float"), (12, "base64"), (18, "float"))]
-        jobs += [({"input": []}, 120.0), ({"input": ["ok", "word " * 600]}, 120.0),  # refused: 400
-                 ({"input": [text[0]] * 200}, 0.3), ({"input": [text[1]] * 200}, 0.3)]  # abandoned
+        jobs = [
+            ({"input": text[i : i + 6], "encoding_format": fmt}, 120.0)
+            for i, fmt in ((0, "float"), (0, "base64"), (6, "float"), (12, "base64"), (18, "float"))
+        ]
+        jobs += [
+            ({"input": []}, 120.0),
+            ({"input": ["ok", "word " * 600]}, 120.0),  # refused: 400
+            ({"input": [text[0]] * 200}, 0.3),
+            ({"input": [text[1]] * 200}, 0.3),
+        ]  # abandoned
         with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
             results = list(pool.map(lambda job: post(*job), jobs))
         for r in results[:5]:
             assert r is not None and r.status_code == 200
         first = results[0].json()["data"]
         decoded = [np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") for d in results[1].json()["data"]]
-        torch.testing.assert_close(torch.tensor([d["embedding"] for d in first[:6]]), torch.tensor(alone),
-                                   atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(
+            torch.tensor([d["embedding"] for d in first[:6]]), torch.tensor(alone), atol=1e-5, rtol=1e-4
+        )
         torch.testing.assert_close(torch.tensor(np.array(decoded)), torch.tensor(alone), atol=1e-5, rtol=1e-4)
         assert [r.status_code for r in results[5:7]] == [400, 400]
         kv, sched = aengine.engine.core.kv, aengine.engine.core.scheduler

@@ -59,67 +59,159 @@ CASES = [
     ("messages_wrong_type", CHAT, {"messages": "Hi"}, 400, "messages", ["messages"]),
     ("messages_empty", CHAT, {"messages": []}, 400, "messages", ["messages"]),
     ("message_without_role", CHAT, {"messages": [{"content": "Hi"}]}, 400, "messages", ["role"]),
-    ("image_content_part", CHAT, {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages", ["image_url", "text"]),
+    (
+        "image_content_part",
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+        400,
+        "messages",
+        ["image_url", "text"],
+    ),
     ("empty_prompt", C, {"prompt": ""}, 400, "prompt", ["empty"]),
     ("empty_prompt_list", C, {"prompt": []}, 400, "prompt", ["empty"]),
     ("token_id_out_of_vocab", C, {"prompt": [1, 2, 10**6]}, 400, "prompt", ["token ids"]),
     ("negative_token_id", C, {"prompt": [1, -2]}, 400, "prompt", ["token ids"]),
-    ("stop_token_id_out_of_vocab", C, {"prompt": "Hi", "stop_token_ids": [10**6], "min_tokens": 2}, 400,
-     "stop_token_ids", ["token ids"]),
+    (
+        "stop_token_id_out_of_vocab",
+        C,
+        {"prompt": "Hi", "stop_token_ids": [10**6], "min_tokens": 2},
+        400,
+        "stop_token_ids",
+        ["token ids"],
+    ),
     ("max_tokens_zero", C, {"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens", ["max_tokens"]),
     ("max_tokens_negative", CHAT, {"messages": USER, "max_tokens": -1}, 400, "max_tokens", ["max_tokens"]),
     ("temperature_negative", C, {"prompt": "Hi", "temperature": -0.5}, 400, "temperature", ["temperature"]),
     ("top_p_above_one", C, {"prompt": "Hi", "top_p": 1.5}, 400, "top_p", ["top_p"]),
     ("top_k_below_minus_one", C, {"prompt": "Hi", "top_k": -5}, 400, "top_k", ["top_k"]),
     ("min_p_above_one", CHAT, {"messages": USER, "min_p": 2}, 400, "min_p", ["min_p"]),
-    ("presence_penalty_out_of_range", C, {"prompt": "Hi", "presence_penalty": 3}, 400, "presence_penalty",
-     ["presence_penalty"]),
-    ("frequency_penalty_out_of_range", CHAT, {"messages": USER, "frequency_penalty": -2.5}, 400,
-     "frequency_penalty", ["frequency_penalty"]),
-    ("repetition_penalty_zero", C, {"prompt": "Hi", "repetition_penalty": 0}, 400, "repetition_penalty",
-     ["repetition_penalty"]),
-    ("min_tokens_over_max_tokens", C, {"prompt": "Hi", "max_tokens": 4, "min_tokens": 9}, 400, "min_tokens",
-     ["min_tokens"]),
+    (
+        "presence_penalty_out_of_range",
+        C,
+        {"prompt": "Hi", "presence_penalty": 3},
+        400,
+        "presence_penalty",
+        ["presence_penalty"],
+    ),
+    (
+        "frequency_penalty_out_of_range",
+        CHAT,
+        {"messages": USER, "frequency_penalty": -2.5},
+        400,
+        "frequency_penalty",
+        ["frequency_penalty"],
+    ),
+    (
+        "repetition_penalty_zero",
+        C,
+        {"prompt": "Hi", "repetition_penalty": 0},
+        400,
+        "repetition_penalty",
+        ["repetition_penalty"],
+    ),
+    (
+        "min_tokens_over_max_tokens",
+        C,
+        {"prompt": "Hi", "max_tokens": 4, "min_tokens": 9},
+        400,
+        "min_tokens",
+        ["min_tokens"],
+    ),
     ("empty_stop_string", C, {"prompt": "Hi", "stop": [""]}, 400, "stop", ["stop"]),
     ("seed_out_of_range", C, {"prompt": "Hi", "seed": 2**70}, 400, "seed", ["seed"]),
     ("logprobs_too_many", C, {"prompt": "Hi", "logprobs": 21}, 400, "logprobs", ["logprobs", "20"]),
-    ("top_logprobs_too_many", CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 30}, 400, "top_logprobs",
-     ["top_logprobs"]),
-    ("top_logprobs_without_logprobs", CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs",
-     ["logprobs"]),
+    (
+        "top_logprobs_too_many",
+        CHAT,
+        {"messages": USER, "logprobs": True, "top_logprobs": 30},
+        400,
+        "top_logprobs",
+        ["top_logprobs"],
+    ),
+    ("top_logprobs_without_logprobs", CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs", ["logprobs"]),
     ("n_zero", C, {"prompt": "Hi", "n": 0}, 400, "n", ["n must be in"]),
     ("n_too_many_chat", CHAT, {"messages": USER, "n": 1000}, 400, "n", ["n must be in"]),
     ("best_of_below_n", C, {"prompt": "Hi", "n": 3, "best_of": 2}, 400, "best_of", ["best_of"]),
     ("best_of_streamed", C, {"prompt": "Hi", "n": 1, "best_of": 2, "stream": True}, 400, "best_of", ["stream"]),
     ("suffix", C, {"prompt": "Hi", "suffix": "end"}, 400, "suffix", ["suffix", "not supported"]),
-    ("echo_only_streamed", C, {"prompt": "Hi", "echo": True, "max_tokens": 0, "stream": True}, 400, "max_tokens",
-     ["cannot be streamed"]),
+    (
+        "echo_only_streamed",
+        C,
+        {"prompt": "Hi", "echo": True, "max_tokens": 0, "stream": True},
+        400,
+        "max_tokens",
+        ["cannot be streamed"],
+    ),
     ("max_tokens_zero_without_echo", C, {"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens", ["at least 1"]),
     ("logit_bias_not_a_token_id", C, {"prompt": "Hi", "logit_bias": {"x5": 10}}, 400, "logit_bias", ["token ids"]),
-    ("logit_bias_out_of_vocab", C, {"prompt": "Hi", "logit_bias": {"5000000": 10}}, 400, "logit_bias",
-     ["token ids"]),
-    ("stream_options_without_stream", C, {"prompt": "Hi", "stream_options": {"include_usage": True}}, 400,
-     "stream_options", ["stream"]),
-    ("tools_malformed", CHAT, {"messages": USER, "tools": [{"type": "function", "function": {}}]}, 400, "tools",
-     ["tools[0]"]),
-    ("unknown_response_format", CHAT, {"messages": USER, "response_format": {"type": "xml"}}, 400,
-     "response_format", ["json_schema"]),
-    ("json_schema_without_schema", CHAT, {"messages": USER, "response_format": {"type": "json_schema"}}, 400,
-     "response_format", ["schema"]),
-    ("two_kinds_of_structure", C, {"prompt": "Hi", "guided_regex": "a+", "guided_choice": ["a"]}, 400,
-     "response_format", ["one kind"]),
+    ("logit_bias_out_of_vocab", C, {"prompt": "Hi", "logit_bias": {"5000000": 10}}, 400, "logit_bias", ["token ids"]),
+    (
+        "stream_options_without_stream",
+        C,
+        {"prompt": "Hi", "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+        ["stream"],
+    ),
+    (
+        "tools_malformed",
+        CHAT,
+        {"messages": USER, "tools": [{"type": "function", "function": {}}]},
+        400,
+        "tools",
+        ["tools[0]"],
+    ),
+    (
+        "unknown_response_format",
+        CHAT,
+        {"messages": USER, "response_format": {"type": "xml"}},
+        400,
+        "response_format",
+        ["json_schema"],
+    ),
+    (
+        "json_schema_without_schema",
+        CHAT,
+        {"messages": USER, "response_format": {"type": "json_schema"}},
+        400,
+        "response_format",
+        ["schema"],
+    ),
+    (
+        "two_kinds_of_structure",
+        C,
+        {"prompt": "Hi", "guided_regex": "a+", "guided_choice": ["a"]},
+        400,
+        "response_format",
+        ["one kind"],
+    ),
     ("empty_guided_choice", C, {"prompt": "Hi", "guided_choice": []}, 400, "guided_choice", ["choice"]),
-    ("continue_and_generation_prompt", CHAT, {"messages": USER + [{"role": "assistant", "content": "A"}],
-                                              "continue_final_message": True}, 400, "continue_final_message",
-     ["add_generation_prompt"]),
+    (
+        "continue_and_generation_prompt",
+        CHAT,
+        {"messages": USER + [{"role": "assistant", "content": "A"}], "continue_final_message": True},
+        400,
+        "continue_final_message",
+        ["add_generation_prompt"],
+    ),
     ("prompt_over_context", C, {"prompt": LONG, "max_tokens": 5}, 400, "prompt", ["512", "input tokens"]),
-    ("prompt_plus_max_tokens_over_context", C, {"prompt": "Hello world", "max_tokens": 600}, 400, "max_tokens",
-     ["512", "602", "600 in the completion"]),
-    ("chat_over_context", CHAT, {"messages": [{"role": "user", "content": LONG}]}, 400, "messages",
-     ["512"]),
-    ("chat_max_completion_tokens_over_context", CHAT, {"messages": USER, "max_completion_tokens": 1000}, 400,
-     "max_completion_tokens", ["512", "1000 in the completion"]),
+    (
+        "prompt_plus_max_tokens_over_context",
+        C,
+        {"prompt": "Hello world", "max_tokens": 600},
+        400,
+        "max_tokens",
+        ["512", "602", "600 in the completion"],
+    ),
+    ("chat_over_context", CHAT, {"messages": [{"role": "user", "content": LONG}]}, 400, "messages", ["512"]),
+    (
+        "chat_max_completion_tokens_over_context",
+        CHAT,
+        {"messages": USER, "max_completion_tokens": 1000},
+        400,
+        "max_completion_tokens",
+        ["512", "1000 in the completion"],
+    ),
     ("unknown_model", C, {"model": "gpt-17", "prompt": "Hi"}, 404, "model", ["gpt-17", "does not exist"]),
     ("unknown_model_chat", CHAT, {"model": "gpt-17", "messages": USER}, 404, "model", ["gpt-17"]),
     ("unknown_model_tokenize", "/tokenize", {"model": "gpt-17", "prompt": "Hi"}, 404, "model", ["gpt-17"]),
@@ -190,8 +282,15 @@ def test_api_key(served, model):
             # the API's documentation too (a browser cannot send the key), as vLLM's
             for path in ("/openapi.json", "/docs", "/docs-static/swagger-ui.css"):
                 assert h.get(path).status_code == 200, path
-            for method, path in (("GET", "/v1/models"), ("POST", C), ("POST", CHAT), ("GET", "/metrics"),
-                                 ("POST", "/tokenize"), ("POST", "/generate"), ("GET", "/version")):
+            for method, path in (
+                ("GET", "/v1/models"),
+                ("POST", C),
+                ("POST", CHAT),
+                ("GET", "/metrics"),
+                ("POST", "/tokenize"),
+                ("POST", "/generate"),
+                ("GET", "/version"),
+            ):
                 r = h.request(method, path, json={"model": model, "prompt": "Hi"})
                 assert r.status_code == 401, path
                 if path != "/generate":
@@ -248,11 +347,14 @@ def failing_encode(served):
     del engine.encode  # the class's method again
 
 
-@pytest.mark.parametrize("path,body,shape", [
-    ("/tokenize", {"prompt": "Hi"}, "openai"),
-    ("/v1/messages/count_tokens", {"model": "MODEL", "messages": USER}, "anthropic"),
-    ("/generate", {"inputs": "Hi"}, "tgi"),
-])
+@pytest.mark.parametrize(
+    "path,body,shape",
+    [
+        ("/tokenize", {"prompt": "Hi"}, "openai"),
+        ("/v1/messages/count_tokens", {"model": "MODEL", "messages": USER}, "anthropic"),
+        ("/generate", {"inputs": "Hi"}, "tgi"),
+    ],
+)
 def test_internal_error_is_generic_and_keeps_the_connection(served, model, failing_encode, caplog, path, body, shape):
     """One keep-alive connection: the 500 names a request id, never the exception (that is in the
     log, under the id), and the next request on the connection is answered."""
@@ -266,8 +368,11 @@ def test_internal_error_is_generic_and_keeps_the_connection(served, model, faili
         assert r.status == 500 and r.getheader("connection", "").lower() != "close"
         assert SECRET not in raw.decode() and "RuntimeError" not in raw.decode()
         err = json.loads(raw)
-        message = {"openai": lambda: err["error"]["message"], "anthropic": lambda: err["error"]["message"],
-                   "tgi": lambda: err["error"]}[shape]()
+        message = {
+            "openai": lambda: err["error"]["message"],
+            "anthropic": lambda: err["error"]["message"],
+            "tgi": lambda: err["error"],
+        }[shape]()
         if shape == "anthropic":
             assert err["type"] == "error" and err["error"]["type"] == "api_error"
         elif shape == "tgi":

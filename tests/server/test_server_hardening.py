@@ -55,14 +55,17 @@ def _idle(aengine) -> bool:
 # ---- 1. a repeated X-Request-Id -------------------------------------------------------------
 def test_same_x_request_id_twice_each_client_gets_its_own_stream(http, served, tiny_llama_llm):
     prompts = PROMPTS[:2]
-    want = [o.outputs[0].text for o in tiny_llama_llm.generate(
-        prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))]
+    want = [
+        o.outputs[0].text
+        for o in tiny_llama_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    ]
     got, headers, both_started = {}, {}, threading.Barrier(2, timeout=60)
 
     def client(i):
         text = ""
-        with http.stream("POST", C, json={"prompt": prompts[i], "stream": True, **_greedy(40)},
-                         headers={"X-Request-Id": "same-id"}) as r:
+        with http.stream(
+            "POST", C, json={"prompt": prompts[i], "stream": True, **_greedy(40)}, headers={"X-Request-Id": "same-id"}
+        ) as r:
             headers[i] = r.headers.get("x-request-id")
             for line in r.iter_lines():
                 if line.startswith("data: {"):
@@ -106,18 +109,26 @@ def test_request_chat_template_refused_unless_trusted(http, ctx):
         assert err["param"] == "chat_template" and "--trust-request-chat-template" in err["message"]
     ctx.trust_request_chat_template = True
     r = http.post("/tokenize", json={"messages": MSGS, "chat_template": "{{ messages[0].content }}!"})
-    assert r.status_code == 200 and r.json()["tokens"] == http.post("/tokenize", json={"prompt": "Hi!",
-                                                                                     "add_special_tokens": False}).json()["tokens"]
+    assert (
+        r.status_code == 200
+        and r.json()["tokens"]
+        == http.post("/tokenize", json={"prompt": "Hi!", "add_special_tokens": False}).json()["tokens"]
+    )
 
 
-@pytest.mark.parametrize("template,what", [
-    ("{{ 'ab ' * 10000000 }}", "computes a value"),
-    ("{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s }}",
-     "computes a value"),
-    ("{{ 10 ** 100000000 }}", "computes a value"),
-    ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", "output passed"),
-    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "took longer"),
-])
+@pytest.mark.parametrize(
+    "template,what",
+    [
+        ("{{ 'ab ' * 10000000 }}", "computes a value"),
+        (
+            "{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s }}",
+            "computes a value",
+        ),
+        ("{{ 10 ** 100000000 }}", "computes a value"),
+        ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", "output passed"),
+        ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "took longer"),
+    ],
+)
 def test_trusted_request_template_is_bounded(http, ctx, monkeypatch, template, what):
     ctx.trust_request_chat_template = True
     monkeypatch.setattr(chat_template, "RENDER_TIMEOUT_S", 0.5)
@@ -159,15 +170,18 @@ def test_too_many_bad_words_or_stops_is_400(http):
 
 
 # ---- 4. lone UTF-16 surrogates ----------------------------------------------------------------
-@pytest.mark.parametrize("path,body", [
-    (C, '{"prompt": "hi \\ud800 there", "max_tokens": 2}'),
-    (C, '{"prompt": ["ok", "hi \\udfff"], "max_tokens": 2}'),
-    (C, '{"prompt": "hi", "bad_words": ["\\ud800"], "max_tokens": 2}'),
-    (CHAT, '{"messages": [{"role": "user", "content": "hi \\ud800"}], "max_tokens": 2}'),
-    ("/tokenize", '{"prompt": "hi \\ud800 there"}'),
-    ("/generate", '{"inputs": "hi \\ud800 there"}'),
-    ("/generate_stream", '{"inputs": "hi \\ud800 there"}'),
-])
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        (C, '{"prompt": "hi \\ud800 there", "max_tokens": 2}'),
+        (C, '{"prompt": ["ok", "hi \\udfff"], "max_tokens": 2}'),
+        (C, '{"prompt": "hi", "bad_words": ["\\ud800"], "max_tokens": 2}'),
+        (CHAT, '{"messages": [{"role": "user", "content": "hi \\ud800"}], "max_tokens": 2}'),
+        ("/tokenize", '{"prompt": "hi \\ud800 there"}'),
+        ("/generate", '{"inputs": "hi \\ud800 there"}'),
+        ("/generate_stream", '{"inputs": "hi \\ud800 there"}'),
+    ],
+)
 def test_lone_surrogate_is_a_client_error(http, served, path, body):
     r = http.post(path, content=body, headers={"Content-Type": "application/json"})
     if path.startswith("/generate"):
@@ -180,18 +194,31 @@ def test_lone_surrogate_is_a_client_error(http, served, path, body):
 
 # Echoed fields: the unknown model's 404 quotes `model`, a response echoes `user` and `metadata`; each
 # failed while its answer was encoded (500, or a cut stream). Every string is now checked at the edge.
-@pytest.mark.parametrize("path,body,param", [
-    (C, {"model": "x\ud800", "prompt": "Hi", "max_tokens": 2}, "model"),
-    (CHAT, {"model": "x\ud800", "messages": MSGS, "max_tokens": 2}, "model"),
-    ("/v1/responses", {"model": "x\ud800", "input": "Hi", "max_output_tokens": 2}, "model"),
-    ("/tokenize", {"model": "x\ud800", "prompt": "Hi"}, "model"),
-    ("/detokenize", {"model": "x\ud800", "tokens": [1, 2]}, "model"),
-    ("/v1/responses", {"input": "Hi", "max_output_tokens": 2, "user": "\udc00"}, "user"),
-    ("/v1/responses", {"input": "Hi", "max_output_tokens": 2, "metadata": {"k": "\ud800"}}, "metadata"),
-    ("/v1/responses", {"input": "Hi", "max_output_tokens": 2, "metadata": {"\ud800": "v"}}, "metadata"),
-    ("/v1/responses", {"input": "Hi", "max_output_tokens": 2, "stream": True, "user": "\ud800"}, "user"),
-], ids=["completions-model", "chat-model", "responses-model", "tokenize-model", "detokenize-model",
-        "responses-user", "responses-metadata", "responses-metadata-key", "responses-stream-user"])
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        (C, {"model": "x\ud800", "prompt": "Hi", "max_tokens": 2}, "model"),
+        (CHAT, {"model": "x\ud800", "messages": MSGS, "max_tokens": 2}, "model"),
+        ("/v1/responses", {"model": "x\ud800", "input": "Hi", "max_output_tokens": 2}, "model"),
+        ("/tokenize", {"model": "x\ud800", "prompt": "Hi"}, "model"),
+        ("/detokenize", {"model": "x\ud800", "tokens": [1, 2]}, "model"),
+        ("/v1/responses", {"input": "Hi", "max_output_tokens": 2, "user": "\udc00"}, "user"),
+        ("/v1/responses", {"input": "Hi", "max_output_tokens": 2, "metadata": {"k": "\ud800"}}, "metadata"),
+        ("/v1/responses", {"input": "Hi", "max_output_tokens": 2, "metadata": {"\ud800": "v"}}, "metadata"),
+        ("/v1/responses", {"input": "Hi", "max_output_tokens": 2, "stream": True, "user": "\ud800"}, "user"),
+    ],
+    ids=[
+        "completions-model",
+        "chat-model",
+        "responses-model",
+        "tokenize-model",
+        "detokenize-model",
+        "responses-user",
+        "responses-metadata",
+        "responses-metadata-key",
+        "responses-stream-user",
+    ],
+)
 def test_echoed_lone_surrogate_is_400_naming_the_field(http, served, path, body, param):
     r = http.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
     assert r.status_code == 400, r.text
@@ -231,8 +258,9 @@ def test_empty_only_grammar_with_min_tokens_is_400(http):
 
 
 def test_grammar_ends_the_output_before_min_tokens(http, tiny_llama_llm):
-    r = http.post(C, json={"prompt": "Hi", "guided_choice": ["ab"], "min_tokens": 20, "max_tokens": 30,
-                           "temperature": 0})
+    r = http.post(
+        C, json={"prompt": "Hi", "guided_choice": ["ab"], "min_tokens": 20, "max_tokens": 30, "temperature": 0}
+    )
     assert r.status_code == 200
     choice = r.json()["choices"][0]
     assert choice["text"] == "ab" and choice["finish_reason"] == "stop"
@@ -257,7 +285,7 @@ def test_body_over_the_limit_is_413(http, ctx):
     def chunks():  # no Content-Length: the limit is counted as the body arrives
         data = json.dumps(big).encode()
         for i in range(0, len(data), 1000):
-            yield data[i:i + 1000]
+            yield data[i : i + 1000]
 
     r = http.post(C, content=chunks(), headers={"Content-Type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["code"] == 413
@@ -337,7 +365,8 @@ def test_drain_timeout_ends_streams_with_an_error_and_done(tiny_llama_dir, caplo
         assert err["code"] == 503 and "drain timeout" in err["message"]
         assert result["status"] == 503 and "drain timeout" in result["body"]["error"]["message"]
         assert [r.getMessage() for r in caplog.records if "drain timeout" in r.getMessage()] == [
-            "drain timeout (0.3s) expired: aborting 2 request(s) still in flight"]
+            "drain timeout (0.3s) expired: aborting 2 request(s) still in flight"
+        ]
         assert _idle(aengine)
     finally:
         expired.set()

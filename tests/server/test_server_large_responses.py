@@ -52,12 +52,24 @@ def test_bodies_are_built_on_the_prep_pool(served, embed_served, monkeypatch):
     """Each route's builder runs on a tokenmill-prep thread (the event loop's thread is uvicorn's)."""
     (server, model, _), (embed, embed_model, _) = served, embed_served
     cases = [  # (module, a function that builds part of the body, path, request)
-        (openai_chat, "chat_logprobs", "/v1/chat/completions",
-         {"messages": MSGS, "n": 3, "logprobs": True, "top_logprobs": 2, "max_tokens": 4, **GREEDY}),
-        (openai_completions, "completion_logprobs", "/v1/completions",
-         {"prompt": ["Hello", "Hi there"], "n": 2, "logprobs": 2, "max_tokens": 4, **GREEDY}),
-        (anthropic_messages, "chat_messages", "/v1/messages",
-         {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}] * 50}], "max_tokens": 4}),
+        (
+            openai_chat,
+            "chat_logprobs",
+            "/v1/chat/completions",
+            {"messages": MSGS, "n": 3, "logprobs": True, "top_logprobs": 2, "max_tokens": 4, **GREEDY},
+        ),
+        (
+            openai_completions,
+            "completion_logprobs",
+            "/v1/completions",
+            {"prompt": ["Hello", "Hi there"], "n": 2, "logprobs": 2, "max_tokens": 4, **GREEDY},
+        ),
+        (
+            anthropic_messages,
+            "chat_messages",
+            "/v1/messages",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}] * 50}], "max_tokens": 4},
+        ),
         (anthropic_messages, "_stop_reason", "/v1/messages", {"messages": MSGS, "max_tokens": 4}),
         (openai_responses, "input_messages", "/v1/responses", {"input": "Hi", "max_output_tokens": 4}),
         (openai_responses, "_item", "/v1/responses", {"input": "Hi", "max_output_tokens": 4}),
@@ -136,11 +148,11 @@ def test_responses_over_the_bound_are_400_in_each_apis_error_body(served, embed_
     with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
         # n=4 x 8 tokens x (1 + 3 logprob entries) = 128 values: over 100; streamed, nothing is built whole
         with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model=model, messages=MSGS, n=4, max_tokens=8, logprobs=True,
-                                           top_logprobs=2)
+            client.chat.completions.create(model=model, messages=MSGS, n=4, max_tokens=8, logprobs=True, top_logprobs=2)
         assert e.value.body["param"] == "max_tokens" and "--max-response-values" in e.value.body["message"]
-        stream = client.chat.completions.create(model=model, messages=MSGS, n=4, max_tokens=8, logprobs=True,
-                                                top_logprobs=2, stream=True)
+        stream = client.chat.completions.create(
+            model=model, messages=MSGS, n=4, max_tokens=8, logprobs=True, top_logprobs=2, stream=True
+        )
         assert {c.index for chunk in stream for c in chunk.choices} == {0, 1, 2, 3}
         assert client.chat.completions.create(model=model, messages=MSGS, n=4, max_tokens=8).choices
         with pytest.raises(openai.BadRequestError) as e:  # 101 sequences of 1 token

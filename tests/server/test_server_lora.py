@@ -34,10 +34,12 @@ def adapters(tiny_llama_dir, tmp_path_factory):
     other = build_tiny_model(root / "wide", "llama", hidden_size=96, intermediate_size=192)
     return {
         "sql": make_adapter(tiny_llama_dir, root / "sql", rank=8, seed=11),
-        "chat": make_adapter(tiny_llama_dir, root / "chat", rank=16, targets=["q_proj", "v_proj", "down_proj"],
-                             seed=12),
-        "late": make_adapter(tiny_llama_dir, root / "late", rank=8, targets=["gate_proj", "up_proj", "o_proj"],
-                             seed=13),
+        "chat": make_adapter(
+            tiny_llama_dir, root / "chat", rank=16, targets=["q_proj", "v_proj", "down_proj"], seed=12
+        ),
+        "late": make_adapter(
+            tiny_llama_dir, root / "late", rank=8, targets=["gate_proj", "up_proj", "o_proj"], seed=13
+        ),
         # refused at load
         "shapes": make_adapter(str(other), root / "shapes", rank=8, seed=14),
         "rank32": make_adapter(tiny_llama_dir, root / "rank32", rank=32, seed=15),
@@ -65,8 +67,16 @@ def _server(model_dir: str, api_key: str | None = None, **engine_kwargs):
 @pytest.fixture(scope="module")
 def served(tiny_llama_dir, adapters):
     modules = [f"sql={adapters['sql']}", json.dumps({"name": "chat", "path": adapters["chat"]})]
-    with _server(tiny_llama_dir, api_key=KEY, served_model_name="tiny", enable_lora=True, lora_modules=modules,
-                 max_loras=2, max_lora_rank=16, allow_runtime_lora_updating=True) as served:
+    with _server(
+        tiny_llama_dir,
+        api_key=KEY,
+        served_model_name="tiny",
+        enable_lora=True,
+        lora_modules=modules,
+        max_loras=2,
+        max_lora_rank=16,
+        allow_runtime_lora_updating=True,
+    ) as served:
         yield served
 
 
@@ -83,8 +93,7 @@ def client(url):
 
 @pytest.fixture(scope="module")
 def offline(tiny_llama_dir):
-    return LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.02, enable_lora=True, max_loras=3,
-               max_lora_rank=16)
+    return LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.02, enable_lora=True, max_loras=3, max_lora_rank=16)
 
 
 @pytest.fixture(scope="module")
@@ -143,13 +152,20 @@ def test_completions_and_chat_pick_the_adapter(client, offline, lora):
         assert _complete(client, name) == want
     ids = offline.engine.apply_chat_template(MESSAGES)
     for name in ("tiny", "sql"):
-        want = offline.generate(prompt_token_ids=[ids], sampling_params=GREEDY, lora_request=lora.get(name),
-                                use_tqdm=False)[0].outputs[0].text
-        r = client.chat.completions.create(model=name, messages=MESSAGES, max_tokens=N, temperature=0,
-                                           extra_body=EXTRA)
+        want = (
+            offline.generate(
+                prompt_token_ids=[ids], sampling_params=GREEDY, lora_request=lora.get(name), use_tqdm=False
+            )[0]
+            .outputs[0]
+            .text
+        )
+        r = client.chat.completions.create(model=name, messages=MESSAGES, max_tokens=N, temperature=0, extra_body=EXTRA)
         assert r.model == name and r.choices[0].message.content == want
-        chunks = list(client.chat.completions.create(model=name, messages=MESSAGES, max_tokens=N, temperature=0,
-                                                      stream=True, extra_body=EXTRA))
+        chunks = list(
+            client.chat.completions.create(
+                model=name, messages=MESSAGES, max_tokens=N, temperature=0, stream=True, extra_body=EXTRA
+            )
+        )
         assert {c.model for c in chunks} == {name}
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
 
@@ -200,8 +216,9 @@ def test_unload_while_running(client, offline, lora, adapters):
     sp = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
     want = offline.generate(PROMPTS[:1], sp, lora_request=lora["late"], use_tqdm=False)[0].outputs[0].text
     _load(client, "late", adapters["late"])
-    stream = client.completions.create(model="late", prompt=PROMPTS[0], max_tokens=300, temperature=0, stream=True,
-                                       extra_body=EXTRA)
+    stream = client.completions.create(
+        model="late", prompt=PROMPTS[0], max_tokens=300, temperature=0, stream=True, extra_body=EXTRA
+    )
     parts, after = [], 0
     for chunk in stream:
         if not parts:
@@ -215,14 +232,17 @@ def test_unload_while_running(client, offline, lora, adapters):
         _complete(client, "late")
 
 
-@pytest.mark.parametrize("name, path, words", [
-    ("m", "missing", "does not exist"),
-    ("s", "shapes", "another base model"),
-    ("r", "rank32", "--max-lora-rank"),
-    ("x", "save", "modules_to_save"),
-    ("sql", "late", "already been loaded"),
-    ("tiny", "late", "base model's name"),
-])
+@pytest.mark.parametrize(
+    "name, path, words",
+    [
+        ("m", "missing", "does not exist"),
+        ("s", "shapes", "another base model"),
+        ("r", "rank32", "--max-lora-rank"),
+        ("x", "save", "modules_to_save"),
+        ("sql", "late", "already been loaded"),
+        ("tiny", "late", "base model's name"),
+    ],
+)
 def test_bad_loads_400(client, adapters, name, path, words):
     with pytest.raises(openai.BadRequestError) as e:
         _load(client, name, adapters[path])
@@ -254,8 +274,11 @@ def test_tgi_adapter_id(url, offline, lora):
         r = h.post("/generate", json={"inputs": PROMPTS[0], "parameters": {"adapter_id": "nobody"}})
         assert r.status_code == 422
         assert r.json()["error_type"] == "validation" and "nobody" in r.json()["error"]
-        with h.stream("POST", "/generate_stream", json={"inputs": PROMPTS[0], "parameters": {
-                "max_new_tokens": N, "adapter_id": "sql"}}) as r:
+        with h.stream(
+            "POST",
+            "/generate_stream",
+            json={"inputs": PROMPTS[0], "parameters": {"max_new_tokens": N, "adapter_id": "sql"}},
+        ) as r:
             events = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:")]
         assert events[-1]["generated_text"] == _want(offline, PROMPTS[:1], lora["sql"])[0]
 
@@ -268,8 +291,9 @@ def test_metrics_by_adapter(client, url):
     assert len(info) == 1
     assert info[0].labels == {"max_lora": "2", "running_lora_adapters": "", "waiting_lora_adapters": ""}
     assert info[0].value > 1e9  # a time
-    done = {(s.labels["lora_name"], s.labels["finished_reason"]): s.value
-            for s in fams["tokenmill:request_success"].samples}
+    done = {
+        (s.labels["lora_name"], s.labels["finished_reason"]): s.value for s in fams["tokenmill:request_success"].samples
+    }
     assert done[("sql", "length")] >= 1 and done[("", "length")] >= 1 and ("", "abort") in done
     tokens = {s.labels["lora_name"]: s.value for s in fams["tokenmill:generation_tokens"].samples}
     assert tokens["sql"] >= N and tokens[""] >= N
@@ -283,14 +307,25 @@ def _scrape(url) -> dict:
 def test_lora_requests_info_while_running(client, url):
     """The running adapter's name while its request runs; a client that goes away is counted as an
     abort under the adapter's lora_name."""
-    def aborts():
-        return next(s.value for s in _scrape(url)["tokenmill:request_success"].samples
-                    if s.labels["lora_name"] == "chat" and s.labels["finished_reason"] == "abort")
 
-    before = aborts() if any(s.labels["lora_name"] == "chat" and s.labels["finished_reason"] == "abort"
-                             for s in _scrape(url)["tokenmill:request_success"].samples) else 0
-    stream = client.completions.create(model="chat", prompt=PROMPTS[0], max_tokens=400, temperature=0, stream=True,
-                                       extra_body=EXTRA)
+    def aborts():
+        return next(
+            s.value
+            for s in _scrape(url)["tokenmill:request_success"].samples
+            if s.labels["lora_name"] == "chat" and s.labels["finished_reason"] == "abort"
+        )
+
+    before = (
+        aborts()
+        if any(
+            s.labels["lora_name"] == "chat" and s.labels["finished_reason"] == "abort"
+            for s in _scrape(url)["tokenmill:request_success"].samples
+        )
+        else 0
+    )
+    stream = client.completions.create(
+        model="chat", prompt=PROMPTS[0], max_tokens=400, temperature=0, stream=True, extra_body=EXTRA
+    )
     for i, _ in enumerate(stream):
         if i == 2:
             info = _scrape(url)["tokenmill:lora_requests_info"].samples[0].labels
@@ -324,18 +359,39 @@ def test_cli_flags(monkeypatch):
     from tokenmill.cli import build_parser
     from tokenmill.engine.arg_utils import engine_args_from
 
-    ns = build_parser().parse_args(["serve", "m", "--enable-lora", "--lora-modules", "a=/x",
-                                    '{"name": "b", "path": "/y", "base_model_name": "m"}', "--lora-modules", "c=/z",
-                                    "--max-loras", "4", "--max-lora-rank", "64", "--max-cpu-loras", "8"])
+    ns = build_parser().parse_args(
+        [
+            "serve",
+            "m",
+            "--enable-lora",
+            "--lora-modules",
+            "a=/x",
+            '{"name": "b", "path": "/y", "base_model_name": "m"}',
+            "--lora-modules",
+            "c=/z",
+            "--max-loras",
+            "4",
+            "--max-lora-rank",
+            "64",
+            "--max-cpu-loras",
+            "8",
+        ]
+    )
     args = engine_args_from(ns)
-    assert args.enable_lora and args.lora_modules == ["a=/x", '{"name": "b", "path": "/y", "base_model_name": "m"}',
-                                                      "c=/z"]
+    assert args.enable_lora and args.lora_modules == [
+        "a=/x",
+        '{"name": "b", "path": "/y", "base_model_name": "m"}',
+        "c=/z",
+    ]
     assert (args.max_loras, args.max_lora_rank, args.max_cpu_loras) == (4, 64, 8)
     assert not args.allow_runtime_lora_updating
     from tokenmill.lora.config import parse_lora_modules
 
     assert [(m.lora_name, m.lora_path, m.base_model_name) for m in parse_lora_modules(args.lora_modules)] == [
-        ("a", "/x", None), ("b", "/y", "m"), ("c", "/z", None)]
+        ("a", "/x", None),
+        ("b", "/y", "m"),
+        ("c", "/z", None),
+    ]
     assert build_parser().parse_args(["serve", "--allow-runtime-lora-updating"]).allow_runtime_lora_updating
     for value, on in (("True", True), ("1", True), ("true", True), ("0", False), ("False", False)):
         monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", value)

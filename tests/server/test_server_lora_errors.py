@@ -39,8 +39,13 @@ def folders(tiny_llama_dir, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def http(tiny_llama_dir, folders):
-    with running_server(tiny_llama_dir, enable_lora=True, allow_runtime_lora_updating=True, max_lora_rank=16,
-                        lora_path_allowlist=[str(folders["allowed"])]) as (server, _):
+    with running_server(
+        tiny_llama_dir,
+        enable_lora=True,
+        allow_runtime_lora_updating=True,
+        max_lora_rank=16,
+        lora_path_allowlist=[str(folders["allowed"])],
+    ) as (server, _):
         with httpx.Client(base_url=server.url, timeout=60) as h:
             yield h
 
@@ -79,15 +84,18 @@ def test_non_utf8_config_is_a_400_that_does_not_quote_the_file(http, folders):
     assert SECRET not in r.text and len(r.content) < 2_000
 
 
-@pytest.mark.parametrize("name,config,words", [
-    ("alpha-string", {"lora_alpha": "16"}, ["lora_alpha", "'16'"]),
-    ("alpha-null", {"lora_alpha": None}, ["lora_alpha", "None"]),
-    ("alpha-nan", {"lora_alpha": float("nan")}, ["lora_alpha"]),
-    ("pattern-value", {"alpha_pattern": {"q_proj": "x"}}, ["alpha_pattern", "q_proj"]),
-    ("pattern-regex", {"alpha_pattern": {"q_proj(": 4}}, ["alpha_pattern", "regular expression"]),
-    ("pattern-list", {"alpha_pattern": ["q_proj"]}, ["alpha_pattern"]),
-    ("modules-to-save-long", {"modules_to_save": [SECRET * 1000]}, ["modules_to_save"]),
-])
+@pytest.mark.parametrize(
+    "name,config,words",
+    [
+        ("alpha-string", {"lora_alpha": "16"}, ["lora_alpha", "'16'"]),
+        ("alpha-null", {"lora_alpha": None}, ["lora_alpha", "None"]),
+        ("alpha-nan", {"lora_alpha": float("nan")}, ["lora_alpha"]),
+        ("pattern-value", {"alpha_pattern": {"q_proj": "x"}}, ["alpha_pattern", "q_proj"]),
+        ("pattern-regex", {"alpha_pattern": {"q_proj(": 4}}, ["alpha_pattern", "regular expression"]),
+        ("pattern-list", {"alpha_pattern": ["q_proj"]}, ["alpha_pattern"]),
+        ("modules-to-save-long", {"modules_to_save": [SECRET * 1000]}, ["modules_to_save"]),
+    ],
+)
 def test_malformed_config_is_a_400_naming_the_field(http, folders, name, config, words):
     r = _load(http, name, _variant(folders, name, config=config))
     _refused(r, *words)
@@ -123,10 +131,17 @@ def test_paths_outside_the_allowlist_are_refused_alike(http, folders):
     that points outside: the same message, but for the path it quotes."""
     link = folders["allowed"] / "link-out"
     link.symlink_to(folders["outside"] / "good", target_is_directory=True)
-    paths = [str(folders["outside"] / "good"), str(folders["outside"] / "nothing-here"),
-             str(folders["allowed"] / ".." / "outside" / "good"), str(link), "/etc"]
-    messages = {_refused(_load(http, f"out{i}", p), "--lora-path-allowlist").replace(repr(p), "PATH")
-                for i, p in enumerate(paths)}
+    paths = [
+        str(folders["outside"] / "good"),
+        str(folders["outside"] / "nothing-here"),
+        str(folders["allowed"] / ".." / "outside" / "good"),
+        str(link),
+        "/etc",
+    ]
+    messages = {
+        _refused(_load(http, f"out{i}", p), "--lora-path-allowlist").replace(repr(p), "PATH")
+        for i, p in enumerate(paths)
+    }
     assert len(messages) == 1, messages
     assert "exist" not in messages.pop()
     assert http.post(LOAD, json={"lora_name": "inside", "lora_path": str(folders["good"])}).status_code == 200

@@ -81,69 +81,82 @@ def _sse_events(raw: str) -> list[str]:
     events = raw[:-2].split("\n\n")
     for e in events:
         assert e.startswith("data: ") and "\n" not in e, e
-    return [e[len("data: "):] for e in events]
+    return [e[len("data: ") :] for e in events]
 
 
 # ---- completions --------------------------------------------------------------------------
 def test_completion_sync_equals_offline(client, model, tiny_llama_llm):
     prompt = PROMPTS[0]
-    resp = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                     extra_body={"ignore_eos": True})
+    resp = client.completions.create(
+        model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert resp.object == "text_completion" and resp.id.startswith("cmpl-") and resp.model == model
     (choice,) = resp.choices
     assert choice.text == _offline(tiny_llama_llm, [prompt])[0]
     assert choice.finish_reason == "length" and choice.index == 0
     n_prompt = len(tiny_llama_llm.get_tokenizer().encode(prompt))
     assert (resp.usage.prompt_tokens, resp.usage.completion_tokens, resp.usage.total_tokens) == (
-        n_prompt, MAX_TOKENS, n_prompt + MAX_TOKENS)
+        n_prompt,
+        MAX_TOKENS,
+        n_prompt + MAX_TOKENS,
+    )
 
 
 def test_completion_list_of_prompts_and_token_ids(client, model, tiny_llama_llm):
     tok = tiny_llama_llm.get_tokenizer()
     texts = PROMPTS[:3]
     want = _offline(tiny_llama_llm, texts)
-    resp = client.completions.create(model=model, prompt=texts, max_tokens=MAX_TOKENS, temperature=0,
-                                     extra_body={"ignore_eos": True})
+    resp = client.completions.create(
+        model=model, prompt=texts, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert [c.index for c in resp.choices] == [0, 1, 2]
     assert [c.text for c in resp.choices] == want
     ids = [tok.encode(t) for t in texts]
-    resp = client.completions.create(model=model, prompt=ids, max_tokens=MAX_TOKENS, temperature=0,
-                                     extra_body={"ignore_eos": True})
+    resp = client.completions.create(
+        model=model, prompt=ids, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert [c.text for c in resp.choices] == want
     assert resp.usage.prompt_tokens == sum(map(len, ids)) and resp.usage.completion_tokens == 3 * MAX_TOKENS
-    resp = client.completions.create(model=model, prompt=ids[1], max_tokens=MAX_TOKENS, temperature=0,
-                                     extra_body={"ignore_eos": True})
+    resp = client.completions.create(
+        model=model, prompt=ids[1], max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert [c.text for c in resp.choices] == want[1:2]
 
 
 def test_completion_echo_stop_and_seed(client, model, tiny_llama_llm):
     prompt = PROMPTS[1]
     full = _offline(tiny_llama_llm, [prompt], max_tokens=24)[0]
-    resp = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, echo=True,
-                                     extra_body={"ignore_eos": True})
+    resp = client.completions.create(
+        model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, echo=True, extra_body={"ignore_eos": True}
+    )
     assert resp.choices[0].text == prompt + full[: len(resp.choices[0].text) - len(prompt)]
     assert resp.choices[0].text.startswith(prompt) and len(resp.choices[0].text) > len(prompt)
     stop = full[6:9]
     assert stop.strip()
-    resp = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0, stop=[stop],
-                                     extra_body={"ignore_eos": True})
+    resp = client.completions.create(
+        model=model, prompt=prompt, max_tokens=24, temperature=0, stop=[stop], extra_body={"ignore_eos": True}
+    )
     c = resp.choices[0]
     assert c.text == full[: full.find(stop)] and c.finish_reason == "stop"
     assert c.model_extra["stop_reason"] == stop
-    a, b = (client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=1.0, seed=7)
-            .choices[0].text for _ in range(2))
+    a, b = (
+        client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=1.0, seed=7)
+        .choices[0]
+        .text
+        for _ in range(2)
+    )
     assert a == b
 
 
 def test_completion_logprobs(client, model, tiny_llama_llm):
     prompt = PROMPTS[2]
     want = tiny_llama_llm.generate([prompt], _greedy(logprobs=3))[0].outputs[0]
-    resp = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=3,
-                                     extra_body={"ignore_eos": True})
+    resp = client.completions.create(
+        model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=3, extra_body={"ignore_eos": True}
+    )
     lp = resp.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == MAX_TOKENS
-    for tid, step, token, got, top in zip(want.token_ids, want.logprobs, lp.tokens, lp.token_logprobs,
-                                          lp.top_logprobs):
+    for tid, step, token, got, top in zip(want.token_ids, want.logprobs, lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert got == pytest.approx(step[tid].logprob, abs=1e-4)
         # the top 3 and the sampled token, keyed by text (distinct byte tokens may share one, e.g. '\ufffd')
         assert token in top and len(top) <= 4
@@ -156,9 +169,15 @@ def test_completion_stream_async_with_usage(url, model, tiny_llama_llm):
 
     async def main():
         async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as c:
-            stream = await c.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                                stream=True, stream_options={"include_usage": True},
-                                                extra_body={"ignore_eos": True})
+            stream = await c.completions.create(
+                model=model,
+                prompt=prompt,
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
             return [chunk async for chunk in stream]
 
     chunks = asyncio.run(main())
@@ -174,8 +193,14 @@ def test_completion_stream_async_with_usage(url, model, tiny_llama_llm):
 
 
 def test_raw_sse_framing(url, model):
-    body = {"model": model, "prompt": ["Hello", "The"], "max_tokens": 5, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+    body = {
+        "model": model,
+        "prompt": ["Hello", "The"],
+        "max_tokens": 5,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.Client(base_url=url, timeout=30) as h:
         with h.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
@@ -201,16 +226,18 @@ MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "c
 
 def test_chat_sync_equals_offline(client, model, tiny_llama_llm):
     want = tiny_llama_llm.chat(MESSAGES, _greedy())[0]
-    resp = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0,
-                                          extra_body={"ignore_eos": True})
+    resp = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert resp.object == "chat.completion" and resp.id.startswith("chatcmpl-")
     msg = resp.choices[0].message
     assert msg.role == "assistant" and msg.content == want.outputs[0].text
     assert resp.usage.prompt_tokens == len(want.prompt_token_ids) and resp.usage.completion_tokens == MAX_TOKENS
     # content as a list of text parts, and max_completion_tokens, mean the same
     parts = [MESSAGES[0], {"role": "user", "content": [{"type": "text", "text": "Hello world"}]}]
-    resp2 = client.chat.completions.create(model=model, messages=parts, max_completion_tokens=MAX_TOKENS,
-                                           temperature=0, extra_body={"ignore_eos": True})
+    resp2 = client.chat.completions.create(
+        model=model, messages=parts, max_completion_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert resp2.choices[0].message.content == msg.content
 
 
@@ -219,10 +246,15 @@ def test_chat_stream_async(url, model, tiny_llama_llm):
 
     async def main():
         async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0) as c:
-            stream = await c.chat.completions.create(model=model, messages=MESSAGES, max_tokens=MAX_TOKENS,
-                                                     temperature=0, stream=True,
-                                                     stream_options={"include_usage": True},
-                                                     extra_body={"ignore_eos": True})
+            stream = await c.chat.completions.create(
+                model=model,
+                messages=MESSAGES,
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
             return [chunk async for chunk in stream]
 
     chunks = asyncio.run(main())
@@ -237,8 +269,16 @@ def test_chat_stream_async(url, model, tiny_llama_llm):
 
 
 def test_chat_sync_stream_and_logprobs(client, model):
-    stream = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=6, temperature=0, stream=True,
-                                            logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model=model,
+        messages=MESSAGES,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     entries = [e for ch in stream for e in ((ch.choices[0].logprobs.content or []) if ch.choices[0].logprobs else [])]
     assert len(entries) == 6
     for e in entries:
@@ -263,8 +303,14 @@ def test_models_tokenize_detokenize_health_version(client, url, model, tiny_llam
         assert h.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "Hello world"}
         chat = h.post("/tokenize", json={"messages": MESSAGES}).json()
         assert chat["tokens"] == tiny_llama_llm.engine.apply_chat_template(MESSAGES)
-        cont = h.post("/tokenize", json={"messages": MESSAGES + [{"role": "assistant", "content": "Sure"}],
-                                         "add_generation_prompt": False, "continue_final_message": True}).json()
+        cont = h.post(
+            "/tokenize",
+            json={
+                "messages": MESSAGES + [{"role": "assistant", "content": "Sure"}],
+                "add_generation_prompt": False,
+                "continue_final_message": True,
+            },
+        ).json()
         assert tok.decode(cont["tokens"]).endswith("<|im_start|>assistant\nSure")
         assert h.get("/health").status_code == 200
         assert h.get("/version").json()["version"]
@@ -274,17 +320,47 @@ def test_openapi_schema_types_every_field(url):
     with httpx.Client(base_url=url, timeout=30) as h:
         spec = h.get("/openapi.json").json()
     paths = spec["paths"]
-    for p in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/health",
-              "/version", "/metrics", "/generate", "/generate_stream"):
+    for p in (
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/tokenize",
+        "/detokenize",
+        "/health",
+        "/version",
+        "/metrics",
+        "/generate",
+        "/generate_stream",
+    ):
         assert p in paths, p
     schemas = spec["components"]["schemas"]
     for name in ("CompletionRequest", "ChatCompletionRequest", "TGIRequest", "TGIParameters"):
         for field, sch in schemas[name]["properties"].items():
             assert any(k in sch for k in ("type", "anyOf", "$ref", "allOf", "oneOf")), (name, field)
     props = schemas["CompletionRequest"]["properties"]
-    for f in ("prompt", "temperature", "top_p", "max_tokens", "stop", "seed", "presence_penalty", "frequency_penalty",
-              "logprobs", "user", "n", "echo", "suffix", "stream_options", "top_k", "min_p", "repetition_penalty",
-              "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens"):
+    for f in (
+        "prompt",
+        "temperature",
+        "top_p",
+        "max_tokens",
+        "stop",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "logprobs",
+        "user",
+        "n",
+        "echo",
+        "suffix",
+        "stream_options",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "min_tokens",
+        "ignore_eos",
+        "stop_token_ids",
+        "skip_special_tokens",
+    ):
         assert f in props, f
     assert {"max_completion_tokens", "top_logprobs", "messages"} <= set(schemas["ChatCompletionRequest"]["properties"])
 
@@ -305,14 +381,23 @@ def _scrape(url) -> dict:
 def test_metrics_present_and_counting(client, url, model, aengine):
     assert _wait_idle(aengine)
     before = _scrape(url)
-    for name in ("tokenmill:num_requests_running", "tokenmill:num_requests_waiting", "tokenmill:kv_cache_usage_perc",
-                 "tokenmill:prompt_tokens_total", "tokenmill:generation_tokens_total",
-                 "tokenmill:time_to_first_token_seconds_count", "tokenmill:inter_token_latency_seconds_count",
-                 "tokenmill:e2e_request_latency_seconds_count", "tokenmill:request_queue_time_seconds_count",
-                 "tokenmill:request_success_total|finished_reason=length", "tokenmill:num_preemptions_total"):
+    for name in (
+        "tokenmill:num_requests_running",
+        "tokenmill:num_requests_waiting",
+        "tokenmill:kv_cache_usage_perc",
+        "tokenmill:prompt_tokens_total",
+        "tokenmill:generation_tokens_total",
+        "tokenmill:time_to_first_token_seconds_count",
+        "tokenmill:inter_token_latency_seconds_count",
+        "tokenmill:e2e_request_latency_seconds_count",
+        "tokenmill:request_queue_time_seconds_count",
+        "tokenmill:request_success_total|finished_reason=length",
+        "tokenmill:num_preemptions_total",
+    ):
         assert name in before, name
-    resp = client.completions.create(model=model, prompt="Hello world", max_tokens=7, temperature=0,
-                                     extra_body={"ignore_eos": True})
+    resp = client.completions.create(
+        model=model, prompt="Hello world", max_tokens=7, temperature=0, extra_body={"ignore_eos": True}
+    )
     deadline = time.monotonic() + 5
     while True:  # the engine thread records a step just after handing out its outputs
         after = _scrape(url)
@@ -351,8 +436,10 @@ def _raw_post(url: str, body: dict):
     data = json.dumps(body).encode()
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(data), data)
+        )
         yield s
 
 
@@ -361,8 +448,14 @@ def test_stream_disconnect_aborts_and_frees_blocks(url, model, aengine):
     kv = aengine.engine.core.kv
     baseline = kv.num_free_blocks
     aborts = _scrape(url)["tokenmill:request_success_total|finished_reason=abort"]
-    body = {"model": model, "prompt": "Hello world", "max_tokens": 480, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+    body = {
+        "model": model,
+        "prompt": "Hello world",
+        "max_tokens": 480,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     steps, release = [], threading.Event()
 
     def hold(outputs, _dt):  # once 3 chunks of text are out, the engine waits until the client has hung up
@@ -395,8 +488,9 @@ def test_non_streaming_disconnect_aborts(url, model, aengine):
             release.wait(30)
 
     with _observed(aengine, hold, release):
-        with _raw_post(url, {"model": model, "prompt": "Hello world", "max_tokens": 480, "temperature": 0,
-                             "ignore_eos": True}):
+        with _raw_post(
+            url, {"model": model, "prompt": "Hello world", "max_tokens": 480, "temperature": 0, "ignore_eos": True}
+        ):
             assert running.wait(30)  # generating, and held: it cannot finish before we hang up
         _wait_dropped(aengine)
     assert _wait_idle(aengine)
@@ -416,8 +510,17 @@ def test_beam_search_disconnect_counts_its_aborted_round(url, model, aengine):
             release.wait(30)
 
     with _observed(aengine, hold, release):
-        with _raw_post(url, {"model": model, "prompt": "Hello world", "max_tokens": 8, "n": 3,
-                             "use_beam_search": True, "ignore_eos": True}):
+        with _raw_post(
+            url,
+            {
+                "model": model,
+                "prompt": "Hello world",
+                "max_tokens": 8,
+                "n": 3,
+                "use_beam_search": True,
+                "ignore_eos": True,
+            },
+        ):
             assert held.wait(30)
             deadline = time.monotonic() + 30
             while aengine.num_in_flight() != 3:  # the second round: one request per beam, queued
@@ -441,8 +544,14 @@ def test_32_concurrent_streams_each_get_their_own_text(url, model, aengine, tiny
     aengine.step_observers.append(observe)
 
     async def one(c, prompt):
-        stream = await c.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                            stream=True, extra_body={"ignore_eos": True})
+        stream = await c.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         return "".join([ch.choices[0].text async for ch in stream])
 
     async def main():
@@ -499,8 +608,9 @@ def test_echo_logprobs_for_scoring(client, model, aengine, tiny_llama_dir, url):
         assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
         assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:], ref)) < 1e-3
         assert all(len(t) >= 1 for t in lp.top_logprobs[1:])
-    r = client.completions.create(model=model, prompt=prompt, echo=True, max_tokens=3, logprobs=1, temperature=0,
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=model, prompt=prompt, echo=True, max_tokens=3, logprobs=1, temperature=0, extra_body={"ignore_eos": True}
+    )
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(ids) + 3 and lp.token_logprobs[0] is None
     assert lp.text_offset[len(ids)] == len(prompt)  # generated tokens start after the echoed prompt
@@ -523,28 +633,59 @@ def test_n_samples_share_the_prompt_and_are_indexed(client, model, aengine, url)
     kv = aengine.engine.core.kv
     assert _wait_idle(aengine)
     hits0 = kv.stats.hits
-    r = client.completions.create(model=model, prompt=[prompt, "Another prompt"], n=3, max_tokens=6,
-                                  temperature=1.0, seed=5, extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=model,
+        prompt=[prompt, "Another prompt"],
+        n=3,
+        max_tokens=6,
+        temperature=1.0,
+        seed=5,
+        extra_body={"ignore_eos": True},
+    )
     assert sorted(c.index for c in r.choices) == list(range(6))
     assert len({c.text for c in r.choices[:3]}) > 1  # different samples
     assert r.usage.completion_tokens == 36
     assert r.usage.prompt_tokens == len(aengine.engine.tokenizer.encode(prompt)) + len(
-        aengine.engine.tokenizer.encode("Another prompt"))
+        aengine.engine.tokenizer.encode("Another prompt")
+    )
     bs = aengine.engine.config.cache.block_size
     # Samples 2 and 3 of the long prompt found its full blocks cached by sample 1.
     assert kv.stats.hits - hits0 >= 2 * ((len(aengine.engine.tokenizer.encode(prompt)) - 1) // bs * bs)
     # Seeded: the same request gives the same samples.
-    again = client.completions.create(model=model, prompt=[prompt, "Another prompt"], n=3, max_tokens=6,
-                                      temperature=1.0, seed=5, extra_body={"ignore_eos": True})
+    again = client.completions.create(
+        model=model,
+        prompt=[prompt, "Another prompt"],
+        n=3,
+        max_tokens=6,
+        temperature=1.0,
+        seed=5,
+        extra_body={"ignore_eos": True},
+    )
     assert [c.text for c in again.choices] == [c.text for c in r.choices]
     # best_of: the 2 most likely of 4 samples, in order.
-    b = client.completions.create(model=model, prompt=prompt, n=2, best_of=4, max_tokens=6, temperature=1.0,
-                                  seed=5, logprobs=0, extra_body={"ignore_eos": True})
+    b = client.completions.create(
+        model=model,
+        prompt=prompt,
+        n=2,
+        best_of=4,
+        max_tokens=6,
+        temperature=1.0,
+        seed=5,
+        logprobs=0,
+        extra_body={"ignore_eos": True},
+    )
     sums = [sum(c.logprobs.token_logprobs) for c in b.choices]
     assert len(b.choices) == 2 and sums[0] >= sums[1]
     # Chat, streaming: every choice opens with the role and ends with a finish reason.
-    body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "n": 2, "max_tokens": 4,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "n": 2,
+        "max_tokens": 4,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     roles, finishes, usage = set(), {}, None
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as resp:
         for line in resp.iter_lines():
@@ -559,8 +700,9 @@ def test_n_samples_share_the_prompt_and_are_indexed(client, model, aengine, url)
                     finishes[ch["index"]] = ch["finish_reason"]
     assert roles == {0, 1} and finishes == {0: "length", 1: "length"}
     assert usage["completion_tokens"] == 8
-    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], n=2,
-                                          max_tokens=4, temperature=1.0, seed=1)
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hi"}], n=2, max_tokens=4, temperature=1.0, seed=1
+    )
     assert [c.index for c in chat.choices] == [0, 1]
     assert _wait_idle(aengine)
 
@@ -570,15 +712,24 @@ def test_beam_search_over_http(client, model, tiny_llama_llm, url):
 
     prompt = "Hello world, the quick"
     want = tiny_llama_llm.beam_search(prompt, BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True))[0]
-    r = client.completions.create(model=model, prompt=prompt, n=3, max_tokens=6,
-                                  extra_body={"use_beam_search": True, "ignore_eos": True})
+    r = client.completions.create(
+        model=model, prompt=prompt, n=3, max_tokens=6, extra_body={"use_beam_search": True, "ignore_eos": True}
+    )
     assert [c.text for c in r.choices] == [s.text for s in want.sequences]
     assert [c.index for c in r.choices] == [0, 1, 2] and r.usage.completion_tokens == 18
-    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], n=2,
-                                          max_tokens=5, extra_body={"use_beam_search": True})
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Hi"}],
+        n=2,
+        max_tokens=5,
+        extra_body={"use_beam_search": True},
+    )
     assert len(chat.choices) == 2
-    bad = httpx.post(url + "/v1/completions", timeout=30, json={"model": model, "prompt": "x", "stream": True,
-                                                                 "use_beam_search": True})
+    bad = httpx.post(
+        url + "/v1/completions",
+        timeout=30,
+        json={"model": model, "prompt": "x", "stream": True, "use_beam_search": True},
+    )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "use_beam_search"
 
 
@@ -590,6 +741,7 @@ def test_prompt_logprobs_field(client, model, aengine, tiny_llama_dir):
     plp = r.choices[0].model_extra["prompt_logprobs"]
     assert plp[0] is None and len(plp) == len(ids)
     assert max(abs(plp[i + 1][str(ids[i + 1])]["logprob"] - ref[i]) for i in range(len(ids) - 1)) < 1e-3
-    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
-                                          extra_body={"prompt_logprobs": 0})
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=1, extra_body={"prompt_logprobs": 0}
+    )
     assert chat.model_extra["prompt_logprobs"][0] is None and len(chat.model_extra["prompt_logprobs"]) > 3

@@ -15,10 +15,17 @@ from conftest import wait_engine_idle
 from tokenmill.server.errors import APIError
 from tokenmill.server.openai_responses import ResponseStore, Stored
 
-WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                                           "unit": {"enum": ["celsius", "fahrenheit"]}},
-                          "required": ["city", "unit"], "additionalProperties": False}}
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Current weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"],
+        "additionalProperties": False,
+    },
+}
 CHAT_TOOLS = [{"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}]
 ASK = "What is the weather in Paris?"
 
@@ -44,81 +51,149 @@ def _chat(client, model, messages, max_tokens, **kw):
 
 
 def test_text_and_instructions_equal_chat_route(client, model):
-    r = client.responses.create(model=model, instructions="You are a terse assistant.", input="Name a fruit.",
-                                max_output_tokens=24, temperature=0)
-    want, c = _chat(client, model, [{"role": "system", "content": "You are a terse assistant."},
-                                    {"role": "user", "content": "Name a fruit."}], 24)
+    r = client.responses.create(
+        model=model,
+        instructions="You are a terse assistant.",
+        input="Name a fruit.",
+        max_output_tokens=24,
+        temperature=0,
+    )
+    want, c = _chat(
+        client,
+        model,
+        [{"role": "system", "content": "You are a terse assistant."}, {"role": "user", "content": "Name a fruit."}],
+        24,
+    )
     assert r.object == "response" and r.id.startswith("resp_") and r.model == model
     assert r.output_text == want and [i.type for i in r.output] == ["message"]
     assert r.status == {"length": "incomplete", "stop": "completed"}[c.choices[0].finish_reason]
     assert (r.usage.input_tokens, r.usage.output_tokens, r.usage.total_tokens) == (
-        c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens)
+        c.usage.prompt_tokens,
+        c.usage.completion_tokens,
+        c.usage.total_tokens,
+    )
     # items in, developer as a system message, output_text parts in an assistant turn
-    items = [{"role": "developer", "content": "You are a terse assistant."},
-             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Name a fruit."}]}]
+    items = [
+        {"role": "developer", "content": "You are a terse assistant."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Name a fruit."}]},
+    ]
     assert client.responses.create(model=model, input=items, max_output_tokens=24, temperature=0).output_text == want
 
 
 def test_stream_events(client, model):
-    whole = client.responses.create(model=model, input="Count from one to ten in words.", max_output_tokens=30,
-                                    temperature=0)
-    events = list(client.responses.create(model=model, input="Count from one to ten in words.",
-                                          max_output_tokens=30, temperature=0, stream=True))
+    whole = client.responses.create(
+        model=model, input="Count from one to ten in words.", max_output_tokens=30, temperature=0
+    )
+    events = list(
+        client.responses.create(
+            model=model, input="Count from one to ten in words.", max_output_tokens=30, temperature=0, stream=True
+        )
+    )
     kinds = [e.type for e in events]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     done = "response.incomplete" if whole.status == "incomplete" else "response.completed"
-    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
-                         "response.content_part.added"]
-    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
-                          done]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done", done]
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == whole.output_text == events[-4].text == events[-1].response.output_text
     assert events[-1].response.usage.output_tokens == whole.usage.output_tokens
 
 
 def test_json_schema_output(client, model):
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
-              "additionalProperties": False}
-    r = client.responses.create(model=model, input=ASK, max_output_tokens=40, temperature=0,
-                                text={"format": {"type": "json_schema", "name": "city", "schema": schema}})
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    r = client.responses.create(
+        model=model,
+        input=ASK,
+        max_output_tokens=40,
+        temperature=0,
+        text={"format": {"type": "json_schema", "name": "city", "schema": schema}},
+    )
     assert set(json.loads(r.output_text)) == {"city"} and r.status == "completed"
 
 
 def test_function_call_then_output_with_previous_response_id(client, model):
     choice = {"type": "function", "name": "get_weather"}
-    r = client.responses.create(model=model, input=ASK, tools=[WEATHER], tool_choice=choice, max_output_tokens=60,
-                                temperature=0)
+    r = client.responses.create(
+        model=model, input=ASK, tools=[WEATHER], tool_choice=choice, max_output_tokens=60, temperature=0
+    )
     (call,) = r.output
     assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
     args = json.loads(call.arguments)
     assert set(args) == {"city", "unit"}
-    events = list(client.responses.create(model=model, input=ASK, tools=[WEATHER], tool_choice=choice,
-                                          max_output_tokens=60, temperature=0, stream=True))
+    events = list(
+        client.responses.create(
+            model=model,
+            input=ASK,
+            tools=[WEATHER],
+            tool_choice=choice,
+            max_output_tokens=60,
+            temperature=0,
+            stream=True,
+        )
+    )
     deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
     (args_done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert json.loads(deltas) == json.loads(args_done.arguments) == args and args_done.name == "get_weather"
     # the call's output, continuing the stored response; the same conversation given as items, and on
     # the chat route, gives the same answer
     output = {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees, sunny"}
-    follow = client.responses.create(model=model, previous_response_id=r.id, input=[output], tools=[WEATHER],
-                                     tool_choice="none", max_output_tokens=24, temperature=0)
+    follow = client.responses.create(
+        model=model,
+        previous_response_id=r.id,
+        input=[output],
+        tools=[WEATHER],
+        tool_choice="none",
+        max_output_tokens=24,
+        temperature=0,
+    )
     assert follow.previous_response_id == r.id and follow.output_text
-    items = [{"role": "user", "content": ASK},
-             {"type": "function_call", "call_id": call.call_id, "name": "get_weather", "arguments": call.arguments},
-             output]
-    again = client.responses.create(model=model, input=items, tools=[WEATHER], tool_choice="none",
-                                    max_output_tokens=24, temperature=0)
-    chat_convo = [{"role": "user", "content": ASK},
-                  {"role": "assistant", "content": None, "tool_calls": [{"id": call.call_id, "type": "function",
-                   "function": {"name": "get_weather", "arguments": call.arguments}}]},
-                  {"role": "tool", "tool_call_id": call.call_id, "content": "18 degrees, sunny"}]
+    items = [
+        {"role": "user", "content": ASK},
+        {"type": "function_call", "call_id": call.call_id, "name": "get_weather", "arguments": call.arguments},
+        output,
+    ]
+    again = client.responses.create(
+        model=model, input=items, tools=[WEATHER], tool_choice="none", max_output_tokens=24, temperature=0
+    )
+    chat_convo = [
+        {"role": "user", "content": ASK},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call.call_id,
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": call.arguments},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.call_id, "content": "18 degrees, sunny"},
+    ]
     want, _ = _chat(client, model, chat_convo, 24, tools=CHAT_TOOLS, tool_choice="none")
     assert follow.output_text == again.output_text == want
 
 
 def test_required_tool_choice_one_call(client, model):
-    r = client.responses.create(model=model, input=ASK, tools=[WEATHER], tool_choice="required",
-                                parallel_tool_calls=False, max_output_tokens=80, temperature=0)
+    r = client.responses.create(
+        model=model,
+        input=ASK,
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=80,
+        temperature=0,
+    )
     assert [(i.type, i.name) for i in r.output] == [("function_call", "get_weather")]
 
 
@@ -126,8 +201,15 @@ def test_required_tool_choice_one_call(client, model):
 def test_forced_call_cut_by_max_output_tokens_is_an_incomplete_function_call(client, model, choice):
     """As OpenAI answers: a function_call item with the arguments so far, item and response incomplete
     (reason max_output_tokens), whole or streamed; never an output_text message of partial JSON."""
-    kw = {"model": model, "input": ASK, "tools": [WEATHER], "tool_choice": choice, "temperature": 0, "store": False,
-          "parallel_tool_calls": False}  # required: one call, then the answer ends
+    kw = {
+        "model": model,
+        "input": ASK,
+        "tools": [WEATHER],
+        "tool_choice": choice,
+        "temperature": 0,
+        "store": False,
+        "parallel_tool_calls": False,
+    }  # required: one call, then the answer ends
     whole = client.responses.create(**kw, max_output_tokens=100)  # greedy: the cut one is its prefix
     kw["max_output_tokens"] = whole.usage.output_tokens - 3  # cut inside the arguments
     r = client.responses.create(**kw)
@@ -176,8 +258,9 @@ def test_cache_salt_separates_prefix_cache_tenants(client, model):
     text = "Summarise: " + " ".join(f"item {i} is a sentence about paged attention." for i in range(12))
 
     def cached(salt: str) -> int:
-        r = client.responses.create(model=model, input=text, max_output_tokens=1, store=False,
-                                    extra_body={"cache_salt": salt})
+        r = client.responses.create(
+            model=model, input=text, max_output_tokens=1, store=False, extra_body={"cache_salt": salt}
+        )
         return r.usage.input_tokens_details.cached_tokens
 
     first = cached("tenant-a")
@@ -187,16 +270,17 @@ def test_cache_salt_separates_prefix_cache_tenants(client, model):
 
 def test_errors_in_openai_shape(client, served, model):
     url = served.url + "/v1/responses"
-    for body, param in (({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-                         "input"),
-                        ({"input": [{"type": "web_search_call"}]}, "input"),
-                        ({"input": "x", "temperature": 3}, "temperature"),
-                        ({"input": "x", "tool_choice": "required"}, "tool_choice"),
-                        ({"input": "x", "background": True}, "background"),
-                        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
-                        ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
-                        ({"input": "x", "max_output_tokens": 10**6}, "max_output_tokens"),
-                        ({"input": "x", "priority": 1}, "priority")):  # vLLM's extra, refused under fcfs
+    for body, param in (
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+        ({"input": [{"type": "web_search_call"}]}, "input"),
+        ({"input": "x", "temperature": 3}, "temperature"),
+        ({"input": "x", "tool_choice": "required"}, "tool_choice"),
+        ({"input": "x", "background": True}, "background"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
+        ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
+        ({"input": "x", "max_output_tokens": 10**6}, "max_output_tokens"),
+        ({"input": "x", "priority": 1}, "priority"),
+    ):  # vLLM's extra, refused under fcfs
         r = httpx.post(url, json={"model": model, **body}, timeout=60)
         assert r.status_code == 400, r.text
         err = r.json()["error"]

@@ -42,8 +42,10 @@ def held(tiny_llama_dir, monkeypatch):
         yield from tensors
 
     monkeypatch.setattr(loader, "_iter_safetensors", held_weights)
-    gate = StartupApp(lambda: AsyncLLMEngine.from_args(tiny_llama_dir, dtype="float32", kv_cache_memory=0.05),
-                      lambda aengine: build_app(aengine, ServerArgs(api_key="k3y")))
+    gate = StartupApp(
+        lambda: AsyncLLMEngine.from_args(tiny_llama_dir, dtype="float32", kv_cache_memory=0.05),
+        lambda aengine: build_app(aengine, ServerArgs(api_key="k3y")),
+    )
     server = BackgroundServer(gate).start()
     gate.start()
     try:
@@ -145,9 +147,26 @@ def test_sigterm_while_loading_exits_0_at_once(tiny_llama_dir, tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "serve.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-c", _HELD_SERVE, "serve", tiny_llama_dir, "--host", "127.0.0.1",
-                             "--port", str(port), "--dtype", "float32", "--kv-cache-memory", "0.05"],
-                            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            _HELD_SERVE,
+            "serve",
+            tiny_llama_dir,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--kv-cache-memory",
+            "0.05",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ),
+    )
     try:
         deadline = time.monotonic() + 120
         while True:  # until the load is inside its weights (the server answers all along)
@@ -170,5 +189,3 @@ def test_sigterm_while_loading_exits_0_at_once(tiny_llama_dir, tmp_path):
             proc.kill()
             proc.wait()
         log.close()
-
-

@@ -23,7 +23,7 @@ def _offline(llm, prompt, n):
 
 def _events(raw: str) -> list[dict]:
     assert raw.endswith("\n\n")
-    return [json.loads(e[len("data:"):]) for e in raw[:-2].split("\n\n")]
+    return [json.loads(e[len("data:") :]) for e in raw[:-2].split("\n\n")]
 
 
 def test_generate_greedy_equals_offline(http, tiny_llama_llm):
@@ -32,8 +32,13 @@ def test_generate_greedy_equals_offline(http, tiny_llama_llm):
     assert r.status_code == 200
     body = r.json()
     assert body == {"generated_text": want.text}  # no details unless asked
-    r = http.post("/generate", json={"inputs": PROMPTS[0], "parameters": {
-        "max_new_tokens": 10, "details": True, "return_full_text": True, "top_n_tokens": 2}})
+    r = http.post(
+        "/generate",
+        json={
+            "inputs": PROMPTS[0],
+            "parameters": {"max_new_tokens": 10, "details": True, "return_full_text": True, "top_n_tokens": 2},
+        },
+    )
     body = r.json()
     assert body["generated_text"] == PROMPTS[0] + want.text
     d = body["details"]
@@ -47,8 +52,9 @@ def test_generate_greedy_equals_offline(http, tiny_llama_llm):
 def test_generate_stop_sequence_and_sampling(http, tiny_llama_llm):
     full = _offline(tiny_llama_llm, PROMPTS[1], 24).text
     stop = full[6:9]
-    r = http.post("/generate", json={"inputs": PROMPTS[1], "parameters": {
-        "max_new_tokens": 24, "stop": [stop], "details": True}}).json()
+    r = http.post(
+        "/generate", json={"inputs": PROMPTS[1], "parameters": {"max_new_tokens": 24, "stop": [stop], "details": True}}
+    ).json()
     assert r["generated_text"] == full[: full.find(stop) + len(stop)]  # TGI keeps the stop sequence
     assert r["details"]["finish_reason"] == "stop_sequence"
     params = {"max_new_tokens": 12, "do_sample": True, "temperature": 0.9, "seed": 3, "details": True}
@@ -58,8 +64,9 @@ def test_generate_stop_sequence_and_sampling(http, tiny_llama_llm):
 
 def test_generate_stream(http, tiny_llama_llm):
     want = _offline(tiny_llama_llm, PROMPTS[2], 8)
-    with http.stream("POST", "/generate_stream", json={"inputs": PROMPTS[2], "parameters": {
-            "max_new_tokens": 8, "details": True}}) as r:
+    with http.stream(
+        "POST", "/generate_stream", json={"inputs": PROMPTS[2], "parameters": {"max_new_tokens": 8, "details": True}}
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = _events(r.read().decode())
     assert [e["index"] for e in events] == list(range(1, 9))
@@ -71,17 +78,29 @@ def test_generate_stream(http, tiny_llama_llm):
     assert last["details"] == {"finish_reason": "length", "generated_tokens": 8, "seed": None, "input_length": n_input}
 
 
-@pytest.mark.parametrize("params,words", [
-    ({"temperature": 0}, "`temperature` must be strictly positive"),
-    ({"top_k": 0}, "`top_k` must be strictly positive"),
-    ({"max_new_tokens": 0}, "`max_new_tokens` must be strictly positive"),
-    ({"max_new_tokens": 600}, "`inputs` tokens + `max_new_tokens` must be <= 512"),
-    ({"stop": ["a", "b", "c", "d", "e"]}, "up to 4 stop sequences"),
-    ({"top_n_tokens": 9}, "`top_n_tokens` must be >= 0 and <= 5"),
-    ({"best_of": 2}, "`best_of`"),
-    ({"temperature": "hot"}, "temperature"),
-], ids=["temperature", "top_k", "max_new_tokens", "over_context", "stop_count", "top_n_tokens", "best_of",
-        "wrong_type"])
+@pytest.mark.parametrize(
+    "params,words",
+    [
+        ({"temperature": 0}, "`temperature` must be strictly positive"),
+        ({"top_k": 0}, "`top_k` must be strictly positive"),
+        ({"max_new_tokens": 0}, "`max_new_tokens` must be strictly positive"),
+        ({"max_new_tokens": 600}, "`inputs` tokens + `max_new_tokens` must be <= 512"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "up to 4 stop sequences"),
+        ({"top_n_tokens": 9}, "`top_n_tokens` must be >= 0 and <= 5"),
+        ({"best_of": 2}, "`best_of`"),
+        ({"temperature": "hot"}, "temperature"),
+    ],
+    ids=[
+        "temperature",
+        "top_k",
+        "max_new_tokens",
+        "over_context",
+        "stop_count",
+        "top_n_tokens",
+        "best_of",
+        "wrong_type",
+    ],
+)
 def test_tgi_validation_errors(http, params, words):
     for path in ("/generate", "/generate_stream"):
         r = http.post(path, json={"inputs": "Hello", "parameters": params})

@@ -104,21 +104,35 @@ def test_nothing_left_in_the_engine(http):
 
 
 # ---- token ids are JSON integers ---------------------------------------------------------------
-@pytest.mark.parametrize("path,body,param", [
-    ("/detokenize", '{"tokens": [false]}', "tokens"),
-    ("/detokenize", '{"tokens": [1, true]}', "tokens"),
-    ("/detokenize", '{"tokens": [1.5]}', "tokens"),
-    ("/detokenize", '{"tokens": ["1"]}', "tokens"),
-    ("/detokenize", '{"tokens": [-1]}', "tokens"),
-    (C, '{"prompt": [true, 5], "max_tokens": 2}', "prompt"),
-    (C, '{"prompt": [[5, false]], "max_tokens": 2}', "prompt"),
-    (C, '{"prompt": "Hi", "max_tokens": 2, "stop_token_ids": [false]}', "stop_token_ids"),
-    (CHAT, '{' + USER + ', "max_tokens": 2, "stop_token_ids": [1.5]}', "stop_token_ids"),
-    (C, '{"prompt": "Hi", "max_tokens": 2, "logit_bias": {"true": 5}}', "logit_bias"),
-    (C, '{"prompt": "Hi", "max_tokens": 2, "logit_bias": {"-5": 5}}', "logit_bias"),
-], ids=["detok_false", "detok_true", "detok_float", "detok_string", "detok_negative", "prompt_bool",
-        "prompt_list_bool", "stop_token_ids_bool", "stop_token_ids_float", "logit_bias_key_word",
-        "logit_bias_key_negative"])
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/detokenize", '{"tokens": [false]}', "tokens"),
+        ("/detokenize", '{"tokens": [1, true]}', "tokens"),
+        ("/detokenize", '{"tokens": [1.5]}', "tokens"),
+        ("/detokenize", '{"tokens": ["1"]}', "tokens"),
+        ("/detokenize", '{"tokens": [-1]}', "tokens"),
+        (C, '{"prompt": [true, 5], "max_tokens": 2}', "prompt"),
+        (C, '{"prompt": [[5, false]], "max_tokens": 2}', "prompt"),
+        (C, '{"prompt": "Hi", "max_tokens": 2, "stop_token_ids": [false]}', "stop_token_ids"),
+        (CHAT, "{" + USER + ', "max_tokens": 2, "stop_token_ids": [1.5]}', "stop_token_ids"),
+        (C, '{"prompt": "Hi", "max_tokens": 2, "logit_bias": {"true": 5}}', "logit_bias"),
+        (C, '{"prompt": "Hi", "max_tokens": 2, "logit_bias": {"-5": 5}}', "logit_bias"),
+    ],
+    ids=[
+        "detok_false",
+        "detok_true",
+        "detok_float",
+        "detok_string",
+        "detok_negative",
+        "prompt_bool",
+        "prompt_list_bool",
+        "stop_token_ids_bool",
+        "stop_token_ids_float",
+        "logit_bias_key_word",
+        "logit_bias_key_negative",
+    ],
+)
 def test_token_ids_are_strict_integers(http, path, body, param):
     _openai_error(_post_raw(http, path, body), param)
 
@@ -192,22 +206,26 @@ def test_max_n_is_the_servers():
 
 
 # ---- SamplingParams (the offline API) ------------------------------------------------------------
-@pytest.mark.parametrize("kwargs,match", [
-    ({"temperature": math.nan}, "temperature must be a finite number"),
-    ({"temperature": math.inf}, "temperature must be a finite number"),
-    ({"temperature": 1e30}, r"temperature must be in \[0, 100\]"),
-    ({"repetition_penalty": math.nan}, "repetition_penalty must be a finite number"),
-    ({"repetition_penalty": 1e-300}, r"repetition_penalty must be in \[0.01, 100\]"),
-    ({"repetition_penalty": 1e6}, "repetition_penalty"),
-    ({"top_p": math.nan}, "top_p"),
-    ({"min_p": math.nan}, "min_p"),
-    ({"presence_penalty": -math.inf}, "presence_penalty"),
-    ({"frequency_penalty": math.nan}, "frequency_penalty"),
-    ({"logit_bias": {5: math.nan}}, "logit_bias"),
-    ({"top_k": 2**40}, "top_k"),
-    ({"seed": 2**64}, "seed"),
-    ({"temperature": "hot"}, "temperature"),
-], ids=lambda x: str(x) if not isinstance(x, dict) else ",".join(f"{k}={v}" for k, v in x.items()))
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"temperature": math.nan}, "temperature must be a finite number"),
+        ({"temperature": math.inf}, "temperature must be a finite number"),
+        ({"temperature": 1e30}, r"temperature must be in \[0, 100\]"),
+        ({"repetition_penalty": math.nan}, "repetition_penalty must be a finite number"),
+        ({"repetition_penalty": 1e-300}, r"repetition_penalty must be in \[0.01, 100\]"),
+        ({"repetition_penalty": 1e6}, "repetition_penalty"),
+        ({"top_p": math.nan}, "top_p"),
+        ({"min_p": math.nan}, "min_p"),
+        ({"presence_penalty": -math.inf}, "presence_penalty"),
+        ({"frequency_penalty": math.nan}, "frequency_penalty"),
+        ({"logit_bias": {5: math.nan}}, "logit_bias"),
+        ({"top_k": 2**40}, "top_k"),
+        ({"seed": 2**64}, "seed"),
+        ({"temperature": "hot"}, "temperature"),
+    ],
+    ids=lambda x: str(x) if not isinstance(x, dict) else ",".join(f"{k}={v}" for k, v in x.items()),
+)
 def test_sampling_params_refuse(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)

@@ -19,20 +19,32 @@ PROMPT = "Paged attention keeps the KV cache in fixed-size blocks. " * 4
 # The series vLLM's own Grafana dashboard (examples/observability/prometheus_grafana/grafana.json) reads,
 # but request_max_num_generation_tokens (see README, Metrics prefix), plus the other vllm:* names we serve.
 VLLM_DASHBOARD_FAMILIES = [
-    "vllm:e2e_request_latency_seconds", "vllm:prompt_tokens", "vllm:generation_tokens",
-    "vllm:inter_token_latency_seconds", "vllm:num_requests_running", "vllm:num_requests_waiting",
-    "vllm:time_to_first_token_seconds", "vllm:kv_cache_usage_perc", "vllm:request_prompt_tokens",
-    "vllm:request_generation_tokens", "vllm:request_success", "vllm:request_queue_time_seconds",
-    "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:prompt_tokens",
+    "vllm:generation_tokens",
+    "vllm:inter_token_latency_seconds",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:time_to_first_token_seconds",
+    "vllm:kv_cache_usage_perc",
+    "vllm:request_prompt_tokens",
+    "vllm:request_generation_tokens",
+    "vllm:request_success",
+    "vllm:request_queue_time_seconds",
+    "vllm:request_prefill_time_seconds",
+    "vllm:request_decode_time_seconds",
 ]
-VLLM_OTHER_FAMILIES = ["vllm:request_inference_time_seconds", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
-                       "vllm:num_preemptions"]
+VLLM_OTHER_FAMILIES = [
+    "vllm:request_inference_time_seconds",
+    "vllm:prefix_cache_queries",
+    "vllm:prefix_cache_hits",
+    "vllm:num_preemptions",
+]
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    aengine = AsyncLLMEngine.from_args(tiny_llama_dir, dtype="float32", kv_cache_memory=0.05,
-                                       served_model_name="tiny")
+    aengine = AsyncLLMEngine.from_args(tiny_llama_dir, dtype="float32", kv_cache_memory=0.05, served_model_name="tiny")
     srv = BackgroundServer(build_app(aengine, ServerArgs(api_key=KEY, metrics_prefix="vllm")))
     try:
         srv.start()
@@ -46,8 +58,9 @@ def server(tiny_llama_dir):
 def _cached(client, salt: str | None = None, prompt: str = PROMPT, chat: bool = False) -> int:
     extra = {"cache_salt": salt} if salt is not None else {}
     if chat:
-        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
-                                           max_tokens=1, extra_body=extra)
+        r = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=1, extra_body=extra
+        )
     else:
         r = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, extra_body=extra)
     return r.usage.prompt_tokens_details.cached_tokens
@@ -79,8 +92,9 @@ def test_priority_refused_under_fcfs(server):
         client.completions.create(model="tiny", prompt="Hello", max_tokens=1, extra_body={"priority": 1})
     assert e.value.body["param"] == "priority" and "--scheduling-policy priority" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
-                                       extra_body={"priority": -3})
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=1, extra_body={"priority": -3}
+        )
     r = client.completions.create(model="tiny", prompt="Hello", max_tokens=1, extra_body={"priority": 0})
     assert r.choices[0].finish_reason == "length"
 

@@ -95,8 +95,6 @@ def _value(v):
     return getattr(v, kind)
 
 
-
-
 def _attrs(span: Span) -> dict:
     return {a.key: _value(a.value) for a in span.attributes}
 
@@ -108,10 +106,29 @@ def test_one_server_span_per_request_child_of_the_callers_trace(tiny_llama_dir, 
     # A batch delay of 10 minutes: spans leave only with the flush at shutdown (or a full batch of 512).
     env = {**os.environ, "OTEL_SERVICE_NAME": "tokenmill-test", "OTEL_BSP_SCHEDULE_DELAY": "600000"}
     with OTLPReceiver() as receiver, open(log_path, "w+") as log:
-        cmd = [sys.executable, "-m", "tokenmill.cli", "serve", tiny_llama_dir, "--host", "127.0.0.1", "--port",
-               str(port), "--dtype", "float32", "--kv-cache-memory", "0.05", "--served-model-name", "tiny",
-               "--otlp-traces-endpoint", receiver.url + "/v1/traces", "--scheduling-policy", "priority",
-               "--metrics-prefix", "vllm"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tokenmill.cli",
+            "serve",
+            tiny_llama_dir,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--kv-cache-memory",
+            "0.05",
+            "--served-model-name",
+            "tiny",
+            "--otlp-traces-endpoint",
+            receiver.url + "/v1/traces",
+            "--scheduling-policy",
+            "priority",
+            "--metrics-prefix",
+            "vllm",
+        ]
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             deadline = time.monotonic() + 300
@@ -126,14 +143,25 @@ def test_one_server_span_per_request_child_of_the_callers_trace(tiny_llama_dir, 
                 time.sleep(0.2)
             with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
                 chat = client.chat.completions.create(
-                    model="tiny", messages=[{"role": "user", "content": "Hello there"}], max_tokens=5,
-                    temperature=0.5, top_p=0.9,
+                    model="tiny",
+                    messages=[{"role": "user", "content": "Hello there"}],
+                    max_tokens=5,
+                    temperature=0.5,
+                    top_p=0.9,
                     extra_headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01", "tracestate": TRACESTATE},
-                    extra_body={"priority": 3, "ignore_eos": True})  # accepted: --scheduling-policy priority
-                chunks = list(client.completions.create(
-                    model="tiny", prompt="The quick brown fox", max_tokens=4, temperature=0, stream=True,
-                    stream_options={"include_usage": True},
-                    extra_headers={"traceparent": f"00-{TRACE_ID2}-{PARENT_ID2}-01"}))
+                    extra_body={"priority": 3, "ignore_eos": True},
+                )  # accepted: --scheduling-policy priority
+                chunks = list(
+                    client.completions.create(
+                        model="tiny",
+                        prompt="The quick brown fox",
+                        max_tokens=4,
+                        temperature=0,
+                        stream=True,
+                        stream_options={"include_usage": True},
+                        extra_headers={"traceparent": f"00-{TRACE_ID2}-{PARENT_ID2}-01"},
+                    )
+                )
                 root = client.completions.create(model="tiny", prompt="No trace context", max_tokens=2)
             metrics = httpx.get(url + "/metrics").text  # --metrics-prefix vllm reached the server
             assert 'vllm:num_requests_running{model_name="tiny"}' in metrics and "tokenmill:" not in metrics
@@ -162,8 +190,9 @@ def test_one_server_span_per_request_child_of_the_callers_trace(tiny_llama_dir, 
     assert a["gen_ai.response.finish_reasons"] == ["length"]
     e2e = a["gen_ai.latency.e2e"]
     assert 0 < a["gen_ai.latency.time_to_first_token"] <= e2e and 0 <= a["gen_ai.latency.time_in_queue"] <= e2e
-    assert a["gen_ai.latency.time_in_model_prefill"] + a["gen_ai.latency.time_in_model_decode"] == \
-        pytest.approx(a["gen_ai.latency.time_in_model_inference"], abs=1e-6)
+    assert a["gen_ai.latency.time_in_model_prefill"] + a["gen_ai.latency.time_in_model_decode"] == pytest.approx(
+        a["gen_ai.latency.time_in_model_inference"], abs=1e-6
+    )
     assert (span.end_time_unix_nano - span.start_time_unix_nano) / 1e9 == pytest.approx(e2e, abs=1e-3)
     assert abs(span.start_time_unix_nano / 1e9 - time.time()) < 3600  # wall-clock time, not monotonic
 
@@ -180,8 +209,13 @@ def test_one_server_span_per_request_child_of_the_callers_trace(tiny_llama_dir, 
 
 
 def test_configuration(monkeypatch):
-    for var in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_SDK_DISABLED",
-                "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+    for var in (
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTEL_SDK_DISABLED",
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+        "OTEL_EXPORTER_OTLP_PROTOCOL",
+    ):
         monkeypatch.delenv(var, raising=False)
     assert not tracing.tracing_requested(None)
     assert tracing.tracing_requested("http://collector:4318/v1/traces")

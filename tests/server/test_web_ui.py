@@ -27,8 +27,15 @@ from prometheus_client.parser import text_string_to_metric_families
 KEY = "sk-web-ui-test"
 CHROMIUM = os.environ.get("TOKENMILL_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 # As root, on a machine with no outside network: no sandbox, and no background connections.
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-sync",
-                 "--disable-background-networking", "--disable-component-update"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-sync",
+    "--disable-background-networking",
+    "--disable-component-update",
+]
 UI_TIMEOUT_MS = 60_000  # the page's own waits; generous: CI machines are shared and slow
 SHOTS_ENV = "TOKENMILL_WEB_UI_SCREENSHOTS"
 
@@ -220,9 +227,17 @@ def test_chat_streams_the_same_answer_as_the_api(browser, served, shots):
     assert "TTFT" in stats and "24 tokens" in stats and "tokens/s" in stats and "finish: length" in stats, stats
     with openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60) as client:
         want = client.chat.completions.create(
-            model=model, max_tokens=24, temperature=0, seed=7, top_p=1, extra_body={"ignore_eos": True},
-            messages=[{"role": "system", "content": "You are terse."},
-                      {"role": "user", "content": "Hello world, the quick"}])
+            model=model,
+            max_tokens=24,
+            temperature=0,
+            seed=7,
+            top_p=1,
+            extra_body={"ignore_eos": True},
+            messages=[
+                {"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "Hello world, the quick"},
+            ],
+        )
     assert answer == want.choices[0].message.content
     # a second turn sends the conversation back, the first answer in it
     _send(page, "And then?")
@@ -270,13 +285,20 @@ def test_json_schema_mode(browser, served):
     _settings(page, max_tokens=64)
     page.check("#json-mode")
     # compact JSON: a random model would otherwise write whitespace until max_tokens
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-              "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+        "x-guidance": {"whitespace_flexible": False},
+    }
     page.fill("#json-schema", json.dumps(schema))
     with page.expect_request("**/v1/chat/completions") as sent:
         _send(page, "Answer in JSON")
     assert sent.value.post_data_json["response_format"] == {
-        "type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+        "type": "json_schema",
+        "json_schema": {"name": "output", "schema": schema},
+    }
     page.wait_for_selector('#stats[data-state="done"]')
     assert "valid JSON" in page.text_content("#stats")
     assert set(json.loads(_last_answer(page))) == {"ok"}
@@ -299,8 +321,12 @@ def test_dashboard_moves_under_load(browser, served, shots):
     def one(i):
         with openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120) as client:
             return client.chat.completions.create(
-                model=model, max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True},
-                messages=[{"role": "user", "content": f"request {i}"}])
+                model=model,
+                max_tokens=max_tokens,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+                messages=[{"role": "user", "content": f"request {i}"}],
+            )
 
     def all_running(_outputs):
         return len(aengine.engine.core.scheduler.running) == n
@@ -346,21 +372,27 @@ def test_dashboard_reads_metrics_as_prometheus_does(browser, served):
     with openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60) as client:
         model = client.models.list().data[0].id
         for i in range(3):  # a few observations in every histogram
-            client.completions.create(model=model, prompt=f"Hello {i}", max_tokens=8 + i,
-                                      extra_body={"ignore_eos": True})
+            client.completions.create(
+                model=model, prompt=f"Hello {i}", max_tokens=8 + i, extra_body={"ignore_eos": True}
+            )
     text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text
     page = _open(browser, url)
-    got = page.evaluate("""async (text) => {
+    got = page.evaluate(
+        """async (text) => {
         const prom = await import(new URL("ui/prom.js", location.href));
         const s = prom.parse(text);
         const q = (name) => [0.5, 0.9, 0.99].map((p) => prom.quantile(p, prom.buckets(s, name)));
         return {ttft: q("time_to_first_token_seconds"), itl: q("inter_token_latency_seconds"),
                 gen: prom.total(s, "generation_tokens_total"),
                 length: prom.total(s, "request_success_total", {finished_reason: "length"})};
-    }""", text)
+    }""",
+        text,
+    )
     fams = {f.name: f for f in text_string_to_metric_families(text)}
-    for key, name in (("ttft", "tokenmill:time_to_first_token_seconds"),
-                      ("itl", "tokenmill:inter_token_latency_seconds")):
+    for key, name in (
+        ("ttft", "tokenmill:time_to_first_token_seconds"),
+        ("itl", "tokenmill:inter_token_latency_seconds"),
+    ):
         buckets = [(float(s.labels["le"]), s.value) for s in fams[name].samples if s.name.endswith("_bucket")]
         want = [_histogram_quantile(q, sorted(buckets)) for q in (0.5, 0.9, 0.99)]
         assert got[key] == pytest.approx(want), key
@@ -397,12 +429,19 @@ def test_readme_screenshots(browser, smollm2_dir):
             with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300) as c:
                 while not done.is_set():
                     c.chat.completions.create(
-                        model=name, max_tokens=32 + 16 * (i % 4), temperature=0.8,
-                        messages=[{"role": "system", "content": system},
-                                  {"role": "user", "content": f"Tell me about {topics[i % len(topics)]}."}])
+                        model=name,
+                        max_tokens=32 + 16 * (i % 4),
+                        temperature=0.8,
+                        messages=[
+                            {"role": "system", "content": system},
+                            {"role": "user", "content": f"Tell me about {topics[i % len(topics)]}."},
+                        ],
+                    )
 
-        busy = ("Number(document.querySelector('#tile-finished')?.dataset.value) >= 30 && "
-                "Number(document.querySelector('#tile-running').dataset.value) > 0")
+        busy = (
+            "Number(document.querySelector('#tile-finished')?.dataset.value) >= 30 && "
+            "Number(document.querySelector('#tile-running').dataset.value) > 0"
+        )
         with ThreadPoolExecutor(8) as pool:
             users = [pool.submit(user, i) for i in range(8)]
             try:  # under load for a while: some 30 requests done, some running

@@ -69,7 +69,9 @@ def _require_invariant(llm: LLM) -> None:
 
     runner = llm.engine.core.runner
     linears = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]
-    if not (getattr(runner.attn, "batch_invariant", False) and linears and all(m.packed_weight is None for m in linears)):
+    if not (
+        getattr(runner.attn, "batch_invariant", False) and linears and all(m.packed_weight is None for m in linears)
+    ):
         pytest.skip("the bf16 path is not batch-invariant here (needs the C++ kernels with AVX512-BF16 or AVX2 + FMA)")
 
 
@@ -116,8 +118,12 @@ def test_suffix_drafts_from_an_earlier_output(tiny_llama_dir, references, dtype)
     """suffix: the same prompt again is drafted from the first answer (the global tree), every
     draft accepted after the first tokens; tokens equal the unspeculated ones both times."""
     reference = references(dtype)
-    llm = _spec_llm(tiny_llama_dir, dtype=dtype, kv_cache_memory=0.05,
-                    speculative_config={"method": "suffix", "num_speculative_tokens": 4})
+    llm = _spec_llm(
+        tiny_llama_dir,
+        dtype=dtype,
+        kv_cache_memory=0.05,
+        speculative_config={"method": "suffix", "num_speculative_tokens": 4},
+    )
     st = llm.engine.core.drafter.stats
     assert _run(llm, PROMPTS[:1])[0] == reference[0][:1]
     before = st.num_accepted_tokens
@@ -152,8 +158,9 @@ def test_chunked_prefill_preemption_prefix_caching(tiny_llama_dir, reference):
     """8-token prompt chunks, a pool so small that requests preempt each other, then the same
     prompts again (prefix-cache hits): the same tokens, and every block back in the pool."""
     truth = {tuple(p): t for p, t in zip(PROMPTS, reference[0])}
-    llm = _spec_llm(tiny_llama_dir, truth, num_gpu_blocks_override=14, block_size=8, max_num_batched_tokens=8,
-                    max_model_len=128)
+    llm = _spec_llm(
+        tiny_llama_dir, truth, num_gpu_blocks_override=14, block_size=8, max_num_batched_tokens=8, max_model_len=128
+    )
     assert _run(llm)[0] == reference[0]
     assert _run(llm)[0] == reference[0]
     core = llm.engine.core
@@ -171,17 +178,29 @@ def test_stop_strings_max_tokens_n_and_penalties(tiny_llama_dir):
     params = [
         _greedy(30, stop_token_ids=[ref[0][7]]),
         _greedy(9),
-        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, repetition_penalty=1.3,
-                       frequency_penalty=0.4, presence_penalty=0.2),
+        SamplingParams(
+            max_tokens=20,
+            temperature=0.0,
+            ignore_eos=True,
+            repetition_penalty=1.3,
+            frequency_penalty=0.4,
+            presence_penalty=0.2,
+        ),
         SamplingParams(max_tokens=16, n=2, temperature=0.8, seed=7, ignore_eos=True),
     ]
-    want = [[o.token_ids for o in r.outputs] for p in params for r in plain.generate(
-        prompt_token_ids=PROMPTS, sampling_params=p, use_tqdm=False)]
+    want = [
+        [o.token_ids for o in r.outputs]
+        for p in params
+        for r in plain.generate(prompt_token_ids=PROMPTS, sampling_params=p, use_tqdm=False)
+    ]
     plain.shutdown()
     truth = {tuple(p): t for p, t in zip(PROMPTS, ref)}
     llm = _spec_llm(tiny_llama_dir, truth, kv_cache_memory=0.05)
-    got = [[o.token_ids for o in r.outputs] for p in params for r in llm.generate(
-        prompt_token_ids=PROMPTS, sampling_params=p, use_tqdm=False)]
+    got = [
+        [o.token_ids for o in r.outputs]
+        for p in params
+        for r in llm.generate(prompt_token_ids=PROMPTS, sampling_params=p, use_tqdm=False)
+    ]
     n_greedy = 3 * len(PROMPTS)
     assert got[:n_greedy] == want[:n_greedy]
     assert got[0][0] == ref[0][:8]  # stopped at the stop token, which an accepted draft carried
@@ -229,16 +248,22 @@ def test_bf16_chunked_preempted_cached_structured_stop_string_n2(tiny_llama_dir,
     stop = stop.group()
     params = [
         _greedy(logprobs=2, stop=[stop]),
-        SamplingParams(max_tokens=24, temperature=0.0, logprobs=2,
-                       guided_decoding=GuidedDecodingParams(regex=r"[a-z ]{4,40}")),
+        SamplingParams(
+            max_tokens=24, temperature=0.0, logprobs=2, guided_decoding=GuidedDecodingParams(regex=r"[a-z ]{4,40}")
+        ),
         SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2, n=2),
         _greedy(logprobs=2),
     ]
     shape = dict(dtype="bfloat16", block_size=8, max_model_len=128)
 
     def outputs(res):
-        return [[(o.token_ids, o.text, o.finish_reason, [{t: lp.logprob for t, lp in d.items()} for d in o.logprobs])
-                 for o in r.outputs] for r in res]
+        return [
+            [
+                (o.token_ids, o.text, o.finish_reason, [{t: lp.logprob for t, lp in d.items()} for d in o.logprobs])
+                for o in r.outputs
+            ]
+            for r in res
+        ]
 
     plain = LLM(tiny_llama_dir, kv_cache_memory=0.05, **shape)
     want_res = plain.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)
@@ -328,13 +353,19 @@ def test_server_streams_verified_runs_and_reports_metrics(tiny_llama_dir, refere
         aengine.engine.core.drafter.proposer = Oracle(truth, aengine.engine.config.model.vocab_size)
         with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
             for prompt, want in zip(PROMPTS[:2], reference[1]):
-                stream = client.completions.create(model=aengine.engine.config.model.name, prompt=prompt,
-                                                   max_tokens=24, temperature=0.0, stream=True,
-                                                   extra_body={"ignore_eos": True})
+                stream = client.completions.create(
+                    model=aengine.engine.config.model.name,
+                    prompt=prompt,
+                    max_tokens=24,
+                    temperature=0.0,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
                 assert "".join(c.choices[0].text for c in stream) == want.outputs[0].text
         text = httpx.get(server.url + "/metrics").text
-        accepted = [line for line in text.splitlines()
-                    if line.startswith("tokenmill:spec_decode_num_accepted_tokens_total")]
+        accepted = [
+            line for line in text.splitlines() if line.startswith("tokenmill:spec_decode_num_accepted_tokens_total")
+        ]
         assert accepted and float(accepted[0].split()[-1]) > 0
         assert 'tokenmill:spec_decode_num_accepted_tokens_per_pos_total{model_name="' in text
         reqs = random_requests(load_tokenizer(tiny_llama_dir), 4, 16, 8, seed=0)

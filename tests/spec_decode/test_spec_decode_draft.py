@@ -58,10 +58,20 @@ def _check_no_leaks(llm: LLM) -> None:
 def test_greedy_equals_no_speculation(tiny_llama_dir, small_draft_dir, reference, draft):
     """Chunked prefill of 8 tokens (the draft catches up on a 100-token prompt over several steps),
     an 18-block pool of 8-token blocks (preemptions), and a second round served from the prefix cache."""
-    spec = {"self": _spec(tiny_llama_dir), "small": _spec(small_draft_dir),
-            "self-int8-bf16": _spec(tiny_llama_dir, quantization="int8", dtype="bfloat16")}[draft]
-    llm = LLM(tiny_llama_dir, dtype="float32", speculative_config=spec, num_gpu_blocks_override=18, block_size=8,
-              max_num_batched_tokens=8, max_num_seqs=4)
+    spec = {
+        "self": _spec(tiny_llama_dir),
+        "small": _spec(small_draft_dir),
+        "self-int8-bf16": _spec(tiny_llama_dir, quantization="int8", dtype="bfloat16"),
+    }[draft]
+    llm = LLM(
+        tiny_llama_dir,
+        dtype="float32",
+        speculative_config=spec,
+        num_gpu_blocks_override=18,
+        block_size=8,
+        max_num_batched_tokens=8,
+        max_num_seqs=4,
+    )
     ref_tokens, ref_res = reference
     for _ in range(2):
         tokens, res = _tokens(llm)
@@ -85,9 +95,11 @@ def test_greedy_equals_no_speculation(tiny_llama_dir, small_draft_dir, reference
 def test_structured_output_stop_strings_and_n(tiny_llama_dir, small_draft_dir):
     """A regex grammar (drafts cut where the grammar forbids them), a stop token, and n=2 seeded
     samples: the same outputs as without speculation."""
-    params = [SamplingParams(max_tokens=12, temperature=0.0, guided_decoding=GuidedDecodingParams(regex="[a-d]{3,9}")),
-              SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop_token_ids=[7]),
-              SamplingParams(max_tokens=10, temperature=0.8, n=2, seed=3, ignore_eos=True)]
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.0, guided_decoding=GuidedDecodingParams(regex="[a-d]{3,9}")),
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop_token_ids=[7]),
+        SamplingParams(max_tokens=10, temperature=0.8, n=2, seed=3, ignore_eos=True),
+    ]
     prompts = [[11, 12] * 3, [3, 4, 5] * 20, [1, 5, 9, 33, 7] * 6]
 
     def run(**kw):
@@ -122,8 +134,7 @@ def test_sampled_drafts_draw_the_target_distribution(tiny_llama_dir):
         return [Counter(t[j] for t in toks) for j in (1, 2, 3)], llm
 
     ref, _ = histograms()
-    got, llm = histograms(speculative_config=_spec(tiny_llama_dir, k=2, quantization="int4",
-                                                               dtype="bfloat16"))
+    got, llm = histograms(speculative_config=_spec(tiny_llama_dir, k=2, quantization="int4", dtype="bfloat16"))
     stats = llm.engine.core.drafter.stats
     assert stats.num_draft_tokens > n and 0.2 < stats.acceptance_rate < 0.95  # both paths taken often
     for a, b in zip(ref, got):
@@ -166,6 +177,10 @@ def test_bad_draft_models_are_refused(tiny_llama_dir, tmp_path):
     with pytest.raises(ValueError, match="tokenizer differs from the target's on 2 tokens"):
         LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.05, speculative_config=_spec(str(swapped)))
     with pytest.raises(ValueError, match="quantization"):
-        LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.05,
-            speculative_config=_spec(tiny_llama_dir, quantization="fp3"))
+        LLM(
+            tiny_llama_dir,
+            dtype="float32",
+            kv_cache_memory=0.05,
+            speculative_config=_spec(tiny_llama_dir, quantization="fp3"),
+        )
     assert Path(tiny_llama_dir).exists()

@@ -22,42 +22,53 @@ def test_config_defaults_and_aliases():
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)  # vLLM's defaults
     c = SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (3, 3)
-    c = SpeculativeConfig.from_json({"method": "[ngram]", "num_speculative_tokens": 2, "prompt_lookup_min": 2,
-                                     "prompt_lookup_max": 5})
+    c = SpeculativeConfig.from_json(
+        {"method": "[ngram]", "num_speculative_tokens": 2, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    )
     assert (c.method, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", 2, 5)
     assert SpeculativeConfig.from_json({"model": "ngram", "num_speculative_tokens": 3}).method == "ngram"
-    c = SpeculativeConfig.from_json({"model": "/m/draft", "num_speculative_tokens": 3, "dtype": "bfloat16",
-                                     "quantization": "int8"})
+    c = SpeculativeConfig.from_json(
+        {"model": "/m/draft", "num_speculative_tokens": 3, "dtype": "bfloat16", "quantization": "int8"}
+    )
     assert (c.method, c.model, c.dtype, c.quantization) == ("draft_model", "/m/draft", "bfloat16", "int8")
     c = SpeculativeConfig.from_json({"method": "suffix"})
     assert c.num_speculative_tokens == 24 and c.suffix_decoding_max_cached_requests == 10000
     assert c.suffix_decoding_max_spec_factor == 1.0 and c.suffix_decoding_min_token_prob == 0.1
-    c = SpeculativeConfig.from_json({"method": "suffix", "num_speculative_tokens": 5,
-                                     "suffix_decoding_max_tree_depth": 16, "suffix_decoding_min_token_prob": 0})
+    c = SpeculativeConfig.from_json(
+        {
+            "method": "suffix",
+            "num_speculative_tokens": 5,
+            "suffix_decoding_max_tree_depth": 16,
+            "suffix_decoding_min_token_prob": 0,
+        }
+    )
     assert (c.num_speculative_tokens, c.suffix_decoding_max_tree_depth) == (5, 16)
     assert isinstance(c.suffix_decoding_min_token_prob, float)
 
 
-@pytest.mark.parametrize("spec, msg", [
-    ('{"method": "ngram", "num_speculative_tokens": 4, "promt_lookup_max": 3}', "unknown key"),
-    ('{"method": "eagle", "num_speculative_tokens": 4}', "unknown method"),
-    ('{"method": "ngram", "num_speculative_tokens": 0}', "must be >= 1"),
-    ('{"method": "ngram"}', "num_speculative_tokens is required"),
-    ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "<="),
-    ('{"method": "draft_model", "num_speculative_tokens": 2}', 'needs "model"'),
-    ('{"num_speculative_tokens": 2}', 'give "method"'),
-    ('{"method": "ngram", "num_speculative_tokens": "4"}', "must be an integer"),
-    ('{"method": "ngram", "num_speculative_tokens": true}', "must be an integer"),
-    ('{"method": "suffix", "suffix_decoding_min_token_prob": 1.5}', "in [0, 1]"),
-    ('{"method": "suffix", "suffix_decoding_max_tree_depth": 0}', ">= 1"),
-    ('{"method": "suffix", "suffix_decoding_max_cached_requests": -1}', ">= 0"),
-    ('{"method": "ngram", "num_speculative_tokens": 2, "model": "/m/x"}', "takes no draft model"),
-    ('{"method": "suffix", "prompt_lookup_max": 2}', "apply to method 'ngram' only"),
-    ('{"model": "/m/x", "num_speculative_tokens": 2, "quantization": "fp8"}', "unknown quantization"),
-    ('{"model": "/m/x", "num_speculative_tokens": 2, "dtype": "int3"}', "unknown dtype"),
-    ('{"method": "ngram", ', "not valid JSON"),
-    ('[1, 2]', "expected a JSON object"),
-])
+@pytest.mark.parametrize(
+    "spec, msg",
+    [
+        ('{"method": "ngram", "num_speculative_tokens": 4, "promt_lookup_max": 3}', "unknown key"),
+        ('{"method": "eagle", "num_speculative_tokens": 4}', "unknown method"),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "must be >= 1"),
+        ('{"method": "ngram"}', "num_speculative_tokens is required"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "<="),
+        ('{"method": "draft_model", "num_speculative_tokens": 2}', 'needs "model"'),
+        ('{"num_speculative_tokens": 2}', 'give "method"'),
+        ('{"method": "ngram", "num_speculative_tokens": "4"}', "must be an integer"),
+        ('{"method": "ngram", "num_speculative_tokens": true}', "must be an integer"),
+        ('{"method": "suffix", "suffix_decoding_min_token_prob": 1.5}', "in [0, 1]"),
+        ('{"method": "suffix", "suffix_decoding_max_tree_depth": 0}', ">= 1"),
+        ('{"method": "suffix", "suffix_decoding_max_cached_requests": -1}', ">= 0"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "model": "/m/x"}', "takes no draft model"),
+        ('{"method": "suffix", "prompt_lookup_max": 2}', "apply to method 'ngram' only"),
+        ('{"model": "/m/x", "num_speculative_tokens": 2, "quantization": "fp8"}', "unknown quantization"),
+        ('{"model": "/m/x", "num_speculative_tokens": 2, "dtype": "int3"}', "unknown dtype"),
+        ('{"method": "ngram", ', "not valid JSON"),
+        ("[1, 2]", "expected a JSON object"),
+    ],
+)
 def test_config_errors(spec, msg):
     with pytest.raises(ValueError, match=msg.replace("[", "\\[").replace("]", "\\]")):
         SpeculativeConfig.from_json(spec)
@@ -70,10 +81,10 @@ def _ngram_reference(tokens: list[int], k: int, min_n: int, max_n: int) -> list[
     """vLLM's rule by brute force: longest n, then the earliest occurrence ending before the last token."""
     L = len(tokens)
     for n in range(min(max_n, L - 1), min_n - 1, -1):
-        tail = tokens[L - n:]
+        tail = tokens[L - n :]
         for j in range(L - n):
-            if tokens[j: j + n] == tail:
-                return tokens[j + n: j + n + k]
+            if tokens[j : j + n] == tail:
+                return tokens[j + n : j + n + k]
     return []
 
 
@@ -123,15 +134,20 @@ def test_token_buffer():
 # ---------------------------------------------------------------- suffix
 
 
-def _suffix_reference(ctx: list[int], cached: list[list[int]], k: int, D: int, factor: float,
-                      min_prob: float) -> list[int]:
+def _suffix_reference(
+    ctx: list[int], cached: list[list[int]], k: int, D: int, factor: float, min_prob: float
+) -> list[int]:
     """The algorithm by brute force over the texts: every match length, every source, best score."""
     best = (0.0, 0, 0, [])
     for src, texts in ((0, cached), (1, [ctx])):
         for m in range(1, min(D - 1, len(ctx)) + 1):
-            tail = ctx[len(ctx) - m:]
-            occ = [(t, e + 1) for t in texts for e in range(m - 1, len(t))
-                   if t[e - m + 1: e + 1] == tail and (t is not ctx or e < len(ctx) - 1)]
+            tail = ctx[len(ctx) - m :]
+            occ = [
+                (t, e + 1)
+                for t in texts
+                for e in range(m - 1, len(t))
+                if t[e - m + 1 : e + 1] == tail and (t is not ctx or e < len(ctx) - 1)
+            ]
             cap = min(k, int(factor * m), D - m)
             draft, prob, score = [], 1.0, 0.0
             while occ and len(draft) < cap:
@@ -251,6 +267,7 @@ def _dump(root, depth: int) -> dict:
             return
         for t, c in (n.children or {}).items():
             walk(c, path + (t,))
+
     walk(root, ())
     return out
 
@@ -279,7 +296,7 @@ def test_suffix_against_reference_incremental_equals_rebuild():
                 ctx += new
             inc.finish_request(f"r{r}")
             if cap_req:
-                cached = (cached + [ctx[len(prompt):]])[-cap_req:]
+                cached = (cached + [ctx[len(prompt) :]])[-cap_req:]
 
 
 def test_suffix_cost_2k_context():
@@ -306,10 +323,20 @@ def test_greedy_exact():
     torch.manual_seed(0)
     drafts = [[3, 1, 4], [], [2, 2], [5]]
     n_rows = sum(len(d) + 1 for d in drafts)
-    argmax = torch.tensor([3, 1, 6, 0,    # accepts 3, 1, rejects 4 -> 6
-                           4,             # no drafts -> 4
-                           2, 2, 5,       # accepts both -> bonus 5
-                           1, 9 % V])     # rejects 5 -> 1
+    argmax = torch.tensor(
+        [
+            3,
+            1,
+            6,
+            0,  # accepts 3, 1, rejects 4 -> 6
+            4,  # no drafts -> 4
+            2,
+            2,
+            5,  # accepts both -> bonus 5
+            1,
+            9 % V,
+        ]
+    )  # rejects 5 -> 1
     out = rejection_sample(drafts, torch.rand(n_rows, V), argmax, [True] * 4)
     assert out.token_ids == [[3, 1, 6], [4], [2, 2, 5], [1]]
     assert out.num_accepted == [2, 0, 2, 0]
@@ -360,8 +387,15 @@ def test_rejection_draft_model_exact_distribution(method):
     g = torch.Generator().manual_seed(5)
     drafts = torch.multinomial(q, n, replacement=True, generator=g).tolist()  # x ~ q
     tp = torch.stack([P0, P1]).repeat(n, 1)
-    out = rejection_sample([[x] for x in drafts], tp, None, [False] * n, q.repeat(n, 1),
-                           generator=torch.Generator().manual_seed(2), sample_method=method)
+    out = rejection_sample(
+        [[x] for x in drafts],
+        tp,
+        None,
+        [False] * n,
+        q.repeat(n, 1),
+        generator=torch.Generator().manual_seed(2),
+        sample_method=method,
+    )
     first = torch.tensor([t[0] for t in out.token_ids])
     assert _chi2(torch.bincount(first, minlength=6).float(), P0) < CHI2_DF5_999
     rate = sum(out.num_accepted) / n  # acceptance = sum(min(p, q)) = 0.45
@@ -377,8 +411,14 @@ def test_rejection_unnormalised_rows():
     q = torch.tensor([0.30, 0.05, 0.40, 0.05, 0.10, 0.10])
     drafts = torch.multinomial(q, n, replacement=True, generator=torch.Generator().manual_seed(5)).tolist()
     for dp in (None, (q * 0.5).repeat(n, 1)):
-        out = rejection_sample([[x] for x in drafts], (torch.stack([P0, P1]) * scale).repeat(n, 1), None,
-                               [False] * n, dp, generator=torch.Generator().manual_seed(3))
+        out = rejection_sample(
+            [[x] for x in drafts],
+            (torch.stack([P0, P1]) * scale).repeat(n, 1),
+            None,
+            [False] * n,
+            dp,
+            generator=torch.Generator().manual_seed(3),
+        )
         first = torch.tensor([t[0] for t in out.token_ids])
         assert _chi2(torch.bincount(first, minlength=6).float(), P0) < CHI2_DF5_999
         want = float(torch.minimum(P0, q).sum()) if dp is not None else float((P0 * q).sum())  # P(accept)
@@ -400,30 +440,51 @@ def test_rejection_seeded_batch_invariant_and_matches_sampler(monkeypatch):
     V = 50
     logits = torch.randn(4, V, generator=torch.Generator().manual_seed(0))
     batch = SamplingBatch(
-        temperature=torch.tensor([0.7, 0.0, 1.3, 1.0]), all_greedy=False,
-        top_k=torch.tensor([V, V, 10, V]), top_p=torch.tensor([0.9, 1.0, 1.0, 1.0]),
+        temperature=torch.tensor([0.7, 0.0, 1.3, 1.0]),
+        all_greedy=False,
+        top_k=torch.tensor([V, V, 10, V]),
+        top_p=torch.tensor([0.9, 1.0, 1.0, 1.0]),
         min_p=torch.tensor([0.0, 0.0, 0.0, 0.05]),
         generators=[torch.Generator().manual_seed(s) for s in (11, 12, 13, 14)],
-        repetition_penalty=None, presence_penalty=None, frequency_penalty=None, output_counts=None,
-        seen_mask=None, banned=None, banned_rows=[], num_logprobs=[None] * 4, logit_bias=None,
-        watermark_rows=[], watermark_prev=[])
+        repetition_penalty=None,
+        presence_penalty=None,
+        frequency_penalty=None,
+        output_counts=None,
+        seen_mask=None,
+        banned=None,
+        banned_rows=[],
+        num_logprobs=[None] * 4,
+        logit_bias=None,
+        watermark_rows=[],
+        watermark_prev=[],
+    )
     want = Sampler()(logits, batch).token_ids
     probs, argmax = target_distributions(Sampler(), logits, batch)
     gens = [torch.Generator().manual_seed(s) for s in (11, 12, 13, 14)]
-    out = rejection_sample([[]] * 4, probs, argmax, [False, True, False, False], generators=gens,
-                           sample_method="inverse_cdf")
+    out = rejection_sample(
+        [[]] * 4, probs, argmax, [False, True, False, False], generators=gens, sample_method="inverse_cdf"
+    )
     assert [t[0] for t in out.token_ids] == want  # no drafts: exactly the Sampler's token
     # A seeded request gives the same tokens alone and in a batch with others.
     p = torch.softmax(torch.randn(3, V, generator=torch.Generator().manual_seed(3)), -1)
     alone = rejection_sample([[4, 7]], p, None, [False], generators=[torch.Generator().manual_seed(9)])
     other = torch.softmax(torch.randn(2, V), -1)
-    mixed = rejection_sample([[1], [4, 7]], torch.cat([other, p]), None, [False, False],
-                             generators=[None, torch.Generator().manual_seed(9)])
+    mixed = rejection_sample(
+        [[1], [4, 7]], torch.cat([other, p]), None, [False, False], generators=[None, torch.Generator().manual_seed(9)]
+    )
     assert mixed.token_ids[1] == alone.token_ids[0]
     for method in ("exponential", "inverse_cdf"):  # also with seeded and unseeded rows mixed
-        runs = [rejection_sample([[4, 7], [1]], torch.cat([p, other]), None, [False, False],
-                                 generators=[torch.Generator().manual_seed(9), None], sample_method=method)
-                for _ in range(2)]
+        runs = [
+            rejection_sample(
+                [[4, 7], [1]],
+                torch.cat([p, other]),
+                None,
+                [False, False],
+                generators=[torch.Generator().manual_seed(9), None],
+                sample_method=method,
+            )
+            for _ in range(2)
+        ]
         assert runs[0].token_ids[0] == runs[1].token_ids[0]
 
 

@@ -19,7 +19,6 @@ class BenchRequest:
 def load_tokenizer(path: str | None):
     from transformers import AutoTokenizer
 
-
     return AutoTokenizer.from_pretrained(resolve_model_path(path))
 
 
@@ -41,8 +40,9 @@ def _lens(rng: random.Random, mean: int, ratio: float) -> int:
     return rng.randint(lo, hi) if hi > lo else max(1, mean)
 
 
-def random_requests(tok, num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0,
-                    seed: int = 0) -> list[BenchRequest]:
+def random_requests(
+    tok, num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0, seed: int = 0
+) -> list[BenchRequest]:
     """Prompts of random token ids decoded to text; lengths uniform in [len*(1-r), len*(1+r)]."""
     if not 0.0 <= range_ratio < 1.0:
         raise ValueError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
@@ -56,8 +56,9 @@ def random_requests(tok, num_prompts: int, input_len: int, output_len: int, rang
     return reqs
 
 
-def prefix_requests(tok, num_prompts: int, prefix_len: int, input_len: int, output_len: int,
-                    seed: int = 0) -> list[BenchRequest]:
+def prefix_requests(
+    tok, num_prompts: int, prefix_len: int, input_len: int, output_len: int, seed: int = 0
+) -> list[BenchRequest]:
     """`num_prompts` prompts sharing one common prefix of `prefix_len` random tokens, each followed
     by its own `input_len` random tokens (a prefix-caching workload)."""
     rng = random.Random(seed)
@@ -70,8 +71,15 @@ def prefix_requests(tok, num_prompts: int, prefix_len: int, input_len: int, outp
     return reqs
 
 
-def sharegpt_requests(tok, path: str, num_prompts: int, output_len: int | None = None, seed: int = 0,
-                      max_prompt_len: int = 1024, max_total_len: int = 2048) -> list[BenchRequest]:
+def sharegpt_requests(
+    tok,
+    path: str,
+    num_prompts: int,
+    output_len: int | None = None,
+    seed: int = 0,
+    max_prompt_len: int = 1024,
+    max_total_len: int = 2048,
+) -> list[BenchRequest]:
     """ShareGPT JSON: a list of {"conversations": [{"from": "human", "value": ...}, {"from": "gpt", ...}]}.
     The first human turn is the prompt; the token count of the gpt answer after it is the output length
     (unless `output_len` is given). Conversations are shuffled with `seed`; too short / long ones skipped."""

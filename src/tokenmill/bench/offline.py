@@ -27,7 +27,9 @@ from tokenmill.sampling_params import SamplingParams
 def add_workload_args(p: argparse.ArgumentParser, input_len: int, output_len: int) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--input-len", type=int, default=input_len, help=f"prompt tokens (default {input_len})")
-    g.add_argument("--output-len", type=int, default=output_len, help=f"output tokens, EOS ignored (default {output_len})")
+    g.add_argument(
+        "--output-len", type=int, default=output_len, help=f"output tokens, EOS ignored (default {output_len})"
+    )
     g.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompt tokens")
     g.add_argument("--output-json", default=None, help="write the results here as JSON")
 
@@ -61,13 +63,19 @@ def run_throughput(llm, ns: argparse.Namespace) -> int:
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     in_tokens = sum(len(p) for p in prompts)
     res = {
-        "num_prompts": ns.num_prompts, "input_len": ns.input_len, "output_len": ns.output_len,
-        "elapsed_s": dt, "requests_per_s": ns.num_prompts / dt,
-        "output_tokens_per_s": out_tokens / dt, "total_tokens_per_s": (in_tokens + out_tokens) / dt,
+        "num_prompts": ns.num_prompts,
+        "input_len": ns.input_len,
+        "output_len": ns.output_len,
+        "elapsed_s": dt,
+        "requests_per_s": ns.num_prompts / dt,
+        "output_tokens_per_s": out_tokens / dt,
+        "total_tokens_per_s": (in_tokens + out_tokens) / dt,
     }
-    print(f"{ns.num_prompts} prompts x {ns.input_len} in x {ns.output_len} out in {dt:.2f} s: "
-          f"{res['requests_per_s']:.2f} req/s, {res['output_tokens_per_s']:.1f} output tok/s, "
-          f"{res['total_tokens_per_s']:.1f} total tok/s")
+    print(
+        f"{ns.num_prompts} prompts x {ns.input_len} in x {ns.output_len} out in {dt:.2f} s: "
+        f"{res['requests_per_s']:.2f} req/s, {res['output_tokens_per_s']:.1f} output tok/s, "
+        f"{res['total_tokens_per_s']:.1f} total tok/s"
+    )
     return _emit(res, ns.output_json)
 
 
@@ -88,18 +96,28 @@ def measure_latency(llm, input_len: int, output_len: int, iters: int, seed: int 
     params = _params(output_len)
     _timed_stream(llm, prompts[0], params)  # warm-up
     # A bar over the timed runs (on a terminal only): a run is seconds, the whole minutes.
-    runs = [_timed_stream(llm, p, params) for p in tqdm(prompts[1:], desc="Latency runs", unit="run", leave=False,
-                                                          disable=None)]
+    runs = [
+        _timed_stream(llm, p, params)
+        for p in tqdm(prompts[1:], desc="Latency runs", unit="run", leave=False, disable=None)
+    ]
     prefill, tpot = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
-    return {"input_len": input_len, "output_len": output_len, "iters": iters,
-            "prefill_s": prefill, "tpot_s": tpot, "decode_tokens_per_s": 1.0 / tpot}
+    return {
+        "input_len": input_len,
+        "output_len": output_len,
+        "iters": iters,
+        "prefill_s": prefill,
+        "tpot_s": tpot,
+        "decode_tokens_per_s": 1.0 / tpot,
+    }
 
 
 def run_latency(llm, ns: argparse.Namespace) -> int:
     res = measure_latency(llm, ns.input_len, ns.output_len, ns.num_iters, ns.bench_seed)
-    print(f"batch 1, {ns.input_len} in / {ns.output_len} out, median of {ns.num_iters}: "
-          f"prefill {res['prefill_s'] * 1e3:.1f} ms, TPOT {res['tpot_s'] * 1e3:.2f} ms "
-          f"({res['decode_tokens_per_s']:.1f} tokens/s)")
+    print(
+        f"batch 1, {ns.input_len} in / {ns.output_len} out, median of {ns.num_iters}: "
+        f"prefill {res['prefill_s'] * 1e3:.1f} ms, TPOT {res['tpot_s'] * 1e3:.2f} ms "
+        f"({res['decode_tokens_per_s']:.1f} tokens/s)"
+    )
     return _emit(res, ns.output_json)
 
 
@@ -154,8 +172,9 @@ def run_roofline(llm, ns: argparse.Namespace) -> int:
     dtype = llm.engine.config.model.dtype
     weight_bytes = decode_weight_bytes(model)
     # Multiply-adds per prompt token: the layers' linears (logits are computed for one token only).
-    matmul_params = sum(m.in_features * m.out_features for n, m in model.named_modules()
-                        if hasattr(m, "in_features") and n != "lm_head")
+    matmul_params = sum(
+        m.in_features * m.out_features for n, m in model.named_modules() if hasattr(m, "in_features") and n != "lm_head"
+    )
     # Memory bandwidth on a shared machine drifts by tens of percent within minutes: each round
     # measures it right before one batch-1 decode run, and the fraction is the rounds' median.
     prompts = _random_prompts(llm, ns.num_iters + 1, ns.input_len, ns.bench_seed)
@@ -179,23 +198,35 @@ def run_roofline(llm, ns: argparse.Namespace) -> int:
     prefill_s = time.perf_counter() - t0
     prefill_flops = 2 * matmul_params * prefill_tokens / prefill_s
     res = {
-        "memory_bandwidth_gb_s": bw / 1e9, "matmul_gflop_s": peak / 1e9, "dtype": str(dtype),
+        "memory_bandwidth_gb_s": bw / 1e9,
+        "matmul_gflop_s": peak / 1e9,
+        "dtype": str(dtype),
         "matmul_dtype": str(mm_dtype),
-        "weight_bytes_per_decode_step": weight_bytes, "batch1_tpot_s": tpot,
-        "batch1_decode_gb_s": weight_bytes / tpot / 1e9, "batch1_decode_fraction_of_bandwidth": fraction,
+        "weight_bytes_per_decode_step": weight_bytes,
+        "batch1_tpot_s": tpot,
+        "batch1_decode_gb_s": weight_bytes / tpot / 1e9,
+        "batch1_decode_fraction_of_bandwidth": fraction,
         "rounds": [{"memory_bandwidth_gb_s": b / 1e9, "batch1_tpot_s": t} for b, t in rounds],
         "decode_roofline_tokens_per_s": bw / weight_bytes,
-        "prefill_tokens": prefill_tokens, "prefill_s": prefill_s,
-        "prefill_gflop_s": prefill_flops / 1e9, "prefill_fraction_of_matmul_peak": prefill_flops / peak,
+        "prefill_tokens": prefill_tokens,
+        "prefill_s": prefill_s,
+        "prefill_gflop_s": prefill_flops / 1e9,
+        "prefill_fraction_of_matmul_peak": prefill_flops / peak,
     }
-    print(f"machine: memory bandwidth {res['memory_bandwidth_gb_s']:.1f} GB/s (median of {len(rounds)} rounds), "
-          f"{mm_dtype} matmul {res['matmul_gflop_s']:.0f} GFLOP/s ({torch.get_num_threads()} threads)")
-    print(f"batch-1 decode: {weight_bytes / 1e6:.0f} MB of weights per token, TPOT {tpot * 1e3:.2f} ms "
-          f"-> {res['batch1_decode_gb_s']:.1f} GB/s = {100 * fraction:.0f}% of bandwidth (median of the rounds' "
-          f"ratios; roofline {res['decode_roofline_tokens_per_s']:.0f} tokens/s, measured {1 / tpot:.1f})")
+    print(
+        f"machine: memory bandwidth {res['memory_bandwidth_gb_s']:.1f} GB/s (median of {len(rounds)} rounds), "
+        f"{mm_dtype} matmul {res['matmul_gflop_s']:.0f} GFLOP/s ({torch.get_num_threads()} threads)"
+    )
+    print(
+        f"batch-1 decode: {weight_bytes / 1e6:.0f} MB of weights per token, TPOT {tpot * 1e3:.2f} ms "
+        f"-> {res['batch1_decode_gb_s']:.1f} GB/s = {100 * fraction:.0f}% of bandwidth (median of the rounds' "
+        f"ratios; roofline {res['decode_roofline_tokens_per_s']:.0f} tokens/s, measured {1 / tpot:.1f})"
+    )
     print("  rounds (GB/s, TPOT ms): " + ", ".join(f"{b / 1e9:.1f} / {t * 1e3:.2f}" for b, t in rounds))
-    print(f"prefill of {prefill_tokens} tokens: {prefill_s:.2f} s -> {res['prefill_gflop_s']:.0f} GFLOP/s = "
-          f"{100 * res['prefill_fraction_of_matmul_peak']:.0f}% of the matmul peak")
+    print(
+        f"prefill of {prefill_tokens} tokens: {prefill_s:.2f} s -> {res['prefill_gflop_s']:.0f} GFLOP/s = "
+        f"{100 * res['prefill_fraction_of_matmul_peak']:.0f}% of the matmul peak"
+    )
     return _emit(res, ns.output_json)
 
 
@@ -216,8 +247,12 @@ def add_offline_parsers(b) -> None:
     r = b.add_parser("roofline", help="memory bandwidth and matmul FLOP/s, and how close decode and prefill come")
     add_engine_args(r)
     add_workload_args(r, 32, 64)
-    r.add_argument("--num-iters", type=int, default=5,
-                   help="rounds of (bandwidth, one timed batch-1 decode run); medians are reported (default 5)")
+    r.add_argument(
+        "--num-iters",
+        type=int,
+        default=5,
+        help="rounds of (bandwidth, one timed batch-1 decode run); medians are reported (default 5)",
+    )
     r.add_argument("--prefill-len", type=int, default=2048, help="prompt tokens of the prefill measurement")
     r.set_defaults(bench_run=run_roofline)
     for sp in (t, lt, r):
@@ -225,7 +260,8 @@ def add_offline_parsers(b) -> None:
 
 
 def _run_offline(ns: argparse.Namespace) -> int:
-    from tokenmill.llm import LLM  # lazy: the parser is built for every command; the engine loads for a run only
+    # lazy: the parser is built for every command; the engine loads for a run only
+    from tokenmill.llm import LLM
 
     llm = LLM(**vars(engine_args_from(ns)))
     wait_for_kv_cache(llm)

@@ -35,12 +35,26 @@ class RequestResult:
     error: str = ""
 
 
-async def send_request(client: httpx.AsyncClient, url: str, endpoint: str, model: str, req: BenchRequest,
-                       t0: float, temperature: float = 0.0, extra_body: dict | None = None) -> RequestResult:
+async def send_request(
+    client: httpx.AsyncClient,
+    url: str,
+    endpoint: str,
+    model: str,
+    req: BenchRequest,
+    t0: float,
+    temperature: float = 0.0,
+    extra_body: dict | None = None,
+) -> RequestResult:
     res = RequestResult(prompt_len=req.prompt_len)
     chat = endpoint.endswith("chat/completions")
-    body: dict = {"model": model, "max_tokens": req.output_len, "stream": True, "ignore_eos": True,
-                  "temperature": temperature, "stream_options": {"include_usage": True}}
+    body: dict = {
+        "model": model,
+        "max_tokens": req.output_len,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": temperature,
+        "stream_options": {"include_usage": True},
+    }
     if chat:
         body["messages"] = [{"role": "user", "content": req.prompt}]
         body["max_completion_tokens"] = req.output_len
@@ -144,7 +158,10 @@ def compute_metrics(results: list[RequestResult], duration: float, slos: dict[st
         "request_throughput": len(ok) / duration,
         "output_throughput": out_tokens / duration,
         "total_token_throughput": (in_tokens + out_tokens) / duration,
-        "ttft_ms": _stats(ttfts), "tpot_ms": _stats(tpots), "itl_ms": _stats(itls), "e2el_ms": _stats(e2els),
+        "ttft_ms": _stats(ttfts),
+        "tpot_ms": _stats(tpots),
+        "itl_ms": _stats(itls),
+        "e2el_ms": _stats(e2els),
     }
     if slos:
         m["goodput_slos_ms"] = slos
@@ -158,12 +175,24 @@ async def fetch_model(client: httpx.AsyncClient, base_url: str) -> str:
     return r.json()["data"][0]["id"]
 
 
-async def benchmark(base_url: str, requests: list[BenchRequest], *, model: str | None = None,
-                    endpoint: str = "/v1/completions", request_rate: float = float("inf"),
-                    burstiness: float = 1.0, max_concurrency: int | None = None,
-                    goodput: dict[str, float] | None = None, api_key: str | None = None, seed: int = 0,
-                    warmup: bool = True, disable_tqdm: bool = False, temperature: float = 0.0,
-                    timeout: float = 6 * 3600, extra_body: dict | None = None) -> dict:
+async def benchmark(
+    base_url: str,
+    requests: list[BenchRequest],
+    *,
+    model: str | None = None,
+    endpoint: str = "/v1/completions",
+    request_rate: float = float("inf"),
+    burstiness: float = 1.0,
+    max_concurrency: int | None = None,
+    goodput: dict[str, float] | None = None,
+    api_key: str | None = None,
+    seed: int = 0,
+    warmup: bool = True,
+    disable_tqdm: bool = False,
+    temperature: float = 0.0,
+    timeout: float = 6 * 3600,
+    extra_body: dict | None = None,
+) -> dict:
     """Run the load and return {'metrics': ..., 'requests': [...], 'config': ...}.
     `extra_body` is merged into every request body (e.g. a logit_bias for servers without ignore_eos)."""
     if burstiness <= 0:
@@ -175,14 +204,22 @@ async def benchmark(base_url: str, requests: list[BenchRequest], *, model: str |
         base_url = base_url[:-3]
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=max_concurrency or 1000, max_keepalive_connections=max_concurrency or 1000)
-    async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(timeout, connect=30.0),
-                                 limits=limits) as client:
+    async with httpx.AsyncClient(
+        headers=headers, timeout=httpx.Timeout(timeout, connect=30.0), limits=limits
+    ) as client:
         model = model or await fetch_model(client, base_url)
         if warmup:
             w = requests[0]
-            res = await send_request(client, base_url, endpoint, model,
-                                     BenchRequest(w.prompt, w.prompt_len, min(w.output_len, 4)),
-                                     time.perf_counter(), temperature, extra_body)
+            res = await send_request(
+                client,
+                base_url,
+                endpoint,
+                model,
+                BenchRequest(w.prompt, w.prompt_len, min(w.output_len, 4)),
+                time.perf_counter(),
+                temperature,
+                extra_body,
+            )
             if not res.success:
                 raise RuntimeError(f"warm-up request failed: {res.error}")
         pbar = None
@@ -218,22 +255,37 @@ async def benchmark(base_url: str, requests: list[BenchRequest], *, model: str |
         delta = {k: v - counters_before.get(k, 0.0) for k, v in counters_after.items()}
         if "prefix_cache_queries" in delta and "prefix_cache_hits" in delta:
             queries, hits = delta["prefix_cache_queries"], delta["prefix_cache_hits"]
-            metrics["prefix_cache"] = {"queries": queries, "hits": hits,
-                                       "hit_rate": hits / queries if queries else 0.0}
+            metrics["prefix_cache"] = {"queries": queries, "hits": hits, "hit_rate": hits / queries if queries else 0.0}
         if delta.get("spec_decode_num_drafts"):  # vLLM's acceptance rate and mean acceptance length
             drafts, proposed = delta["spec_decode_num_drafts"], delta.get("spec_decode_num_draft_tokens", 0.0)
             accepted = delta.get("spec_decode_num_accepted_tokens", 0.0)
-            metrics["spec_decode"] = {"drafts": drafts, "draft_tokens": proposed, "accepted_tokens": accepted,
-                                      "acceptance_rate": accepted / proposed if proposed else 0.0,
-                                      "acceptance_length": 1.0 + accepted / drafts}
-    config = {"base_url": base_url, "endpoint": endpoint, "model": model, "num_prompts": len(requests),
-              "request_rate": request_rate if request_rate != float("inf") else "inf",
-              "burstiness": burstiness, "max_concurrency": max_concurrency, "seed": seed}
+            metrics["spec_decode"] = {
+                "drafts": drafts,
+                "draft_tokens": proposed,
+                "accepted_tokens": accepted,
+                "acceptance_rate": accepted / proposed if proposed else 0.0,
+                "acceptance_length": 1.0 + accepted / drafts,
+            }
+    config = {
+        "base_url": base_url,
+        "endpoint": endpoint,
+        "model": model,
+        "num_prompts": len(requests),
+        "request_rate": request_rate if request_rate != float("inf") else "inf",
+        "burstiness": burstiness,
+        "max_concurrency": max_concurrency,
+        "seed": seed,
+    }
     return {"config": config, "metrics": metrics, "requests": [asdict(r) for r in results]}
 
 
-_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
-             "spec_decode_num_accepted_tokens")
+_COUNTERS = (
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens",
+)
 
 
 async def scrape_counters(client, base_url: str) -> dict[str, float] | None:
@@ -281,8 +333,12 @@ def format_report(metrics: dict) -> str:
         row("Draft acceptance rate:", f"{100 * sd['acceptance_rate']:.1f}%")
         row("Mean acceptance length:", f"{sd['acceptance_length']:.2f}")
         row("Accepted / drafted tokens:", f"{sd['accepted_tokens']:.0f}/{sd['draft_tokens']:.0f}")
-    for key, title in (("ttft_ms", "Time to First Token"), ("tpot_ms", "Time per Output Token (excl. 1st)"),
-                       ("itl_ms", "Inter-token Latency"), ("e2el_ms", "End-to-end Latency")):
+    for key, title in (
+        ("ttft_ms", "Time to First Token"),
+        ("tpot_ms", "Time per Output Token (excl. 1st)"),
+        ("itl_ms", "Inter-token Latency"),
+        ("e2el_ms", "End-to-end Latency"),
+    ):
         lines.append(f"{'-' * 15}{title}{'-' * 15}")
         name = key.split("_")[0].upper()
         s = metrics[key]
@@ -305,10 +361,14 @@ def save_plots(result: dict, path_prefix: str) -> str | None:
         return None
     reqs = [r for r in result["requests"] if r["success"]]
     fig, axes = plt.subplots(1, 4, figsize=(20, 4))
-    for ax, (name, vals) in zip(axes[:3], (
+    for ax, (name, vals) in zip(
+        axes[:3],
+        (
             ("TTFT (ms)", [r["ttft"] * 1000 for r in reqs]),
             ("ITL (ms)", [x * 1000 for r in reqs for x in r["itl"]]),
-            ("E2E latency (ms)", [r["e2el"] * 1000 for r in reqs]))):
+            ("E2E latency (ms)", [r["e2el"] * 1000 for r in reqs]),
+        ),
+    ):
         ax.hist(vals, bins=50)
         ax.set_xlabel(name)
         ax.set_ylabel("count")
@@ -335,46 +395,67 @@ def save_plots(result: dict, path_prefix: str) -> str | None:
 
 def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", required=True, help="server root, e.g. http://localhost:8000")
-    p.add_argument("--endpoint", default="/v1/completions",
-                   choices=["/v1/completions", "/v1/chat/completions"])
+    p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
     p.add_argument("--model", default=None, help="model name sent in requests (default: the first of /v1/models)")
-    p.add_argument("--tokenizer", default=None,
-                   help="tokenizer folder to build and count prompts (default: the built-in SmolLM2)")
+    p.add_argument(
+        "--tokenizer", default=None, help="tokenizer folder to build and count prompts (default: the built-in SmolLM2)"
+    )
     p.add_argument("--api-key", default=None)
     p.add_argument("--dataset-name", default="random", choices=["random", "sharegpt", "prefix"])
     p.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (for --dataset-name sharegpt)")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--random-input-len", type=int, default=256)
     p.add_argument("--random-output-len", type=int, default=128)
-    p.add_argument("--random-range-ratio", type=float, default=0.0,
-                   help="lengths uniform in [len*(1-r), len*(1+r)] (default 0: exact)")
+    p.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths uniform in [len*(1-r), len*(1+r)] (default 0: exact)",
+    )
     p.add_argument("--prefix-len", type=int, default=512, help="shared prefix tokens (prefix dataset)")
-    p.add_argument("--sharegpt-output-len", type=int, default=None,
-                   help="override the output length taken from the ShareGPT answers")
-    p.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="requests per second (default inf: all at once)")
-    p.add_argument("--burstiness", type=float, default=1.0,
-                   help="Gamma shape of the arrivals: 1 = Poisson, <1 burstier, >1 more uniform")
+    p.add_argument(
+        "--sharegpt-output-len",
+        type=int,
+        default=None,
+        help="override the output length taken from the ShareGPT answers",
+    )
+    p.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="requests per second (default inf: all at once)"
+    )
+    p.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="Gamma shape of the arrivals: 1 = Poisson, <1 burstier, >1 more uniform",
+    )
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
-    p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
-                   help="SLOs for goodput, e.g. --goodput ttft:500 tpot:50 (also e2el)")
+    p.add_argument(
+        "--goodput",
+        nargs="+",
+        default=None,
+        metavar="KEY:MS",
+        help="SLOs for goodput, e.g. --goodput ttft:500 tpot:50 (also e2el)",
+    )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
     p.add_argument("--disable-tqdm", action="store_true")
     p.add_argument("--result-file", default=None, help="write the results as JSON here")
-    p.add_argument("--plot", action="store_true",
-                   help="also write <result-file>.png (latency histograms, throughput over time; needs matplotlib)")
+    p.add_argument(
+        "--plot",
+        action="store_true",
+        help="also write <result-file>.png (latency histograms, throughput over time; needs matplotlib)",
+    )
 
 
 def build_requests(ns: argparse.Namespace) -> list[BenchRequest]:
     tok = load_tokenizer(ns.tokenizer)
     if ns.dataset_name == "random":
-        return random_requests(tok, ns.num_prompts, ns.random_input_len, ns.random_output_len,
-                               ns.random_range_ratio, ns.seed)
+        return random_requests(
+            tok, ns.num_prompts, ns.random_input_len, ns.random_output_len, ns.random_range_ratio, ns.seed
+        )
     if ns.dataset_name == "prefix":
-        return prefix_requests(tok, ns.num_prompts, ns.prefix_len, ns.random_input_len, ns.random_output_len,
-                               ns.seed)
+        return prefix_requests(tok, ns.num_prompts, ns.prefix_len, ns.random_input_len, ns.random_output_len, ns.seed)
     if not ns.dataset_path:
         raise ValueError("--dataset-name sharegpt needs --dataset-path")
     return sharegpt_requests(tok, ns.dataset_path, ns.num_prompts, ns.sharegpt_output_len, ns.seed)
@@ -384,10 +465,23 @@ def run_from_args(ns: argparse.Namespace) -> int:
     slos = parse_goodput(ns.goodput)
     requests = build_requests(ns)
     try:
-        result = asyncio.run(benchmark(
-            ns.base_url, requests, model=ns.model, endpoint=ns.endpoint, request_rate=ns.request_rate,
-            burstiness=ns.burstiness, max_concurrency=ns.max_concurrency, goodput=slos, api_key=ns.api_key,
-            seed=ns.seed, warmup=ns.warmup, disable_tqdm=ns.disable_tqdm, temperature=ns.temperature))
+        result = asyncio.run(
+            benchmark(
+                ns.base_url,
+                requests,
+                model=ns.model,
+                endpoint=ns.endpoint,
+                request_rate=ns.request_rate,
+                burstiness=ns.burstiness,
+                max_concurrency=ns.max_concurrency,
+                goodput=slos,
+                api_key=ns.api_key,
+                seed=ns.seed,
+                warmup=ns.warmup,
+                disable_tqdm=ns.disable_tqdm,
+                temperature=ns.temperature,
+            )
+        )
     except (httpx.HTTPError, RuntimeError) as e:
         print(f"tokenmill bench serve: {e}", file=sys.stderr)
         if ns.log_level and ns.log_level.upper() == "DEBUG":

@@ -42,6 +42,7 @@ CHECK_ABORT_EVERY = 256  # yields between looks at the abort flag
 class TPAborted(RuntimeError):
     """A collective gave up: another rank died or the engine is shutting down."""
 
+
 class ShmAllReduce:
     HEADER = 64 * 8  # int64 words: [0] abort flag, [8 + phase * world + rank] sequence numbers
 
@@ -62,8 +63,7 @@ class ShmAllReduce:
 
         kernels = cpu_kernels.load() if cpu_kernels.enabled() else None
         self.kernel = getattr(kernels, "shm_all_reduce", None)
-        data = torch.frombuffer(self._mm, dtype=torch.float32, offset=self.HEADER,
-                                count=2 * world * self.capacity)
+        data = torch.frombuffer(self._mm, dtype=torch.float32, offset=self.HEADER, count=2 * world * self.capacity)
         self.slots = data.view(2, world, self.capacity)
         self.seq = 0
 
@@ -110,7 +110,9 @@ class ShmAllReduce:
                 for r in range(1, self.world):
                     self._wait(self._flag(phase, r))
                 out[r0 : r0 + len(part), 0] = part
-                out[r0 : r0 + len(part), 1:] = self.slots[phase, 1:, :n].view(self.world - 1, len(part), C).transpose(0, 1)
+                out[r0 : r0 + len(part), 1:] = (
+                    self.slots[phase, 1:, :n].view(self.world - 1, len(part), C).transpose(0, 1)
+                )
                 self.words[self._flag(phase, 0)] = self.seq
             else:
                 self.slots[phase, self.rank, :n].copy_(part.reshape(-1))
@@ -161,8 +163,16 @@ class TPGroup:
         self.rank, self.size, self.pg, self.shm, self.nccl = rank, size, pg, shm, nccl
 
     @classmethod
-    def connect(cls, rank: int, size: int, port: int, shm_path: str, shm_bytes: int,
-                timeout_s: float = 300.0, device: str = "cpu") -> TPGroup:
+    def connect(
+        cls,
+        rank: int,
+        size: int,
+        port: int,
+        shm_path: str,
+        shm_bytes: int,
+        timeout_s: float = 300.0,
+        device: str = "cpu",
+    ) -> TPGroup:
         """Rank 0 hosts the store (and, on CPUs, creates the shared-memory file before calling this)."""
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=timeout, wait_for_workers=False)

@@ -115,10 +115,16 @@ class AsyncLLMEngine:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None, parent_id: str | None = None,
-                       lora_request: LoRARequest | None = None, priority: int = 0,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        parent_id: str | None = None,
+        lora_request: LoRARequest | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """Yields RequestOutputs (with delta_text) until the request finishes. `lora_request`: a
         LoRARequest (with --enable-lora; None: the base model), loaded on the prep pool; `priority`
         and `cache_salt`: see LLMEngine.make_request.
@@ -134,9 +140,19 @@ class AsyncLLMEngine:
         self._streams[rid] = stream
         finished = True  # nothing to abort until the request is queued
         try:
-            req = await loop.run_in_executor(self.prep_pool, functools.partial(
-                self.engine.make_request, prompt, params, rid, parent_id, lora_request, priority=priority,
-                cache_salt=cache_salt))
+            req = await loop.run_in_executor(
+                self.prep_pool,
+                functools.partial(
+                    self.engine.make_request,
+                    prompt,
+                    params,
+                    rid,
+                    parent_id,
+                    lora_request,
+                    priority=priority,
+                    cache_salt=cache_salt,
+                ),
+            )
             self._inbox.put(("add", req))
             self._wakeup.set()
             finished = False
@@ -154,8 +170,9 @@ class AsyncLLMEngine:
             if not finished:
                 self.abort(rid)
 
-    async def encode(self, prompts: list[str | list[int]], params: PoolingParams | None = None,
-                     request_id: str | None = None) -> list[PoolingRequestOutput]:
+    async def encode(
+        self, prompts: list[str | list[int]], params: PoolingParams | None = None, request_id: str | None = None
+    ) -> list[PoolingRequestOutput]:
         """Embeddings of prompts (--task embed engines), in order: one engine request each
         (`{request_id}-{i}`), prepared together on the prep pool and queued together, so that one step
         can take them all. Raises ValueError for bad input before anything is queued (QueueFullError
@@ -172,7 +189,8 @@ class AsyncLLMEngine:
         pending: set[str] = set()
         try:
             reqs = await loop.run_in_executor(
-                self.prep_pool, lambda: [self.engine.make_pooling_request(p, params, r) for p, r in zip(prompts, rids)])
+                self.prep_pool, lambda: [self.engine.make_pooling_request(p, params, r) for p, r in zip(prompts, rids)]
+            )
             self._inbox.put(("add", reqs))
             self._wakeup.set()
             pending = set(rids)

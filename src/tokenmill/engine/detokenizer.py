@@ -16,8 +16,14 @@ _PRIME_TOKENS = 6  # enough prompt context for spacing rules of SentencePiece an
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool,
-                 stop: list[str], include_stop_str_in_output: bool = False):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool,
+        stop: list[str],
+        include_stop_str_in_output: bool = False,
+    ):
         self.tokenizer = tokenizer
         self.stream = DecodeStream(ids=list(prompt_token_ids[-_PRIME_TOKENS:]), skip_special_tokens=skip_special_tokens)
         self.stop = stop

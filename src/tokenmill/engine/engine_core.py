@@ -38,9 +38,18 @@ class EngineCore:
         cache = config.cache
         workers = _start_tp_workers(config) if config.parallel.tensor_parallel_size > 1 else None
         try:
-            self.runner = ModelRunner(config.model, cache.num_blocks, cache.block_size, config.seed, config.watermark,
-                                      workers.group if workers else NO_TP, workers, config.device, config.scheduler,
-                                      config.lora)
+            self.runner = ModelRunner(
+                config.model,
+                cache.num_blocks,
+                cache.block_size,
+                config.seed,
+                config.watermark,
+                workers.group if workers else NO_TP,
+                workers,
+                config.device,
+                config.scheduler,
+                config.lora,
+            )
             if workers is not None:
                 workers.wait_ready()
         except BaseException:
@@ -91,8 +100,9 @@ class EngineCore:
             req = s.request
             if req.request_id in sampled and req.status != RequestStatus.FINISHED_ABORTED:
                 n = req.num_output_tokens - num_outputs[req.request_id]  # fewer than sampled when one stopped it
-                results.append(CoreOutput(req, req.output_token_ids[-n:] if n else [],
-                                          logprobs[req.request_id][:n], req.finished))
+                results.append(
+                    CoreOutput(req, req.output_token_ids[-n:] if n else [], logprobs[req.request_id][:n], req.finished)
+                )
             elif req.pooling_params is not None and req.status == RequestStatus.FINISHED_STOPPED:
                 results.append(CoreOutput(req, [], [], True))  # pooled: the embedding is its output
         if self.drafter is not None:
@@ -104,7 +114,13 @@ def _start_tp_workers(config: EngineConfig) -> TPWorkers:
     hidden = config.model.hf_config.hidden_size
     # The all-reduce's shared buffer: one step's activations in float32 (bigger ones go in pieces).
     shm_bytes = min(max(config.scheduler.max_num_batched_tokens * hidden * 4, 1 << 20), 32 << 20)
-    build_runner = functools.partial(ModelRunner, num_blocks=config.cache.num_blocks, block_size=config.cache.block_size,
-                                     device_config=config.device, scheduler_config=config.scheduler)
-    return TPWorkers(config.parallel.tensor_parallel_size, config.parallel.num_threads, config.model, build_runner,
-                     shm_bytes)
+    build_runner = functools.partial(
+        ModelRunner,
+        num_blocks=config.cache.num_blocks,
+        block_size=config.cache.block_size,
+        device_config=config.device,
+        scheduler_config=config.scheduler,
+    )
+    return TPWorkers(
+        config.parallel.tensor_parallel_size, config.parallel.num_threads, config.model, build_runner, shm_bytes
+    )

@@ -96,38 +96,63 @@ class LLMEngine:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's context length {model_max}")
         device = resolve_device(args.device)
         if device != "cpu" and tp > 1 and (device != "cuda" or torch.cuda.device_count() < tp):
-            raise ValueError(f"--tensor-parallel-size {tp} on GPUs takes GPUs 0..{tp - 1} (one rank each, NCCL): "
-                             f"{torch.cuda.device_count()} visible; use --device cuda with enough GPUs "
-                             f"(CUDA_VISIBLE_DEVICES picks them), or --device cpu")
+            raise ValueError(
+                f"--tensor-parallel-size {tp} on GPUs takes GPUs 0..{tp - 1} (one rank each, NCCL): "
+                f"{torch.cuda.device_count()} visible; use --device cuda with enough GPUs "
+                f"(CUDA_VISIBLE_DEVICES picks them), or --device cpu"
+            )
         if args.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"unknown scheduling_policy {args.scheduling_policy!r}; choose one of "
-                             f"{', '.join(SCHEDULING_POLICIES)}")
+            raise ValueError(
+                f"unknown scheduling_policy {args.scheduling_policy!r}; choose one of {', '.join(SCHEDULING_POLICIES)}"
+            )
         if args.load_format not in LOAD_FORMATS:
             raise ValueError(f"unknown load_format {args.load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
         # An encoder's "auto" is its checkpoint's float32: small models whose vectors bf16 would shift.
         dtype = parse_dtype("float32" if encoder and args.dtype == "auto" else args.dtype, device)
         name, aliases = served_names(args.model, args.served_model_name)
-        model_config = ModelConfig(path, hf_config, dtype, max_model_len, name, device,
-                                   check_kv_cache_dtype(args.kv_cache_dtype), check_quantization(args.quantization),
-                                   args.load_format, pooler, args.quantization_calibration, aliases)
+        model_config = ModelConfig(
+            path,
+            hf_config,
+            dtype,
+            max_model_len,
+            name,
+            device,
+            check_kv_cache_dtype(args.kv_cache_dtype),
+            check_quantization(args.quantization),
+            args.load_format,
+            pooler,
+            args.quantization_calibration,
+            aliases,
+        )
 
         block_size = args.block_size
         chunked = args.enable_chunked_prefill and not encoder  # an encoder attends over whole sequences
         batched = args.max_num_batched_tokens or (2048 if chunked else max(2048, max_model_len))
         if not chunked and batched < max_model_len:
-            raise ValueError(f"without chunked prefill{' (an encoder)' if encoder else ''}, max_num_batched_tokens "
-                             f"must be >= max_model_len")
+            raise ValueError(
+                f"without chunked prefill{' (an encoder)' if encoder else ''}, max_num_batched_tokens "
+                f"must be >= max_model_len"
+            )
         # The window every layer slides, as the model will read it from the config (None: some layer
         # reads every key): what one request's blocks are capped by.
         window = kv_window([LayerAttention(sliding_window=w) for w in sliding_windows(hf_config, max_model_len)])
         # An encoder keeps no K/V: its blocks only count tokens, all freed after each step.
-        num_blocks = -(-batched // block_size) + args.max_num_seqs + 1 if encoder else self._num_kv_blocks(
-            args, model_config, batched if chunked else max_model_len, window)
+        num_blocks = (
+            -(-batched // block_size) + args.max_num_seqs + 1
+            if encoder
+            else self._num_kv_blocks(args, model_config, batched if chunked else max_model_len, window)
+        )
         self.config = EngineConfig(
             model=model_config,
             cache=CacheConfig(block_size, num_blocks, args.enable_prefix_caching),
-            scheduler=SchedulerConfig(args.max_num_seqs, batched, max_model_len, chunked,
-                                      policy=args.scheduling_policy, itl_target_ms=args.itl_target_ms or 0.0),
+            scheduler=SchedulerConfig(
+                args.max_num_seqs,
+                batched,
+                max_model_len,
+                chunked,
+                policy=args.scheduling_policy,
+                itl_target_ms=args.itl_target_ms or 0.0,
+            ),
             seed=args.seed,
             watermark=WatermarkConfig(args.watermark_gamma, args.watermark_delta),
             parallel=ParallelConfig(tp, args.num_threads),
@@ -140,8 +165,9 @@ class LLMEngine:
         self.core = EngineCore(self.config)
         self.lora = None  # the adapters by name (lora/registry.py), with --enable-lora
         if self.config.lora is not None:
-            self.lora = LoRARegistry(self.config.lora, linear_shapes(self.core.runner.model), hf_config.num_hidden_layers,
-                                     dtype, name)
+            self.lora = LoRARegistry(
+                self.config.lora, linear_shapes(self.core.runner.model), hf_config.num_hidden_layers, dtype, name
+            )
         num_blocks = self.config.cache.num_blocks
         self.output_processor = OutputProcessor(self.tokenizer.backend_tokenizer)
         self.eos_token_ids = _eos_ids(path, self.tokenizer, hf_config)
@@ -149,21 +175,30 @@ class LLMEngine:
         self._ids = itertools.count()
         usable_tokens = (num_blocks - 1) * block_size
         if pooler is not None:
-            logger.info("embeddings (--task embed): %s pooling (%s), %snormalized", pooler.pooling_type, pooler.source,
-                        "" if pooler.normalize else "not ")
+            logger.info(
+                "embeddings (--task embed): %s pooling (%s), %snormalized",
+                pooler.pooling_type,
+                pooler.source,
+                "" if pooler.normalize else "not ",
+            )
         if encoder:
             logger.info("encoder: no KV cache")
         else:
             logger.info(
                 "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s); max concurrency at max_model_len %d: "
-                "%.2fx; prefix caching %s", num_blocks - 1, block_size, usable_tokens,
+                "%.2fx; prefix caching %s",
+                num_blocks - 1,
+                block_size,
+                usable_tokens,
                 num_blocks * block_size * model_config.kv_bytes_per_token() / 2**30,
-                dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype, max_model_len,
+                dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
+                max_model_len,
                 (num_blocks - 1) / self.core.kv.max_blocks_held(max_model_len, self._step_tokens(max_model_len)),
                 "on" if args.enable_prefix_caching else "off",
             )
-        logger.info("engine ready in %.1fs: %s, %s, max_model_len %d", time.perf_counter() - t0, name, dtype,
-                    max_model_len)
+        logger.info(
+            "engine ready in %.1fs: %s, %s, max_model_len %d", time.perf_counter() - t0, name, dtype, max_model_len
+        )
 
     def _step_tokens(self, num_tokens: int) -> int:
         """The most of a request's num_tokens tokens one step computes: the step's token budget with
@@ -203,10 +238,17 @@ class LLMEngine:
         return cls(EngineArgs(model=model, **kwargs))
 
     # ---- requests ---------------------------------------------------------------------
-    def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                     request_id: str | None = None, parent_id: str | None = None,
-                     lora_request: LoRARequest | None = None, *,
-                     priority: int = 0, cache_salt: str | None = None) -> Request:
+    def make_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        parent_id: str | None = None,
+        lora_request: LoRARequest | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> Request:
         """Validate and tokenize; raises ValueError naming the problem (lora.adapter.LoRAError for
         an adapter that cannot be served: unknown, unreadable, or not for this model). `priority`:
         with the priority scheduling policy, lower runs first; `cache_salt`: the request shares
@@ -217,8 +259,9 @@ class LLMEngine:
         adapter = self._adapter(lora_request)
         params = (params or SamplingParams()).clone()
         if params.num_samples > 1:
-            raise ValueError("n > 1 or best_of > 1 makes one request per sample: use make_requests "
-                             "(LLM.generate and the server do)")
+            raise ValueError(
+                "n > 1 or best_of > 1 makes one request per sample: use make_requests (LLM.generate and the server do)"
+            )
         cfg = self.config
         text, ids = self._prompt_ids(prompt)
         vocab = cfg.model.vocab_size
@@ -243,14 +286,25 @@ class LLMEngine:
                 f"KV cache holds {kv.num_usable_blocks} blocks; lower max_tokens or raise --kv-cache-memory"
             )
         rid = request_id if request_id is not None else str(next(self._ids))
-        req = Request(rid, ids, params, eos_token_ids=self.eos_token_ids, prompt=text,
-                      bad_words_token_ids=self._bad_words_ids(params.bad_words or []), parent_id=parent_id, lora=adapter,
-                      priority=priority, cache_salt=cache_salt)
+        req = Request(
+            rid,
+            ids,
+            params,
+            eos_token_ids=self.eos_token_ids,
+            prompt=text,
+            bad_words_token_ids=self._bad_words_ids(params.bad_words or []),
+            parent_id=parent_id,
+            lora=adapter,
+            priority=priority,
+            cache_salt=cache_salt,
+        )
         if params.guided_decoding is not None:
             req.matcher = self.structured_output.matcher_for(params.guided_decoding)
             if params.min_tokens and self.structured_output.allows_only_eos(req.matcher):
-                raise ValueError(f"min_tokens ({params.min_tokens}) cannot be met: the guided decoding "
-                                 f"constraint only accepts an empty output")
+                raise ValueError(
+                    f"min_tokens ({params.min_tokens}) cannot be met: the guided decoding "
+                    f"constraint only accepts an empty output"
+                )
         return req
 
     def _prompt_ids(self, prompt: str | list[int], truncate: int | None = None) -> tuple[str | None, list[int]]:
@@ -269,13 +323,15 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
         return text, ids
 
-    def make_pooling_request(self, prompt: str | list[int], params: PoolingParams | None = None,
-                             request_id: str | None = None) -> Request:
+    def make_pooling_request(
+        self, prompt: str | list[int], params: PoolingParams | None = None, request_id: str | None = None
+    ) -> Request:
         """A pooling (embedding) request, validated: --task embed engines only; the prompt fits
         max_model_len (all of it runs; no output token) unless params.truncate_prompt_tokens."""
         if self.task != "embed":
-            raise ValueError(f"{self.config.model.name} runs generation: embeddings need an embedding model or "
-                             f"--task embed")
+            raise ValueError(
+                f"{self.config.model.name} runs generation: embeddings need an embedding model or --task embed"
+            )
         params = params or PoolingParams()
         model = self.config.model
         assert model.pooler is not None  # the embed task's
@@ -286,28 +342,35 @@ class LLMEngine:
             raise ValueError(f"truncate_prompt_tokens {truncate} is over the model's maximum context length {max_len}")
         text, ids = self._prompt_ids(prompt, truncate)
         if len(ids) > max_len:
-            raise ValueError(f"This model's maximum context length is {max_len} tokens. However, you requested "
-                             f"{len(ids)} tokens in the input for embedding generation. Please reduce the length of "
-                             f"the input.")
+            raise ValueError(
+                f"This model's maximum context length is {max_len} tokens. However, you requested "
+                f"{len(ids)} tokens in the input for embedding generation. Please reduce the length of "
+                f"the input."
+            )
         if self.core.kv.max_blocks_held(len(ids), self._step_tokens(len(ids))) > self.core.kv.num_usable_blocks:
-            raise ValueError(f"the input has {len(ids)} tokens, more than the KV cache holds "
-                             f"({self.core.kv.num_usable_blocks} blocks); raise --kv-cache-memory")
+            raise ValueError(
+                f"the input has {len(ids)} tokens, more than the KV cache holds "
+                f"({self.core.kv.num_usable_blocks} blocks); raise --kv-cache-memory"
+            )
         rid = request_id if request_id is not None else str(next(self._ids))
         return Request(rid, ids, SamplingParams(max_tokens=1), prompt=text, pooling_params=params)
 
     def check_priority(self, priority: int) -> None:
         """vLLM's rule: a priority other than 0 needs the priority scheduling policy."""
         if priority != 0 and self.config.scheduler.policy != "priority":
-            raise ValueError(f"priority {priority} given, but priority scheduling is not enabled "
-                             f"(--scheduling-policy priority)")
+            raise ValueError(
+                f"priority {priority} given, but priority scheduling is not enabled (--scheduling-policy priority)"
+            )
 
     def _adapter(self, lora_request: LoRARequest | None) -> LoRAAdapter | None:
         """The loaded adapter of a LoRARequest (None: the base model)."""
         if lora_request is None:
             return None
         if self.lora is None:
-            raise LoRAError(f"LoRA adapter {lora_request.lora_name!r} requested, but LoRA is off: start the engine "
-                            f"with enable_lora=True (--enable-lora)")
+            raise LoRAError(
+                f"LoRA adapter {lora_request.lora_name!r} requested, but LoRA is off: start the engine "
+                f"with enable_lora=True (--enable-lora)"
+            )
         return self.lora.get(lora_request)
 
     def encode(self, text: str, add_special_tokens: bool = True, what: str = "prompt") -> list[int]:
@@ -316,8 +379,9 @@ class LLMEngine:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise ValueError(f"{what} is not valid Unicode text: a lone surrogate {text[e.start]!r} at "
-                             f"character {e.start}") from None
+            raise ValueError(
+                f"{what} is not valid Unicode text: a lone surrogate {text[e.start]!r} at character {e.start}"
+            ) from None
         ids: list[int] = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return ids
 
@@ -331,22 +395,34 @@ class LLMEngine:
                     seqs.append(ids)
         return seqs
 
-    def add_request(self, request_id: str | None, prompt: str | list[int],
-                    params: SamplingParams | None = None, parent_id: str | None = None,
-                    lora_request: LoRARequest | None = None) -> str:
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        parent_id: str | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> str:
         return self.enqueue(self.make_request(prompt, params, request_id, parent_id, lora_request))
 
-    def make_requests(self, prompt: str | list[int], params: SamplingParams | None = None,
-                      request_id: str | None = None, lora_request: LoRARequest | None = None,
-                      priority: int = 0) -> list[Request]:
+    def make_requests(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
+        priority: int = 0,
+    ) -> list[Request]:
         """One request per sample: `request_id` itself when n == 1 (and no best_of), else
         `{request_id}-{i}` children sharing it as parent."""
         params = params or SamplingParams()
         if params.num_samples == 1:
             return [self.make_request(prompt, params, request_id, lora_request=lora_request, priority=priority)]
         parent = request_id if request_id is not None else f"p{next(self._ids)}"
-        return [self.make_request(prompt, child, f"{parent}-{i}", parent, lora_request, priority=priority)
-                for i, child in enumerate(params.children())]
+        return [
+            self.make_request(prompt, child, f"{parent}-{i}", parent, lora_request, priority=priority)
+            for i, child in enumerate(params.children())
+        ]
 
     def enqueue(self, req: Request) -> str:
         """Queue a request already built (and validated) by make_request."""
@@ -384,17 +460,20 @@ class LLMEngine:
         return outputs
 
     # ---- chat -------------------------------------------------------------------------
-    def render_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                             **kw: Any) -> str:
+    def render_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kw: Any
+    ) -> str:
         """The prompt text the chat template makes of messages."""
         if not kw.get("chat_template") and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template")
-        text: str = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                       tokenize=False, **kw)
+        text: str = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kw
+        )
         return text
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            **kw: Any) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kw: Any
+    ) -> list[int]:
         """Token ids of the rendered chat (the template writes the special tokens itself)."""
         text = self.render_chat_template(messages, add_generation_prompt, **kw)
         return self.encode(text, add_special_tokens=False, what="the rendered chat")
@@ -409,8 +488,14 @@ def _lora_config(args: EngineArgs) -> LoRAConfig | None:
     if args.tensor_parallel_size > 1:
         raise ValueError("--enable-lora with --tensor-parallel-size > 1 is not supported yet")
 
-    return LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras, parse_lora_modules(args.lora_modules),
-                      args.allow_runtime_lora_updating, args.lora_path_allowlist)
+    return LoRAConfig(
+        args.max_loras,
+        args.max_lora_rank,
+        args.max_cpu_loras,
+        parse_lora_modules(args.lora_modules),
+        args.allow_runtime_lora_updating,
+        args.lora_path_allowlist,
+    )
 
 
 def _eos_ids(path: str, tokenizer: Any, hf_config: PretrainedConfig) -> frozenset[int]:

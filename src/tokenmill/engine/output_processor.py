@@ -30,7 +30,9 @@ class RequestState:
     cumulative_logprob: float | None = None
     sent_tokens: int = 0
     num_tokens: int = 0  # output tokens taken (a step's tokens after a stop string are not)
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # converted once, when every prompt position is scored
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+        None  # converted once, when every prompt position is scored
+    )
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
 
@@ -48,7 +50,9 @@ class OutputProcessor:
             return
         p = req.sampling_params
         detok = IncrementalDetokenizer(
-            self.tokenizer, req.prompt_token_ids, p.skip_special_tokens,
+            self.tokenizer,
+            req.prompt_token_ids,
+            p.skip_special_tokens,
             cast("list[str]", p.stop),  # a list after SamplingParams.__post_init__
             p.include_stop_str_in_output,
         )
@@ -108,8 +112,14 @@ class OutputProcessor:
         req = state.request
         state.metrics.finished_time = time.monotonic()
         del self.states[req.request_id]
-        return PoolingRequestOutput(req.request_id, PoolingOutput(req.pooled_data if pooled else None),
-                                    req.prompt_token_ids, True, req.prompt, state.metrics)
+        return PoolingRequestOutput(
+            req.request_id,
+            PoolingOutput(req.pooled_data if pooled else None),
+            req.prompt_token_ids,
+            True,
+            req.prompt,
+            state.metrics,
+        )
 
     def _make_output(self, state: RequestState, finished: bool, status: RequestStatus | None = None) -> RequestOutput:
         req = state.request
@@ -138,10 +148,17 @@ class OutputProcessor:
             scored = [x for x in req.prompt_logprobs if x is not None]
             if len(scored) == len(req.prompt_logprobs):  # every position
                 state.prompt_logprobs = [None]
-                state.prompt_logprobs += [self._logprob_dict(t, lp) for t, lp in
-                                          zip(req.prompt_token_ids[1:], scored)]
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], finished, state.metrics,
-                             req.num_cached_tokens, state.prompt_logprobs)
+                state.prompt_logprobs += [self._logprob_dict(t, lp) for t, lp in zip(req.prompt_token_ids[1:], scored)]
+        return RequestOutput(
+            req.request_id,
+            req.prompt,
+            req.prompt_token_ids,
+            [comp],
+            finished,
+            state.metrics,
+            req.num_cached_tokens,
+            state.prompt_logprobs,
+        )
 
     def _logprob_dict(self, token_id: int, lp: SampleLogprobs) -> dict[int, Logprob]:
         d = {token_id: Logprob(lp.token_logprob, lp.rank, self._text(token_id))}

@@ -107,8 +107,9 @@ class Scheduler:
                 stopped = True
                 break
             n = 1 + len(spec)
-            out.scheduled.append(ScheduledRequest(req, n, self.kv.block_ids(req.request_id), spec,
-                                                  probs if spec else None))
+            out.scheduled.append(
+                ScheduledRequest(req, n, self.kv.block_ids(req.request_id), spec, probs if spec else None)
+            )
             scheduled_ids.add(req.request_id)
             budget -= n
         out.num_decode_rows = len(out.scheduled)
@@ -131,8 +132,9 @@ class Scheduler:
         # 2. Waiting requests in queue order (FCFS, or by priority); never admit while a preemption
         # happened this step.
         w = 0
-        while (w < len(self.waiting) and prompt_budget > 0 and len(self.running) < cfg.max_num_seqs
-               and not out.preempted):
+        while (
+            w < len(self.waiting) and prompt_budget > 0 and len(self.running) < cfg.max_num_seqs and not out.preempted
+        ):
             req = self.waiting[w]
             if not self._lora_fits(req, loras):
                 w += 1  # FCFS among the requests this step's adapters allow
@@ -194,8 +196,9 @@ class Scheduler:
         full blocks and recomputes only the last, partial one."""
         if req.parent_id is None or not self.kv.enable_prefix_caching or req.prompt_logprobs is not None:
             return False
-        return any(r.parent_id == req.parent_id and r.num_computed_tokens < r.num_prompt_tokens - 1
-                   for r in self.running)
+        return any(
+            r.parent_id == req.parent_id and r.num_computed_tokens < r.num_prompt_tokens - 1 for r in self.running
+        )
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

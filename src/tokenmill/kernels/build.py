@@ -49,10 +49,26 @@ MODULE_PREFIX = "_C_"
 BUILD_INFO = "build_info.json"
 PCH_HEADER = "torch_lite.h"  # what every kernel unit includes first: precompiled once per level
 # Compile order before any timing is known: the slowest units first, so that two jobs finish together.
-_HEAVY_FIRST = ("paged_attention.cpp", "paged_rows.cpp", "paged_prefill.cpp", "quant_panels.cpp", "quant_linear.cpp", "w8a8.cpp",
-                "decode_step.cpp", "panel_linear.cpp", "sampling.cpp")
-COMMON_FLAGS = ("-O3", "-fopenmp", "-ffast-math", "-mprefer-vector-width=512", "-fPIC", "-std=c++20",
-                "-fvisibility=hidden")
+_HEAVY_FIRST = (
+    "paged_attention.cpp",
+    "paged_rows.cpp",
+    "paged_prefill.cpp",
+    "quant_panels.cpp",
+    "quant_linear.cpp",
+    "w8a8.cpp",
+    "decode_step.cpp",
+    "panel_linear.cpp",
+    "sampling.cpp",
+)
+COMMON_FLAGS = (
+    "-O3",
+    "-fopenmp",
+    "-ffast-math",
+    "-mprefer-vector-width=512",
+    "-fPIC",
+    "-std=c++20",
+    "-fvisibility=hidden",
+)
 
 Log = Callable[[str], None]
 
@@ -85,6 +101,7 @@ def _included_text(path: Path, seen: set[Path] | None = None) -> str:
 def effective_level(unit_text: str, level: isa.IsaLevel, levels: tuple[isa.IsaLevel, ...]) -> isa.IsaLevel:
     """The lowest level whose object of this unit equals `level`'s: same vector width and the same
     answer to every ISA macro the unit tests."""
+
     def signature(upto: int) -> tuple[int, frozenset[str]]:
         tested = frozenset(m for lv in levels[: upto + 1] for m in lv.macros if re.search(rf"\b{m}\b", unit_text))
         return levels[upto].vector_width, tested
@@ -130,8 +147,9 @@ def build_torch() -> dict:
     requirement into its isolated environment: build_backend/) the build environment's."""
     info = target_torch() or _probe(clean=False)
     if info is None:
-        raise RuntimeError("the CPU kernels compile against torch, which is not installed: "
-                           "pip install torch==2.13.0 first")
+        raise RuntimeError(
+            "the CPU kernels compile against torch, which is not installed: pip install torch==2.13.0 first"
+        )
     return info
 
 
@@ -153,14 +171,21 @@ class Toolchain:
         except (OSError, subprocess.CalledProcessError) as e:
             raise RuntimeError(f"no C++ compiler ({' '.join(cxx)}: {e})") from None
         t = build_torch()
-        return Toolchain(cxx, out.splitlines()[0] if out else "?", t["version"], t["include_dirs"], t["lib"],
-                         t["cxx11_abi"], t["where"])
+        return Toolchain(
+            cxx,
+            out.splitlines()[0] if out else "?",
+            t["version"],
+            t["include_dirs"],
+            t["lib"],
+            t["cxx11_abi"],
+            t["where"],
+        )
 
 
 @dataclass
 class Job:
     source: Path
-    level: str              # the level whose flags compile it ("" for bindings: no ISA flags)
+    level: str  # the level whose flags compile it ("" for bindings: no ISA flags)
     flags: list[str]
     obj: Path
     seconds: float = 0.0
@@ -193,8 +218,9 @@ def plan(levels: list[str], tc: Toolchain, work: Path) -> tuple[list[Job], dict[
         return jobs[key]
 
     generic = isa.levels()[0].compile_flags
-    bindings = job(CSRC / BINDINGS, "", base + list(generic) + ["-DTORCH_EXTENSION_NAME=_C",
-                                                                "-DTORCH_API_INCLUDE_EXTENSION_H"])
+    bindings = job(
+        CSRC / BINDINGS, "", base + list(generic) + ["-DTORCH_EXTENSION_NAME=_C", "-DTORCH_API_INCLUDE_EXTENSION_H"]
+    )
     texts = {u: _included_text(u) for u in kernel_units()}
     links: dict[str, list[Job]] = {}
     for name in levels:
@@ -202,8 +228,11 @@ def plan(levels: list[str], tc: Toolchain, work: Path) -> tuple[list[Job], dict[
         objs = []
         for unit, text in texts.items():
             eff = effective_level(text, lv, all_levels)
-            j = job(unit, eff.name, base + list(eff.compile_flags) + ["-include", str(pch_header(work, eff.name)),
-                                                                      "-Winvalid-pch"])
+            j = job(
+                unit,
+                eff.name,
+                base + list(eff.compile_flags) + ["-include", str(pch_header(work, eff.name)), "-Winvalid-pch"],
+            )
             objs.append(j)
         init = job(CSRC / MODULE_INIT, name, base + list(generic) + [f"-DTM_ISA_LEVEL={name}"])
         links[name] = [*objs, init, bindings]  # bindings last: the kernel units' copies of shared inlines win
@@ -224,10 +253,11 @@ def _precompile(tc: Toolchain, work: Path, unit_job: Job) -> float:
     header.write_bytes((CSRC / PCH_HEADER).read_bytes())
     flags = [f for f in unit_job.flags if f != "-Winvalid-pch"]
     cut = flags.index("-include")
-    flags = flags[:cut] + flags[cut + 2:]
+    flags = flags[:cut] + flags[cut + 2 :]
     t0 = time.perf_counter()
-    r = subprocess.run([*tc.cxx, *flags, "-x", "c++-header", str(header), "-o", str(header) + ".gch"],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [*tc.cxx, *flags, "-x", "c++-header", str(header), "-o", str(header) + ".gch"], capture_output=True, text=True
+    )
     if r.returncode != 0:  # not fatal: the units read the header itself
         Path(str(header) + ".gch").unlink(missing_ok=True)
     return time.perf_counter() - t0
@@ -242,6 +272,7 @@ def _order(jobs: list[Job], timings: dict[str, float]) -> list[Job]:
             return 1e6
         rank = _HEAVY_FIRST.index(j.source.name) if j.source.name in _HEAVY_FIRST else len(_HEAVY_FIRST)
         return 1e5 - rank * 100 + len(isa.level(j.level).macros if j.level else ())
+
     return sorted(jobs, key=cost, reverse=True)
 
 
@@ -260,8 +291,20 @@ def _compile(tc: Toolchain, j: Job) -> None:
 def _link(tc: Toolchain, objs: list[Job], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
-    cmd = [*tc.cxx, "-shared", *[str(j.obj) for j in objs], "-o", str(tmp), f"-L{tc.torch_lib}", "-lc10",
-           "-ltorch_cpu", "-ltorch", "-ltorch_python", "-fopenmp", "-Wl,-O1"]
+    cmd = [
+        *tc.cxx,
+        "-shared",
+        *[str(j.obj) for j in objs],
+        "-o",
+        str(tmp),
+        f"-L{tc.torch_lib}",
+        "-lc10",
+        "-ltorch_cpu",
+        "-ltorch",
+        "-ltorch_python",
+        "-fopenmp",
+        "-Wl,-O1",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         tmp.unlink(missing_ok=True)
@@ -273,8 +316,9 @@ def default_jobs() -> int:
     return max(1, int(os.environ.get("MAX_JOBS") or 0) or os.cpu_count() or 1)
 
 
-def build(out_dir: Path, levels: list[str] | None = None, work: Path | None = None, jobs: int | None = None,
-          log: Log = print) -> dict[str, Path]:
+def build(
+    out_dir: Path, levels: list[str] | None = None, work: Path | None = None, jobs: int | None = None, log: Log = print
+) -> dict[str, Path]:
     """Compiles and links the modules of `levels` (default: every level of this architecture) into
     out_dir; returns {level: module path}. Raises RuntimeError with the compiler's message."""
     t_start = time.perf_counter()
@@ -289,9 +333,11 @@ def build(out_dir: Path, levels: list[str] | None = None, work: Path | None = No
         timings = {}
     fresh = [j for j in todo if not j.obj.exists()]
     jobs = jobs or default_jobs()
-    log(f"compiling the CPU kernels for {len(levels)} ISA level(s) ({', '.join(levels)}): {len(fresh)} of "
+    log(
+        f"compiling the CPU kernels for {len(levels)} ISA level(s) ({', '.join(levels)}): {len(fresh)} of "
         f"{len(todo)} units to compile ({len(todo) - len(fresh)} already compiled in {work}), {jobs} at a time, "
-        f"with {tc.version}, against torch {tc.torch_version} ({Path(tc.torch_where).parent})")
+        f"with {tc.version}, against torch {tc.torch_version} ({Path(tc.torch_where).parent})"
+    )
     width = len(str(len(fresh)))
     done = 0
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
@@ -315,9 +361,14 @@ def build(out_dir: Path, levels: list[str] | None = None, work: Path | None = No
     for name in levels:
         built[name] = out_dir / module_file(name)
         _link(tc, links[name], built[name])
-    info = {"torch": tc.torch_version, "python": sys.version.split()[0], "compiler": tc.version, "levels": levels,
-            "sources": sources_digest(),
-            "objects": {name: sorted(f"{j.source.name}:{j.level or 'any'}" for j in links[name]) for name in levels}}
+    info = {
+        "torch": tc.torch_version,
+        "python": sys.version.split()[0],
+        "compiler": tc.version,
+        "levels": levels,
+        "sources": sources_digest(),
+        "objects": {name: sorted(f"{j.source.name}:{j.level or 'any'}" for j in links[name]) for name in levels},
+    }
     (out_dir / BUILD_INFO).write_text(json.dumps(info, indent=1) + "\n")
     try:
         timings_file.write_text(json.dumps(timings, indent=0, sort_keys=True) + "\n")
@@ -325,8 +376,10 @@ def build(out_dir: Path, levels: list[str] | None = None, work: Path | None = No
         pass
     _prune(work, todo)
     shutil.rmtree(work / "pch", ignore_errors=True)  # ~160 MB a level; the objects are what is kept
-    log(f"compiled the CPU kernels in {time.perf_counter() - t_start:.0f} s: {', '.join(module_file(n) for n in levels)} "
-        f"in {out_dir}")
+    log(
+        f"compiled the CPU kernels in {time.perf_counter() - t_start:.0f} s: {', '.join(module_file(n) for n in levels)} "
+        f"in {out_dir}"
+    )
     return built
 
 

@@ -40,8 +40,9 @@ class KernelModule(Protocol):
     typed here, any other through __getattr__."""
 
     def argmax_rows(self, logits: torch.Tensor, /) -> torch.Tensor: ...
-    def top_k_top_p(self, logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-                    /) -> torch.Tensor: ...
+    def top_k_top_p(
+        self, logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, /
+    ) -> torch.Tensor: ...
     def __getattr__(self, name: str) -> Any: ...
 
 
@@ -57,7 +58,8 @@ PACKAGE = "tokenmill.kernels"
 def _kernels():
     """tokenmill.kernels' build and isa modules, imported when first needed rather than with the
     package (`python -m tokenmill.kernels.isa` runs isa as __main__ after importing tokenmill)."""
-    from tokenmill.kernels import build, isa  # lazy: see above
+    # lazy: see above
+    from tokenmill.kernels import build, isa
 
     return build, isa
 
@@ -85,7 +87,7 @@ def build_error() -> str | None:
 
 
 def origin() -> str | None:
-    """"package" when the loaded kernels came with the package, else the cache folder they were built in."""
+    """ "package" when the loaded kernels came with the package, else the cache folder they were built in."""
     return _origin
 
 
@@ -98,18 +100,23 @@ def _packaged(level):
     name = f"{PACKAGE}.{kernel_build.MODULE_PREFIX}{level.name}"
     spec = importlib.util.find_spec(name)
     if spec is None or spec.origin is None:
-        logger.warning("no prebuilt CPU kernels for %s (%s) in this installation (%s)", level.name, level.cpus,
-                       "built with TOKENMILL_SKIP_KERNEL_BUILD or other TOKENMILL_KERNEL_LEVELS, or a source tree "
-                       "never installed")
+        logger.warning(
+            "no prebuilt CPU kernels for %s (%s) in this installation (%s)",
+            level.name,
+            level.cpus,
+            "built with TOKENMILL_SKIP_KERNEL_BUILD or other TOKENMILL_KERNEL_LEVELS, or a source tree never installed",
+        )
         return None
     info = kernel_build.read_build_info(Path(spec.origin).parent) or {}
     if info.get("torch") != torch.__version__:
-        logger.warning("the package's CPU kernels were built against torch %s, and this is torch %s",
-                       info.get("torch", "(unknown)"), torch.__version__)
+        logger.warning(
+            "the package's CPU kernels were built against torch %s, and this is torch %s",
+            info.get("torch", "(unknown)"),
+            torch.__version__,
+        )
         return None
     if info.get("sources") != kernel_build.sources_digest():  # an editable install, its csrc edited since
-        logger.warning("the package's CPU kernels were built from other sources than %s holds now",
-                       kernel_build.CSRC)
+        logger.warning("the package's CPU kernels were built from other sources than %s holds now", kernel_build.CSRC)
         return None
     module = importlib.import_module(name)
     _origin = "package"
@@ -140,9 +147,12 @@ def _build(level):
         _acquire(guard, folder)  # one builder per environment; freed if it dies
         path = folder / kernel_build.module_file(level.name)
         if not path.exists():
-            logger.warning("compiling the CPU kernels for %s into %s (first use with this environment: the "
-                           "package has none built for it); `tokenmill build-kernels` does it ahead", level.name,
-                           folder)
+            logger.warning(
+                "compiling the CPU kernels for %s into %s (first use with this environment: the "
+                "package has none built for it); `tokenmill build-kernels` does it ahead",
+                level.name,
+                folder,
+            )
             t0 = time.perf_counter()
             _load_ext(folder, level.name)
             logger.warning("compiled the CPU kernels in %.0f s", time.perf_counter() - t0)

@@ -151,8 +151,14 @@ def apply_cpu_limit() -> int:
 
     n, have = available_cpus(), torch.get_num_threads()
     if n < have:
-        logger.info("using %d CPU threads, not %d: the CPU quota / affinity allows %d (%s); %s",
-                    n, have, n, describe(), openmp_wait_policy())
+        logger.info(
+            "using %d CPU threads, not %d: the CPU quota / affinity allows %d (%s); %s",
+            n,
+            have,
+            n,
+            describe(),
+            openmp_wait_policy(),
+        )
         torch.set_num_threads(n)
         return n
     logger.info("using %d CPU threads (%s); %s", have, describe(), openmp_wait_policy())
@@ -191,8 +197,9 @@ def openmp_wait_defaults(environ=None, quota_below_cpus=cpu_quota_below_cpus):
     if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env or _libgomp_loaded():
         yield None
         return
-    key, value = ("OMP_WAIT_POLICY", "passive") if quota_below_cpus() else ("GOMP_SPINCOUNT",
-                                                                           str(DEFAULT_GOMP_SPINCOUNT))
+    key, value = (
+        ("OMP_WAIT_POLICY", "passive") if quota_below_cpus() else ("GOMP_SPINCOUNT", str(DEFAULT_GOMP_SPINCOUNT))
+    )
     env[key] = value
     try:
         yield f"{key}={value}"
@@ -208,10 +215,14 @@ def openmp_wait_policy() -> str:
     if _omp_default_applied == "OMP_WAIT_POLICY=passive":
         return "OMP_WAIT_POLICY=passive (tokenmill's default under a CPU quota)"
     if _omp_default_applied:
-        return (f"{_omp_default_applied} (tokenmill's default; on a host shared with busy processes "
-                "OMP_WAIT_POLICY=passive is up to 2x faster)")
-    return ("libgomp's default spin (torch was loaded before tokenmill: set OMP_WAIT_POLICY=passive before it "
-            "on a shared machine)")
+        return (
+            f"{_omp_default_applied} (tokenmill's default; on a host shared with busy processes "
+            "OMP_WAIT_POLICY=passive is up to 2x faster)"
+        )
+    return (
+        "libgomp's default spin (torch was loaded before tokenmill: set OMP_WAIT_POLICY=passive before it "
+        "on a shared machine)"
+    )
 
 
 def barrier_spin_ns() -> int:

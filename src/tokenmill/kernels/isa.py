@@ -20,7 +20,8 @@ def _load_envs():
     """tokenmill.envs; by path when this module was loaded by path (setup.py, the build backend:
     the package is not importable then). envs.py imports nothing from tokenmill."""
     if __name__.startswith("tokenmill."):
-        from tokenmill import envs as module  # lazy: loaded by path (setup.py), tokenmill is not importable
+        # lazy: loaded by path (setup.py), tokenmill is not importable
+        from tokenmill import envs as module
 
         return module
     name = "tokenmill_envs"
@@ -58,25 +59,74 @@ _V3 = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "
 _V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 
 X86_LEVELS: tuple[IsaLevel, ...] = (
-    IsaLevel("generic", ("-march=x86-64", "-mtune=generic"), frozenset(), frozenset({"__SSE__", "__SSE2__"}), 128,
-             "any x86-64", "default", "SSE41"),
-    IsaLevel("avx2", ("-march=x86-64-v3", "-mtune=generic"), _V3,
-             frozenset({"__AVX__", "__AVX2__", "__FMA__", "__F16C__", "__BMI__", "__BMI2__"}), 256,
-             "AVX2 + FMA (Intel Haswell and later, AMD Zen 1-3)", "avx2", "AVX2"),
-    IsaLevel("avx512", ("-march=x86-64-v4", "-mtune=generic"), _V4,
-             frozenset({"__AVX512F__", "__AVX512BW__", "__AVX512CD__", "__AVX512DQ__", "__AVX512VL__"}), 512,
-             "AVX-512 (Intel Skylake-SP)", "avx512", "AVX512_CORE"),
-    IsaLevel("avx512_vnni", ("-march=x86-64-v4", "-mtune=generic", "-mavx512vnni"), _V4 | {"avx512_vnni"},
-             frozenset({"__AVX512VNNI__"}), 512, "AVX-512 VNNI (Intel Cascade Lake, Ice Lake)", "avx512",
-             "AVX512_CORE_VNNI"),
-    IsaLevel("avx512_bf16", ("-march=x86-64-v4", "-mtune=generic", "-mavx512vnni", "-mavx512bf16"),
-             _V4 | {"avx512_vnni", "avx512_bf16"}, frozenset({"__AVX512BF16__"}), 512,
-             "AVX-512 BF16 (AMD Zen 4 and 5, Intel Cooper Lake)", "avx512", "AVX512_CORE_BF16"),
-    IsaLevel("amx", ("-march=x86-64-v4", "-mtune=generic", "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-bf16",
-                     "-mamx-int8"),
-             _V4 | {"avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"},
-             frozenset({"__AMX_TILE__", "__AMX_BF16__", "__AMX_INT8__"}), 512,
-             "AMX (Intel Sapphire Rapids and later)", "avx512", "AVX512_CORE_AMX"),
+    IsaLevel(
+        "generic",
+        ("-march=x86-64", "-mtune=generic"),
+        frozenset(),
+        frozenset({"__SSE__", "__SSE2__"}),
+        128,
+        "any x86-64",
+        "default",
+        "SSE41",
+    ),
+    IsaLevel(
+        "avx2",
+        ("-march=x86-64-v3", "-mtune=generic"),
+        _V3,
+        frozenset({"__AVX__", "__AVX2__", "__FMA__", "__F16C__", "__BMI__", "__BMI2__"}),
+        256,
+        "AVX2 + FMA (Intel Haswell and later, AMD Zen 1-3)",
+        "avx2",
+        "AVX2",
+    ),
+    IsaLevel(
+        "avx512",
+        ("-march=x86-64-v4", "-mtune=generic"),
+        _V4,
+        frozenset({"__AVX512F__", "__AVX512BW__", "__AVX512CD__", "__AVX512DQ__", "__AVX512VL__"}),
+        512,
+        "AVX-512 (Intel Skylake-SP)",
+        "avx512",
+        "AVX512_CORE",
+    ),
+    IsaLevel(
+        "avx512_vnni",
+        ("-march=x86-64-v4", "-mtune=generic", "-mavx512vnni"),
+        _V4 | {"avx512_vnni"},
+        frozenset({"__AVX512VNNI__"}),
+        512,
+        "AVX-512 VNNI (Intel Cascade Lake, Ice Lake)",
+        "avx512",
+        "AVX512_CORE_VNNI",
+    ),
+    IsaLevel(
+        "avx512_bf16",
+        ("-march=x86-64-v4", "-mtune=generic", "-mavx512vnni", "-mavx512bf16"),
+        _V4 | {"avx512_vnni", "avx512_bf16"},
+        frozenset({"__AVX512BF16__"}),
+        512,
+        "AVX-512 BF16 (AMD Zen 4 and 5, Intel Cooper Lake)",
+        "avx512",
+        "AVX512_CORE_BF16",
+    ),
+    IsaLevel(
+        "amx",
+        (
+            "-march=x86-64-v4",
+            "-mtune=generic",
+            "-mavx512vnni",
+            "-mavx512bf16",
+            "-mamx-tile",
+            "-mamx-bf16",
+            "-mamx-int8",
+        ),
+        _V4 | {"avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"},
+        frozenset({"__AMX_TILE__", "__AMX_BF16__", "__AMX_INT8__"}),
+        512,
+        "AMX (Intel Sapphire Rapids and later)",
+        "avx512",
+        "AVX512_CORE_AMX",
+    ),
 )
 # Elsewhere (aarch64, ...): one level, the compiler's default target (the portable code paths).
 OTHER_LEVELS: tuple[IsaLevel, ...] = (IsaLevel("generic", (), cpus="any"),)
@@ -153,10 +203,15 @@ def env_for(name: str) -> dict[str, str]:
 def _main(argv: list[str]) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m tokenmill.kernels.isa",
-                                description="The CPU kernels' ISA levels this machine runs, lowest first.")
-    p.add_argument("--env", metavar="LEVEL", help="print the environment that computes as a LEVEL CPU does "
-                                                  "(for `env $(...) pytest ...`)")
+    p = argparse.ArgumentParser(
+        prog="python -m tokenmill.kernels.isa",
+        description="The CPU kernels' ISA levels this machine runs, lowest first.",
+    )
+    p.add_argument(
+        "--env",
+        metavar="LEVEL",
+        help="print the environment that computes as a LEVEL CPU does (for `env $(...) pytest ...`)",
+    )
     ns = p.parse_args(argv)
     if ns.env:
         print(" ".join(f"{k}={v}" for k, v in env_for(ns.env).items()))

@@ -48,8 +48,9 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return huge_page_buffer(max(nbytes, 1))[:nbytes].view(dtype).view(shape)
 
 
-def populate_in_background(t: torch.Tensor, chunk: int = 32 * HUGE_PAGE,
-                           what: str = "KV cache") -> threading.Thread | None:
+def populate_in_background(
+    t: torch.Tensor, chunk: int = 32 * HUGE_PAGE, what: str = "KV cache"
+) -> threading.Thread | None:
     """Fault in the pages of t (a huge_page_empty tensor) from a nice-19 thread, chunk by chunk,
     so that the steps do not: the KV cache is written where its blocks land, and its first pass
     through the pool faulted in the steps' own threads (~1 s a GiB on a VM; 10% of a W8A8 prompt
@@ -85,12 +86,16 @@ def populate_in_background(t: torch.Tensor, chunk: int = 32 * HUGE_PAGE,
                 failed = madvise(start + off, min(chunk, nbytes - off), MADV_POPULATE_WRITE) != 0
             if failed:
                 if not stop.is_set():  # (else t went during the call) a kernel without MADV_POPULATE_WRITE
-                    logger.info("%s: background thread stopped (madvise: %s); pages fault in on first write",
-                                what, os.strerror(ctypes.get_errno()))
+                    logger.info(
+                        "%s: background thread stopped (madvise: %s); pages fault in on first write",
+                        what,
+                        os.strerror(ctypes.get_errno()),
+                    )
                 return
         # (benchmarks/compare/run.py waits for this line before it measures a tokenmill server)
-        logger.info("%s: %.2f GiB faulted in by a background thread in %.1f s", what, nbytes / 2**30,
-                    time.perf_counter() - t0)
+        logger.info(
+            "%s: %.2f GiB faulted in by a background thread in %.1f s", what, nbytes / 2**30, time.perf_counter() - t0
+        )
 
     # Runs where t is freed, or at interpreter exit (atexit: before daemon threads are cut off).
     weakref.finalize(t, _stop_populating, lock, stop)

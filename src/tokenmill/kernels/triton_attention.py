@@ -48,11 +48,37 @@ def _softcap(s, softcap):
 
 
 @triton.jit
-def _attend_tiles(acc, m_i, l_i, q, row_lo, row_limit, kv_lo, kv_hi, bt_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, kv_head,
-                  stride_kslot, stride_khead, stride_vslot, stride_vhead, stride_sslot, stride_shead,
-                  qk_scale, softcap, head_dim, block_size,
-                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, INT8: tl.constexpr, PRECISION: tl.constexpr,
-                  SOFTCAP: tl.constexpr):
+def _attend_tiles(
+    acc,
+    m_i,
+    l_i,
+    q,
+    row_lo,
+    row_limit,
+    kv_lo,
+    kv_hi,
+    bt_ptr,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    kv_head,
+    stride_kslot,
+    stride_khead,
+    stride_vslot,
+    stride_vhead,
+    stride_sslot,
+    stride_shead,
+    qk_scale,
+    softcap,
+    head_dim,
+    block_size,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    INT8: tl.constexpr,
+    PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):
     """Online softmax of q [M, HEAD_DIM] over keys kv_lo..kv_hi-1; row r sees keys row_lo[r] ..
     row_limit[r]. qk_scale: the scale times log2(e), or (SOFTCAP) the scale alone."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -65,10 +91,12 @@ def _attend_tiles(acc, m_i, l_i, q, row_lo, row_limit, kv_lo, kv_hi, bt_ptr, k_p
         block_id = tl.load(bt_ptr + pos // block_size, mask=n_mask, other=0)
         slot = block_id * block_size + pos % block_size
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + slot[:, None] * stride_kslot + kv_head * stride_khead + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + slot[:, None] * stride_vslot + kv_head * stride_vhead + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
+        k = tl.load(
+            k_ptr + slot[:, None] * stride_kslot + kv_head * stride_khead + offs_d[None, :], mask=kv_mask, other=0.0
+        )
+        v = tl.load(
+            v_ptr + slot[:, None] * stride_vslot + kv_head * stride_vhead + offs_d[None, :], mask=kv_mask, other=0.0
+        )
         # The dots run in q's dtype: int8 values are exact in bf16 / fp32 (their per-key scales go on
         # the scores and on P), and the interpreter's q is float32 (see DOT_F32).
         k = k.to(q.dtype)
@@ -97,13 +125,44 @@ def _attend_tiles(acc, m_i, l_i, q, row_lo, row_limit, kv_lo, kv_hi, bt_ptr, k_p
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_ptr, stats_ptr,
-                   stride_qb, stride_qh, stride_kslot, stride_khead, stride_vslot, stride_vhead,
-                   stride_sslot, stride_shead, stride_bt, stride_ob, stride_oh,
-                   qk_scale, softcap, window, head_dim, block_size, num_heads,
-                   GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, INT8: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
-                   SOFTCAP: tl.constexpr):
+def _decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_ptr,
+    stats_ptr,
+    stride_qb,
+    stride_qh,
+    stride_kslot,
+    stride_khead,
+    stride_vslot,
+    stride_vhead,
+    stride_sslot,
+    stride_shead,
+    stride_bt,
+    stride_ob,
+    stride_oh,
+    qk_scale,
+    softcap,
+    window,
+    head_dim,
+    block_size,
+    num_heads,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    INT8: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -127,15 +186,45 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr, ou
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     row_limit = tl.where(h_mask, seq_len - 1, -1)  # padding rows of the head group see nothing
     row_lo = tl.zeros([BLOCK_H], dtype=tl.int32) + win_lo
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, row_lo, row_limit, kv_lo, kv_hi, bt_ptr + b * stride_bt, k_ptr,
-                                  v_ptr, ks_ptr, vs_ptr, kv_head, stride_kslot, stride_khead, stride_vslot,
-                                  stride_vhead, stride_sslot, stride_shead, qk_scale, softcap, head_dim, block_size,
-                                  BLOCK_N, HEAD_DIM, INT8, PRECISION, SOFTCAP)
+    acc, m_i, l_i = _attend_tiles(
+        acc,
+        m_i,
+        l_i,
+        q,
+        row_lo,
+        row_limit,
+        kv_lo,
+        kv_hi,
+        bt_ptr + b * stride_bt,
+        k_ptr,
+        v_ptr,
+        ks_ptr,
+        vs_ptr,
+        kv_head,
+        stride_kslot,
+        stride_khead,
+        stride_vslot,
+        stride_vhead,
+        stride_sslot,
+        stride_shead,
+        qk_scale,
+        softcap,
+        head_dim,
+        block_size,
+        BLOCK_N,
+        HEAD_DIM,
+        INT8,
+        PRECISION,
+        SOFTCAP,
+    )
     if NUM_SPLITS == 1:
         # seq_len 0 (a padded batch row) gives zeros, not 0 / 0.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=qd_mask)
+        tl.store(
+            out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=qd_mask,
+        )
     else:
         # part: [B, H, NUM_SPLITS, HEAD_DIM] unnormalized; stats: [B, H, NUM_SPLITS, 2] (max, sum), float32.
         row = (b * num_heads + heads) * NUM_SPLITS + split
@@ -145,8 +234,17 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr, ou
 
 
 @triton.jit
-def _merge_kernel(part_ptr, stats_ptr, out_ptr, stride_ob, stride_oh, head_dim, num_heads,
-                  NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _merge_kernel(
+    part_ptr,
+    stats_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    head_dim,
+    num_heads,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, NUM_SPLITS)
@@ -164,13 +262,42 @@ def _merge_kernel(part_ptr, stats_ptr, out_ptr, stride_ob, stride_oh, head_dim, 
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, q_start_ptr, seq_lens_ptr, out_ptr,
-                    stride_qt, stride_qh, stride_kslot, stride_khead, stride_vslot, stride_vhead,
-                    stride_sslot, stride_shead, stride_bt, stride_ot, stride_oh,
-                    qk_scale, softcap, window, head_dim, block_size,
-                    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, INT8: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
-                    SOFTCAP: tl.constexpr):
+def _prefill_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    bt_ptr,
+    q_start_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kslot,
+    stride_khead,
+    stride_vslot,
+    stride_vhead,
+    stride_sslot,
+    stride_shead,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    qk_scale,
+    softcap,
+    window,
+    head_dim,
+    block_size,
+    GROUP: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    INT8: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):
     req = tl.program_id(0)
     q_block = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -200,17 +327,49 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, q_start_ptr, se
     # With a window, token i sees keys from context_len + i - window + 1: none before the tile's first token's.
     row_lo = context_len + tok - window + 1
     kv_lo = tl.maximum(context_len + q_block * BLOCK_Q - window + 1, 0)
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, row_lo, row_limit, kv_lo, kv_hi, bt_ptr + req * stride_bt, k_ptr,
-                                  v_ptr, ks_ptr, vs_ptr, kv_head, stride_kslot, stride_khead, stride_vslot,
-                                  stride_vhead, stride_sslot, stride_shead, qk_scale, softcap, head_dim, block_size,
-                                  BLOCK_N, HEAD_DIM, INT8, PRECISION, SOFTCAP)
+    acc, m_i, l_i = _attend_tiles(
+        acc,
+        m_i,
+        l_i,
+        q,
+        row_lo,
+        row_limit,
+        kv_lo,
+        kv_hi,
+        bt_ptr + req * stride_bt,
+        k_ptr,
+        v_ptr,
+        ks_ptr,
+        vs_ptr,
+        kv_head,
+        stride_kslot,
+        stride_khead,
+        stride_vslot,
+        stride_vhead,
+        stride_sslot,
+        stride_shead,
+        qk_scale,
+        softcap,
+        head_dim,
+        block_size,
+        BLOCK_N,
+        HEAD_DIM,
+        INT8,
+        PRECISION,
+        SOFTCAP,
+    )
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_off = (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=qd_mask)
 
 
-def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
-           v_scale: torch.Tensor | None) -> tuple[int, bool, str]:
+def _check(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> tuple[int, bool, str]:
     """Validate shapes; returns (query heads per kv head, scaled cache, dot precision). INT8 in the
     kernels means a cache with per-(slot, kv head) scales: int8 or float8 e4m3, loaded and converted
     to q's dtype (exact: both fit in bf16)."""
@@ -256,10 +415,22 @@ def _scores(scale: float, softcap: float) -> tuple[float, float, bool]:
     return (scale, float(softcap), True) if softcap else (scale * LOG2E, 0.0, False)
 
 
-def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, block_size: int, scale: float, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None, *, num_splits: int | None = None,
-                 block_n: int = 32, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    *,
+    num_splits: int | None = None,
+    block_n: int = 32,
+    window: int = 0,
+    softcap: float = 0.0,
+) -> torch.Tensor:
     """q [B, H, D], one token per request -> [B, H, D]. seq_lens [B]: keys per request, the new one included.
 
     num_splits: key-sequence splits per request (None: from the block table's width, so no host
@@ -286,24 +457,68 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     else:
         part = stats = out  # not written
     _decode_kernel[(B, Hkv, num_splits)](
-        q, k_cache, v_cache, ks, vs, block_tables, seq_lens, out, part, stats,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        s0, s1, block_tables.stride(0), out.stride(0), out.stride(1),
-        qk_scale, cap, _window(window), D, block_size, H,
-        GROUP=group, BLOCK_H=_pow2(group, 16), BLOCK_N=block_n, HEAD_DIM=head_dim_p,
-        NUM_SPLITS=num_splits, INT8=int8, PRECISION=precision, DOT_F32=_interpreted(q), SOFTCAP=capped,
+        q,
+        k_cache,
+        v_cache,
+        ks,
+        vs,
+        block_tables,
+        seq_lens,
+        out,
+        part,
+        stats,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        s0,
+        s1,
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        qk_scale,
+        cap,
+        _window(window),
+        D,
+        block_size,
+        H,
+        GROUP=group,
+        BLOCK_H=_pow2(group, 16),
+        BLOCK_N=block_n,
+        HEAD_DIM=head_dim_p,
+        NUM_SPLITS=num_splits,
+        INT8=int8,
+        PRECISION=precision,
+        DOT_F32=_interpreted(q),
+        SOFTCAP=capped,
     )
     if num_splits > 1:
-        _merge_kernel[(B, H)](part, stats, out, out.stride(0), out.stride(1), D, H,
-                              NUM_SPLITS=num_splits, HEAD_DIM=head_dim_p)
+        _merge_kernel[(B, H)](
+            part, stats, out, out.stride(0), out.stride(1), D, H, NUM_SPLITS=num_splits, HEAD_DIM=head_dim_p
+        )
     return out
 
 
-def paged_prefill_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                         max_query_len: int, block_size: int, scale: float, k_scale: torch.Tensor | None = None,
-                         v_scale: torch.Tensor | None = None, *, block_m: int = 64,
-                         block_n: int = 32, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+def paged_prefill_varlen(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_query_len: int,
+    block_size: int,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    *,
+    block_m: int = 64,
+    block_n: int = 32,
+    window: int = 0,
+    softcap: float = 0.0,
+) -> torch.Tensor:
     """Several requests' chunks at once: q [T, H, D] flat, request i's rows at
     query_start_loc[i]:query_start_loc[i+1]; seq_lens [B] its keys (cached context + chunk);
     block_tables [B, max_blocks]; max_query_len sizes the grid. Causal within each request
@@ -320,23 +535,61 @@ def paged_prefill_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     block_q = block_m // group
     grid = (B, triton.cdiv(max_query_len, block_q), k_cache.shape[1])
     _prefill_kernel[grid](
-        q, k_cache, v_cache, ks, vs, block_tables, query_start_loc, seq_lens, out,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        s0, s1, block_tables.stride(0), out.stride(0), out.stride(1),
-        qk_scale, cap, _window(window), D, block_size,
-        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=_pow2(D, 16),
-        INT8=int8, PRECISION=precision, DOT_F32=_interpreted(q), SOFTCAP=capped,
+        q,
+        k_cache,
+        v_cache,
+        ks,
+        vs,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        out,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        s0,
+        s1,
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        qk_scale,
+        cap,
+        _window(window),
+        D,
+        block_size,
+        GROUP=group,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        HEAD_DIM=_pow2(D, 16),
+        INT8=int8,
+        PRECISION=precision,
+        DOT_F32=_interpreted(q),
+        SOFTCAP=capped,
     )
     return out
 
 
-def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                  context_len: int, block_size: int, scale: float, k_scale: torch.Tensor | None = None,
-                  v_scale: torch.Tensor | None = None, **tiles) -> torch.Tensor:
+def paged_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_len: int,
+    block_size: int,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    **tiles,
+) -> torch.Tensor:
     """One request's chunk: q [n, H, D] at positions context_len..context_len+n-1, its K/V already
     in the cache; block_table [num_blocks] covers all context_len + n keys. Returns [n, H, D]."""
     n = q.shape[0]
     loc = torch.tensor([0, n], dtype=torch.int32, device=q.device)
     seq_lens = torch.tensor([context_len + n], dtype=torch.int32, device=q.device)
-    return paged_prefill_varlen(q, k_cache, v_cache, loc, seq_lens, block_table.view(1, -1), n, block_size, scale,
-                                k_scale, v_scale, **tiles)
+    return paged_prefill_varlen(
+        q, k_cache, v_cache, loc, seq_lens, block_table.view(1, -1), n, block_size, scale, k_scale, v_scale, **tiles
+    )

@@ -146,8 +146,10 @@ def _check_config(cfg: dict, path: str) -> None:
     if not isinstance(peft_type, str) or peft_type.upper() != "LORA":
         raise LoRAError(f"{path}: peft_type {_short(peft_type)} is not LoRA")
     if cfg.get("modules_to_save"):
-        raise LoRAError(f"{path}: modules_to_save ({_short(cfg['modules_to_save'])}) is not supported: the adapter "
-                        f"replaces whole modules, which cannot be batched with other adapters")
+        raise LoRAError(
+            f"{path}: modules_to_save ({_short(cfg['modules_to_save'])}) is not supported: the adapter "
+            f"replaces whole modules, which cannot be batched with other adapters"
+        )
     if cfg.get("use_dora"):
         raise LoRAError(f"{path}: DoRA adapters (use_dora) are not supported")
     if cfg.get("bias", "none") not in (None, "none"):
@@ -159,8 +161,9 @@ def _check_config(cfg: dict, path: str) -> None:
     if patterns is None:
         return
     if not isinstance(patterns, dict):
-        raise LoRAError(f"{path}: alpha_pattern must be an object of module-name patterns to numbers, "
-                        f"got {_short(patterns)}")
+        raise LoRAError(
+            f"{path}: alpha_pattern must be an object of module-name patterns to numbers, got {_short(patterns)}"
+        )
     for pattern, value in patterns.items():
         try:
             re.compile(_alpha_regex(pattern))
@@ -203,23 +206,42 @@ def _read_tensors(path: str) -> dict[str, torch.Tensor]:
     raise LoRAError(f"{path!r} has no adapter_model.safetensors (or adapter_model.bin)")
 
 
-def load_adapter(name: str, uid: int, path: str, shapes: dict[str, LinearShape], num_layers: int,
-                 max_rank: int, dtype: torch.dtype, base_model_name: str | None = None) -> LoRAAdapter:
+def load_adapter(
+    name: str,
+    uid: int,
+    path: str,
+    shapes: dict[str, LinearShape],
+    num_layers: int,
+    max_rank: int,
+    dtype: torch.dtype,
+    base_model_name: str | None = None,
+) -> LoRAAdapter:
     """Reads and checks an adapter folder for a base model of these linear shapes; LoRAError if it cannot serve."""
     cfg = read_adapter_config(path)
     _check_config(cfg, path)
     declared = cfg.get("base_model_name_or_path")
-    if base_model_name and declared and os.path.basename(str(declared).rstrip("/")) != os.path.basename(
-            base_model_name.rstrip("/")):
-        logger.warning("LoRA adapter %r was trained on %r; serving it on %r (its shapes fit)", name, declared,
-                       base_model_name)
+    if (
+        base_model_name
+        and declared
+        and os.path.basename(str(declared).rstrip("/")) != os.path.basename(base_model_name.rstrip("/"))
+    ):
+        logger.warning(
+            "LoRA adapter %r was trained on %r; serving it on %r (its shapes fit)", name, declared, base_model_name
+        )
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, t in _read_tensors(path).items():
         m = _KEY.match(key)
         if m is None:
-            what = ("an embedding adapter" if "lora_embedding" in key or "embed_tokens" in key else
-                    "an LM-head adapter" if "lm_head" in key else "a tensor this engine cannot apply")
-            raise LoRAError(f"{path}: {key!r} is {what}: only q/k/v/o_proj and gate/up/down_proj adapters are supported")
+            what = (
+                "an embedding adapter"
+                if "lora_embedding" in key or "embed_tokens" in key
+                else "an LM-head adapter"
+                if "lm_head" in key
+                else "a tensor this engine cannot apply"
+            )
+            raise LoRAError(
+                f"{path}: {key!r} is {what}: only q/k/v/o_proj and gate/up/down_proj adapters are supported"
+            )
         layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
         if module not in _SLICE_OF and module not in LINEARS:
             raise LoRAError(f"{path}: {key!r}: module {module!r} is not one of {sorted(_SLICE_OF)}")
@@ -240,7 +262,8 @@ def load_adapter(name: str, uid: int, path: str, shapes: dict[str, LinearShape],
         if a.dim() != 2 or b.dim() != 2 or a.shape[1] != shape.in_features or b.shape != (out, a.shape[0]):
             raise LoRAError(
                 f"{path}: layer {layer} {module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the base "
-                f"model ({module} is {shape.in_features} -> {out}): an adapter for another base model?")
+                f"model ({module} is {shape.in_features} -> {out}): an adapter for another base model?"
+            )
         r = a.shape[0]
         if r == 0:  # PEFT never writes one; its scaling would divide by zero
             raise LoRAError(f"{path}: layer {layer} {module}: rank 0 (lora_A has no rows)")

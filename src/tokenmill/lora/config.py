@@ -63,8 +63,10 @@ def parse_lora_modules(specs: list[str | dict] | None) -> list[LoRARequest]:
         if isinstance(spec, dict):
             unknown = set(spec) - {"name", "path", "base_model_name"}
             if unknown or "name" not in spec or "path" not in spec:
-                raise ValueError(f"--lora-modules {json.dumps(spec)}: give \"name\" and \"path\" "
-                                 f"(and optionally \"base_model_name\"); unknown: {sorted(unknown)}")
+                raise ValueError(
+                    f'--lora-modules {json.dumps(spec)}: give "name" and "path" '
+                    f'(and optionally "base_model_name"); unknown: {sorted(unknown)}'
+                )
             out.append(LoRARequest(spec["name"], i, spec["path"], spec.get("base_model_name")))
         else:
             name, sep, path = str(spec).partition("=")

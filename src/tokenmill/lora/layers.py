@@ -93,8 +93,11 @@ def unadaptable_module(model: nn.Module) -> str | None:
             parent = getattr(layer, sub, None)
             module = getattr(parent, name, None)
             if not isinstance(module, nn.Linear):
-                return (f"layers.{i}.{sub} ({type(parent).__name__}) has no {name} linear" if module is None
-                        else f"layers.{i}.{sub}.{name} is a {type(module).__name__}, not a linear")
+                return (
+                    f"layers.{i}.{sub} ({type(parent).__name__}) has no {name} linear"
+                    if module is None
+                    else f"layers.{i}.{sub}.{name} is a {type(module).__name__}, not a linear"
+                )
     return None
 
 
@@ -122,7 +125,9 @@ class LoRASlots:
                     torch.zeros(max_loras, max_rank, shape.out_features, dtype=dtype, device=device),
                     torch.zeros(max_loras, n, dtype=torch.int32, device=device),
                     torch.tensor(shape.bounds, dtype=torch.int64, device=device),
-                    torch.zeros(max_loras, n, dtype=torch.int32), shape.bounds)
+                    torch.zeros(max_loras, n, dtype=torch.int32),
+                    shape.bounds,
+                )
                 self.weights[(l, name)] = w
                 setattr(parent, name, LoRALinear(getattr(parent, name), self, w))
         # Bound again with the slots in: their delta's kernel, and the MLPs' gate/up projections now
@@ -134,15 +139,18 @@ class LoRASlots:
         self.row_slots: torch.Tensor | None = None  # the running step's (set by the runner)
         self._groups: tuple[torch.Tensor, list] | None = None  # (row_slots, its groups), made on first use
         nbytes = sum(w.A.nbytes + w.Bt.nbytes for w in self.weights.values())
-        logger.info("LoRA: %d slots of rank <= %d in %d linears (%.1f MB)", max_loras, max_rank, len(self.weights),
-                    nbytes / 1e6)
+        logger.info(
+            "LoRA: %d slots of rank <= %d in %d linears (%.1f MB)", max_loras, max_rank, len(self.weights), nbytes / 1e6
+        )
 
     def groups(self) -> list[tuple[int, torch.Tensor]]:
         """The step's (slot, row indices on the device) for the torch path, made once per step."""
         rows = self.row_slots
         if self._groups is None or self._groups[0] is not rows:
             host = rows.cpu()
-            found = [(s, (host == s).nonzero().squeeze(1).to(rows.device)) for s in torch.unique(host).tolist() if s >= 0]
+            found = [
+                (s, (host == s).nonzero().squeeze(1).to(rows.device)) for s in torch.unique(host).tolist() if s >= 0
+            ]
             self._groups = (rows, found)
         return self._groups[1]
 
@@ -163,8 +171,11 @@ class LoRASlots:
         for uid, adapter in wanted.items():
             if uid not in slot_of:
                 free = [i for i, u in enumerate(self.holds) if u is None]
-                slot = free[0] if free else min((i for i, u in enumerate(self.holds) if u not in wanted),
-                                                key=self._last_used.__getitem__)
+                slot = (
+                    free[0]
+                    if free
+                    else min((i for i, u in enumerate(self.holds) if u not in wanted), key=self._last_used.__getitem__)
+                )
                 self._load(slot, adapter)
                 slot_of[uid] = slot
         rows: list[int] = []

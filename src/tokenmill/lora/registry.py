@@ -26,8 +26,14 @@ logger = logging.getLogger("tokenmill")
 
 
 class LoRARegistry:
-    def __init__(self, config: LoRAConfig, shapes: dict[str, LinearShape], num_layers: int, dtype: torch.dtype,
-                 base_model_name: str):
+    def __init__(
+        self,
+        config: LoRAConfig,
+        shapes: dict[str, LinearShape],
+        num_layers: int,
+        dtype: torch.dtype,
+        base_model_name: str,
+    ):
         self.config = config
         self._shapes, self._num_layers, self._dtype, self._base = shapes, num_layers, dtype, base_model_name
         self._lock = threading.Lock()
@@ -57,8 +63,14 @@ class LoRARegistry:
                 raise LoRAError(f"a LoRA adapter named {req.lora_name!r} is already loaded")
             self._known[req.lora_name] = (req, adapter.uid)
             self._keep(adapter)
-        logger.info("LoRA adapter %r loaded from %s: rank %d, %d linears, %.1f MB", req.lora_name, req.lora_path,
-                    adapter.rank, len(adapter.weights), adapter.nbytes / 1e6)
+        logger.info(
+            "LoRA adapter %r loaded from %s: rank %d, %d linears, %.1f MB",
+            req.lora_name,
+            req.lora_path,
+            adapter.rank,
+            len(adapter.weights),
+            adapter.nbytes / 1e6,
+        )
         return adapter
 
     def remove(self, name: str) -> bool:
@@ -75,8 +87,9 @@ class LoRARegistry:
             if entry is not None:
                 known, uid = entry
                 if req.lora_path and known.lora_path and req.lora_path != known.lora_path:
-                    raise LoRAError(f"LoRA adapter {req.lora_name!r} is loaded from {known.lora_path!r}, "
-                                    f"not {req.lora_path!r}")
+                    raise LoRAError(
+                        f"LoRA adapter {req.lora_name!r} is loaded from {known.lora_path!r}, not {req.lora_path!r}"
+                    )
                 adapter = self._loaded.get(req.lora_name)
                 if adapter is not None:
                     self._loaded.move_to_end(req.lora_name)
@@ -99,10 +112,20 @@ class LoRARegistry:
         if allowlist is not None:
             path = path_allowed(path, allowlist)
             if path is None:  # one message whether or not it exists: the disk outside stays unseen
-                raise LoRAError(f"LoRA adapter path {req.lora_path!r} is outside the folders adapters may be "
-                                f"loaded from (--lora-path-allowlist)")
-        return load_adapter(req.lora_name, uid, path, self._shapes, self._num_layers,
-                            self.config.max_lora_rank, self._dtype, req.base_model_name or self._base)
+                raise LoRAError(
+                    f"LoRA adapter path {req.lora_path!r} is outside the folders adapters may be "
+                    f"loaded from (--lora-path-allowlist)"
+                )
+        return load_adapter(
+            req.lora_name,
+            uid,
+            path,
+            self._shapes,
+            self._num_layers,
+            self.config.max_lora_rank,
+            self._dtype,
+            req.base_model_name or self._base,
+        )
 
     def _keep(self, adapter: LoRAAdapter) -> None:
         self._loaded[adapter.name] = adapter

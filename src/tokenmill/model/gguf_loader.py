@@ -74,8 +74,10 @@ def _phi3_config(g: _Gguf, m: dict[str, Any], p: str) -> dict[str, Any]:
     """Phi-3's partial rotary (rope.dimension_count of head_dim), sliding window (0: none) and
     LongRoPE: llama.cpp keeps the factors as tensors and the attention factor as metadata."""
     head_dim = int(m.get(p + "attention.key_length", m[p + "embedding_length"] // m[p + "attention.head_count"]))
-    out: dict[str, Any] = {"sliding_window": int(m.get(p + "attention.sliding_window", 0)) or None,
-                           "partial_rotary_factor": int(m.get(p + "rope.dimension_count", head_dim)) / head_dim}
+    out: dict[str, Any] = {
+        "sliding_window": int(m.get(p + "attention.sliding_window", 0)) or None,
+        "partial_rotary_factor": int(m.get(p + "rope.dimension_count", head_dim)) / head_dim,
+    }
     orig = m.get(p + "rope.scaling.original_context_length")
     if orig:
         out["original_max_position_embeddings"] = int(orig)
@@ -109,33 +111,51 @@ _QWEN_MOE_TENSORS = {
 def _experts(g: _Gguf, m: dict[str, Any], p: str) -> dict[str, Any]:
     """The Qwen-MoE config fields: expert counts and sizes, which layers are dense."""
     layers = int(m[p + "block_count"])
-    return {"num_experts": int(m[p + "expert_count"]), "num_experts_per_tok": int(m[p + "expert_used_count"]),
-            "moe_intermediate_size": int(m[p + "expert_feed_forward_length"]), "decoder_sparse_step": 1,
-            "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in g.tensors]}
+    return {
+        "num_experts": int(m[p + "expert_count"]),
+        "num_experts_per_tok": int(m[p + "expert_used_count"]),
+        "moe_intermediate_size": int(m[p + "expert_feed_forward_length"]),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in g.tensors],
+    }
 
 
 def _llama_config(g: _Gguf, m: dict[str, Any], p: str) -> dict[str, Any]:
     """Llama, or Mixtral: llama.cpp writes Mixtral as "llama" with experts."""
     if not int(m.get(p + "expert_count", 0)):
         return _has_qkv_bias(g, m, p)
-    return {**_has_qkv_bias(g, m, p), "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
-            "num_local_experts": int(m[p + "expert_count"]), "num_experts_per_tok": int(m[p + "expert_used_count"])}
+    return {
+        **_has_qkv_bias(g, m, p),
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "num_local_experts": int(m[p + "expert_count"]),
+        "num_experts_per_tok": int(m[p + "expert_used_count"]),
+    }
 
 
 def _qwen2moe_config(g: _Gguf, m: dict[str, Any], p: str) -> dict[str, Any]:
-    return {**_experts(g, m, p), "model_type": "qwen2_moe", "norm_topk_prob": False,
-            "qkv_bias": "blk.0.attn_q.bias" in g.tensors,
-            "shared_expert_intermediate_size": int(m.get(p + "expert_shared_feed_forward_length", 0))}
+    return {
+        **_experts(g, m, p),
+        "model_type": "qwen2_moe",
+        "norm_topk_prob": False,
+        "qkv_bias": "blk.0.attn_q.bias" in g.tensors,
+        "shared_expert_intermediate_size": int(m.get(p + "expert_shared_feed_forward_length", 0)),
+    }
 
 
 def _qwen3moe_config(g: _Gguf, m: dict[str, Any], p: str) -> dict[str, Any]:
-    return {**_experts(g, m, p), "model_type": "qwen3_moe", "norm_topk_prob": True,
-            "attention_bias": "blk.0.attn_q.bias" in g.tensors}
+    return {
+        **_experts(g, m, p),
+        "model_type": "qwen3_moe",
+        "norm_topk_prob": True,
+        "attention_bias": "blk.0.attn_q.bias" in g.tensors,
+    }
 
 
 @dataclass(frozen=True)
 class GgufArch:
     """How one llama.cpp architecture (general.architecture) becomes a Hugging Face folder."""
+
     hf_arch: str  # config.json's architectures[0]
     permute_qk: bool = False  # undo convert_hf_to_gguf.py's Q/K permutation (llama.cpp's non-NEOX rope)
     tensors: dict[str, str] = field(default_factory=dict)  # llama.cpp tensor -> HF module, beyond _TENSOR_NAMES
@@ -184,18 +204,32 @@ _GEMMA_TENSORS = {
 
 # Keyed by llama.cpp's architecture name; a family adds its entry here.
 ARCHS: dict[str, GgufArch] = {
-    "llama": GgufArch("LlamaForCausalLM", permute_qk=True, tensors=_MIXTRAL_TENSORS,  # also Mistral 7B, Mixtral
-                      config=_llama_config),
-    "mistral": GgufArch("MistralForCausalLM", permute_qk=True, config=lambda g, m, p: {
-        **_has_qkv_bias(g, m, p), "sliding_window": m.get(p + "attention.sliding_window")}),
+    "llama": GgufArch(
+        "LlamaForCausalLM",
+        permute_qk=True,
+        tensors=_MIXTRAL_TENSORS,  # also Mistral 7B, Mixtral
+        config=_llama_config,
+    ),
+    "mistral": GgufArch(
+        "MistralForCausalLM",
+        permute_qk=True,
+        config=lambda g, m, p: {**_has_qkv_bias(g, m, p), "sliding_window": m.get(p + "attention.sliding_window")},
+    ),
     "qwen2": GgufArch("Qwen2ForCausalLM"),  # NEOX-style rope in llama.cpp; q/k/v biases always
-    "qwen3": GgufArch("Qwen3ForCausalLM", config=_has_qkv_bias,
-                      tensors={"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}),
-    "phi3": GgufArch("Phi3ForCausalLM", tensors={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
-                     config=_phi3_config),
+    "qwen3": GgufArch(
+        "Qwen3ForCausalLM",
+        config=_has_qkv_bias,
+        tensors={"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+    ),
+    "phi3": GgufArch(
+        "Phi3ForCausalLM", tensors={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}, config=_phi3_config
+    ),
     "qwen2moe": GgufArch("Qwen2MoeForCausalLM", tensors=_QWEN_MOE_TENSORS, config=_qwen2moe_config),
-    "qwen3moe": GgufArch("Qwen3MoeForCausalLM", tensors={**_QWEN_MOE_TENSORS, "attn_q_norm": "self_attn.q_norm",
-                                                          "attn_k_norm": "self_attn.k_norm"}, config=_qwen3moe_config),
+    "qwen3moe": GgufArch(
+        "Qwen3MoeForCausalLM",
+        tensors={**_QWEN_MOE_TENSORS, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+        config=_qwen3moe_config,
+    ),
     "gemma2": GgufArch("Gemma2ForCausalLM", tensors=_GEMMA_TENSORS, config=_gemma_config, dense=_gemma_norms),
     "gemma3": GgufArch("Gemma3ForCausalLM", tensors=_GEMMA_TENSORS, config=_gemma_config, dense=_gemma_norms),
 }
@@ -256,6 +290,7 @@ def served_name(gguf_path: str) -> str:
 
 class _Gguf:
     """Metadata, tensor table and mmap'd raw tensor bytes of a GGUF v2/v3 file."""
+
     _FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
     def __init__(self, path: str) -> None:
@@ -347,7 +382,8 @@ class _Gguf:
         block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
         row_bytes = shape[1] // block * type_size
         return qtype, np.frombuffer(self.buf, np.uint8, shape[0] * row_bytes, self.data_start + offset).reshape(
-            shape[0], row_bytes)
+            shape[0], row_bytes
+        )
 
     def tensor(self, name: str) -> np.ndarray:
         """The tensor dequantized to float32, in torch layout (out_features, in_features)."""
@@ -359,7 +395,6 @@ class _Gguf:
         raw = np.frombuffer(self.buf, np.uint8, math.prod(shape[:-1]) * row_bytes, self.data_start + offset)
         out = gguf.quants.dequantize(raw.reshape(*shape[:-1], row_bytes), gguf.GGMLQuantizationType(qtype))
         return np.ascontiguousarray(out, dtype=np.float32).reshape(shape)
-
 
 
 _Q4_0, _Q4_1, _Q8_0, _Q4_K = 2, 3, 8, 12  # ggml type ids
@@ -378,8 +413,11 @@ def dequantize_rows(raw: Any, qtype: int) -> Any:
 
 def _log_dequantized(summary: str | None) -> None:
     if summary:
-        logger.info("GGUF tensors dequantized (our kernels run only Q4_0 / Q4_1 / Q8_0 blocks, and Q4_K's "
-                    "as int4 groups under --quantization gguf): %s", summary)
+        logger.info(
+            "GGUF tensors dequantized (our kernels run only Q4_0 / Q4_1 / Q8_0 blocks, and Q4_K's "
+            "as int4 groups under --quantization gguf): %s",
+            summary,
+        )
 
 
 def _dequantized_summary(names: dict[str, list[str]]) -> str:
@@ -490,7 +528,11 @@ def _rope_from_meta(m: dict[str, Any], arch: str) -> dict[str, Any] | None:
         return {"rope_type": "linear", "factor": factor}
     if kind == "yarn":
         ctx = m.get(f"{arch}.rope.scaling.original_context_length")
-        return {"rope_type": "yarn", "factor": factor, **({"original_max_position_embeddings": int(ctx)} if ctx else {})}
+        return {
+            "rope_type": "yarn",
+            "factor": factor,
+            **({"original_max_position_embeddings": int(ctx)} if ctx else {}),
+        }
     raise ValueError(f"rope scaling type {kind!r} in GGUF metadata is not supported")
 
 
@@ -570,7 +612,9 @@ def _tokenizer(m: dict[str, Any], tok_ids: dict[str, int]) -> Any:
         norm = [normalizers.Prepend("\u2581")] if prefix else []
         tok.normalizer = normalizers.Sequence([*norm, normalizers.Replace(" ", "\u2581")])
         strip = [decoders.Strip(" ", 1, 0)] if prefix else []
-        tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
+        tok.decoder = decoders.Sequence(
+            [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), *strip]
+        )
         post = []
     else:
         raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (supported: 'gpt2', 'llama')")
@@ -584,10 +628,11 @@ def _tokenizer(m: dict[str, Any], tok_ids: dict[str, int]) -> Any:
     if bos or eos:
         b, e = (tokens[tok_ids["bos"]] + " ") if bos else "", (" " + tokens[tok_ids["eos"]]) if eos else ""
         specials = [(tokens[tok_ids[k]], tok_ids[k]) for k, on in (("bos", bos), ("eos", eos)) if on]
-        post.append(processors.TemplateProcessing(single=f"{b}$A{e}", pair=f"{b}$A{e} {b}$B{e}", special_tokens=specials))
+        post.append(
+            processors.TemplateProcessing(single=f"{b}$A{e}", pair=f"{b}$A{e} {b}$B{e}", special_tokens=specials)
+        )
     tok.post_processor = processors.Sequence(post) if len(post) > 1 else (post[0] if post else None)
     return tok
-
 
 
 def _convert(gguf_path: str, out: Path, dense_dtype: str = "float32") -> str:
@@ -595,7 +640,6 @@ def _convert(gguf_path: str, out: Path, dense_dtype: str = "float32") -> str:
     import gguf
     import torch
     from safetensors.torch import save_file
-
 
     g = _Gguf(gguf_path)
     m = g.meta
@@ -623,10 +667,10 @@ def _convert(gguf_path: str, out: Path, dense_dtype: str = "float32") -> str:
             hf = f"{hf_names[parts[0]]}.{parts[1]}"
         else:
             raise ValueError(f"unexpected tensor {name!r} in {arch} GGUF")
-        fix = (lambda w: w)
+        fix = lambda w: w
         if permute and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k"):
             n_head = heads if parts[2] == "attn_q" else (kv_heads or heads)
-            fix = (lambda w: _unpermute(w, n_head))  # noqa: B023 - called in this iteration; rows permuted: blocks alike
+            fix = lambda w: _unpermute(w, n_head)  # noqa: B023 - called in this iteration; rows permuted: blocks alike
         values = fix(g.tensor(name))
         if g.raw_rows(name) is None:  # a float tensor (norms, biases): the values the HF checkpoint holds
             values = spec.dense(hf, values)
@@ -730,8 +774,13 @@ def gguf_to_hf_folder(gguf_path: str, cache_dir: str | None = None, dense_dtype:
     try:
         dequantized = _convert(gguf_path, tmp, dense_dtype)
         _log_dequantized(dequantized)
-        info = {"converter_version": CONVERTER_VERSION, "source": gguf_path, "sha256": digest,
-                "dense_dtype": dense_dtype, "dequantized": dequantized}
+        info = {
+            "converter_version": CONVERTER_VERSION,
+            "source": gguf_path,
+            "sha256": digest,
+            "dense_dtype": dense_dtype,
+            "dequantized": dequantized,
+        }
         (tmp / _MARKER).write_text(json.dumps(info, indent=2))  # last: only complete folders have it
         for f in tmp.rglob("*"):  # mkdtemp and safetensors create owner-only; a cache can be shared
             f.chmod(0o755 if f.is_dir() else 0o644)
@@ -749,8 +798,9 @@ def gguf_to_hf_folder(gguf_path: str, cache_dir: str | None = None, dense_dtype:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    logger.info("GGUF converted in %.1f s; cached at %s (%.0f MB)", time.perf_counter() - start, final,
-                _size(final) / 1e6)
+    logger.info(
+        "GGUF converted in %.1f s; cached at %s (%.0f MB)", time.perf_counter() - start, final, _size(final) / 1e6
+    )
     return str(final)
 
 

@@ -124,8 +124,7 @@ def load_hf_config(path: str):
     return hf_cache.load_config(path)  # AutoConfig's, remembered across starts
 
 
-def _iter_safetensors(path: str, skip: set[str] = frozenset(), blocks: str | None = None,
-                      shard_of=lambda name: None):
+def _iter_safetensors(path: str, skip: set[str] = frozenset(), blocks: str | None = None, shard_of=lambda name: None):
     """(name, tensor) over the folder's *.safetensors, with progress (a bar on a terminal, else log
     lines: progress.track). blocks: a
     GGUF cache's gguf_blocks file; weights it holds that the folder stores in bfloat16 are rebuilt
@@ -136,8 +135,9 @@ def _iter_safetensors(path: str, skip: set[str] = frozenset(), blocks: str | Non
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors weights in {path!r}")
-    names = [(st, name) for st in (safe_open(f, framework="pt") for f in files) for name in st.keys()
-             if name not in skip]
+    names = [
+        (st, name) for st in (safe_open(f, framework="pt") for f in files) for name in st.keys() if name not in skip
+    ]
     q = safe_open(blocks, framework="pt") if blocks else None
     qkeys = set(q.keys()) if q is not None else set()
     for st, name in progress.track(names, "Loading weights", "tensor"):
@@ -173,20 +173,33 @@ def _load_gguf_quantized(model: torch.nn.Module, path: str, dtype: torch.dtype) 
 
     qpath = os.path.join(path, QUANTIZED_FILE)
     if not os.path.exists(qpath):
-        raise ValueError("--quantization gguf needs a .gguf model with Q4_0, Q4_1 or Q8_0 tensors; "
-                         "for a Hugging Face checkpoint use --quantization int4 or int8")
+        raise ValueError(
+            "--quantization gguf needs a .gguf model with Q4_0, Q4_1 or Q8_0 tensors; "
+            "for a Hugging Face checkpoint use --quantization int4 or int8"
+        )
     tensors = load_file(qpath)
     used = model.load_quantized(tensors, dtype)
     # k-quants other than Q4_K (and Q4_K parts of a fused layer whose other parts are not) stay dense
     dense = sum(key.endswith(".ggml") and key.replace(".ggml", ".weight") not in used for key in tensors)
-    logger.info("GGUF quantized weights kept for %d tensors%s", len(used),
-                f"; {dense} other quantized tensors run dequantized ({dtype})" if dense else "")
+    logger.info(
+        "GGUF quantized weights kept for %d tensors%s",
+        len(used),
+        f"; {dense} other quantized tensors run dequantized ({dtype})" if dense else "",
+    )
     return used
 
 
-def load_model(path: str, hf_config, dtype: torch.dtype, max_position: int, device: str | torch.device = "cpu",
-               quantization: str | None = None, tp: TPGroup = NO_TP, load_format: str = "auto",
-               calibration: str | None = None) -> torch.nn.Module:
+def load_model(
+    path: str,
+    hf_config,
+    dtype: torch.dtype,
+    max_position: int,
+    device: str | torch.device = "cpu",
+    quantization: str | None = None,
+    tp: TPGroup = NO_TP,
+    load_format: str = "auto",
+    calibration: str | None = None,
+) -> torch.nn.Module:
     """quantization: None (weights in `dtype`), "int4" / "int8" (quantized here, groups of 32),
     "gguf" (a GGUF's Q4_0 / Q4_1 / Q8_0 tensors kept quantized) or "w8a8" (int8 weights and
     activations, smoothed on `calibration`, a file, or the packaged set). tp: this rank's group; the
@@ -197,8 +210,11 @@ def load_model(path: str, hf_config, dtype: torch.dtype, max_position: int, devi
         progress.set_phase("loading the CPU kernels")
         cpu_kernels.load()  # before the clock: a first run's compile takes minutes and logs its own time
     if quantization and not on_cpu:  # the quantized kernels are C++ CPU kernels
-        logger.warning("--quantization %s: the GPU path has no dequantizing kernels yet; running the weights "
-                       "as %s instead", quantization, dtype)
+        logger.warning(
+            "--quantization %s: the GPU path has no dequantizing kernels yet; running the weights as %s instead",
+            quantization,
+            dtype,
+        )
         quantization = None
     t0 = time.perf_counter()
     cls = model_class(hf_config)
@@ -217,16 +233,21 @@ def load_model(path: str, hf_config, dtype: torch.dtype, max_position: int, devi
         skip = _load_gguf_quantized(model, path, dtype) if quantization == "gguf" else set()
         blocks = os.path.join(path, QUANTIZED_FILE)
         exact = dtype != torch.bfloat16 and os.path.exists(blocks)  # the bf16 copy would lose precision
-        model.load_weights(_iter_safetensors(path, skip, blocks if exact else None,
-                                             lambda name: shard_for(name, hf_config, tp.rank, tp.size)))
+        model.load_weights(
+            _iter_safetensors(
+                path, skip, blocks if exact else None, lambda name: shard_for(name, hf_config, tp.rank, tp.size)
+            )
+        )
     model.eval().requires_grad_(False)
     progress.set_phase("preparing the weights")  # quantizing, packing for the kernels
     if quantization in BITS:
         n = quantize_model(model, BITS[quantization])
         logger.info("quantized %d linear layers to %s (groups of %d)", n, quantization, GROUP)
     elif quantization == "w8a8":
-        logger.info("w8a8: %d linear layers in int8, activations quantized per token",
-                    quantize_model_w8a8(model, path, calibration))
+        logger.info(
+            "w8a8: %d linear layers in int8, activations quantized per token",
+            quantize_model_w8a8(model, path, calibration),
+        )
     if on_cpu and not envs.TOKENMILL_NO_PACKED_LINEAR:
         pack_linears(model, dtype)
     if on_cpu and cpu_kernels.enabled():
@@ -235,8 +256,13 @@ def load_model(path: str, hf_config, dtype: torch.dtype, max_position: int, devi
         moved = place_decode_weights(model)
         logger.debug("%.0f MB of decode weights in one huge-page arena", moved / 1e6)
     bind_kernels(model, device, dtype)  # last: the modules the transforms above swapped in included
-    logger.info("loaded weights from %s in %.2fs (%s, %s)", "nowhere (random: --load-format dummy)"
-                if load_format == "dummy" else path, time.perf_counter() - t0, dtype, device)
+    logger.info(
+        "loaded weights from %s in %.2fs (%s, %s)",
+        "nowhere (random: --load-format dummy)" if load_format == "dummy" else path,
+        time.perf_counter() - t0,
+        dtype,
+        device,
+    )
     return model
 
 

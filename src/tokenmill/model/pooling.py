@@ -26,9 +26,14 @@ import torch.nn.functional as F
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 # sentence-transformers' pooling modes (new `pooling_mode` names and legacy pooling_mode_* keys).
 _ST_MODES = {"lasttoken": "LAST", "mean": "MEAN", "cls": "CLS"}
-_ST_LEGACY = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max", "pooling_mode_mean_tokens": "mean",
-              "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
-              "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken"}
+_ST_LEGACY = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
+    "pooling_mode_lasttoken": "lasttoken",
+}
 _ST_MODULES = ("Transformer", "Pooling", "Normalize")  # modules.json types we run (the class name)
 
 
@@ -44,19 +49,24 @@ class PoolerConfig:
     def __post_init__(self) -> None:
         self.pooling_type = str(self.pooling_type).upper()
         if self.pooling_type not in POOLING_TYPES:
-            raise ValueError(f"pooling_type {self.pooling_type!r} is not supported; choose one of "
-                             f"{', '.join(POOLING_TYPES)}")
+            raise ValueError(
+                f"pooling_type {self.pooling_type!r} is not supported; choose one of {', '.join(POOLING_TYPES)}"
+            )
 
     def check_dimensions(self, dimensions: int | None, model_name: str, hidden_size: int) -> None:
         """vLLM's rules (and words) for a request's `dimensions`."""
         if dimensions is None:
             return
         if not (self.is_matryoshka or self.matryoshka_dimensions):
-            raise ValueError(f'Model "{model_name}" does not support matryoshka representation, changing output '
-                             f"dimensions will lead to poor results.")
+            raise ValueError(
+                f'Model "{model_name}" does not support matryoshka representation, changing output '
+                f"dimensions will lead to poor results."
+            )
         if self.matryoshka_dimensions and dimensions not in self.matryoshka_dimensions:
-            raise ValueError(f'Model "{model_name}" only supports {self.matryoshka_dimensions} matryoshka dimensions, '
-                             f"use other output dimensions will lead to poor results.")
+            raise ValueError(
+                f'Model "{model_name}" only supports {self.matryoshka_dimensions} matryoshka dimensions, '
+                f"use other output dimensions will lead to poor results."
+            )
         if dimensions > hidden_size:
             raise ValueError(f"dimensions must be at most the model's embedding size {hidden_size}, got {dimensions}")
 
@@ -96,8 +106,10 @@ def _sentence_transformers_pooling(path: str) -> tuple[str, bool] | None:
     kinds = {m.get("type", "").rsplit(".", 1)[-1]: m for m in modules}
     unsupported = [k for k in kinds if k not in _ST_MODULES]
     if unsupported:
-        raise ValueError(f"{modules_file}: sentence-transformers modules {unsupported} are not supported "
-                         f"(supported: {', '.join(_ST_MODULES)})")
+        raise ValueError(
+            f"{modules_file}: sentence-transformers modules {unsupported} are not supported "
+            f"(supported: {', '.join(_ST_MODULES)})"
+        )
     if "Pooling" not in kinds:
         return None
     with open(os.path.join(path, kinds["Pooling"].get("path", ""), "config.json")) as f:
@@ -107,8 +119,9 @@ def _sentence_transformers_pooling(path: str) -> tuple[str, bool] | None:
         mode = [name for key, name in _ST_LEGACY.items() if pooling.get(key)] or ["mean"]
     modes = [mode] if isinstance(mode, str) else list(mode)
     if len(modes) != 1 or modes[0] not in _ST_MODES:
-        raise ValueError(f"sentence-transformers pooling mode {mode!r} is not supported "
-                         f"(supported: {', '.join(_ST_MODES)})")
+        raise ValueError(
+            f"sentence-transformers pooling mode {mode!r} is not supported (supported: {', '.join(_ST_MODES)})"
+        )
     if pooling.get("include_prompt") is False:
         raise ValueError("sentence-transformers pooling with include_prompt false is not supported")
     return _ST_MODES[modes[0]], "Normalize" in kinds
@@ -117,8 +130,9 @@ def _sentence_transformers_pooling(path: str) -> tuple[str, bool] | None:
 TASKS = ("auto", "generate", "embed")
 
 
-def resolve_task(task: str, model_cls: type, path: str, hf_config,
-                 override_pooler_config: str | dict | None = None) -> PoolerConfig | None:
+def resolve_task(
+    task: str, model_cls: type, path: str, hf_config, override_pooler_config: str | dict | None = None
+) -> PoolerConfig | None:
     """The pooler of an engine that runs embeddings (`--task embed`, or auto for an encoder), None for
     one that generates; one task per engine, as vLLM serves one per server."""
     if task not in TASKS:
@@ -162,8 +176,11 @@ class PoolingMetadata:
         rows = [(s, r) for s, r in zip(scheduled, row0s) if s.request.pooling_params is not None]
         if not rows:
             return None
-        return cls([r for _, r in rows], [s.num_new_tokens for s, _ in rows],
-                   [s.request.num_computed_tokens == 0 for s, _ in rows])
+        return cls(
+            [r for _, r in rows],
+            [s.num_new_tokens for s, _ in rows],
+            [s.request.num_computed_tokens == 0 for s, _ in rows],
+        )
 
 
 class Pooler:
@@ -209,11 +226,15 @@ class Pooler:
         if self.config.pooling_type == "MEAN":
             vecs /= torch.tensor([r.num_prompt_tokens for r in reqs], dtype=torch.float32, device=vecs.device)[:, None]
         vecs = vecs.cpu()
-        settings = [(r.pooling_params.dimensions or vecs.shape[1],
-                     self.config.normalize if r.pooling_params.normalize is None else r.pooling_params.normalize)
-                    for r in reqs]
+        settings = [
+            (
+                r.pooling_params.dimensions or vecs.shape[1],
+                self.config.normalize if r.pooling_params.normalize is None else r.pooling_params.normalize,
+            )
+            for r in reqs
+        ]
         if len(set(settings)) == 1:  # the usual case: one op for the whole step
-            (dims, norm), = set(settings)
+            ((dims, norm),) = set(settings)
             out = F.normalize(vecs[:, :dims], dim=-1) if norm else vecs[:, :dims]
             rows = out.unbind(0)
         else:

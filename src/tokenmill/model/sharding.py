@@ -37,15 +37,21 @@ _RULES: dict[type, ShardingRule] = {}
 def sharding_rule(how: str, covers: tuple[str, ...] = (), methods: tuple[str, ...] = ("forward",)):
     """Class decorator: instances split across tensor-parallel ranks as `how` says, children named
     in `covers` with them (the class's forward does the collectives `how` needs)."""
+
     def register(cls: type) -> type:
         _RULES[cls] = ShardingRule(how, covers, methods)
         return cls
+
     return register
 
 
-for _cls, _how in ((RMSNorm, "replicated (a per-head norm: each rank normalizes its own heads)"),
-                   (nn.Embedding, "replicated"), (RotaryEmbedding, "replicated"),
-                   (nn.ModuleList, "a container"), (nn.ModuleDict, "a container")):
+for _cls, _how in (
+    (RMSNorm, "replicated (a per-head norm: each rank normalizes its own heads)"),
+    (nn.Embedding, "replicated"),
+    (RotaryEmbedding, "replicated"),
+    (nn.ModuleList, "a container"),
+    (nn.ModuleDict, "a container"),
+):
     sharding_rule(_how)(_cls)
 
 
@@ -77,8 +83,10 @@ def unshardable_module(module: nn.Module, name: str = "") -> str | None:
 def check_shardable(model: nn.Module, size: int) -> None:
     """Refuses tensor parallelism for a model with a module no sharding rule covers, naming it."""
     if size > 1 and (what := unshardable_module(model)) is not None:
-        raise ValueError(f"--tensor-parallel-size > 1 is not supported for {type(model).__name__} yet: "
-                         f"{what} has no sharding rule (model/sharding.py)")
+        raise ValueError(
+            f"--tensor-parallel-size > 1 is not supported for {type(model).__name__} yet: "
+            f"{what} has no sharding rule (model/sharding.py)"
+        )
 
 
 @dataclass(frozen=True)
@@ -128,23 +136,30 @@ def check_tp_size(hf_config, size: int, quantization: str | None) -> None:
         inters = ", ".join(f"{what} {n}" for what, n in _intermediate_sizes(hf_config).items())
         raise ValueError(
             f"tensor_parallel_size {size} does not divide the model's {heads} attention heads, {kv} kv heads and "
-            f"{inters}; sizes that work: {', '.join(map(str, ok))}")
+            f"{inters}; sizes that work: {', '.join(map(str, ok))}"
+        )
     if quantization == "gguf":
-        raise ValueError("--quantization gguf keeps a GGUF file's blocks whole and cannot be split across ranks; "
-                         "with --tensor-parallel-size use --quantization int4 or int8 (each rank quantizes its "
-                         "own shard) or no quantization")
+        raise ValueError(
+            "--quantization gguf keeps a GGUF file's blocks whole and cannot be split across ranks; "
+            "with --tensor-parallel-size use --quantization int4 or int8 (each rank quantizes its "
+            "own shard) or no quantization"
+        )
     if quantization == "w8a8":  # one set of smoothing factors per norm, computed from every rank's rows
         raise ValueError("--quantization w8a8 is not supported with --tensor-parallel-size > 1 yet")
     if quantization in ("int4", "int8"):
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         shared = getattr(hf_config, "shared_expert_intermediate_size", None)
-        for what, cols in (("o_proj", hf_config.num_attention_heads * head_dim),
-                           ("down_proj", hf_config.intermediate_size),
-                           *((("the shared expert's down_proj", shared),) if shared else ())):
+        for what, cols in (
+            ("o_proj", hf_config.num_attention_heads * head_dim),
+            ("down_proj", hf_config.intermediate_size),
+            *((("the shared expert's down_proj", shared),) if shared else ()),
+        ):
             if (cols // size) % GROUP:
-                raise ValueError(f"--quantization {quantization} quantizes in groups of {GROUP} input columns, and "
-                                 f"{what}'s {cols} columns split {size} ways are {cols // size} per rank, not a "
-                                 f"multiple of {GROUP}; use another --tensor-parallel-size or no quantization")
+                raise ValueError(
+                    f"--quantization {quantization} quantizes in groups of {GROUP} input columns, and "
+                    f"{what}'s {cols} columns split {size} ways are {cols // size} per rank, not a "
+                    f"multiple of {GROUP}; use another --tensor-parallel-size or no quantization"
+                )
 
 
 def shard_for(name: str, hf_config, rank: int, size: int) -> Shard | None:
@@ -156,8 +171,9 @@ def shard_for(name: str, hf_config, rank: int, size: int) -> Shard | None:
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     inter = _intermediate_of(name, hf_config)
     if ".experts.gate_up_proj" in name or ".experts.down_proj" in name:  # transformers >= 5's stacked experts
-        raise ValueError(f"{name}: experts stacked in one tensor cannot be split across ranks yet (per-expert "
-                         f"tensors can)")
+        raise ValueError(
+            f"{name}: experts stacked in one tensor cannot be split across ranks yet (per-expert tensors can)"
+        )
 
     def rows(total: int) -> Shard:
         n = total // size

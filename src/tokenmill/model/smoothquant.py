@@ -50,8 +50,12 @@ STATS_VERSION = 1  # part of the cache key: bump when what is collected changes
 
 
 # Each site's linear: (the layer's submodule, its attribute).
-_SITE_LINEARS = {"qkv": ("self_attn", "qkv_proj"), "o": ("self_attn", "o_proj"), "gate_up": ("mlp", "gate_up_proj"),
-                 "down": ("mlp", "down_proj")}
+_SITE_LINEARS = {
+    "qkv": ("self_attn", "qkv_proj"),
+    "o": ("self_attn", "o_proj"),
+    "gate_up": ("mlp", "gate_up_proj"),
+    "down": ("mlp", "down_proj"),
+}
 
 
 def _site_modules(layer: nn.Module) -> dict[str, nn.Module]:
@@ -62,10 +66,15 @@ def check_model(model: nn.Module) -> None:
     """Refuses models whose layers this module cannot smooth (other norms, other layer shapes)."""
     layers = getattr(model, "layers", None)
     ok = layers is not None and all(
-        type(getattr(layer, n, None)) is RMSNorm for layer in layers for n in ("input_layernorm", "post_attention_layernorm"))
+        type(getattr(layer, n, None)) is RMSNorm
+        for layer in layers
+        for n in ("input_layernorm", "post_attention_layernorm")
+    )
     if not ok or not all(type(m) is nn.Linear for layer in layers for m in _site_modules(layer).values()):
-        raise ValueError(f"--quantization w8a8 is not supported for {type(model).__name__}: it needs Llama-style "
-                         f"layers (RMSNorm, fused qkv_proj / gate_up_proj, o_proj, down_proj)")
+        raise ValueError(
+            f"--quantization w8a8 is not supported for {type(model).__name__}: it needs Llama-style "
+            f"layers (RMSNorm, fused qkv_proj / gate_up_proj, o_proj, down_proj)"
+        )
 
 
 # ---- calibration set ----------------------------------------------------------------------------
@@ -89,8 +98,10 @@ def read_calibration(path: str | os.PathLike | None) -> list[dict]:
         if isinstance(obj, str):
             obj = {"text": obj}
         if not isinstance(obj, dict) or not ({"text", "prompt", "messages"} & obj.keys()):
-            raise ValueError(f"calibration file {str(p)!r}, line {i}: expected a string or an object with "
-                             f"\"text\", \"prompt\" or \"messages\"")
+            raise ValueError(
+                f"calibration file {str(p)!r}, line {i}: expected a string or an object with "
+                f'"text", "prompt" or "messages"'
+            )
         docs.append(obj)
     if not docs:
         raise ValueError(f"calibration file {str(p)!r} has no documents")
@@ -121,9 +132,11 @@ def collect_input_maxima(model: nn.Module, prompts: list[list[int]]) -> dict[str
     hooks = []
     for i, layer in enumerate(model.layers):
         for site, module in _site_modules(layer).items():
+
             def record(mod, args, key=f"{i}.{site}"):
                 m = args[0].detach().reshape(-1, args[0].shape[-1]).abs().amax(0).float()
                 maxima[key] = m if key not in maxima else torch.maximum(maxima[key], m)
+
             hooks.append(module.register_forward_pre_hook(record))
     a0, bs = model.layers[0].self_attn, 16
     dtype = next(model.parameters()).dtype
@@ -134,8 +147,9 @@ def collect_input_maxima(model: nn.Module, prompts: list[list[int]]) -> dict[str
             n = len(ids)
             blocks = -(-n // bs)
             cache = torch.zeros(len(model.layers), 2, blocks * bs, a0.num_kv_heads, a0.head_dim, dtype=dtype)
-            attn = AttentionBackend(cache, a0.num_heads, a0.num_kv_heads, a0.head_dim, use_cpp_kernels=False,
-                                    batch_invariant=False)
+            attn = AttentionBackend(
+                cache, a0.num_heads, a0.num_kv_heads, a0.head_dim, use_cpp_kernels=False, batch_invariant=False
+            )
             meta = AttentionBackend.build_metadata([SeqChunk(0, n, 0, list(range(blocks)))], list(range(n)), bs)
             model(torch.tensor(ids), torch.arange(n), attn, meta)
     finally:
@@ -146,7 +160,9 @@ def collect_input_maxima(model: nn.Module, prompts: list[list[int]]) -> dict[str
 
 def _cache_key(path: str, docs: list[dict], dtype: torch.dtype) -> str:
     h = hashlib.sha256(f"v{STATS_VERSION}|{os.path.realpath(path)}|{dtype}|".encode())
-    for f in sorted(glob.glob(os.path.join(path, "*.safetensors")) + glob.glob(os.path.join(path, "*", "*.safetensors"))):
+    for f in sorted(
+        glob.glob(os.path.join(path, "*.safetensors")) + glob.glob(os.path.join(path, "*", "*.safetensors"))
+    ):
         st = os.stat(f)
         h.update(f"{os.path.relpath(f, path)}:{st.st_size}:{st.st_mtime_ns}|".encode())
     h.update(json.dumps(docs, sort_keys=True).encode())
@@ -156,7 +172,6 @@ def _cache_key(path: str, docs: list[dict], dtype: torch.dtype) -> str:
 def cached_input_maxima(model: nn.Module, path: str, calibration: str | None) -> dict[str, torch.Tensor]:
     """collect_input_maxima over the calibration set, cached per model folder, set and dtype."""
     from safetensors.torch import load_file, save_file
-
 
     docs = read_calibration(calibration)
     dtype = next(model.parameters()).dtype
@@ -172,8 +187,14 @@ def cached_input_maxima(model: nn.Module, path: str, calibration: str | None) ->
     tmp = file.with_suffix(f".{os.getpid()}.tmp")
     save_file({k: v.contiguous() for k, v in maxima.items()}, str(tmp))
     os.replace(tmp, file)  # atomic: a concurrent loader reads a whole file or none
-    logger.info("w8a8: calibrated on %d prompts (%d tokens) from %s in %.1f s; cached in %s", len(prompts),
-                sum(map(len, prompts)), calibration or "the packaged set", time.perf_counter() - t0, file)
+    logger.info(
+        "w8a8: calibrated on %d prompts (%d tokens) from %s in %.1f s; cached in %s",
+        len(prompts),
+        sum(map(len, prompts)),
+        calibration or "the packaged set",
+        time.perf_counter() - t0,
+        file,
+    )
     return maxima
 
 
@@ -226,8 +247,9 @@ def _scale_cols(linear: nn.Linear, f: torch.Tensor) -> None:
     linear.weight.mul_(f.unsqueeze(0))
 
 
-def quantize_model_w8a8(model: nn.Module, path: str, calibration: str | None = None,
-                        alpha: float = DEFAULT_ALPHA) -> int:
+def quantize_model_w8a8(
+    model: nn.Module, path: str, calibration: str | None = None, alpha: float = DEFAULT_ALPHA
+) -> int:
     """--quantization w8a8: calibrate (or read the cached statistics), fold the smoothing factors,
     and replace each layer's four linears and the lm_head by W8A8Linear (the embeddings stay in the
     model's dtype). Returns the number of layers replaced.

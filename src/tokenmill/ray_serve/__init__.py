@@ -27,5 +27,16 @@ from tokenmill.ray_serve.app import (  # noqa: E402
 from tokenmill.ray_serve.ingress import IngressOptions  # noqa: E402
 from tokenmill.ray_serve.routing import POLICIES, TokenmillRouter  # noqa: E402
 
-__all__ = ["APP_NAME", "ENGINE_DEPLOYMENT", "INGRESS_DEPLOYMENT", "POLICIES", "ClusterOptions", "IngressOptions",
-           "ReplicaOptions", "TokenmillRouter", "app_builder", "build_app", "run_cli"]
+__all__ = [
+    "APP_NAME",
+    "ENGINE_DEPLOYMENT",
+    "INGRESS_DEPLOYMENT",
+    "POLICIES",
+    "ClusterOptions",
+    "IngressOptions",
+    "ReplicaOptions",
+    "TokenmillRouter",
+    "app_builder",
+    "build_app",
+    "run_cli",
+]

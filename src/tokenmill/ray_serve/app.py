@@ -34,6 +34,7 @@ INGRESS_MAX_ONGOING = 4096  # the ingress only forwards: it must not be what que
 @dataclass
 class ReplicaOptions:
     """How many engine replicas, how they scale, route and what each reserves."""
+
     num_replicas: int = 1  # fixed count; with min/max_replicas, the autoscaler's initial count
     min_replicas: int | None = None  # either of these turns on autoscaling on ongoing requests
     max_replicas: int | None = None
@@ -52,8 +53,9 @@ class ReplicaOptions:
         if self.num_replicas < 1:
             raise ValueError(f"--num-replicas must be >= 1, got {self.num_replicas}")
         if self.min_replicas is not None and self.min_replicas < 1:
-            raise ValueError(f"--min-replicas must be >= 1 (the ingress needs a replica to learn the model), "
-                             f"got {self.min_replicas}")
+            raise ValueError(
+                f"--min-replicas must be >= 1 (the ingress needs a replica to learn the model), got {self.min_replicas}"
+            )
         if self.autoscaling and self.bounds[0] > self.bounds[1]:
             raise ValueError(f"--min-replicas ({self.bounds[0]}) is above --max-replicas ({self.bounds[1]})")
         if self.target_ongoing_requests <= 0:
@@ -82,13 +84,19 @@ def replica_resources(engine: EngineArgs) -> dict[str, Any]:
     tp = engine.tensor_parallel_size
     if tp <= 1:
         return {"ray_actor_options": {"num_cpus": threads}}
-    return {"ray_actor_options": {"num_cpus": threads}, "placement_group_bundles": [{"CPU": threads}] * tp,
-            "placement_group_strategy": "STRICT_PACK"}
+    return {
+        "ray_actor_options": {"num_cpus": threads},
+        "placement_group_bundles": [{"CPU": threads}] * tp,
+        "placement_group_strategy": "STRICT_PACK",
+    }
 
 
-def build_app(engine: EngineArgs | dict | None = None, replicas: ReplicaOptions | None = None,
-              server: ServerArgs | None = None,
-              replica_setup: Callable[[Any], None] | None = None) -> serve.Application:
+def build_app(
+    engine: EngineArgs | dict | None = None,
+    replicas: ReplicaOptions | None = None,
+    server: ServerArgs | None = None,
+    replica_setup: Callable[[Any], None] | None = None,
+) -> serve.Application:
     """The tokenmill app as a Serve application: an ingress deployment (the OpenAI + TGI routes)
     over `replicas.num_replicas` engine replicas. `engine`: EngineArgs (or its fields as a dict);
     `server`: the ServerArgs of `tokenmill serve`, whose RAY_INGRESS_FIELDS the ingress reads;
@@ -101,23 +109,40 @@ def build_app(engine: EngineArgs | dict | None = None, replicas: ReplicaOptions 
     scaling: dict[str, Any]
     if replicas.autoscaling:
         lo, hi = replicas.bounds
-        scaling = {"autoscaling_config": {"min_replicas": lo, "max_replicas": hi,
-                                          "initial_replicas": min(max(replicas.num_replicas, lo), hi),
-                                          "target_ongoing_requests": replicas.target_ongoing_requests,
-                                          **replicas.extra_autoscaling_config}}
+        scaling = {
+            "autoscaling_config": {
+                "min_replicas": lo,
+                "max_replicas": hi,
+                "initial_replicas": min(max(replicas.num_replicas, lo), hi),
+                "target_ongoing_requests": replicas.target_ongoing_requests,
+                **replicas.extra_autoscaling_config,
+            }
+        }
     else:
         scaling = {"num_replicas": replicas.num_replicas}
     router = RequestRouterConfig(
         request_router_class=TokenmillRouter,
-        request_router_kwargs={"policy": replicas.routing, "block_size": args.block_size,
-                               "imbalance_threshold": replicas.imbalance_threshold})
+        request_router_kwargs={
+            "policy": replicas.routing,
+            "block_size": args.block_size,
+            "imbalance_threshold": replicas.imbalance_threshold,
+        },
+    )
     engine_deployment = serve.deployment(EngineReplica, name=ENGINE_DEPLOYMENT).options(
         max_ongoing_requests=replicas.max_ongoing_requests or args.max_num_seqs,
-        request_router_config=router, health_check_period_s=5.0, health_check_timeout_s=60.0,
-        graceful_shutdown_timeout_s=replicas.drain_timeout, **replica_resources(args), **scaling)
+        request_router_config=router,
+        health_check_period_s=5.0,
+        health_check_timeout_s=60.0,
+        graceful_shutdown_timeout_s=replicas.drain_timeout,
+        **replica_resources(args),
+        **scaling,
+    )
     ingress = serve.deployment(TokenmillIngress, name=INGRESS_DEPLOYMENT).options(
-        num_replicas=1, max_ongoing_requests=INGRESS_MAX_ONGOING, ray_actor_options={"num_cpus": 0},
-        graceful_shutdown_timeout_s=replicas.drain_timeout)
+        num_replicas=1,
+        max_ongoing_requests=INGRESS_MAX_ONGOING,
+        ray_actor_options={"num_cpus": 0},
+        graceful_shutdown_timeout_s=replicas.drain_timeout,
+    )
     return ingress.bind(engine_deployment.bind(asdict(args), replicas.max_waiting, replica_setup), server)
 
 
@@ -132,8 +157,11 @@ def app_builder(args: dict) -> serve.Application:
     ...; log_requests and enable_web_ui as before, the opposites of disable_log_requests and
     disable_web_ui). Unknown keys are refused."""
     groups: dict[str, dict] = {"engine": {}, "replicas": {}, "server": {}}
-    owners = {"engine": {f.name for f in fields(EngineArgs)}, "replicas": {f.name for f in fields(ReplicaOptions)},
-              "server": set(RAY_INGRESS_FIELDS)}
+    owners = {
+        "engine": {f.name for f in fields(EngineArgs)},
+        "replicas": {f.name for f in fields(ReplicaOptions)},
+        "server": set(RAY_INGRESS_FIELDS),
+    }
     for key, value in (args or {}).items():
         if key in _FORMER_KEYS:
             key, value = _FORMER_KEYS[key], not value
@@ -142,13 +170,15 @@ def app_builder(args: dict) -> serve.Application:
             known = sorted({*(n for names in owners.values() for n in names), *_FORMER_KEYS})
             raise ValueError(f"unknown tokenmill application argument {key!r}; known: {', '.join(known)}")
         groups[owner][key] = value
-    return build_app(EngineArgs(**groups["engine"]), ReplicaOptions(**groups["replicas"]),
-                     ServerArgs(**groups["server"]))
+    return build_app(
+        EngineArgs(**groups["engine"]), ReplicaOptions(**groups["replicas"]), ServerArgs(**groups["server"])
+    )
 
 
 @dataclass
 class ClusterOptions:
     """Where the app runs: `ray_address` None starts a local Ray on 127.0.0.1."""
+
     ray_address: str | None = None
     host: str = "0.0.0.0"
     port: int = 8000
@@ -182,8 +212,13 @@ def run_cli(engine: EngineArgs, replicas: ReplicaOptions, server: ServerArgs, cl
     if engine.num_threads is None and not cluster.ray_address:
         # Share this machine's cores out among the replicas' ranks instead of each taking them all.
         engine.num_threads = max(1, local_cpus() // (replicas.most_replicas * engine.tensor_parallel_size))
-        logger.info("--num-threads not given: %d per replica rank (%d CPUs, up to %d replicas x TP %d)",
-                    engine.num_threads, local_cpus(), replicas.most_replicas, engine.tensor_parallel_size)
+        logger.info(
+            "--num-threads not given: %d per replica rank (%d CPUs, up to %d replicas x TP %d)",
+            engine.num_threads,
+            local_cpus(),
+            replicas.most_replicas,
+            engine.tensor_parallel_size,
+        )
     app = build_app(engine, replicas, server)
     if not cluster.ray_address:
         # Here, once: a bad path fails now with its message (not after Serve's constructor retries),
@@ -193,8 +228,12 @@ def run_cli(engine: EngineArgs, replicas: ReplicaOptions, server: ServerArgs, cl
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        http = {"host": cluster.host, "port": cluster.port, "keep_alive_timeout_s": cluster.keep_alive_timeout_s,
-                "root_path": cluster.root_path}
+        http = {
+            "host": cluster.host,
+            "port": cluster.port,
+            "keep_alive_timeout_s": cluster.keep_alive_timeout_s,
+            "root_path": cluster.root_path,
+        }
         if cluster.ssl_certfile:
             http.update(ssl_keyfile=cluster.ssl_keyfile, ssl_certfile=cluster.ssl_certfile)
         serve.start(http_options=http)
@@ -205,9 +244,14 @@ def run_cli(engine: EngineArgs, replicas: ReplicaOptions, server: ServerArgs, cl
             logger.error("%s (each replica's log: /tmp/ray/session_latest/logs/serve/)", e)
             return 1
         scheme = "https" if cluster.ssl_certfile else "http"
-        logger.info("tokenmill is serving on %s://%s:%d through Ray Serve (%s) in %.0f s; Ctrl-C (SIGINT) or "
-                    "SIGTERM to stop", scheme, cluster.host, cluster.port, _replica_summary(replicas),
-                    time.perf_counter() - t0)
+        logger.info(
+            "tokenmill is serving on %s://%s:%d through Ray Serve (%s) in %.0f s; Ctrl-C (SIGINT) or SIGTERM to stop",
+            scheme,
+            cluster.host,
+            cluster.port,
+            _replica_summary(replicas),
+            time.perf_counter() - t0,
+        )
         while not stop.wait(1.0):
             pass
         logger.info("stopping: deleting the app (in-flight requests get up to %g s)", replicas.drain_timeout)

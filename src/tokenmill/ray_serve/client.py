@@ -47,8 +47,13 @@ def _resendable(e: Exception, what: str, attempt: int) -> Exception:
         raise QueueFullError(f"every engine replica is at its queue limit; retry later ({e})") from None
     if not replica_gone(e):
         raise e
-    logger.warning("%s: its engine replica died (%s); sending it again (attempt %d of %d)", what,
-                   type(e).__name__, attempt + 2, MAX_SEND_ATTEMPTS)
+    logger.warning(
+        "%s: its engine replica died (%s); sending it again (attempt %d of %d)",
+        what,
+        type(e).__name__,
+        attempt + 2,
+        MAX_SEND_ATTEMPTS,
+    )
     return e
 
 
@@ -84,9 +89,16 @@ class ReplicaEngineClient:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None, parent_id: str | None = None, *, priority: int = 0,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        parent_id: str | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """AsyncLLMEngine.generate's contract: RequestOutputs until the request finishes; ValueError,
         QueueFullError or EngineDeadError before the first output; closing it aborts the request."""
         rid = request_id or f"req-{uuid.uuid4().hex}"
@@ -106,8 +118,9 @@ class ReplicaEngineClient:
             if state.response is not None and not state.finished:
                 state.response.cancel()  # the replica aborts the request and frees its blocks
 
-    async def _attempts(self, ids: list[int], params, rid: str, parent_id: str | None, extras: dict,
-                        state: _InFlight) -> AsyncIterator[RequestOutput]:
+    async def _attempts(
+        self, ids: list[int], params, rid: str, parent_id: str | None, extras: dict, state: _InFlight
+    ) -> AsyncIterator[RequestOutput]:
         last_error: BaseException | None = None
         for attempt in range(MAX_SEND_ATTEMPTS):
             started = False
@@ -129,13 +142,15 @@ class ReplicaEngineClient:
                 raise
             except Exception as e:  # noqa: BLE001 - sorted by _resendable
                 if started and replica_gone(e):
-                    raise EngineDeadError(f"the engine replica serving this request died ({type(e).__name__}); "
-                                          f"the request was aborted") from None
+                    raise EngineDeadError(
+                        f"the engine replica serving this request died ({type(e).__name__}); the request was aborted"
+                    ) from None
                 last_error = _resendable(e, f"request {rid}", attempt)
         raise EngineDeadError(f"no engine replica could take the request: {last_error!r}")
 
-    async def encode(self, prompts: list[str | list[int]], params: PoolingParams | None = None,
-                     request_id: str | None = None) -> list[PoolingRequestOutput]:
+    async def encode(
+        self, prompts: list[str | list[int]], params: PoolingParams | None = None, request_id: str | None = None
+    ) -> list[PoolingRequestOutput]:
         """AsyncLLMEngine.encode's contract, on one replica. Embeddings have no side effects, so a
         call whose replica died is sent again whatever it had done; cancelling cancels the replica's."""
         rid = request_id or f"embd-{uuid.uuid4().hex}"

@@ -61,11 +61,21 @@ def build_ingress_app(client: ReplicaEngineClient, handle, options: ServerArgs) 
     if not install_template_bounds():
         logger.warning("this transformers version compiles chat templates elsewhere: template operators unbounded")
     model_name = client.engine.config.model.name
-    ctx = ServerContext(aengine=client, model_name=model_name, metrics=_IngressMetrics(),  # type: ignore[arg-type]
-                        args=options, response_store=openai_responses.ResponseStore(options.max_stored_responses))
-    app = FastAPI(title="tokenmill", version=tokenmill.__version__, docs_url=None, redoc_url=None,
-                  description="OpenAI-compatible and TGI-compatible LLM server (Ray Serve replicas).",
-                  strict_content_type=False)
+    ctx = ServerContext(
+        aengine=client,
+        model_name=model_name,
+        metrics=_IngressMetrics(),  # type: ignore[arg-type]
+        args=options,
+        response_store=openai_responses.ResponseStore(options.max_stored_responses),
+    )
+    app = FastAPI(
+        title="tokenmill",
+        version=tokenmill.__version__,
+        docs_url=None,
+        redoc_url=None,
+        description="OpenAI-compatible and TGI-compatible LLM server (Ray Serve replicas).",
+        strict_content_type=False,
+    )
     app.state.ctx = ctx
     install_error_handlers(app)
     _add_offline_docs(app)
@@ -82,9 +92,10 @@ def build_ingress_app(client: ReplicaEngineClient, handle, options: ServerArgs) 
 
 def _replica_routes(handle) -> APIRouter:
     router = APIRouter()
-    health_doc = {200: {"description": 'at least one engine replica is running: {"status": "ok", "replicas": '
-                                       '[...]}'},
-                  503: {"description": 'no engine replica is running: {"status": "unhealthy", ...}'}}
+    health_doc = {
+        200: {"description": 'at least one engine replica is running: {"status": "ok", "replicas": [...]}'},
+        503: {"description": 'no engine replica is running: {"status": "unhealthy", ...}'},
+    }
 
     @router.get("/health", tags=["server"], responses=health_doc)
     @router.head("/health", tags=["server"], responses=health_doc)
@@ -94,18 +105,30 @@ def _replica_routes(handle) -> APIRouter:
         client: ReplicaEngineClient = get_ctx(raw).aengine  # type: ignore[assignment]
         healthy = sum(s.healthy for s in stats)
         client.healthy_replicas = healthy
-        body = {"status": "ok" if healthy else "unhealthy", "healthy_replicas": healthy,
-                "replicas": [{k: v for k, v in asdict(s).items() if k != "metrics_text"} for s in stats]}
+        body = {
+            "status": "ok" if healthy else "unhealthy",
+            "healthy_replicas": healthy,
+            "replicas": [{k: v for k, v in asdict(s).items() if k != "metrics_text"} for s in stats],
+        }
         return JSONResponse(body, status_code=200 if healthy else 503)
 
-    @router.get("/metrics", tags=["server"], response_class=Response,
-                responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format, "
-                                 "every engine replica's series with a replica label"}})
+    @router.get(
+        "/metrics",
+        tags=["server"],
+        response_class=Response,
+        responses={
+            200: {
+                "content": {"text/plain": {}},
+                "description": "Prometheus text format, every engine replica's series with a replica label",
+            }
+        },
+    )
     async def metrics(raw: Request) -> Response:
         stats = await replica_stats(handle)
         ctx = get_ctx(raw)
-        page = await asyncio.get_running_loop().run_in_executor(ctx.aengine.prep_pool, merge_replica_metrics,
-                                                                stats, ctx.model_name)
+        page = await asyncio.get_running_loop().run_in_executor(
+            ctx.aengine.prep_pool, merge_replica_metrics, stats, ctx.model_name
+        )
         return Response(page, media_type=CONTENT_TYPE_LATEST)
 
     return router

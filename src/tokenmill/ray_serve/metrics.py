@@ -18,13 +18,19 @@ def merge_replica_metrics(stats: list[ReplicaStats], model_name: str) -> bytes:
             if merged is None:
                 merged = families[fam.name] = Metric(fam.name, fam.documentation, fam.type)
             for sample in fam.samples:
-                merged.add_sample(sample.name, {**sample.labels, "replica": s.replica}, sample.value,
-                                  sample.timestamp, sample.exemplar)
+                merged.add_sample(
+                    sample.name,
+                    {**sample.labels, "replica": s.replica},
+                    sample.value,
+                    sample.timestamp,
+                    sample.exemplar,
+                )
     replicas = Metric("tokenmill:num_replicas", "Engine replicas answering the ingress, by health.", "gauge")
     healthy = sum(s.healthy for s in stats)
     replicas.add_sample("tokenmill:num_replicas", {"model_name": model_name, "state": "healthy"}, healthy)
-    replicas.add_sample("tokenmill:num_replicas", {"model_name": model_name, "state": "unhealthy"},
-                        len(stats) - healthy)
+    replicas.add_sample(
+        "tokenmill:num_replicas", {"model_name": model_name, "state": "unhealthy"}, len(stats) - healthy
+    )
     families[replicas.name] = replicas
 
     class _Snapshot:

@@ -90,8 +90,9 @@ class EngineReplica:
     """One engine per replica. `engine_kwargs`: EngineArgs fields; `setup`: an optional function
     called with the AsyncLLMEngine once it is built (custom step observers, tracing)."""
 
-    def __init__(self, engine_kwargs: dict, max_waiting: int | None = None,
-                 setup: Callable[[AsyncLLMEngine], None] | None = None):
+    def __init__(
+        self, engine_kwargs: dict, max_waiting: int | None = None, setup: Callable[[AsyncLLMEngine], None] | None = None
+    ):
         t0 = time.perf_counter()
         self.aengine = AsyncLLMEngine.from_args(max_waiting=max_waiting, **engine_kwargs)
         engine = self.aengine.engine
@@ -103,16 +104,24 @@ class EngineReplica:
             setup(self.aengine)
         logger.info("engine replica %s ready in %.1f s", self.replica_id, time.perf_counter() - t0)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams | None, request_id: str,
-                       parent_id: str | None = None, *, priority: int = 0,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput | ReplicaError]:
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams | None,
+        request_id: str,
+        parent_id: str | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput | ReplicaError]:
         """The engine's outputs without prompt_token_ids (the caller has them: a 1,000-token prompt
         would otherwise cross the wire with every token). Errors come as one ReplicaError item.
         A caller that goes away (Serve cancels this generator) aborts the request, freeing its blocks."""
         finished = False
         try:
-            async for out in self.aengine.generate(prompt_ids, params, request_id, parent_id, priority=priority,
-                                                   cache_salt=cache_salt):
+            async for out in self.aengine.generate(
+                prompt_ids, params, request_id, parent_id, priority=priority, cache_salt=cache_salt
+            ):
                 finished = out.finished
                 yield dataclasses.replace(out, prompt_token_ids=[])
         except (ValueError, QueueFullError, EngineDeadError) as e:
@@ -122,8 +131,9 @@ class EngineReplica:
             if not finished:  # closed by the caller (a client disconnect): counted as the server does
                 self.metrics.on_abort()
 
-    async def encode(self, request_id: str, prompts: list[str | list[int]],
-                     params: PoolingParams | None) -> list[PoolingRequestOutput] | ReplicaError:
+    async def encode(
+        self, request_id: str, prompts: list[str | list[int]], params: PoolingParams | None
+    ) -> list[PoolingRequestOutput] | ReplicaError:
         """Embeddings (--task embed engines): AsyncLLMEngine.encode, its errors returned as a
         ReplicaError. The request id comes first so the router does not read prompts as token ids."""
         try:
@@ -140,11 +150,18 @@ class EngineReplica:
         core = aengine.engine.core
         error = aengine.error
         return ReplicaStats(
-            replica=self.replica_id, actor_name=self.actor_name, healthy=aengine.is_running,
-            error=None if error is None else repr(error), running=len(core.scheduler.running),
-            waiting=len(core.scheduler.waiting), kv_cache_usage=core.kv.usage(),
-            free_blocks=core.kv.num_free_blocks, usable_blocks=core.kv.num_usable_blocks,
-            in_flight=aengine.num_in_flight(), metrics_text=self.metrics.render())
+            replica=self.replica_id,
+            actor_name=self.actor_name,
+            healthy=aengine.is_running,
+            error=None if error is None else repr(error),
+            running=len(core.scheduler.running),
+            waiting=len(core.scheduler.waiting),
+            kv_cache_usage=core.kv.usage(),
+            free_blocks=core.kv.num_free_blocks,
+            usable_blocks=core.kv.num_usable_blocks,
+            in_flight=aengine.num_in_flight(),
+            metrics_text=self.metrics.render(),
+        )
 
     def check_health(self) -> None:
         """Serve's health check: a replica whose engine died (its loop raised, a tensor-parallel worker

@@ -46,7 +46,7 @@ def prefix_block_hashes(token_ids: list[int], block_size: int, max_blocks: int) 
     h = 0
     n = min(len(token_ids) // block_size, max_blocks)
     for i in range(n):
-        h = hash((h, tuple(token_ids[i * block_size:(i + 1) * block_size])))
+        h = hash((h, tuple(token_ids[i * block_size : (i + 1) * block_size])))
         hashes.append(h)
     return hashes
 
@@ -99,9 +99,16 @@ def _request_prompt(pending: PendingRequest | None) -> tuple[list[int] | None, s
 class TokenmillRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     """See the module docstring. Configured through `request_router_kwargs` (initialize_state)."""
 
-    def initialize_state(self, policy: str = "prefix", block_size: int = 16, max_prefix_blocks: int = 256,
-                         min_match_blocks: int = 2, imbalance_threshold: int = 8,
-                         table_capacity: int = 200_000, **_: Any) -> None:
+    def initialize_state(
+        self,
+        policy: str = "prefix",
+        block_size: int = 16,
+        max_prefix_blocks: int = 256,
+        min_match_blocks: int = 2,
+        imbalance_threshold: int = 8,
+        table_capacity: int = 200_000,
+        **_: Any,
+    ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown routing policy {policy!r}; choose one of {', '.join(POLICIES)}")
         self.policy = policy
@@ -116,8 +123,9 @@ class TokenmillRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._turn = itertools.count()
 
     # ---- Serve's hooks ----------------------------------------------------------------------
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
         if self.policy == "pow2":

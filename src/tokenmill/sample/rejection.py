@@ -92,8 +92,11 @@ def rejection_sample(
         raise ValueError("target_probs is required when a request samples (temperature > 0)")
     if any_greedy and target_argmax is None:
         raise ValueError("target_argmax is required when a request is greedy")
-    for name, t, n in (("target_probs", target_probs, n_rows), ("target_argmax", target_argmax, n_rows),
-                       ("draft_probs", draft_probs, n_drafts)):
+    for name, t, n in (
+        ("target_probs", target_probs, n_rows),
+        ("target_argmax", target_argmax, n_rows),
+        ("draft_probs", draft_probs, n_drafts),
+    ):
         if t is not None and t.shape[0] != n:
             raise ValueError(f"{name} has {t.shape[0]} rows, expected {n} for drafts of lengths {ks}")
     gens = list(generators) if generators is not None else [None] * B
@@ -104,10 +107,15 @@ def rejection_sample(
         row_start[i] = row_start[i - 1] + ks[i - 1] + 1
         draft_start[i] = draft_start[i - 1] + ks[i - 1]
     # Host-built indices, one copy: per draft its request, position, target row and token.
-    idx = torch.tensor([[i for i in range(B) for _ in range(ks[i])],
-                        [j for k in ks for j in range(k)],
-                        [row_start[i] + j for i in range(B) for j in range(ks[i])],
-                        [t for d in draft_token_ids for t in d]], dtype=torch.long).to(dev)
+    idx = torch.tensor(
+        [
+            [i for i in range(B) for _ in range(ks[i])],
+            [j for k in ks for j in range(k)],
+            [row_start[i] + j for i in range(B) for j in range(ks[i])],
+            [t for d in draft_token_ids for t in d],
+        ],
+        dtype=torch.long,
+    ).to(dev)
     req_of, pos_of, rows, drafts = idx.unbind(0)
     meta = torch.tensor([row_start, draft_start, ks, [int(g) for g in greedy]], dtype=torch.long).to(dev)
     row_start_t, draft_start_t, ks_t, greedy_t = meta[0], meta[1], meta[2], meta[3].bool()
@@ -127,13 +135,17 @@ def rejection_sample(
         if any_random:
             # Uniforms: a seeded request's from its generator; the unseeded ones' in one draw.
             u = torch.ones(n_drafts, dtype=torch.float32, device=dev)
-            shared = [j for i in range(B) if not greedy[i] and gens[i] is None
-                      for j in range(draft_start[i], draft_start[i] + ks[i])]
+            shared = [
+                j
+                for i in range(B)
+                if not greedy[i] and gens[i] is None
+                for j in range(draft_start[i], draft_start[i] + ks[i])
+            ]
             if shared:
                 u[torch.tensor(shared, dtype=torch.long).to(dev)] = torch.rand(len(shared), generator=own, device=dev)
             for i in range(B):
                 if not greedy[i] and ks[i] and gens[i] is not None:
-                    u[draft_start[i]: draft_start[i] + ks[i]] = torch.rand(ks[i], generator=gens[i], device=dev)
+                    u[draft_start[i] : draft_start[i] + ks[i]] = torch.rand(ks[i], generator=gens[i], device=dev)
             # Accept with probability min(1, p(x) / q(x)), as u * q(x) < p(x): no division, q = 0 < p accepts.
             assert target_probs is not None  # checked above
             p_x = target_probs[rows, drafts].float()
@@ -185,8 +197,9 @@ def rejection_sample(
     return VerifyOutput(tokens, n_acc_h)
 
 
-def target_distributions(sampler: Sampler, logits: torch.Tensor,
-                         batch: SamplingBatch) -> tuple[torch.Tensor | None, torch.Tensor]:
+def target_distributions(
+    sampler: Sampler, logits: torch.Tensor, batch: SamplingBatch
+) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(probs, argmax) for rejection_sample from the target's logits over the verification rows,
     computed as Sampler.__call__ computes them (the same functions, so the same bits): processed
     logits, their argmax with the same kernel, then sampling_probs (temperature, top-k/top-p, min-p).

@@ -86,8 +86,9 @@ class SamplingBatch:
     reusable: bool = False
 
     @classmethod
-    def from_requests(cls, reqs: Sequence[SamplingRow], vocab_size: int,
-                      device: torch.device | str | None = None) -> SamplingBatch:
+    def from_requests(
+        cls, reqs: Sequence[SamplingRow], vocab_size: int, device: torch.device | str | None = None
+    ) -> SamplingBatch:
         """device: the logits' (None: CPU). Small tensors are built on the CPU and each moved in
         one copy; [B, V] ones are scattered on the device from flat index lists."""
         dev = torch.device("cpu") if device is None else torch.device(device)
@@ -106,8 +107,11 @@ class SamplingBatch:
         floats += [[p.top_p for p in ps]] if use_top_p else []
         floats += [[p.min_p for p in ps]] if use_min_p else []
         if use_pen:
-            floats += [[p.repetition_penalty for p in ps], [p.presence_penalty for p in ps],
-                       [p.frequency_penalty for p in ps]]
+            floats += [
+                [p.repetition_penalty for p in ps],
+                [p.presence_penalty for p in ps],
+                [p.frequency_penalty for p in ps],
+            ]
         rows: Iterator[torch.Tensor] = iter(())
         if floats:
             packed = _to(torch.tensor(floats, dtype=torch.float32), dev)
@@ -162,12 +166,25 @@ class SamplingBatch:
             idx = _to(torch.tensor([bias_rows, bias_ids], dtype=torch.long), dev)
             bias = (idx[0], idx[1], _to(torch.tensor(bias_vals, dtype=torch.float32), dev))
         return cls(
-            temperature=temps, all_greedy=all_greedy, top_k=top_k, top_p=top_p, min_p=min_p,
-            generators=[r.generator_for(dev) for r in reqs], repetition_penalty=rep, presence_penalty=pres,
-            frequency_penalty=freq, output_counts=counts, seen_mask=seen, banned=banned,
-            banned_rows=banned_rows, num_logprobs=[p.logprobs for p in ps], logit_bias=bias,
-            watermark_rows=wm_rows, watermark_prev=wm_prev,
-            matchers=[r.matcher for r in reqs] if any(r.matcher is not None for r in reqs) else None, device=dev,
+            temperature=temps,
+            all_greedy=all_greedy,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            generators=[r.generator_for(dev) for r in reqs],
+            repetition_penalty=rep,
+            presence_penalty=pres,
+            frequency_penalty=freq,
+            output_counts=counts,
+            seen_mask=seen,
+            banned=banned,
+            banned_rows=banned_rows,
+            num_logprobs=[p.logprobs for p in ps],
+            logit_bias=bias,
+            watermark_rows=wm_rows,
+            watermark_prev=wm_prev,
+            matchers=[r.matcher for r in reqs] if any(r.matcher is not None for r in reqs) else None,
+            device=dev,
             reusable=not (use_pen or banned_rows or wm_rows or any(r.bad_words_token_ids for r in reqs)),
         )
 
@@ -183,8 +200,13 @@ class SamplingBatches:
 
     def __call__(self, reqs: list[Request], vocab_size: int, device: torch.device) -> SamplingBatch:
         last = self.batch
-        if (last is not None and last.reusable and last.device == device and len(reqs) == len(self.reqs)
-                and all(map(operator.is_, reqs, self.reqs))):
+        if (
+            last is not None
+            and last.reusable
+            and last.device == device
+            and len(reqs) == len(self.reqs)
+            and all(map(operator.is_, reqs, self.reqs))
+        ):
             return last
         self.reqs, self.batch = list(reqs), SamplingBatch.from_requests(reqs, vocab_size, device=device)
         return self.batch
@@ -198,7 +220,9 @@ def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
 
 
-def _penalty_counts(reqs: Sequence[SamplingRow], vocab_size: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _penalty_counts(
+    reqs: Sequence[SamplingRow], vocab_size: int, dev: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, V] output-token counts and prompt-or-output mask, scattered on dev from the flat
     token lists (one copy of B + B + n_out + n_all ints, not two [B, V] tensors)."""
     B = len(reqs)
@@ -207,7 +231,7 @@ def _penalty_counts(reqs: Sequence[SamplingRow], vocab_size: int, dev: torch.dev
     flat = lens + list(chain.from_iterable(r.output_token_ids for r in reqs))
     flat += chain.from_iterable(r.all_token_ids for r in reqs)
     flat_t = _to(torch.tensor(flat, dtype=torch.long), dev)
-    lens_t, ids = flat_t[: 2 * B], flat_t[2 * B:]
+    lens_t, ids = flat_t[: 2 * B], flat_t[2 * B :]
     row = torch.arange(B, device=dev)
     # output_size: no device-to-host sync to size the result
     out_rows = row.repeat_interleave(lens_t[:B], output_size=n_out)
@@ -251,8 +275,7 @@ class SamplerOutput:
         if self.accepted_ids is None:
             return [self.token_ids[row]], [self.logprobs[row]]
         assert self.accepted_logprobs is not None  # set with accepted_ids
-        return (self.accepted_ids[row] + [self.token_ids[row]],
-                self.accepted_logprobs[row] + [self.logprobs[row]])
+        return (self.accepted_ids[row] + [self.token_ids[row]], self.accepted_logprobs[row] + [self.logprobs[row]])
 
 
 def score_tokens(logits: torch.Tensor, targets: list[int], top_n: int) -> list[SampleLogprobs]:
@@ -262,8 +285,9 @@ def score_tokens(logits: torch.Tensor, targets: list[int], top_n: int) -> list[S
     return host_logprobs(lp, tgt, [top_n] * len(targets))
 
 
-def host_logprobs(lp: torch.Tensor, chosen: torch.Tensor, top_ns: list[int],
-                   extra: torch.Tensor | None = None) -> list[Any]:
+def host_logprobs(
+    lp: torch.Tensor, chosen: torch.Tensor, top_ns: list[int], extra: torch.Tensor | None = None
+) -> list[Any]:
     """Row i's SampleLogprobs for token chosen[i] with its top top_ns[i], computed for all rows
     at once and brought to the host in one copy. `extra` (the sampled ids) rides in the same
     copy and comes back first as a list of ints. float64 carries float32 values and ids exactly."""
@@ -279,11 +303,16 @@ def host_logprobs(lp: torch.Tensor, chosen: torch.Tensor, top_ns: list[int],
     out: list[Any] = []
     if extra is not None:
         out.append([int(t) for t in host[: len(extra)]])
-        host = host[len(extra):]
-    vals_h, ids_h = host[2 * R: 2 * R + R * n], host[2 * R + R * n:]
-    out += [SampleLogprobs(host[i], int(host[R + i]),
-                           [(int(t), v) for t, v in zip(ids_h[i * n: i * n + k], vals_h[i * n: i * n + k])])
-            for i, k in enumerate(top_ns)]
+        host = host[len(extra) :]
+    vals_h, ids_h = host[2 * R : 2 * R + R * n], host[2 * R + R * n :]
+    out += [
+        SampleLogprobs(
+            host[i],
+            int(host[R + i]),
+            [(int(t), v) for t, v in zip(ids_h[i * n : i * n + k], vals_h[i * n : i * n + k])],
+        )
+        for i, k in enumerate(top_ns)
+    ]
     return out
 
 
@@ -292,8 +321,7 @@ class Sampler:
     made: argmax, top-k / top-p cuts) sample them; elsewhere (and for logits on another device)
     torch's ops do, and no CPU kernels are loaded."""
 
-    def __init__(self, seed: int = 0, watermark: WatermarkConfig | None = None,
-                 device: torch.device | str = "cpu"):
+    def __init__(self, seed: int = 0, watermark: WatermarkConfig | None = None, device: torch.device | str = "cpu"):
         self.seed = seed
         self.ops = kernels_for(device, torch.float32)
         self.generator = torch.Generator().manual_seed(seed)  # unseeded rows' noise on CPU
@@ -311,8 +339,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits: [B, V] float32 from the model, on the device the batch was built for."""
         if batch.device is not None and batch.device != logits.device:
-            raise ValueError(f"sampling batch built for {batch.device} but the logits are on "
-                             f"{logits.device}: pass device=logits.device to SamplingBatch.from_requests")
+            raise ValueError(
+                f"sampling batch built for {batch.device} but the logits are on "
+                f"{logits.device}: pass device=logits.device to SamplingBatch.from_requests"
+            )
         want = [i for i, n in enumerate(batch.num_logprobs) if n is not None]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want else None
         logits = self.process_logits(logits, batch)
@@ -327,16 +357,22 @@ class Sampler:
             raw_logprobs, chosen = raw_logprobs[rows], tokens[rows]
         else:
             chosen = tokens
-        token_list, *wanted = host_logprobs(raw_logprobs, chosen, [n for n in batch.num_logprobs if n is not None],
-                                             tokens)
+        token_list, *wanted = host_logprobs(
+            raw_logprobs, chosen, [n for n in batch.num_logprobs if n is not None], tokens
+        )
         lps: list[SampleLogprobs | None] = [None] * len(token_list)
         for i, lp in zip(want, wanted):
             lps[i] = lp
         return SamplerOutput(token_list, lps)
 
     def process_logits(self, logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
-        if b.repetition_penalty is None and b.banned is None and b.logit_bias is None and not b.watermark_rows \
-                and b.matchers is None:
+        if (
+            b.repetition_penalty is None
+            and b.banned is None
+            and b.logit_bias is None
+            and not b.watermark_rows
+            and b.matchers is None
+        ):
             return logits
         logits = logits.clone()
         if b.repetition_penalty is not None:
@@ -411,8 +447,9 @@ def argmax_tokens(logits: torch.Tensor, ops: KernelModule | None = None) -> torc
     return logits.max(dim=-1).indices
 
 
-def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-                 ops: KernelModule | None = None) -> torch.Tensor:
+def _top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, ops: KernelModule | None = None
+) -> torch.Tensor:
     """The logits with every token outside the row's top k, then outside its top-p nucleus, at
     -inf. On CPU each row's cut comes from the C++ kernel (csrc/sampling.cpp: one pass and a
     small sort; torch's sort of 32 x 49k logits takes ~60 ms on 2 cores, more than a decode
@@ -436,8 +473,12 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.
     return torch.full_like(logits, float("-inf")).scatter_(1, idx, sorted_logits)
 
 
-def per_row(draw: Callable[[torch.Tensor, torch.Generator | None], torch.Tensor], like: torch.Tensor,
-            gens: list[torch.Generator | None], own: torch.Generator | None) -> torch.Tensor:
+def per_row(
+    draw: Callable[[torch.Tensor, torch.Generator | None], torch.Tensor],
+    like: torch.Tensor,
+    gens: list[torch.Generator | None],
+    own: torch.Generator | None,
+) -> torch.Tensor:
     """A tensor shaped like `like`, row r filled by draw(row, gens[r]); rows without a generator in
     one draw from `own`."""
     out = torch.empty_like(like)
@@ -446,18 +487,24 @@ def per_row(draw: Callable[[torch.Tensor, torch.Generator | None], torch.Tensor]
         draw(out, own)
     elif shared:
         out[torch.tensor(shared, dtype=torch.long, device=like.device)] = draw(
-            torch.empty((len(shared),) + tuple(like.shape[1:]), dtype=like.dtype, device=like.device), own)
+            torch.empty((len(shared),) + tuple(like.shape[1:]), dtype=like.dtype, device=like.device), own
+        )
     for r, g in enumerate(gens):
         if g is not None:
             draw(out[r], g)
     return out
 
 
-def draw_inverse_cdf(dist: torch.Tensor, gens: list[torch.Generator | None],
-                     own: torch.Generator | None) -> torch.Tensor:
+def draw_inverse_cdf(
+    dist: torch.Tensor, gens: list[torch.Generator | None], own: torch.Generator | None
+) -> torch.Tensor:
     """One token per row of dist by inverse CDF, row r's uniform from gens[r] (or `own`)."""
-    u = per_row(lambda t, g: t.uniform_(generator=g),
-                torch.empty(len(gens), 1, dtype=torch.float64, device=dist.device), gens, own)
+    u = per_row(
+        lambda t, g: t.uniform_(generator=g),
+        torch.empty(len(gens), 1, dtype=torch.float64, device=dist.device),
+        gens,
+        own,
+    )
     return inverse_cdf(dist, u)
 
 

@@ -40,8 +40,9 @@ class StructuredOutputManager:
     PROBE_TOKENS = 32  # tokens of the longest-token walk that checks a new grammar (see _probe)
 
     # hf_tokenizer: a Hugging Face fast tokenizer (llguidance.hf reads its tokenizers backend)
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int],
-                 cache_size: int = 256) -> None:
+    def __init__(
+        self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int], cache_size: int = 256
+    ) -> None:
         self.hf_tokenizer = hf_tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
@@ -60,8 +61,9 @@ class StructuredOutputManager:
         with self._lock:
             if self._init_thread is not None or self.initialised.is_set():
                 return
-            self._init_thread = threading.Thread(target=self._init_in_background, name="tokenmill-grammar-init",
-                                                 daemon=True)
+            self._init_thread = threading.Thread(
+                target=self._init_in_background, name="tokenmill-grammar-init", daemon=True
+            )
             self._init_thread.start()
 
     def _init_in_background(self) -> None:
@@ -81,10 +83,13 @@ class StructuredOutputManager:
         t0 = time.perf_counter()
         import llguidance.hf  # not llguidance.torch: it imports torch._dynamo and inductor (~4 s)
 
-        lltok = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
-                                             eos_token=self.eos_token_ids or None)
-        self._token_bytes = np.array([0 if lltok.is_special_token(i) else len(lltok.decode_bytes([i]))
-                                      for i in range(self.vocab_size)], dtype=np.int32)
+        lltok = llguidance.hf.from_tokenizer(
+            self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None
+        )
+        self._token_bytes = np.array(
+            [0 if lltok.is_special_token(i) else len(lltok.decode_bytes([i])) for i in range(self.vocab_size)],
+            dtype=np.int32,
+        )
         self._lltok = lltok
         self.built_on = threading.current_thread().name
         self.initialised.set()

@@ -37,8 +37,9 @@ class MatcherAt:
     def __init__(self, matcher: LLMatcher, tokens: list[int]) -> None:
         self.matcher, self.tokens = matcher, tokens
 
-    def fill_bitmask(self, fill: Callable[[LLMatcher, torch.Tensor, int], None], bitmask: torch.Tensor,
-                     row: int) -> None:
+    def fill_bitmask(
+        self, fill: Callable[[LLMatcher, torch.Tensor, int], None], bitmask: torch.Tensor, row: int
+    ) -> None:
         ok = self.matcher.try_consume_tokens(self.tokens) if self.tokens else 0
         fill(self.matcher, bitmask, row)
         if ok:
@@ -84,10 +85,15 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, scheduled: list[Schedu
     batch = SamplingBatch.from_requests(positions, logits.shape[-1], device=dev)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in batch.num_logprobs) else None
     probs, argmax = target_distributions(sampler, logits, batch)
-    verified = rejection_sample([s.spec_token_ids for s in scheduled], probs, argmax,
-                                [s.request.sampling_params.greedy for s in scheduled], _draft_probs(scheduled, probs),
-                                generators=[batch.generators[r0] for r0 in starts],
-                                generator=sampler._generator_for(dev))
+    verified = rejection_sample(
+        [s.spec_token_ids for s in scheduled],
+        probs,
+        argmax,
+        [s.request.sampling_params.greedy for s in scheduled],
+        _draft_probs(scheduled, probs),
+        generators=[batch.generators[r0] for r0 in starts],
+        generator=sampler._generator_for(dev),
+    )
     accepted_ids: list[list[int]] = []
     next_ids: list[int] = []
     rows: list[list[int]] = []
@@ -103,8 +109,11 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, scheduled: list[Schedu
         flat = [r for i in want for r in rows[i]]
         chosen = [t for i in want for t in accepted_ids[i] + [next_ids[i]]]
         idx = torch.tensor(flat, dtype=torch.long, device=dev)
-        lps = host_logprobs(raw_logprobs[idx], torch.tensor(chosen, dtype=torch.long, device=dev),
-                             [top_n[i] for i in want for _ in rows[i]])
+        lps = host_logprobs(
+            raw_logprobs[idx],
+            torch.tensor(chosen, dtype=torch.long, device=dev),
+            [top_n[i] for i in want for _ in rows[i]],
+        )
         it = iter(lps)
         for i in want:
             accepted_lps[i] = [next(it) for _ in accepted_ids[i]]

@@ -30,9 +30,8 @@ __all__ = ["build_app", "serve", "BackgroundServer", "ServerArgs"]
 
 def __getattr__(name: str):
     if name in __all__:
-        from tokenmill.server import (
-            app,  # lazy: `tokenmill.server.args` and the startup path stay free of FastAPI's imports
-        )
+        # lazy: `tokenmill.server.args` and the startup path stay free of FastAPI's imports
+        from tokenmill.server import app
 
         return getattr(app, name)
     raise AttributeError(name)

@@ -44,20 +44,32 @@ router = APIRouter(tags=["Anthropic"], route_class=CheckedRoute)
 
 ERRORS = {
     400: {"model": AnthropicErrorResponse, "description": "bad input (invalid_request_error)"},
-    401: {"model": AnthropicErrorResponse,
-          "description": "missing or wrong API key (x-api-key or Authorization: Bearer)"},
+    401: {
+        "model": AnthropicErrorResponse,
+        "description": "missing or wrong API key (x-api-key or Authorization: Bearer)",
+    },
     404: {"model": AnthropicErrorResponse, "description": "unknown model"},
     413: {"model": AnthropicErrorResponse, "description": "body over --max-request-body-bytes"},
-    503: {"model": AnthropicErrorResponse,
-          "description": "too many waiting requests, or the engine is down (overloaded_error)"},
+    503: {
+        "model": AnthropicErrorResponse,
+        "description": "too many waiting requests, or the engine is down (overloaded_error)",
+    },
 }
 
 
-@router.post("/v1/messages", response_model=None, responses={
-    200: {"model": AnthropicMessage, "description": "a Message, or with stream=true Anthropic's SSE events "
-                                           "(`event: <type>` and `data: {...}`), ending with message_stop",
-          "content": sse_content(*STREAM_EVENTS, done=False)},
-    **ERRORS})
+@router.post(
+    "/v1/messages",
+    response_model=None,
+    responses={
+        200: {
+            "model": AnthropicMessage,
+            "description": "a Message, or with stream=true Anthropic's SSE events "
+            "(`event: <type>` and `data: {...}`), ending with message_stop",
+            "content": sse_content(*STREAM_EVENTS, done=False),
+        },
+        **ERRORS,
+    },
+)
 async def create_message(body: AnthropicMessagesRequest, raw: Request):
     return await run_cancellable(raw, _create_message(body, raw))
 
@@ -78,9 +90,15 @@ async def _create_message(body: AnthropicMessagesRequest, raw: Request):
     messages, continue_final = await ctx.offload(chat_messages, body)  # 10,000s of blocks: off the event loop
     fmt = body.output_config.format if body.output_config is not None else None
     guided = structured_output("json_schema", fmt.schema_, param="output_config.format") if fmt else None
-    sampling = conversation.Sampling(max_tokens=body.max_tokens, max_param="max_tokens", temperature=body.temperature,
-                                     top_p=body.top_p, top_k=body.top_k or None, stop=body.stop_sequences,
-                                     guided=guided)
+    sampling = conversation.Sampling(
+        max_tokens=body.max_tokens,
+        max_param="max_tokens",
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k or None,
+        stop=body.stop_sequences,
+        guided=guided,
+    )
     gen = await conversation.start(ctx, raw, "msg", body, messages, tool_plan(body), sampling, continue_final)
     if body.stream:
         return SSEResponse(_stream(gen))
@@ -89,12 +107,22 @@ async def _create_message(body: AnthropicMessagesRequest, raw: Request):
 
 def _message(gen: conversation.Generation, answer: conversation.Answer) -> dict:
     """The whole Message (on the prep pool, by json_response), its blocks dumped one at a time."""
-    content = [(AnthropicTextOut(text=p) if isinstance(p, str)
-                else AnthropicToolUseOut(id=_tool_id(p.id), name=p.name, input=_input(p.arguments))).model_dump()
-               for p in answer.parts]
-    msg = AnthropicMessage(id=gen.request_id, model=gen.model, content=[], stop_reason=_stop_reason(answer),
-                           stop_sequence=answer.stop_string,
-                           usage=AnthropicUsage(input_tokens=gen.prompt_tokens, output_tokens=answer.output_tokens))
+    content = [
+        (
+            AnthropicTextOut(text=p)
+            if isinstance(p, str)
+            else AnthropicToolUseOut(id=_tool_id(p.id), name=p.name, input=_input(p.arguments))
+        ).model_dump()
+        for p in answer.parts
+    ]
+    msg = AnthropicMessage(
+        id=gen.request_id,
+        model=gen.model,
+        content=[],
+        stop_reason=_stop_reason(answer),
+        stop_sequence=answer.stop_string,
+        usage=AnthropicUsage(input_tokens=gen.prompt_tokens, output_tokens=answer.output_tokens),
+    )
     return {**msg.model_dump(), "content": content}
 
 
@@ -113,8 +141,13 @@ def chat_messages(body: AnthropicConversation) -> tuple[list[ChatMessage], bool]
             elif isinstance(b, AnthropicToolUseBlock):
                 if m.role != "assistant":
                     raise APIError(f"messages[{i}]: tool_use blocks belong in assistant messages", param="messages")
-                calls.append({"id": b.id, "type": "function",
-                              "function": {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}})
+                calls.append(
+                    {
+                        "id": b.id,
+                        "type": "function",
+                        "function": {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)},
+                    }
+                )
             elif isinstance(b, AnthropicToolResultBlock):
                 if m.role != "user":
                     raise APIError(f"messages[{i}]: tool_result blocks belong in user messages", param="messages")
@@ -190,14 +223,23 @@ class _Blocks:
         if isinstance(e, str):
             if self.open != "text":
                 out += self.close() + self._start("text", {"type": "text", "text": ""})
-            out.append(_event({"type": "content_block_delta", "index": self.index,
-                               "delta": {"type": "text_delta", "text": e}}))
+            out.append(
+                _event({"type": "content_block_delta", "index": self.index, "delta": {"type": "text_delta", "text": e}})
+            )
         elif isinstance(e, CallStart):
-            out += self.close() + self._start("tool_use", {"type": "tool_use", "id": _tool_id(e.id), "name": e.name,
-                                                           "input": {}})
+            out += self.close() + self._start(
+                "tool_use", {"type": "tool_use", "id": _tool_id(e.id), "name": e.name, "input": {}}
+            )
         elif isinstance(e, CallArgs) and e.delta:
-            out.append(_event({"type": "content_block_delta", "index": self.index,
-                               "delta": {"type": "input_json_delta", "partial_json": e.delta}}))
+            out.append(
+                _event(
+                    {
+                        "type": "content_block_delta",
+                        "index": self.index,
+                        "delta": {"type": "input_json_delta", "partial_json": e.delta},
+                    }
+                )
+            )
         elif isinstance(e, CallEnd):
             out += self.close()
         return out
@@ -216,8 +258,12 @@ class _Blocks:
 async def _stream(gen: conversation.Generation):
     """message_start, ping, then per block content_block_start / _delta / _stop (text_delta for
     text, input_json_delta for a tool's input), message_delta (stop_reason, usage), message_stop."""
-    start = AnthropicMessage(id=gen.request_id, model=gen.model, content=[],
-                             usage=AnthropicUsage(input_tokens=gen.prompt_tokens, output_tokens=0))
+    start = AnthropicMessage(
+        id=gen.request_id,
+        model=gen.model,
+        content=[],
+        usage=AnthropicUsage(input_tokens=gen.prompt_tokens, output_tokens=0),
+    )
     yield _event({"type": "message_start", "message": start.model_dump()}) + _event({"type": "ping"})
     blocks, answer = _Blocks(), None
     try:
@@ -227,8 +273,13 @@ async def _stream(gen: conversation.Generation):
                     yield chunk
         delta = {"stop_reason": _stop_reason(answer), "stop_sequence": answer.stop_string}
         usage = {"input_tokens": gen.prompt_tokens, "output_tokens": answer.output_tokens}
-        yield b"".join([*blocks.close(), _event({"type": "message_delta", "delta": delta, "usage": usage}),
-                        _event({"type": "message_stop"})])
+        yield b"".join(
+            [
+                *blocks.close(),
+                _event({"type": "message_delta", "delta": delta, "usage": usage}),
+                _event({"type": "message_stop"}),
+            ]
+        )
     except (ValueError, RuntimeError, APIError) as e:
         err = stream_error(e, gen.request_id)
         yield _event(anthropic_error_body(err.message, err.status))

@@ -50,10 +50,16 @@ def _block_type(v: Any) -> str | None:
 
 
 AnthropicContentBlock = Annotated[
-    Annotated[AnthropicTextBlock, Tag("text")] | Annotated[AnthropicToolUseBlock, Tag("tool_use")] | Annotated[AnthropicToolResultBlock, Tag("tool_result")] | Annotated[AnthropicThinkingBlock, Tag("thinking")],
-    Discriminator(_block_type, custom_error_type="block_type",
-                  custom_error_message="content blocks must be of type text, tool_use, tool_result or thinking "
-                                       "(images, documents and other blocks are not supported)"),
+    Annotated[AnthropicTextBlock, Tag("text")]
+    | Annotated[AnthropicToolUseBlock, Tag("tool_use")]
+    | Annotated[AnthropicToolResultBlock, Tag("tool_result")]
+    | Annotated[AnthropicThinkingBlock, Tag("thinking")],
+    Discriminator(
+        _block_type,
+        custom_error_type="block_type",
+        custom_error_message="content blocks must be of type text, tool_use, tool_result or thinking "
+        "(images, documents and other blocks are not supported)",
+    ),
 ]
 
 
@@ -62,8 +68,10 @@ def _text_to_blocks(v: Any) -> Any:
 
 
 # A string, or a list of blocks; either way the route sees blocks.
-AnthropicContent = Annotated[list[AnthropicContentBlock], BeforeValidator(
-    _text_to_blocks, json_schema_input_type=Union[str, list[AnthropicContentBlock]])]
+AnthropicContent = Annotated[
+    list[AnthropicContentBlock],
+    BeforeValidator(_text_to_blocks, json_schema_input_type=Union[str, list[AnthropicContentBlock]]),
+]
 
 
 class AnthropicMessageParam(AnthropicBaseModel):
@@ -98,13 +106,17 @@ class AnthropicToolChoiceNone(AnthropicBaseModel):
     type: Literal["none"]
 
 
-AnthropicToolChoice = Annotated[AnthropicToolChoiceAuto | AnthropicToolChoiceAny | AnthropicToolChoiceTool | AnthropicToolChoiceNone, Field(discriminator="type")]
+AnthropicToolChoice = Annotated[
+    AnthropicToolChoiceAuto | AnthropicToolChoiceAny | AnthropicToolChoiceTool | AnthropicToolChoiceNone,
+    Field(discriminator="type"),
+]
 
 
 class AnthropicConversation(AnthropicBaseModel):
     model: str = Field(..., min_length=1, description="the served model name (or a LoRA adapter's)")
-    messages: list[AnthropicMessageParam] = Field(..., min_length=1,
-                                                  description="a last assistant message is continued")
+    messages: list[AnthropicMessageParam] = Field(
+        ..., min_length=1, description="a last assistant message is continued"
+    )
     system: str | list[AnthropicTextBlock] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
@@ -122,7 +134,8 @@ class AnthropicOutputConfig(AnthropicBaseModel):
 class AnthropicMessagesRequest(AnthropicConversation, SchedulingExtras):
     max_tokens: int = Field(..., ge=1, description="new tokens at most (the prompt and them must fit the context)")
     stop_sequences: Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP)] | None = Field(
-        None, description="strings that end generation (not included in the text)")
+        None, description="strings that end generation (not included in the text)"
+    )
     temperature: float | None = Field(None, ge=0.0, le=1.0, description="0 is greedy (default 1)")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0, le=SamplingParams.TOP_K_MAX, description="0 disables")
@@ -233,6 +246,13 @@ class AnthropicPingEvent(BaseModel):
     type: Literal["ping"]
 
 
-STREAM_EVENTS = (AnthropicMessageStartEvent, AnthropicContentBlockStartEvent, AnthropicContentBlockDeltaEvent,
-                 AnthropicContentBlockStopEvent, AnthropicMessageDeltaEvent, AnthropicMessageStopEvent,
-                 AnthropicPingEvent, AnthropicErrorResponse)
+STREAM_EVENTS = (
+    AnthropicMessageStartEvent,
+    AnthropicContentBlockStartEvent,
+    AnthropicContentBlockDeltaEvent,
+    AnthropicContentBlockStopEvent,
+    AnthropicMessageDeltaEvent,
+    AnthropicMessageStopEvent,
+    AnthropicPingEvent,
+    AnthropicErrorResponse,
+)

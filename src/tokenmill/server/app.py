@@ -87,8 +87,9 @@ class ServerMiddleware:
         try:
             key = self.ctx.api_key
             if key and not _public(path) and not _authorized(headers, key):
-                resp = error_response(path, "invalid or missing API key: send 'Authorization: Bearer <key>' "
-                                             "or 'x-api-key: <key>'", 401)
+                resp = error_response(
+                    path, "invalid or missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'", 401
+                )
                 resp.headers["WWW-Authenticate"] = "Bearer"
                 return await resp(scope, receive, send_wrapper)
             limit = self.ctx.max_request_body_bytes
@@ -175,21 +176,33 @@ def _add_offline_docs(app: FastAPI) -> None:
     @app.get("/docs", include_in_schema=False)
     async def swagger(req: Request) -> HTMLResponse:
         r = root(req)
-        return get_swagger_ui_html(openapi_url=r + app.openapi_url, title=f"{app.title} - Swagger UI",
-                                   swagger_js_url=f"{r}{DOCS_STATIC}/swagger-ui-bundle.js",
-                                   swagger_css_url=f"{r}{DOCS_STATIC}/swagger-ui.css",
-                                   swagger_favicon_url=f"{r}{DOCS_STATIC}/favicon.png")
+        return get_swagger_ui_html(
+            openapi_url=r + app.openapi_url,
+            title=f"{app.title} - Swagger UI",
+            swagger_js_url=f"{r}{DOCS_STATIC}/swagger-ui-bundle.js",
+            swagger_css_url=f"{r}{DOCS_STATIC}/swagger-ui.css",
+            swagger_favicon_url=f"{r}{DOCS_STATIC}/favicon.png",
+        )
 
     @app.get("/redoc", include_in_schema=False)
     async def redoc(req: Request) -> HTMLResponse:
         r = root(req)
-        return get_redoc_html(openapi_url=r + app.openapi_url, title=f"{app.title} - ReDoc",
-                              redoc_js_url=f"{r}{DOCS_STATIC}/redoc.standalone.js",
-                              redoc_favicon_url=f"{r}{DOCS_STATIC}/favicon.png", with_google_fonts=False)
+        return get_redoc_html(
+            openapi_url=r + app.openapi_url,
+            title=f"{app.title} - ReDoc",
+            redoc_js_url=f"{r}{DOCS_STATIC}/redoc.standalone.js",
+            redoc_favicon_url=f"{r}{DOCS_STATIC}/favicon.png",
+            with_google_fonts=False,
+        )
 
 
-def build_app(aengine: AsyncLLMEngine, args: ServerArgs | None = None, *, shutdown_engine: bool = False,
-              tracer: RequestTracer | None = None) -> FastAPI:
+def build_app(
+    aengine: AsyncLLMEngine,
+    args: ServerArgs | None = None,
+    *,
+    shutdown_engine: bool = False,
+    tracer: RequestTracer | None = None,
+) -> FastAPI:
     """The HTTP app over a running AsyncLLMEngine, as `args` (ServerArgs) configure it. With
     shutdown_engine, the app stops the engine when it shuts down (after uvicorn has drained
     in-flight requests). `tracer`: spans of requests (tracing.py), shut down (flushed) with the app."""
@@ -201,9 +214,14 @@ def build_app(aengine: AsyncLLMEngine, args: ServerArgs | None = None, *, shutdo
         aengine.engine.structured_output.start_background_init()
     if not install_template_bounds():
         logger.warning("this transformers version compiles chat templates elsewhere: template operators unbounded")
-    ctx = ServerContext(aengine=aengine, model_name=model_name,
-                        metrics=ServerMetrics(aengine, model_name, args.metrics_prefix), args=args,
-                        response_store=openai_responses.ResponseStore(args.max_stored_responses), tracer=tracer)
+    ctx = ServerContext(
+        aengine=aengine,
+        model_name=model_name,
+        metrics=ServerMetrics(aengine, model_name, args.metrics_prefix),
+        args=args,
+        response_store=openai_responses.ResponseStore(args.max_stored_responses),
+        tracer=tracer,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -214,9 +232,15 @@ def build_app(aengine: AsyncLLMEngine, args: ServerArgs | None = None, *, shutdo
         if shutdown_engine:
             await loop.run_in_executor(None, aengine.shutdown)
 
-    app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan,
-                  description="OpenAI-compatible and TGI-compatible LLM server.", docs_url=None, redoc_url=None,
-                  strict_content_type=False)  # a JSON body without a Content-Type header is read as JSON
+    app = FastAPI(
+        title="tokenmill",
+        version=tokenmill.__version__,
+        lifespan=lifespan,
+        description="OpenAI-compatible and TGI-compatible LLM server.",
+        docs_url=None,
+        redoc_url=None,
+        strict_content_type=False,
+    )  # a JSON body without a Content-Type header is read as JSON
     app.state.ctx = ctx
     install_error_handlers(app)
     _add_offline_docs(app)

@@ -37,51 +37,71 @@ class ServerArgs:
     host: str = _flag("0.0.0.0", "address to listen on (default: all interfaces, 0.0.0.0)")
     port: int = _flag(8000, "port to listen on (default 8000)")
     api_key: str | None = _flag(
-        None, "require 'Authorization: Bearer <key>' on every route but /health and the API docs "
-              "(default: $TOKENMILL_API_KEY; none: no authentication)",
-        repr=False, cli_default=lambda: envs.TOKENMILL_API_KEY)
+        None,
+        "require 'Authorization: Bearer <key>' on every route but /health and the API docs "
+        "(default: $TOKENMILL_API_KEY; none: no authentication)",
+        repr=False,
+        cli_default=lambda: envs.TOKENMILL_API_KEY,
+    )
     max_waiting: int | None = _flag(
-        None, "refuse new requests with 503 + Retry-After while this many wait for the engine (default: no limit)")
+        None, "refuse new requests with 503 + Retry-After while this many wait for the engine (default: no limit)"
+    )
     drain_timeout: float = _flag(
-        30.0, "on SIGTERM / SIGINT, seconds to let in-flight requests finish before they are aborted; then the "
-              "server exits 0 (default 30)")
+        30.0,
+        "on SIGTERM / SIGINT, seconds to let in-flight requests finish before they are aborted; then the "
+        "server exits 0 (default 30)",
+    )
     max_logprobs: int = _flag(20, "largest logprobs / top_logprobs a request may ask for (default 20)")
     chat_template: str | None = _flag(
-        None, "Jinja chat template (a file path or the template itself) instead of the model's")
+        None, "Jinja chat template (a file path or the template itself) instead of the model's"
+    )
     trust_request_chat_template: bool = _flag(
-        False, "accept a chat_template sent in a request (default: refused with 400; a template is a program the "
-               "server runs)")
+        False,
+        "accept a chat_template sent in a request (default: refused with 400; a template is a program the server runs)",
+    )
     max_request_body_bytes: int = _flag(
-        DEFAULT_MAX_BODY_BYTES, "refuse larger request bodies with 413 (default 2000000, as TGI's --payload-limit; "
-                                "0: no limit)")
+        DEFAULT_MAX_BODY_BYTES,
+        "refuse larger request bodies with 413 (default 2000000, as TGI's --payload-limit; 0: no limit)",
+    )
     max_prompts_per_request: int = _flag(
-        DEFAULT_MAX_PROMPTS, "most prompts one /v1/completions request may carry (default 256)")
+        DEFAULT_MAX_PROMPTS, "most prompts one /v1/completions request may carry (default 256)"
+    )
     max_response_values: int = _flag(
         DEFAULT_MAX_RESPONSE_VALUES,
         "refuse with 400 a non-streamed request whose response could hold more values than this: tokens of text, "
         "logprob entries (each token's and its top ones) and embedding numbers, counted from n, max_tokens, "
-        "logprobs and the inputs (default 4000000; 0: no limit; streamed responses are not counted)")
+        "logprobs and the inputs (default 4000000; 0: no limit; streamed responses are not counted)",
+    )
     max_stored_responses: int = _flag(
-        DEFAULT_MAX_STORED, "Responses API: responses kept in memory for GET /v1/responses/{id} and "
-                            "previous_response_id, least recently used dropped first (default 1000; 0: none)")
+        DEFAULT_MAX_STORED,
+        "Responses API: responses kept in memory for GET /v1/responses/{id} and "
+        "previous_response_id, least recently used dropped first (default 1000; 0: none)",
+    )
     disable_log_requests: bool = _flag(
-        False, "do not write the access-log line of each request (id, tokens in/out, TTFT, latency)")
+        False, "do not write the access-log line of each request (id, tokens in/out, TTFT, latency)"
+    )
     disable_web_ui: bool = _flag(
-        False, "do not serve the web playground and live dashboard at / (its data calls need --api-key like "
-               "every route)")
-    uvicorn_log_level: str = _flag("info", "log level of uvicorn's own messages (default info)",
-                                   choices=list(UVICORN_LOG_LEVELS))
+        False,
+        "do not serve the web playground and live dashboard at / (its data calls need --api-key like every route)",
+    )
+    uvicorn_log_level: str = _flag(
+        "info", "log level of uvicorn's own messages (default info)", choices=list(UVICORN_LOG_LEVELS)
+    )
     timeout_keep_alive: int = _flag(5, "seconds an idle keep-alive connection stays open (default 5)")
     ssl_keyfile: str | None = _flag(None, "TLS private key file (serve HTTPS)")
     ssl_certfile: str | None = _flag(None, "TLS certificate file (serve HTTPS)")
     root_path: str = _flag("", "ASGI root_path, when behind a path-based proxy")
     otlp_traces_endpoint: str | None = _flag(
-        None, "send one OpenTelemetry span per request (vLLM's GenAI attributes) to this OTLP collector URL, e.g. "
-              "http://localhost:4318/v1/traces (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or "
-              "$OTEL_EXPORTER_OTLP_ENDPOINT if set, else off); pip install 'tokenmill[otel]'")
+        None,
+        "send one OpenTelemetry span per request (vLLM's GenAI attributes) to this OTLP collector URL, e.g. "
+        "http://localhost:4318/v1/traces (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or "
+        "$OTEL_EXPORTER_OTLP_ENDPOINT if set, else off); pip install 'tokenmill[otel]'",
+    )
     metrics_prefix: str = _flag(
-        DEFAULT_METRICS_PREFIX, "prefix of the /metrics names: tokenmill (tokenmill:*) or vllm (vllm:*, so "
-                                "dashboards made for vLLM work unchanged) (default: tokenmill)")
+        DEFAULT_METRICS_PREFIX,
+        "prefix of the /metrics names: tokenmill (tokenmill:*) or vllm (vllm:*, so "
+        "dashboards made for vLLM work unchanged) (default: tokenmill)",
+    )
 
     @property
     def log_requests(self) -> bool:
@@ -123,6 +143,15 @@ _TYPES = {"str": None, "str | None": None, "int": int, "int | None": int, "float
 # The fields that apply behind Ray Serve's proxy (the ingress deployment). The others are the
 # listener's (host, port, TLS, ...: Ray Serve's HTTP options, ClusterOptions), the engine's
 # (max_waiting, drain_timeout: ReplicaOptions), or not supported there yet (tracing, metrics_prefix).
-RAY_INGRESS_FIELDS = ("api_key", "max_logprobs", "chat_template", "trust_request_chat_template",
-                      "max_request_body_bytes", "max_prompts_per_request", "max_response_values",
-                      "max_stored_responses", "disable_log_requests", "disable_web_ui")
+RAY_INGRESS_FIELDS = (
+    "api_key",
+    "max_logprobs",
+    "chat_template",
+    "trust_request_chat_template",
+    "max_request_body_bytes",
+    "max_prompts_per_request",
+    "max_response_values",
+    "max_stored_responses",
+    "disable_log_requests",
+    "disable_web_ui",
+)

@@ -27,8 +27,18 @@ MAX_VALUE_SIZE = 8_000_000  # characters / items / digits of any one value a tem
 MIN_PROMPT_CHARS = 1_000_000  # the rendered prompt may have max(this, 32 x max_model_len) characters
 
 # Arguments of apply_chat_template that chat_template_kwargs may not override.
-_RESERVED_KWARGS = {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
-                    "chat_template", "return_dict", "return_tensors", "padding", "truncation"}
+_RESERVED_KWARGS = {
+    "conversation",
+    "messages",
+    "tokenize",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template",
+    "return_dict",
+    "return_tensors",
+    "padding",
+    "truncation",
+}
 
 
 class TemplateLimitError(Exception):
@@ -58,8 +68,9 @@ def _bounded_binop(env, context, op: str, left, right):
     else:
         est = 0
     if est > MAX_VALUE_SIZE:
-        raise TemplateLimitError(f"the chat template computes a value of about {est:,} characters or items "
-                                 f"(limit {MAX_VALUE_SIZE:,})")
+        raise TemplateLimitError(
+            f"the chat template computes a value of about {est:,} characters or items (limit {MAX_VALUE_SIZE:,})"
+        )
     return env.binop_table[op](left, right)
 
 
@@ -155,8 +166,10 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict]:
             texts = []
             for part in content:
                 if part.type != "text" or part.text is None:
-                    raise APIError(f"messages[{i}]: content part of type {part.type!r} is not supported; "
-                                   f"only text parts are", param="messages")
+                    raise APIError(
+                        f"messages[{i}]: content part of type {part.type!r} is not supported; only text parts are",
+                        param="messages",
+                    )
                 texts.append(part.text)
             content = "\n".join(texts)
         elif content is None:
@@ -172,21 +185,33 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict]:
     return out
 
 
-def render_chat(ctx, messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool,
-                chat_template: str | None, kwargs: dict | None, tools: ToolPlan | None = None) -> list[int]:
+def render_chat(
+    ctx,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    chat_template: str | None,
+    kwargs: dict | None,
+    tools: ToolPlan | None = None,
+) -> list[int]:
     """The prompt's token ids: messages through the chat template (blocking: run on the prep pool)."""
     if chat_template is not None and not ctx.trust_request_chat_template:
-        raise APIError("a chat_template in the request is refused: this server uses the model's template "
-                       "(start it with --trust-request-chat-template to accept templates from clients)",
-                       param="chat_template")
+        raise APIError(
+            "a chat_template in the request is refused: this server uses the model's template "
+            "(start it with --trust-request-chat-template to accept templates from clients)",
+            param="chat_template",
+        )
     if add_generation_prompt and continue_final_message:
-        raise APIError("add_generation_prompt and continue_final_message cannot both be true; "
-                       "set add_generation_prompt to false to continue the last message",
-                       param="continue_final_message")
+        raise APIError(
+            "add_generation_prompt and continue_final_message cannot both be true; "
+            "set add_generation_prompt to false to continue the last message",
+            param="continue_final_message",
+        )
     msgs = messages_to_dicts(messages)
     if continue_final_message and msgs[-1]["role"] != "assistant":
-        raise APIError("continue_final_message needs the last message to be an assistant message",
-                       param="continue_final_message")
+        raise APIError(
+            "continue_final_message needs the last message to be an assistant message", param="continue_final_message"
+        )
     kw = {k: v for k, v in (kwargs or {}).items() if k not in _RESERVED_KWARGS}
     template = chat_template or ctx.chat_template
     if template:
@@ -209,6 +234,9 @@ def render_chat(ctx, messages: list[ChatMessage], add_generation_prompt: bool, c
         raise APIError(f"the chat template failed on these messages: {e}", param="messages") from None
     limit = max(MIN_PROMPT_CHARS, 32 * ctx.max_model_len)
     if len(text) > limit:
-        raise APIError(f"the rendered chat has {len(text):,} characters, more than this server tokenizes for "
-                       f"one prompt ({limit:,})", param="messages")
+        raise APIError(
+            f"the rendered chat has {len(text):,} characters, more than this server tokenizes for "
+            f"one prompt ({limit:,})",
+            param="messages",
+        )
     return ctx.encode(text, add_special_tokens=False, param="messages")

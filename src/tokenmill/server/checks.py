@@ -22,8 +22,9 @@ def check_model(ctx: ServerContext, name: str | None) -> LoRARequest | None:
     lora = lora_request(ctx, name)
     if lora is None:
         adapters = " and the LoRA adapters listed by GET /v1/models" if ctx.lora is not None else ""
-        raise APIError(f"The model `{name}` does not exist. This server serves `{ctx.model_name}`{adapters}.", 404,
-                       "model")
+        raise APIError(
+            f"The model `{name}` does not exist. This server serves `{ctx.model_name}`{adapters}.", 404, "model"
+        )
     return lora
 
 
@@ -77,8 +78,9 @@ def check_token_ids(ctx: ServerContext, ids: list[int], param: str) -> None:
         raise APIError(f"token ids must be integers in [0, {vocab})", param=param)
 
 
-def resolve_max_tokens(ctx: ServerContext, n_prompt: int, max_tokens: int | None,
-                       what: str = "prompt", param: str = "max_tokens") -> int:
+def resolve_max_tokens(
+    ctx: ServerContext, n_prompt: int, max_tokens: int | None, what: str = "prompt", param: str = "max_tokens"
+) -> int:
     """vLLM's rule: the prompt plus max_tokens must fit the context; no max_tokens means the rest."""
     limit = ctx.max_model_len
     if n_prompt == 0:
@@ -87,7 +89,9 @@ def resolve_max_tokens(ctx: ServerContext, n_prompt: int, max_tokens: int | None
         raise APIError(
             f"This model's maximum context length is {limit} tokens. However, your request has {n_prompt} "
             f"input tokens in the {what}, which leaves no room for output (at most {limit - 1}). "
-            f"Please reduce the length of the {what}.", param=what)
+            f"Please reduce the length of the {what}.",
+            param=what,
+        )
     if max_tokens is None:
         return limit - n_prompt
     if max_tokens < 1:
@@ -96,7 +100,9 @@ def resolve_max_tokens(ctx: ServerContext, n_prompt: int, max_tokens: int | None
         raise APIError(
             f"This model's maximum context length is {limit} tokens. However, you requested "
             f"{n_prompt + max_tokens} tokens ({n_prompt} in the {what}, {max_tokens} in the completion). "
-            f"Please reduce the length of the {what} or completion.", param=param)
+            f"Please reduce the length of the {what} or completion.",
+            param=param,
+        )
     return max_tokens
 
 

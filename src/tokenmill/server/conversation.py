@@ -42,8 +42,21 @@ from tokenmill.server.tool_calls import (
     apply_tool_grammar,
 )
 
-__all__ = ["Answer", "Generation", "Sampling", "ToolCall", "answer", "answer_chunks", "answer_events", "answer_steps",
-           "launch", "parse_answer", "prompt_ids", "request_params", "start"]
+__all__ = [
+    "Answer",
+    "Generation",
+    "Sampling",
+    "ToolCall",
+    "answer",
+    "answer_chunks",
+    "answer_events",
+    "answer_steps",
+    "launch",
+    "parse_answer",
+    "prompt_ids",
+    "request_params",
+    "start",
+]
 
 
 @dataclass
@@ -56,9 +69,15 @@ class Generation:
     params: SamplingParams
 
 
-async def prompt_ids(ctx: ServerContext, messages: list[ChatMessage], plan: ToolPlan | None,
-                     continue_final: bool = False, add_generation_prompt: bool | None = None,
-                     template: str | None = None, template_kwargs: dict | None = None) -> list[int]:
+async def prompt_ids(
+    ctx: ServerContext,
+    messages: list[ChatMessage],
+    plan: ToolPlan | None,
+    continue_final: bool = False,
+    add_generation_prompt: bool | None = None,
+    template: str | None = None,
+    template_kwargs: dict | None = None,
+) -> list[int]:
     """The conversation through the chat template (the server's, or a request's `template`), on the
     prep pool. continue_final: the last (assistant) message is left open for the model to continue;
     add_generation_prompt: by default, unless continuing."""
@@ -66,8 +85,9 @@ async def prompt_ids(ctx: ServerContext, messages: list[ChatMessage], plan: Tool
     return await ctx.offload(render_chat, ctx, messages, add, continue_final, template, template_kwargs, plan)
 
 
-def request_params(ctx: ServerContext, n_prompt: int, sampling: Sampling, plan: ToolPlan | None,
-                   max_tokens: int, stream: bool) -> tuple[SamplingParams, ToolPlan | None]:
+def request_params(
+    ctx: ServerContext, n_prompt: int, sampling: Sampling, plan: ToolPlan | None, max_tokens: int, stream: bool
+) -> tuple[SamplingParams, ToolPlan | None]:
     """The SamplingParams (with the plan's grammar), and the plan the answers are parsed with. A
     non-streamed response that could outgrow --max-response-values is refused here."""
     params = sampling.params(max_tokens)
@@ -78,16 +98,30 @@ def request_params(ctx: ServerContext, n_prompt: int, sampling: Sampling, plan: 
     return params, parse_plan
 
 
-async def launch(ctx: ServerContext, tracker: RequestTracker, ids: list[int], params: SamplingParams,
-                 plan: ToolPlan | None, lora: LoRARequest | None) -> Generation:
+async def launch(
+    ctx: ServerContext,
+    tracker: RequestTracker,
+    ids: list[int],
+    params: SamplingParams,
+    plan: ToolPlan | None,
+    lora: LoRARequest | None,
+) -> Generation:
     """Start the request's engine streams (one per sample) and wait for their first outputs."""
     tracker.prompt_tokens = len(ids)
     streams = await start_streams(sample_streams(ctx, ids, params, tracker.request_id, tracker, 0, lora))
     return Generation(tracker.request_id, served_name(ctx, lora), len(ids), plan, streams, params)
 
 
-async def start(ctx: ServerContext, raw: Request, prefix: str, body, messages: list[ChatMessage],
-                plan: ToolPlan | None, sampling: Sampling, continue_final: bool = False) -> Generation:
+async def start(
+    ctx: ServerContext,
+    raw: Request,
+    prefix: str,
+    body,
+    messages: list[ChatMessage],
+    plan: ToolPlan | None,
+    sampling: Sampling,
+    continue_final: bool = False,
+) -> Generation:
     """Check, render and start one engine request for a conversation (Anthropic, Responses). body:
     the API's request (its model, stream, and vLLM's scheduling extras priority and cache_salt)."""
     lora = check_model(ctx, body.model)
@@ -187,8 +221,9 @@ async def answer_events(gen: Generation) -> AsyncIterator[tuple[list[OutputEvent
             yield events, result
 
 
-async def answer_chunks(gen: Generation, write: Callable[[OutputEvent], list[bytes]]
-                        ) -> AsyncIterator[tuple[bytes, Answer]]:
+async def answer_chunks(
+    gen: Generation, write: Callable[[OutputEvent], list[bytes]]
+) -> AsyncIterator[tuple[bytes, Answer]]:
     """answer_events written by an API's `write` (an event -> its SSE events): one chunk per step
     (maybe empty), with the answer so far. Closing it aborts the request."""
     async with aclosing(answer_events(gen)) as steps:

@@ -57,14 +57,17 @@ class RequestTracker:
     def log_fields(self) -> str:
         ttft = f"{self.ttft:.3f}s" if self.ttft is not None else "-"
         finish = ",".join(self.finish_reasons) or "abort"
-        return (f"id={self.request_id} prompt_tokens={self.prompt_tokens} "
-                f"completion_tokens={sum(self.completion_tokens.values())} ttft={ttft} finish={finish}")
+        return (
+            f"id={self.request_id} prompt_tokens={self.prompt_tokens} "
+            f"completion_tokens={sum(self.completion_tokens.values())} ttft={ttft} finish={finish}"
+        )
 
 
 def new_tracker(request_id: str, body=None) -> RequestTracker:
     """A tracker with the vLLM extras `priority` and `cache_salt` of `body` (if it has them)."""
-    return RequestTracker(request_id, priority=getattr(body, "priority", 0),
-                          cache_salt=getattr(body, "cache_salt", None))
+    return RequestTracker(
+        request_id, priority=getattr(body, "priority", 0), cache_salt=getattr(body, "cache_salt", None)
+    )
 
 
 def track(raw: Request, request_id: str, body=None) -> RequestTracker:
@@ -77,9 +80,15 @@ def track(raw: Request, request_id: str, body=None) -> RequestTracker:
 
 
 # ---- engine streams -----------------------------------------------------------------------
-def generate(ctx: ServerContext, prompt_ids: list[int], params: SamplingParams, request_id: str,
-             parent_id: str | None = None, lora: LoRARequest | None = None,
-             tracker: RequestTracker | None = None) -> AsyncGenerator[RequestOutput, None]:
+def generate(
+    ctx: ServerContext,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    request_id: str,
+    parent_id: str | None = None,
+    lora: LoRARequest | None = None,
+    tracker: RequestTracker | None = None,
+) -> AsyncGenerator[RequestOutput, None]:
     """ctx.aengine.generate, with the request's adapter (its name goes to the metrics' lora_name label),
     priority and cache salt (the tracker's)."""
     extras = {"priority": tracker.priority, "cache_salt": tracker.cache_salt} if tracker is not None else {}
@@ -89,9 +98,16 @@ def generate(ctx: ServerContext, prompt_ids: list[int], params: SamplingParams, 
     return ctx.aengine.generate(prompt_ids, params, request_id, parent_id, lora_request=lora, **extras)
 
 
-async def engine_stream(ctx: ServerContext, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                        tracker: RequestTracker, index: int = 0, parent_id: str | None = None,
-                        lora: LoRARequest | None = None) -> AsyncGenerator[RequestOutput, None]:
+async def engine_stream(
+    ctx: ServerContext,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    request_id: str,
+    tracker: RequestTracker,
+    index: int = 0,
+    parent_id: str | None = None,
+    lora: LoRARequest | None = None,
+) -> AsyncGenerator[RequestOutput, None]:
     """The engine's outputs for one prompt; closing it early aborts the request (counted). With
     tracing on, a finished request becomes a span (built here, on the event loop)."""
     gen = generate(ctx, prompt_ids, params, request_id, parent_id, lora, tracker)
@@ -210,34 +226,48 @@ async def merge(streams: list[AsyncGenerator]) -> AsyncIterator[tuple[int, Reque
                 await s.aclose()
 
 
-def sample_streams(ctx: ServerContext, prompt_ids: list[int], params: SamplingParams, base_id: str,
-                   tracker: RequestTracker, first_index: int,
-                   lora: LoRARequest | None = None) -> list[AsyncGenerator[RequestOutput, None]]:
+def sample_streams(
+    ctx: ServerContext,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    base_id: str,
+    tracker: RequestTracker,
+    first_index: int,
+    lora: LoRARequest | None = None,
+) -> list[AsyncGenerator[RequestOutput, None]]:
     """One engine stream per sample of one prompt (n or best_of of them), sharing a parent id."""
     if params.num_samples == 1:
         return [engine_stream(ctx, prompt_ids, params, base_id, tracker, first_index, lora=lora)]
-    return [engine_stream(ctx, prompt_ids, child, f"{base_id}-{j}", tracker, first_index + j, parent_id=base_id,
-                          lora=lora)
-            for j, child in enumerate(params.children())]
+    return [
+        engine_stream(ctx, prompt_ids, child, f"{base_id}-{j}", tracker, first_index + j, parent_id=base_id, lora=lora)
+        for j, child in enumerate(params.children())
+    ]
 
 
 # ---- beam search ----------------------------------------------------------------------------
-async def run_beam_search(ctx: ServerContext, prompt_ids: list[int], body, max_tokens: int,
-                          request_id: str, lora: LoRARequest | None = None) -> BeamSearchOutput:
+async def run_beam_search(
+    ctx: ServerContext, prompt_ids: list[int], body, max_tokens: int, request_id: str, lora: LoRARequest | None = None
+) -> BeamSearchOutput:
     """vLLM's use_beam_search: n beams, rounds of one-token requests on the engine (see beam_search.py)."""
     if body.stream:
         raise APIError("use_beam_search cannot be streamed", param="use_beam_search")
     try:
-        params = BeamSearchParams(beam_width=body.n or 1, max_tokens=max_tokens, ignore_eos=body.ignore_eos,
-                                  length_penalty=body.length_penalty)
+        params = BeamSearchParams(
+            beam_width=body.n or 1,
+            max_tokens=max_tokens,
+            ignore_eos=body.ignore_eos,
+            length_penalty=body.length_penalty,
+        )
     except ValueError as e:
         raise APIError(str(e), param="n") from None
     search = BeamSearch(prompt_ids, params, ctx.engine.eos_token_ids)
     extras = new_tracker(request_id, body)  # priority and cache salt of every round
     while not search.done:
         rids = [f"{request_id}-beam{search.rounds}-{i}" for i in range(len(search.beams))]
-        gens = [generate(ctx, b.tokens, search.round_params(), rid, lora=lora, tracker=extras)
-                for rid, b in zip(rids, search.beams)]
+        gens = [
+            generate(ctx, b.tokens, search.round_params(), rid, lora=lora, tracker=extras)
+            for rid, b in zip(rids, search.beams)
+        ]
         finished: set[str] = set()
         try:
             search.advance(await asyncio.gather(*[_last_output(g, rid, finished) for rid, g in zip(rids, gens)]))

@@ -46,18 +46,42 @@ _TYPES = {
 }
 # SamplingParams messages start with the field name ("top_p must be in (0, 1], got 2.0").
 _PARAM_RE = re.compile(r"^`?([a-z_]+)")
-_SAMPLING_FIELDS = frozenset({
-    "n", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
-    "frequency_penalty", "max_tokens", "min_tokens", "stop", "stop_token_ids", "logprobs", "top_logprobs",
-    "best_of", "logit_bias", "bad_words", "prompt_logprobs",
-})
+_SAMPLING_FIELDS = frozenset(
+    {
+        "n",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "max_tokens",
+        "min_tokens",
+        "stop",
+        "stop_token_ids",
+        "logprobs",
+        "top_logprobs",
+        "best_of",
+        "logit_bias",
+        "bad_words",
+        "prompt_logprobs",
+    }
+)
 
 
 class APIError(Exception):
     """Raised by route code; turned into an error response by the app's handler."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 headers: dict[str, str] | None = None, tgi_type: str = "validation"):
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+        tgi_type: str = "validation",
+    ):
         super().__init__(message)
         self.message = message
         self.status = status
@@ -81,9 +105,17 @@ def openai_error_body(message: str, status: int, param: str | None = None) -> di
 
 # Anthropic's error types by status (https://docs.anthropic.com/en/api/errors); 503 (our full queue,
 # dead or draining engine) is its overloaded_error.
-_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-                    500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
 
 
 def is_anthropic_path(path: str) -> bool:
@@ -109,8 +141,14 @@ class ErrorJSONResponse(JSONResponse):
             return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
-def error_response(path: str, message: str, status: int, param: str | None = None,
-                   headers: dict[str, str] | None = None, tgi_type: str = "validation") -> JSONResponse:
+def error_response(
+    path: str,
+    message: str,
+    status: int,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+    tgi_type: str = "validation",
+) -> JSONResponse:
     if is_anthropic_path(path):
         body = anthropic_error_body(message, status)
     elif path in TGI_PATHS:
@@ -190,8 +228,16 @@ class CheckedRoute(APIRoute):
                     data = None
                 where = lone_surrogate_at(data) if data is not None else None
                 if where is not None:
-                    raise RequestValidationError([{"type": "string_unicode", "loc": ("body", *where),
-                                                   "msg": "not valid Unicode text", "input": None}])
+                    raise RequestValidationError(
+                        [
+                            {
+                                "type": "string_unicode",
+                                "loc": ("body", *where),
+                                "msg": "not valid Unicode text",
+                                "input": None,
+                            }
+                        ]
+                    )
             return await handler(request)
 
         return checked
@@ -202,7 +248,7 @@ class CheckedRoute(APIRoute):
 _UNION_FIELDS = {
     "prompt": "a string, a list of strings, a list of token ids (integers >= 0) or a list of token id lists",
     "input": "a non-empty string, a list of non-empty strings, a list of token ids (integers >= 0) or a list of "
-             "token id lists",
+    "token id lists",
     "stop": "a non-empty string or a list of at most 64 non-empty strings",
     "content": "a string or a list of content parts ({'type': 'text', 'text': ...})",
     "tool_choice": "a string or an object",
@@ -261,7 +307,9 @@ def _range_message(e: dict, loc: list, body_model, tgi: bool) -> str | None:
     tname = str(next((x for x in reversed(loc) if isinstance(x, str)), name))
     got = json.dumps(inp, default=str)[:60]
     if kind == "finite_number":
-        return f"`{tname}` must be a finite number. Given: {got}" if tgi else f"{name} must be a finite number, got {got}"
+        return (
+            f"`{tname}` must be a finite number. Given: {got}" if tgi else f"{name} must be a finite number, got {got}"
+        )
     if kind in _BOUND_ERRORS:
         bounds = {}
         if all(isinstance(x, str) for x in loc):  # a field, not a list item or a dict value
@@ -280,8 +328,10 @@ def _range_message(e: dict, loc: list, body_model, tgi: bool) -> str | None:
             rule = " and ".join(f"{_OPS[k]} {_num(v)}" for k, v in (lo, hi) if k)
             return f"`{tname}` must be {rule}. Given: {got}"
         if lo and hi:
-            return (f"{name} must be in {'[' if lo[0] == 'ge' else '('}{_num(lo[1])}, {_num(hi[1])}"
-                    f"{']' if hi[0] == 'le' else ')'}, got {got}")
+            return (
+                f"{name} must be in {'[' if lo[0] == 'ge' else '('}{_num(lo[1])}, {_num(hi[1])}"
+                f"{']' if hi[0] == 'le' else ')'}, got {got}"
+            )
         k, v = lo or hi
         return f"{name} must be {_OPS[k]} {_num(v)}, got {got}"
     if tgi and kind in ("too_short", "string_too_short") and ctx.get("min_length") == 1:

@@ -25,8 +25,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         if e.errno == errno.EADDRINUSE:
-            raise ValueError(f"port {port} is in use (on {host}): stop what listens there or choose another "
-                             "--port") from None
+            raise ValueError(
+                f"port {port} is in use (on {host}): stop what listens there or choose another --port"
+            ) from None
         raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     return sock
 
@@ -46,8 +47,11 @@ def announce(app, sock: socket.socket, https: bool = False) -> None:
 
 def announce_listening(sock: socket.socket, https: bool = False) -> None:
     """Says that the server answers while the engine loads, and how to know when it is ready."""
-    logger.info("tokenmill is listening on %s while the engine loads: GET /health and /health/ready answer "
-                "503 until it is ready, /health/live 200", _url(sock, https))
+    logger.info(
+        "tokenmill is listening on %s while the engine loads: GET /health and /health/ready answer "
+        "503 until it is ready, /health/live 200",
+        _url(sock, https),
+    )
 
 
 def _url(sock: socket.socket, https: bool) -> str:

@@ -12,9 +12,15 @@ def prompt_logprobs_json(out: RequestOutput) -> list[dict | None] | None:
     """vLLM's shape: per prompt token {token id: {logprob, rank, decoded_token}}, null for the first."""
     if out.prompt_logprobs is None:
         return None
-    return [None if step is None else {str(t): {"logprob": clamp_logprob(lp.logprob), "rank": lp.rank,
-                                                "decoded_token": lp.decoded_token} for t, lp in step.items()}
-            for step in out.prompt_logprobs]
+    return [
+        None
+        if step is None
+        else {
+            str(t): {"logprob": clamp_logprob(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for t, lp in step.items()
+        }
+        for step in out.prompt_logprobs
+    ]
 
 
 def clamp_logprob(x: float) -> float:

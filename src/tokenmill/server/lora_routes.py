@@ -29,12 +29,20 @@ router = APIRouter(tags=["LoRA"], route_class=CheckedRoute)
 
 # The routes declare response_class=Response (no media type) so that FastAPI documents the error
 # models as the JSON they are; with PlainTextResponse it files them under text/plain, the success's type.
-_OK = {200: {"content": {"text/plain": {"schema": {"type": "string"}}},
-             "description": "Success: LoRA adapter '<name>' added / removed successfully."}}
-_ERR = {401: {"model": ErrorResponse, "description": "missing or wrong API key"},
-        413: {"model": ErrorResponse, "description": "body over --max-request-body-bytes"},
-        500: {"model": ErrorResponse, "description": "an unexpected error (the message names a request id; the "
-                                                     "details are in the server's log)"}}
+_OK = {
+    200: {
+        "content": {"text/plain": {"schema": {"type": "string"}}},
+        "description": "Success: LoRA adapter '<name>' added / removed successfully.",
+    }
+}
+_ERR = {
+    401: {"model": ErrorResponse, "description": "missing or wrong API key"},
+    413: {"model": ErrorResponse, "description": "body over --max-request-body-bytes"},
+    500: {
+        "model": ErrorResponse,
+        "description": "an unexpected error (the message names a request id; the details are in the server's log)",
+    },
+}
 
 
 def runtime_updating_allowed(ctx: ServerContext) -> bool:
@@ -44,8 +52,11 @@ def runtime_updating_allowed(ctx: ServerContext) -> bool:
 
 def _registry(ctx: ServerContext):
     if not runtime_updating_allowed(ctx):
-        raise APIError("loading LoRA adapters at run time is off: start the server with --enable-lora and "
-                       "--allow-runtime-lora-updating (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)", 404)
+        raise APIError(
+            "loading LoRA adapters at run time is off: start the server with --enable-lora and "
+            "--allow-runtime-lora-updating (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)",
+            404,
+        )
     return ctx.lora
 
 
@@ -58,12 +69,22 @@ def _next_id(raw: Request, registry) -> int:
     return next(ids)
 
 
-@router.post("/v1/load_lora_adapter", response_class=Response, responses={
-    **_OK, 400: {"model": ErrorResponse, "description": "an adapter that cannot serve on this base model (a "
-                                                        "malformed config, weights of another model, ...), a path "
-                                                        "outside --lora-path-allowlist, a name already loaded, or "
-                                                        "a malformed body"},
-    404: {"model": ErrorResponse, "description": "runtime loading is off"}, **_ERR})
+@router.post(
+    "/v1/load_lora_adapter",
+    response_class=Response,
+    responses={
+        **_OK,
+        400: {
+            "model": ErrorResponse,
+            "description": "an adapter that cannot serve on this base model (a "
+            "malformed config, weights of another model, ...), a path "
+            "outside --lora-path-allowlist, a name already loaded, or "
+            "a malformed body",
+        },
+        404: {"model": ErrorResponse, "description": "runtime loading is off"},
+        **_ERR,
+    },
+)
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, raw: Request) -> PlainTextResponse:
     """Reads, checks and registers a PEFT adapter folder; requests then name it as `model`."""
     ctx = get_ctx(raw)
@@ -81,9 +102,16 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, raw: Request) -> Plain
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
-@router.post("/v1/unload_lora_adapter", response_class=Response, responses={
-    **_OK, 400: {"model": ErrorResponse, "description": "a malformed body (no lora_name)"}, 404: {"model": ErrorResponse, "description": "no adapter of this name, or runtime loading is off"},
-    **_ERR})
+@router.post(
+    "/v1/unload_lora_adapter",
+    response_class=Response,
+    responses={
+        **_OK,
+        400: {"model": ErrorResponse, "description": "a malformed body (no lora_name)"},
+        404: {"model": ErrorResponse, "description": "no adapter of this name, or runtime loading is off"},
+        **_ERR,
+    },
+)
 async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, raw: Request) -> PlainTextResponse:
     """Forgets an adapter: new requests naming it get 404; those running with it finish."""
     ctx = get_ctx(raw)

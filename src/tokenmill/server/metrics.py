@@ -27,12 +27,74 @@ from tokenmill.server.args import DEFAULT_METRICS_PREFIX
 prometheus_client.disable_created_metrics()
 
 # vLLM's buckets.
-TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
-ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-               40.0, 80.0]
-REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+ITL_BUCKETS = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+REQUEST_LATENCY_BUCKETS = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
 
 
 def check_metrics_prefix(prefix: str) -> str:
@@ -66,8 +128,11 @@ class _EngineGauges:
         p = self.prefix
         for name, doc, value in (
             ("num_requests_running", "Requests in the running batch.", len(core.scheduler.running)),
-            ("num_requests_waiting", "Requests waiting to be scheduled (preempted ones included).",
-             len(core.scheduler.waiting)),
+            (
+                "num_requests_waiting",
+                "Requests waiting to be scheduled (preempted ones included).",
+                len(core.scheduler.waiting),
+            ),
             ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", core.kv.usage()),
         ):
             g = GaugeMetricFamily(f"{p}:{name}", doc, labels=["model_name"])
@@ -81,8 +146,9 @@ class _EngineGauges:
             c = CounterMetricFamily(f"{p}:{name}", doc, labels=["model_name"])
             c.add_metric(labels, float(value))
             yield c
-        g = GaugeMetricFamily(f"{p}:prefix_cache_hit_rate", "Prefix cache hits / queries since start.",
-                              labels=["model_name"])
+        g = GaugeMetricFamily(
+            f"{p}:prefix_cache_hit_rate", "Prefix cache hits / queries since start.", labels=["model_name"]
+        )
         g.add_metric(labels, stats.hit_rate)
         yield g
         if core.drafter is not None:
@@ -95,12 +161,16 @@ class _EngineGauges:
 def _lora_info(scheduler, max_loras: int, prefix: str) -> GaugeMetricFamily:
     """vLLM's lora_requests_info: the adapters of the running and of the waiting requests (names,
     comma-joined) as labels; the value is the time of the scrape."""
+
     def names(requests) -> str:
         return ",".join(sorted({r.lora.name for r in requests if r.lora is not None}))
 
     running, waiting = list(scheduler.running), list(scheduler.waiting)  # copies: the engine thread owns them
-    g = GaugeMetricFamily(f"{prefix}:lora_requests_info", "Running stats on LoRA requests (the value: the time "
-                          "of the scrape).", labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+    g = GaugeMetricFamily(
+        f"{prefix}:lora_requests_info",
+        "Running stats on LoRA requests (the value: the time of the scrape).",
+        labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+    )
     g.add_metric([str(max_loras), names(running), names(waiting)], time.time())
     return g
 
@@ -115,9 +185,11 @@ def _spec_decode_counters(st, labels: list[str], prefix: str):
         c = CounterMetricFamily(f"{prefix}:{name}", doc, labels=["model_name"])
         c.add_metric(labels, float(value))
         yield c
-    c = CounterMetricFamily(f"{prefix}:spec_decode_num_accepted_tokens_per_pos",
-                            "Draft tokens accepted, by position in the draft (0 = first).",
-                            labels=["model_name", "position"])
+    c = CounterMetricFamily(
+        f"{prefix}:spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by position in the draft (0 = first).",
+        labels=["model_name", "position"],
+    )
     for pos, n in enumerate(st.accepted_per_pos):
         c.add_metric(labels + [str(pos)], float(n))
     yield c
@@ -133,37 +205,47 @@ class ServerMetrics:
         self.lora = getattr(aengine.engine.config, "lora", None) is not None
         req_lab = lab + ["lora_name"] if self.lora else lab
         self._lora_of: dict[str, str] = {}  # request id -> adapter name, for requests with an adapter
-        self._prompt_tokens = Counter(f"{p}:prompt_tokens", "Prompt tokens processed (once per request).",
-                                      req_lab, registry=reg)
+        self._prompt_tokens = Counter(
+            f"{p}:prompt_tokens", "Prompt tokens processed (once per request).", req_lab, registry=reg
+        )
         self._generation_tokens = Counter(f"{p}:generation_tokens", "Tokens generated.", req_lab, registry=reg)
         self.prompt_tokens = self._prompt_tokens.labels(*self._labels(""))
         self.generation_tokens = self._generation_tokens.labels(*self._labels(""))
-        self.preemptions = Counter(f"{p}:num_preemptions", "Requests preempted (KV blocks freed, recomputed).",
-                                   lab, registry=reg).labels(model_name)
-        self.request_success = Counter(f"{p}:request_success", "Requests finished, by finish reason.",
-                                       req_lab + ["finished_reason"], registry=reg)
+        self.preemptions = Counter(
+            f"{p}:num_preemptions", "Requests preempted (KV blocks freed, recomputed).", lab, registry=reg
+        ).labels(model_name)
+        self.request_success = Counter(
+            f"{p}:request_success", "Requests finished, by finish reason.", req_lab + ["finished_reason"], registry=reg
+        )
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
             return Histogram(f"{p}:{name}", doc, lab, buckets=buckets, registry=reg).labels(model_name)
 
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token.",
-                             REQUEST_LATENCY_BUCKETS)
-        self.queue_time = histogram("request_queue_time_seconds", "Time from arrival to first being scheduled.",
-                                    REQUEST_LATENCY_BUCKETS)
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "Time from arrival to the last token.", REQUEST_LATENCY_BUCKETS
+        )
+        self.queue_time = histogram(
+            "request_queue_time_seconds", "Time from arrival to first being scheduled.", REQUEST_LATENCY_BUCKETS
+        )
         # Per finished request, as vLLM's (its Grafana dashboard draws them).
-        self.prefill_time = histogram("request_prefill_time_seconds", "Time from first scheduled to the first "
-                                      "token.", REQUEST_LATENCY_BUCKETS)
-        self.decode_time = histogram("request_decode_time_seconds", "Time from the first token to the last.",
-                                     REQUEST_LATENCY_BUCKETS)
-        self.inference_time = histogram("request_inference_time_seconds", "Time from first scheduled to the last "
-                                        "token.", REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds", "Time from first scheduled to the first token.", REQUEST_LATENCY_BUCKETS
+        )
+        self.decode_time = histogram(
+            "request_decode_time_seconds", "Time from the first token to the last.", REQUEST_LATENCY_BUCKETS
+        )
+        self.inference_time = histogram(
+            "request_inference_time_seconds", "Time from first scheduled to the last token.", REQUEST_LATENCY_BUCKETS
+        )
         token_buckets = token_count_buckets(aengine.engine.config.model.max_model_len)
-        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens of each finished request.",
-                                               token_buckets)
-        self.request_generation_tokens = histogram("request_generation_tokens", "Generated tokens of each finished "
-                                                   "request.", token_buckets)
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens of each finished request.", token_buckets
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens of each finished request.", token_buckets
+        )
         for reason in ("stop", "length", "abort"):  # present from the start, as vLLM does
             self.request_success.labels(*self._labels(""), reason)
         reg.register(_EngineGauges(aengine, model_name, prefix))

@@ -32,18 +32,31 @@ from tokenmill.server.protocol import (
 
 logger = logging.getLogger("tokenmill.server")
 router = APIRouter(route_class=CheckedRoute)
-_ERR = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
-        413: {"model": ErrorResponse}}
+_ERR = {
+    400: {"model": ErrorResponse},
+    401: {"model": ErrorResponse},
+    404: {"model": ErrorResponse},
+    413: {"model": ErrorResponse},
+}
 
 
 def _card(ctx: ServerContext, lora: LoRARequest | None = None) -> ModelCard:
     """The base model's card, or a LoRA adapter's as vLLM writes it: root = its folder, parent = the
     base model it was registered for (--lora-modules' base_model_name), else the served model."""
     if lora is None:
-        return ModelCard(id=ctx.model_name, created=int(ctx.started), root=ctx.engine.config.model.path,
-                         max_model_len=ctx.max_model_len)
-    return ModelCard(id=lora.lora_name, created=int(ctx.started), root=lora.lora_path,
-                     parent=lora.base_model_name or ctx.model_name, max_model_len=ctx.max_model_len)
+        return ModelCard(
+            id=ctx.model_name,
+            created=int(ctx.started),
+            root=ctx.engine.config.model.path,
+            max_model_len=ctx.max_model_len,
+        )
+    return ModelCard(
+        id=lora.lora_name,
+        created=int(ctx.started),
+        root=lora.lora_path,
+        parent=lora.base_model_name or ctx.model_name,
+        max_model_len=ctx.max_model_len,
+    )
 
 
 def _adapters(ctx: ServerContext) -> list[LoRARequest]:
@@ -75,8 +88,15 @@ async def tokenize(body: TokenizeRequest, raw: Request) -> TokenizeResponse:
     ctx = get_ctx(raw)
     check_model(ctx, body.model)
     if isinstance(body, TokenizeChatRequest):
-        ids = await ctx.offload(render_chat, ctx, body.messages, body.add_generation_prompt,
-                                body.continue_final_message, body.chat_template, body.chat_template_kwargs)
+        ids = await ctx.offload(
+            render_chat,
+            ctx,
+            body.messages,
+            body.add_generation_prompt,
+            body.continue_final_message,
+            body.chat_template,
+            body.chat_template_kwargs,
+        )
     else:
         ids = await ctx.offload(ctx.encode, body.prompt, body.add_special_tokens)
     strs = ctx.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
@@ -91,12 +111,22 @@ async def detokenize(body: DetokenizeRequest, raw: Request) -> DetokenizeRespons
     return DetokenizeResponse(prompt=await ctx.offload(ctx.tokenizer.decode, body.tokens))
 
 
-_HEALTH = {200: {"model": HealthResponse, "description": 'the engine is running: {"status": "ok"}'},
-           503: {"model": HealthResponse, "description": 'the engine is loading (`tokenmill serve`: {"status": '
-                 '"loading", "phase": ...}), failed to load ("failed") or has died ("unhealthy")'}}
-_LIVE = {200: {"model": HealthResponse, "description": 'the process serves HTTP, the engine running or still '
-                                                       'loading: {"status": "ok"} or {"status": "loading", ...}'},
-         503: {"model": HealthResponse, "description": 'the engine has died or failed to load'}}
+_HEALTH = {
+    200: {"model": HealthResponse, "description": 'the engine is running: {"status": "ok"}'},
+    503: {
+        "model": HealthResponse,
+        "description": 'the engine is loading (`tokenmill serve`: {"status": '
+        '"loading", "phase": ...}), failed to load ("failed") or has died ("unhealthy")',
+    },
+}
+_LIVE = {
+    200: {
+        "model": HealthResponse,
+        "description": "the process serves HTTP, the engine running or still "
+        'loading: {"status": "ok"} or {"status": "loading", ...}',
+    },
+    503: {"model": HealthResponse, "description": "the engine has died or failed to load"},
+}
 
 
 def _engine_health(raw: Request) -> JSONResponse:
@@ -132,14 +162,22 @@ async def version() -> VersionResponse:
     return VersionResponse(version=tokenmill.__version__)
 
 
-@router.get("/metrics", tags=["server"], response_class=Response,
-            responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
+@router.get(
+    "/metrics",
+    tags=["server"],
+    response_class=Response,
+    responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}},
+)
 async def metrics(raw: Request) -> Response:
     return Response(get_ctx(raw).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.post("/reset_prefix_cache", tags=["server"], response_class=Response,
-             responses={200: {"description": "the prefix cache is empty (empty body)"}, 401: {"model": ErrorResponse}})
+@router.post(
+    "/reset_prefix_cache",
+    tags=["server"],
+    response_class=Response,
+    responses={200: {"description": "the prefix cache is empty (empty body)"}, 401: {"model": ErrorResponse}},
+)
 async def reset_prefix_cache(raw: Request) -> Response:
     """vLLM's route: forget every cached prompt prefix (blocks of running requests stay theirs), so
     that later requests compute their prompts again; the prefix-cache counters of /metrics keep counting."""

@@ -49,11 +49,15 @@ router = APIRouter(tags=["OpenAI"], route_class=CheckedRoute)
 @router.post(
     "/v1/chat/completions",
     response_model=None,
-    responses={200: {"model": ChatCompletionResponse,
-                     "description": "a chat completion, or with stream=true an SSE stream of "
-                                    "`chat.completion.chunk` objects ending with `data: [DONE]`",
-                     "content": sse_content(ChatCompletionStreamResponse, ErrorResponse, done=True)},
-               **ERROR_RESPONSES},
+    responses={
+        200: {
+            "model": ChatCompletionResponse,
+            "description": "a chat completion, or with stream=true an SSE stream of "
+            "`chat.completion.chunk` objects ending with `data: [DONE]`",
+            "content": sse_content(ChatCompletionStreamResponse, ErrorResponse, done=True),
+        },
+        **ERROR_RESPONSES,
+    },
 )
 async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
     return await run_cancellable(raw, _create_chat_completion(get_ctx(raw), body, raw))
@@ -72,8 +76,15 @@ async def _create_chat_completion(ctx: ServerContext, body: ChatCompletionReques
         check_logprobs(ctx, body.top_logprobs, "top_logprobs")
     if body.logprobs:
         top_n = body.top_logprobs or 0
-    ids = await conversation.prompt_ids(ctx, body.messages, plan, body.continue_final_message,
-                                        body.add_generation_prompt, body.chat_template, body.chat_template_kwargs)
+    ids = await conversation.prompt_ids(
+        ctx,
+        body.messages,
+        plan,
+        body.continue_final_message,
+        body.add_generation_prompt,
+        body.chat_template,
+        body.chat_template_kwargs,
+    )
     max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = resolve_max_tokens(ctx, len(ids), requested, "messages", max_param)
@@ -86,13 +97,22 @@ async def _create_chat_completion(ctx: ServerContext, body: ChatCompletionReques
     if body.use_beam_search:
         result = await run_beam_search(ctx, ids, body, max_tokens, request_id, lora)
         n_out = sum(len(s.output_tokens) for s in result.sequences)
-        return JSONResponse(ChatCompletionResponse(
-            id=request_id, created=int(time.time()), model=model,
-            choices=[ChatCompletionResponseChoice(index=j, message=ChatResponseMessage(content=s.text),
-                                                  finish_reason="stop" if s.finished else "length")
-                     for j, s in enumerate(result.sequences)],
-            usage=UsageInfo(prompt_tokens=len(ids), completion_tokens=n_out, total_tokens=len(ids) + n_out),
-        ).model_dump())
+        return JSONResponse(
+            ChatCompletionResponse(
+                id=request_id,
+                created=int(time.time()),
+                model=model,
+                choices=[
+                    ChatCompletionResponseChoice(
+                        index=j,
+                        message=ChatResponseMessage(content=s.text),
+                        finish_reason="stop" if s.finished else "length",
+                    )
+                    for j, s in enumerate(result.sequences)
+                ],
+                usage=UsageInfo(prompt_tokens=len(ids), completion_tokens=n_out, total_tokens=len(ids) + n_out),
+            ).model_dump()
+        )
     gen = await conversation.launch(ctx, tracker, ids, params, plan, lora)
     created = int(time.time())
     if body.stream:
@@ -107,17 +127,23 @@ def _response(gen: conversation.Generation, created: int, out: RequestOutput, to
     choices = []
     for c in out.outputs:
         answer = conversation.parse_answer(gen.plan, c.text)
-        calls = [{"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}}
-                 for t in answer.calls]
+        calls = [
+            {"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}}
+            for t in answer.calls
+        ]
         content = answer.text or None if calls else answer.text
         choice = ChatCompletionResponseChoice(
-            index=c.index, message=ChatResponseMessage(content=content, tool_calls=calls or None),
-            finish_reason=_finish(gen.plan, calls, c.finish_reason), stop_reason=c.stop_reason).model_dump()
+            index=c.index,
+            message=ChatResponseMessage(content=content, tool_calls=calls or None),
+            finish_reason=_finish(gen.plan, calls, c.finish_reason),
+            stop_reason=c.stop_reason,
+        ).model_dump()
         if top_n is not None and c.logprobs is not None:
             choice["logprobs"] = {"content": chat_logprobs(c.token_ids, c.logprobs, top_n)}
         choices.append(choice)
-    resp = ChatCompletionResponse(id=gen.request_id, created=created, model=gen.model, choices=[],
-                                  usage=UsageInfo.from_outputs([out])).model_dump()
+    resp = ChatCompletionResponse(
+        id=gen.request_id, created=created, model=gen.model, choices=[], usage=UsageInfo.from_outputs([out])
+    ).model_dump()
     return {**resp, "choices": choices, "prompt_logprobs": prompt_logprobs_json(out)}
 
 
@@ -140,8 +166,16 @@ class _ToolDeltas:
             return {"content": e} if e else None
         if isinstance(e, CallStart):
             self.calls += 1
-            return {"tool_calls": [{"index": self.calls - 1, "id": e.id, "type": "function",
-                                    "function": {"name": e.name, "arguments": ""}}]}
+            return {
+                "tool_calls": [
+                    {
+                        "index": self.calls - 1,
+                        "id": e.id,
+                        "type": "function",
+                        "function": {"name": e.name, "arguments": ""},
+                    }
+                ]
+            }
         if isinstance(e, CallArgs) and e.delta:
             return {"tool_calls": [{"index": self.calls - 1, "function": {"arguments": e.delta}}]}
         return None  # CallEnd: the arguments were sent
@@ -161,8 +195,18 @@ async def _stream(body: ChatCompletionRequest, gen: conversation.Generation, cre
         return UsageInfo.from_outputs(latest.values(), gen.prompt_tokens).model_dump()
 
     def chunk(index: int, delta: dict, logprobs=None, finish_reason=None, stop_reason=None) -> bytes:
-        d = {**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                  "finish_reason": finish_reason, "stop_reason": stop_reason}]}
+        d = {
+            **base,
+            "choices": [
+                {
+                    "index": index,
+                    "delta": delta,
+                    "logprobs": logprobs,
+                    "finish_reason": finish_reason,
+                    "stop_reason": stop_reason,
+                }
+            ],
+        }
         if include_usage:
             d["usage"] = usage() if continuous else None
         return sse(d)
@@ -179,7 +223,7 @@ async def _stream(body: ChatCompletionRequest, gen: conversation.Generation, cre
                 lp = None
                 if top_n is not None and c.logprobs is not None and c.delta_token_ids:
                     k = len(c.delta_token_ids)
-                    lp = {"content": chat_logprobs(c.delta_token_ids, c.logprobs[n - k:], top_n)}
+                    lp = {"content": chat_logprobs(c.delta_token_ids, c.logprobs[n - k :], top_n)}
                 if gen.plan is not None:
                     deltas = [d for d in map(tools[i].delta, events) if d is not None]
                     for d in deltas:

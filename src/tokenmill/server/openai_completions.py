@@ -63,11 +63,15 @@ ERROR_RESPONSES = {
 @router.post(
     "/v1/completions",
     response_model=None,
-    responses={200: {"model": CompletionResponse,
-                     "description": "a completion, or with stream=true an SSE stream of chunks of the same "
-                                    "shape (`data: {...}`), ending with `data: [DONE]`",
-                     "content": sse_content(CompletionStreamResponse, ErrorResponse, done=True)},
-               **ERROR_RESPONSES},
+    responses={
+        200: {
+            "model": CompletionResponse,
+            "description": "a completion, or with stream=true an SSE stream of chunks of the same "
+            "shape (`data: {...}`), ending with `data: [DONE]`",
+            "content": sse_content(CompletionStreamResponse, ErrorResponse, done=True),
+        },
+        **ERROR_RESPONSES,
+    },
 )
 async def create_completion(body: CompletionRequest, raw: Request):
     return await run_cancellable(raw, _create_completion(get_ctx(raw), body, raw))
@@ -129,8 +133,11 @@ async def _create_completion(ctx: ServerContext, body: CompletionRequest, raw: R
     many = len(prompts) > 1
     S = params[0].num_samples  # engine requests per prompt; choice index = prompt * n + sample
     if len(prompts) * S > MAX_SEQUENCES:
-        raise APIError(f"{len(prompts)} prompts x {S} samples is {len(prompts) * S} sequences; one request may "
-                       f"start at most {MAX_SEQUENCES}", param="n")
+        raise APIError(
+            f"{len(prompts)} prompts x {S} samples is {len(prompts) * S} sequences; one request may "
+            f"start at most {MAX_SEQUENCES}",
+            param="n",
+        )
     streams = []
     for i, ((_, ids), sp) in enumerate(zip(prompts, params)):
         streams += sample_streams(ctx, ids, sp, f"{request_id}-{i}" if many else request_id, tracker, i * S, lora)
@@ -139,12 +146,16 @@ async def _create_completion(ctx: ServerContext, body: CompletionRequest, raw: R
     created = int(time.time())
     if body.stream:
         stream_texts = [texts[k // S] for k in range(len(streams))] if texts else None
-        return SSEResponse(_stream(ctx, body, request_id, created, streams, stream_texts, tracker.prompt_tokens,
-                                   served_name(ctx, lora)))
+        return SSEResponse(
+            _stream(
+                ctx, body, request_id, created, streams, stream_texts, tracker.prompt_tokens, served_name(ctx, lora)
+            )
+        )
     outs = await collect_all(streams)
     merged = [merge_samples(outs[i * S : (i + 1) * S], sp) for i, sp in enumerate(params)]
-    return await json_response(ctx, _response_json, ctx, body, request_id, created, merged, texts, score_only,
-                               served_name(ctx, lora))
+    return await json_response(
+        ctx, _response_json, ctx, body, request_id, created, merged, texts, score_only, served_name(ctx, lora)
+    )
 
 
 def _response_values(body: CompletionRequest, prompts, params: list[SamplingParams]) -> int:
@@ -153,8 +164,11 @@ def _response_values(body: CompletionRequest, prompts, params: list[SamplingPara
     total = 0
     for (_, ids), sp in zip(prompts, params):
         echoed = len(ids) if body.echo and body.logprobs is not None else 0
-        per_choice = (sequence_values(sp.max_tokens, body.logprobs) + prompt_values(echoed, body.logprobs)
-                      + prompt_values(len(ids), body.prompt_logprobs))
+        per_choice = (
+            sequence_values(sp.max_tokens, body.logprobs)
+            + prompt_values(echoed, body.logprobs)
+            + prompt_values(len(ids), body.prompt_logprobs)
+        )
         total += (body.n or 1) * per_choice
     return total
 
@@ -179,16 +193,26 @@ async def _beam_search(ctx, body, request_id: str, prompts, params, lora) -> Com
         prefix = (text if text is not None else ctx.tokenizer.decode(ids)) if body.echo else ""
         for j, seq in enumerate(result.sequences):
             completion_tokens += len(seq.output_tokens)
-            choices.append(CompletionResponseChoice(index=i * len(result.sequences) + j, text=prefix + seq.text,
-                                                    finish_reason="stop" if seq.finished else "length"))
+            choices.append(
+                CompletionResponseChoice(
+                    index=i * len(result.sequences) + j,
+                    text=prefix + seq.text,
+                    finish_reason="stop" if seq.finished else "length",
+                )
+            )
     p = sum(len(ids) for _, ids in prompts)
-    return CompletionResponse(id=request_id, created=int(time.time()), model=served_name(ctx, lora), choices=choices,
-                              usage=UsageInfo(prompt_tokens=p, completion_tokens=completion_tokens,
-                                              total_tokens=p + completion_tokens))
+    return CompletionResponse(
+        id=request_id,
+        created=int(time.time()),
+        model=served_name(ctx, lora),
+        choices=choices,
+        usage=UsageInfo(prompt_tokens=p, completion_tokens=completion_tokens, total_tokens=p + completion_tokens),
+    )
 
 
-def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob] | None], offset: int,
-                        tokenizer=None) -> CompletionLogProbs:
+def completion_logprobs(
+    token_ids: list[int], logprobs: list[dict[int, Logprob] | None], offset: int, tokenizer=None
+) -> CompletionLogProbs:
     """OpenAI's legacy shape; top_logprobs holds the sampled token and the top N, as vLLM's does.
     A None step (the first prompt token when echoing) has no logprob: its text comes from `tokenizer`."""
     lp = CompletionLogProbs()
@@ -214,18 +238,21 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob] 
     return lp
 
 
-def _response(ctx, body, request_id, created, outs: list[RequestOutput], texts,
-              score_only: bool = False, model: str | None = None) -> CompletionResponse:
+def _response(
+    ctx, body, request_id, created, outs: list[RequestOutput], texts, score_only: bool = False, model: str | None = None
+) -> CompletionResponse:
     choices = []
     for i, out in enumerate(outs):
         for c in out.outputs:
-            choices.append(_choice(ctx, body, out, c, i * len(out.outputs) + c.index, texts[i] if texts else "",
-                                   score_only))
+            choices.append(
+                _choice(ctx, body, out, c, i * len(out.outputs) + c.index, texts[i] if texts else "", score_only)
+            )
     usage = UsageInfo.from_outputs(outs)
     if score_only:
         usage.completion_tokens, usage.total_tokens = 0, usage.prompt_tokens
-    return CompletionResponse(id=request_id, created=created, model=model or ctx.model_name, choices=choices,
-                              usage=usage)
+    return CompletionResponse(
+        id=request_id, created=created, model=model or ctx.model_name, choices=choices, usage=usage
+    )
 
 
 def _choice(ctx, body, out: RequestOutput, c, index: int, prefix: str, score_only: bool) -> CompletionResponseChoice:
@@ -240,15 +267,26 @@ def _choice(ctx, body, out: RequestOutput, c, index: int, prefix: str, score_onl
             for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
                 getattr(lp, field).extend(getattr(gen, field))
     text = prefix if score_only else prefix + c.text
-    return CompletionResponseChoice(index=index, text=text, logprobs=lp,
-                                    finish_reason="length" if score_only else c.finish_reason,
-                                    stop_reason=None if score_only else c.stop_reason,
-                                    prompt_logprobs=prompt_logprobs_json(out) if body.prompt_logprobs is not None
-                                    else None)
+    return CompletionResponseChoice(
+        index=index,
+        text=text,
+        logprobs=lp,
+        finish_reason="length" if score_only else c.finish_reason,
+        stop_reason=None if score_only else c.stop_reason,
+        prompt_logprobs=prompt_logprobs_json(out) if body.prompt_logprobs is not None else None,
+    )
 
 
-async def _stream(ctx: ServerContext, body: CompletionRequest, request_id: str, created: int, streams, texts,
-                  prompt_tokens: int, model: str):
+async def _stream(
+    ctx: ServerContext,
+    body: CompletionRequest,
+    request_id: str,
+    created: int,
+    streams,
+    texts,
+    prompt_tokens: int,
+    model: str,
+):
     opts = body.stream_options
     include_usage = bool(opts and opts.include_usage)
     continuous = bool(include_usage and opts.continuous_usage_stats)
@@ -273,8 +311,9 @@ async def _stream(ctx: ServerContext, body: CompletionRequest, request_id: str, 
             lp = None
             if body.logprobs is not None and c.logprobs is not None and (c.delta_token_ids or echo_lp):
                 k = len(c.delta_token_ids)
-                gen = completion_logprobs(c.delta_token_ids, c.logprobs[len(c.token_ids) - k:],
-                                          offsets[i] + len(text) - len(c.delta_text))
+                gen = completion_logprobs(
+                    c.delta_token_ids, c.logprobs[len(c.token_ids) - k :], offsets[i] + len(text) - len(c.delta_text)
+                )
                 if echo_lp:  # the echoed prompt's logprobs lead the first chunk
                     head = completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, 0, ctx.tokenizer)
                     for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
@@ -285,16 +324,34 @@ async def _stream(ctx: ServerContext, body: CompletionRequest, request_id: str, 
             if not text and lp is None and not out.finished:
                 continue
             chunk = {
-                "id": request_id, "object": "text_completion", "created": created, "model": model,
-                "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": c.finish_reason,
-                             "stop_reason": c.stop_reason}],
+                "id": request_id,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [
+                    {
+                        "index": i,
+                        "text": text,
+                        "logprobs": lp,
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                ],
             }
             if include_usage:
                 chunk["usage"] = usage() if continuous else None
             yield sse(chunk)
         if include_usage:
-            yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
-                       "choices": [], "usage": usage()})
+            yield sse(
+                {
+                    "id": request_id,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": usage(),
+                }
+            )
     except (ValueError, RuntimeError, APIError) as e:
         yield stream_error_chunk(e, request_id)
     yield SSE_DONE

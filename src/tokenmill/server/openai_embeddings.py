@@ -23,9 +23,14 @@ from tokenmill.server.sse import run_cancellable
 router = APIRouter(tags=["OpenAI"], route_class=CheckedRoute)
 
 
-@router.post("/v1/embeddings", response_model=None,
-             responses={200: {"model": EmbeddingResponse, "description": "one embedding per input, in input order"},
-                        **ERROR_RESPONSES})
+@router.post(
+    "/v1/embeddings",
+    response_model=None,
+    responses={
+        200: {"model": EmbeddingResponse, "description": "one embedding per input, in input order"},
+        **ERROR_RESPONSES,
+    },
+)
 async def create_embedding(body: EmbeddingRequest, raw: Request):
     return await run_cancellable(raw, _create_embedding(get_ctx(raw), body, raw))
 
@@ -45,8 +50,11 @@ async def _create_embedding(ctx: ServerContext, body: EmbeddingRequest, raw: Req
     lora = check_model(ctx, body.model)
     engine = ctx.engine
     if engine.task != "embed":
-        raise APIError(f"The model does not support Embeddings API: {ctx.model_name} generates text (serve an "
-                       f"embedding model, or this one with --task embed)", param="model")
+        raise APIError(
+            f"The model does not support Embeddings API: {ctx.model_name} generates text (serve an "
+            f"embedding model, or this one with --task embed)",
+            param="model",
+        )
     if lora is not None:
         raise APIError("LoRA adapters do not serve embeddings", param="model")
     model = engine.config.model
@@ -83,5 +91,11 @@ def _render(request_id: str, model: str, outs, encoding_format: str) -> dict:
             emb = vec.tolist()
         data.append({"object": "embedding", "embedding": emb, "index": i})
     n = sum(len(o.prompt_token_ids) for o in outs)
-    return {"id": request_id, "object": "list", "created": int(time.time()), "model": model, "data": data,
-            "usage": {"prompt_tokens": n, "total_tokens": n}}
+    return {
+        "id": request_id,
+        "object": "list",
+        "created": int(time.time()),
+        "model": model,
+        "data": data,
+        "usage": {"prompt_tokens": n, "total_tokens": n},
+    }

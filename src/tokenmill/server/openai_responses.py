@@ -73,8 +73,12 @@ class ResponseStore:
     def get(self, response_id: str, param: str = "response_id") -> Stored:
         stored = self._items.get(response_id)
         if stored is None:
-            raise APIError(f"Response with id {response_id!r} not found (responses are kept in memory, the last "
-                           f"{self.capacity}; stored only with store: true)", 404, param=param)
+            raise APIError(
+                f"Response with id {response_id!r} not found (responses are kept in memory, the last "
+                f"{self.capacity}; stored only with store: true)",
+                404,
+                param=param,
+            )
         self._items.move_to_end(response_id)
         return stored
 
@@ -93,24 +97,34 @@ def store_of(ctx: ServerContext) -> ResponseStore:
 _NOT_FOUND = {404: {"model": ErrorResponse, "description": "no stored response with this id"}}
 
 
-@router.post("/v1/responses", response_model=None, responses={
-    200: {"model": ResponsesResponse, "description": "a Response, or with stream=true the Responses SSE events "
-                                                     "(`event: <type>` and `data: {...}`), ending with "
-                                                     "response.completed or response.incomplete",
-          "content": sse_content(*STREAM_EVENTS, done=False)},
-    **ERROR_RESPONSES})
+@router.post(
+    "/v1/responses",
+    response_model=None,
+    responses={
+        200: {
+            "model": ResponsesResponse,
+            "description": "a Response, or with stream=true the Responses SSE events "
+            "(`event: <type>` and `data: {...}`), ending with "
+            "response.completed or response.incomplete",
+            "content": sse_content(*STREAM_EVENTS, done=False),
+        },
+        **ERROR_RESPONSES,
+    },
+)
 async def create_response(body: ResponsesRequest, raw: Request):
     return await run_cancellable(raw, _create_response(get_ctx(raw), body, raw))
 
 
-@router.get("/v1/responses/{response_id}", response_model=ResponsesResponse,
-            responses={**ERROR_RESPONSES, **_NOT_FOUND})
+@router.get(
+    "/v1/responses/{response_id}", response_model=ResponsesResponse, responses={**ERROR_RESPONSES, **_NOT_FOUND}
+)
 async def retrieve_response(response_id: str, raw: Request) -> JSONResponse:
     return JSONResponse(store_of(get_ctx(raw)).get(response_id).response)
 
 
-@router.delete("/v1/responses/{response_id}", response_model=ResponsesDeleted,
-               responses={**ERROR_RESPONSES, **_NOT_FOUND})
+@router.delete(
+    "/v1/responses/{response_id}", response_model=ResponsesDeleted, responses={**ERROR_RESPONSES, **_NOT_FOUND}
+)
 async def delete_response(response_id: str, raw: Request) -> ResponsesDeleted:
     store_of(get_ctx(raw)).delete(response_id)
     return ResponsesDeleted(id=response_id)
@@ -127,8 +141,13 @@ async def _create_response(ctx: ServerContext, body: ResponsesRequest, raw: Requ
     messages = ([ChatMessage(role="system", content=body.instructions)] if body.instructions else []) + turn
     fmt = body.text.format if body.text is not None else None
     guided = structured_output(fmt.type, getattr(fmt, "schema_", None), param="text.format") if fmt else None
-    sampling = conversation.Sampling(max_tokens=body.max_output_tokens, max_param="max_output_tokens",
-                                     temperature=body.temperature, top_p=body.top_p, guided=guided)
+    sampling = conversation.Sampling(
+        max_tokens=body.max_output_tokens,
+        max_param="max_output_tokens",
+        temperature=body.temperature,
+        top_p=body.top_p,
+        guided=guided,
+    )
     gen = await conversation.start(ctx, raw, "resp", body, messages, tool_plan(body), sampling)
     created = int(time.time())
     if body.stream:
@@ -139,8 +158,9 @@ async def _create_response(ctx: ServerContext, body: ResponsesRequest, raw: Requ
     return Response(content, media_type="application/json")
 
 
-def _whole(body: ResponsesRequest, gen: conversation.Generation, created: int,
-           answer: conversation.Answer) -> tuple[dict, bytes]:
+def _whole(
+    body: ResponsesRequest, gen: conversation.Generation, created: int, answer: conversation.Answer
+) -> tuple[dict, bytes]:
     """The Response object and its JSON (on the prep pool, as response_body.json_response builds)."""
     response = _response(body, gen, created, [_item(p, "completed") for p in answer.parts], answer)
     return response, encode_json(response)
@@ -154,11 +174,15 @@ def input_messages(body: ResponsesRequest) -> list[ChatMessage]:
     for item in body.input:
         if isinstance(item, ResponsesInputMessage):
             role = "system" if item.role == "developer" else item.role
-            out.append(ChatMessage(role=role, content=[ChatContentPart(type="text", text=p.text)
-                                                       for p in item.content]))
+            out.append(
+                ChatMessage(role=role, content=[ChatContentPart(type="text", text=p.text) for p in item.content])
+            )
         elif isinstance(item, ResponsesFunctionCallInput):
-            call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            }
             if out and out[-1].role == "assistant":
                 out[-1] = out[-1].model_copy(update={"tool_calls": [*(out[-1].tool_calls or []), call]})
             else:
@@ -187,43 +211,68 @@ def _new_id(prefix: str) -> str:
 
 def _item(part: str | conversation.ToolCall, status: str, item_id: str | None = None) -> dict:
     if isinstance(part, str):
-        return ResponsesOutputMessage(id=item_id or _new_id("msg"), status=status,
-                                      content=[ResponsesOutputText(text=part)]).model_dump()
-    return ResponsesFunctionCall(id=item_id or _new_id("fc"), call_id=part.id, name=part.name,
-                                 arguments=part.arguments, status=status).model_dump()
+        return ResponsesOutputMessage(
+            id=item_id or _new_id("msg"), status=status, content=[ResponsesOutputText(text=part)]
+        ).model_dump()
+    return ResponsesFunctionCall(
+        id=item_id or _new_id("fc"), call_id=part.id, name=part.name, arguments=part.arguments, status=status
+    ).model_dump()
 
 
-def _response(body: ResponsesRequest, gen: conversation.Generation, created: int, items: list[dict],
-              answer: conversation.Answer | None) -> dict:
+def _response(
+    body: ResponsesRequest,
+    gen: conversation.Generation,
+    created: int,
+    items: list[dict],
+    answer: conversation.Answer | None,
+) -> dict:
     """The Response object: in progress while `answer` is None."""
     status, incomplete, usage = "in_progress", None, None
     if answer is not None:
         status = "incomplete" if answer.finish_reason == "length" else "completed"
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
-        usage = ResponsesUsage(input_tokens=gen.prompt_tokens, output_tokens=answer.output_tokens,
-                               total_tokens=gen.prompt_tokens + answer.output_tokens,
-                               input_tokens_details=ResponsesInputTokensDetails(cached_tokens=answer.cached_tokens))
+        usage = ResponsesUsage(
+            input_tokens=gen.prompt_tokens,
+            output_tokens=answer.output_tokens,
+            total_tokens=gen.prompt_tokens + answer.output_tokens,
+            input_tokens_details=ResponsesInputTokensDetails(cached_tokens=answer.cached_tokens),
+        )
         if incomplete and items:
             items[-1]["status"] = "incomplete"
     fmt = body.text.format.model_dump(by_alias=True) if body.text is not None and body.text.format else {"type": "text"}
     choice = body.tool_choice
     return ResponsesResponse(
-        id=gen.request_id, created_at=created, status=status, incomplete_details=incomplete,
-        instructions=body.instructions, max_output_tokens=body.max_output_tokens, model=gen.model, output=items,
-        parallel_tool_calls=body.parallel_tool_calls is not False, previous_response_id=body.previous_response_id,
-        store=body.store, temperature=body.temperature, top_p=body.top_p, text={"format": fmt},
+        id=gen.request_id,
+        created_at=created,
+        status=status,
+        incomplete_details=incomplete,
+        instructions=body.instructions,
+        max_output_tokens=body.max_output_tokens,
+        model=gen.model,
+        output=items,
+        parallel_tool_calls=body.parallel_tool_calls is not False,
+        previous_response_id=body.previous_response_id,
+        store=body.store,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        text={"format": fmt},
         tool_choice=(choice if isinstance(choice, str) or choice is None else choice.model_dump()) or "auto",
-        tools=[t.model_dump() for t in body.tools or []], truncation=body.truncation or "disabled", usage=usage,
-        user=body.user, metadata=body.metadata or {},
+        tools=[t.model_dump() for t in body.tools or []],
+        truncation=body.truncation or "disabled",
+        usage=usage,
+        user=body.user,
+        metadata=body.metadata or {},
     ).model_dump()
 
 
-def _store(ctx: ServerContext, body: ResponsesRequest, response: dict, turn: list[ChatMessage],
-           answer: conversation.Answer) -> None:
+def _store(
+    ctx: ServerContext, body: ResponsesRequest, response: dict, turn: list[ChatMessage], answer: conversation.Answer
+) -> None:
     if not body.store:
         return
-    calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-             for c in answer.calls]
+    calls = [
+        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in answer.calls
+    ]
     reply = ChatMessage(role="assistant", content=answer.text or None, tool_calls=calls or None)
     store_of(ctx).put(response["id"], Stored(response, [*turn, reply]))
 
@@ -260,8 +309,14 @@ class _Items:
             out.append(self.event("response.output_item.added", output_index=len(self.items), item=self.current))
         elif isinstance(e, CallArgs) and e.delta:
             cur["arguments"] += e.delta
-            out.append(self.event("response.function_call_arguments.delta", item_id=cur["id"],
-                                  output_index=len(self.items), delta=e.delta))
+            out.append(
+                self.event(
+                    "response.function_call_arguments.delta",
+                    item_id=cur["id"],
+                    output_index=len(self.items),
+                    delta=e.delta,
+                )
+            )
         elif isinstance(e, CallEnd):
             # Left open: the next item closes it; or, when it is the last, the end of the answer does,
             # with the response's status (a forced call cut by max_output_tokens is "incomplete").
@@ -274,11 +329,20 @@ class _Items:
             return []
         item["status"] = status
         if item["type"] == "message":
-            out = [self.event("response.output_text.done", **self._at(), text=item["content"][0]["text"], logprobs=[]),
-                   self.event("response.content_part.done", **self._at(), part=item["content"][0])]
+            out = [
+                self.event("response.output_text.done", **self._at(), text=item["content"][0]["text"], logprobs=[]),
+                self.event("response.content_part.done", **self._at(), part=item["content"][0]),
+            ]
         else:
-            out = [self.event("response.function_call_arguments.done", item_id=item["id"],
-                              output_index=len(self.items), name=item["name"], arguments=item["arguments"])]
+            out = [
+                self.event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=len(self.items),
+                    name=item["name"],
+                    arguments=item["arguments"],
+                )
+            ]
         out.append(self.event("response.output_item.done", output_index=len(self.items), item=item))
         self.items.append(item)
         self.current = None
@@ -288,15 +352,18 @@ class _Items:
         return {"item_id": self.current["id"], "output_index": len(self.items), "content_index": 0}
 
 
-async def _stream(ctx: ServerContext, body: ResponsesRequest, gen: conversation.Generation, created: int,
-                  turn: list[ChatMessage]):
+async def _stream(
+    ctx: ServerContext, body: ResponsesRequest, gen: conversation.Generation, created: int, turn: list[ChatMessage]
+):
     """response.created and .in_progress; per output item output_item.added, then for a message
     content_part.added, output_text.delta... output_text.done, content_part.done, for a function
     call function_call_arguments.delta... .done, then output_item.done; response.completed (or
     response.incomplete when max_output_tokens cut it)."""
     out, answer = _Items(), None
-    yield (out.event("response.created", response=_response(body, gen, created, [], None))
-           + out.event("response.in_progress", response=_response(body, gen, created, [], None)))
+    yield (
+        out.event("response.created", response=_response(body, gen, created, [], None))
+        + out.event("response.in_progress", response=_response(body, gen, created, [], None))
+    )
     try:
         async with aclosing(conversation.answer_chunks(gen, out.on)) as steps:  # closed with the response: aborts
             async for chunk, _answer in steps:

@@ -32,8 +32,6 @@ MAX_BAD_WORDS = 1024
 MAX_TOKEN_ID_LIST = 1024  # stop_token_ids, logit_bias entries
 
 
-
-
 def _json_integer(v: Any) -> Any:
     """A JSON integer and nothing else: pydantic's lax int takes true (Python's bool is an int) and
     "5"; 5.0 stays accepted, as JSON Schema's "integer" counts it."""
@@ -51,8 +49,14 @@ NonEmptyStr = Annotated[str, Field(min_length=1)]
 LogitBias = Annotated[
     dict[Annotated[str, Field(pattern=r"^[0-9]+$")], Annotated[float, Field(ge=-100.0, le=100.0)]],
     Field(max_length=MAX_TOKEN_ID_LIST),
-    WithJsonSchema({"type": "object", "maxProperties": MAX_TOKEN_ID_LIST, "propertyNames": {"pattern": "^[0-9]+$"},
-                    "additionalProperties": {"type": "number", "minimum": -100.0, "maximum": 100.0}}),
+    WithJsonSchema(
+        {
+            "type": "object",
+            "maxProperties": MAX_TOKEN_ID_LIST,
+            "propertyNames": {"pattern": "^[0-9]+$"},
+            "additionalProperties": {"type": "number", "minimum": -100.0, "maximum": 100.0},
+        }
+    ),
 ]
 
 
@@ -79,8 +83,11 @@ def _inline_schema(model: type[BaseModel]) -> dict:
 def sse_content(*models: type[BaseModel], done: bool) -> dict:
     """OpenAPI `content` of a Server-Sent Events response: each event's data is the JSON of one of
     `models` (or, with `done`, the literal [DONE] that ends OpenAI streams)."""
-    data: dict = {"type": "string", "contentMediaType": "application/json",
-                  "contentSchema": {"anyOf": [_inline_schema(m) for m in models]}}
+    data: dict = {
+        "type": "string",
+        "contentMediaType": "application/json",
+        "contentSchema": {"anyOf": [_inline_schema(m) for m in models]},
+    }
     if done:
         data = {"type": "string", "if": {"const": "[DONE]"}, "then": True, "else": data}
     return {"text/event-stream": {"schema": {"type": "object", "required": ["data"], "properties": {"data": data}}}}
@@ -122,25 +129,36 @@ class UsageInfo(BaseModel):
         p = sum(len(o.prompt_token_ids) for o in outs) if prompt_tokens is None else prompt_tokens
         c = sum(len(x.token_ids) for o in outs for x in o.outputs)
         cached = sum(o.num_cached_tokens for o in outs)
-        return cls(prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+        return cls(
+            prompt_tokens=p,
+            completion_tokens=c,
+            total_tokens=p + c,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
 
 
 # Rules across fields, stated in the schema too (the routes check them): stream_options needs stream.
 _STREAM_OPTIONS_RULE = {
     "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
-    "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}}
+    "then": {"required": ["stream"], "properties": {"stream": {"const": True}}},
+}
 
 
 class SchedulingExtras(BaseModel):
     """vLLM's per-request scheduling extras, on every generation route's body (serving.new_tracker reads them)."""
 
-    priority: int = Field(0, ge=-(2**63), le=2**63 - 1,
-                          description="vLLM extra: with --scheduling-policy priority, lower values are scheduled "
-                                      "first (ties by arrival); anything but 0 is refused under fcfs")
+    priority: int = Field(
+        0,
+        ge=-(2**63),
+        le=2**63 - 1,
+        description="vLLM extra: with --scheduling-policy priority, lower values are scheduled "
+        "first (ties by arrival); anything but 0 is refused under fcfs",
+    )
     cache_salt: NonEmptyStr | None = Field(
-        None, description="vLLM extra: the prompt shares prefix-cache blocks only with requests of the same salt "
-                          "(tenant isolation)")
+        None,
+        description="vLLM extra: the prompt shares prefix-cache blocks only with requests of the same salt "
+        "(tenant isolation)",
+    )
 
 
 class _SamplingFields(OpenAIBaseModel, SchedulingExtras):
@@ -152,68 +170,104 @@ class _SamplingFields(OpenAIBaseModel, SchedulingExtras):
     frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: LogitBias | None = Field(
-        None, description="token id (a string of digits, below the vocabulary size) -> bias added to its logit")
-    n: int | None = Field(1, ge=1, le=MAX_N,
-                          description="completions per prompt (the samples share the prompt's KV blocks)")
+        None, description="token id (a string of digits, below the vocabulary size) -> bias added to its logit"
+    )
+    n: int | None = Field(
+        1, ge=1, le=MAX_N, description="completions per prompt (the samples share the prompt's KV blocks)"
+    )
     seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX, description="same seed, same output")
     stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP)] | None = Field(
-        None, description=f"stop strings (at most {MAX_STOP}), never included in the output")
+        None, description=f"stop strings (at most {MAX_STOP}), never included in the output"
+    )
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = Field(None, ge=0.0, le=SamplingParams.TEMPERATURE_MAX,
-                                      description="0 is greedy (default 1)")
+    temperature: float | None = Field(
+        None, ge=0.0, le=SamplingParams.TEMPERATURE_MAX, description="0 is greedy (default 1)"
+    )
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="default 1")
     user: str | None = Field(None, description="accepted and ignored")
     # vLLM extras
     top_k: int | None = Field(None, ge=-1, le=SamplingParams.TOP_K_MAX, description="vLLM extra: -1 or 0 disables")
     min_p: float | None = Field(None, ge=0.0, le=1.0, description="vLLM extra")
     repetition_penalty: float | None = Field(
-        None, ge=SamplingParams.REPETITION_PENALTY_MIN, le=SamplingParams.REPETITION_PENALTY_MAX,
-        description="vLLM extra: 1 disables")
+        None,
+        ge=SamplingParams.REPETITION_PENALTY_MIN,
+        le=SamplingParams.REPETITION_PENALTY_MAX,
+        description="vLLM extra: 1 disables",
+    )
     min_tokens: int = Field(0, ge=0, description="vLLM extra: no EOS / stop token before this many tokens")
     ignore_eos: bool = Field(False, description="vLLM extra: keep generating past EOS")
-    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_TOKEN_ID_LIST,
-                                                 description="vLLM extra: token ids that end generation")
+    stop_token_ids: list[TokenId] | None = Field(
+        None, max_length=MAX_TOKEN_ID_LIST, description="vLLM extra: token ids that end generation"
+    )
     include_stop_str_in_output: bool = Field(False, description="vLLM extra")
     skip_special_tokens: bool = Field(True, description="vLLM extra: drop special tokens from the text")
     spaces_between_special_tokens: bool = Field(True, description="vLLM extra")
-    bad_words: list[NonEmptyStr] | None = Field(None, max_length=MAX_BAD_WORDS,
-                                                description="vLLM extra: words never generated")
-    prompt_logprobs: int | None = Field(None, ge=0, description="vLLM extra: each prompt token's logprob plus the "
-                                                               "top N (N <= the server's --max-logprobs)")
+    bad_words: list[NonEmptyStr] | None = Field(
+        None, max_length=MAX_BAD_WORDS, description="vLLM extra: words never generated"
+    )
+    prompt_logprobs: int | None = Field(
+        None,
+        ge=0,
+        description="vLLM extra: each prompt token's logprob plus the top N (N <= the server's --max-logprobs)",
+    )
     use_beam_search: bool = Field(False, description="vLLM extra: beam search with n beams (not streamed)")
-    length_penalty: float = Field(1.0, ge=-LENGTH_PENALTY_MAX, le=LENGTH_PENALTY_MAX,
-                                  description="vLLM extra: beam scores are logprob / length ** this")
+    length_penalty: float = Field(
+        1.0,
+        ge=-LENGTH_PENALTY_MAX,
+        le=LENGTH_PENALTY_MAX,
+        description="vLLM extra: beam scores are logprob / length ** this",
+    )
     guided_json: dict[str, Any] | str | None = Field(None, description="vLLM extra: output follows this JSON schema")
     guided_regex: str | None = Field(None, description="vLLM extra: output matches this regex")
-    guided_choice: list[NonEmptyStr] | None = Field(None, min_length=1,
-                                            description="vLLM extra: output is one of these strings")
+    guided_choice: list[NonEmptyStr] | None = Field(
+        None, min_length=1, description="vLLM extra: output is one of these strings"
+    )
     guided_grammar: str | None = Field(None, description="vLLM extra: output follows this grammar (Lark or GBNF)")
-    watermark: bool = Field(False, description="tokenmill extra: green-list watermark (Kirchenbauer et al.; "
-                            "detect with `tokenmill watermark detect`)")
+    watermark: bool = Field(
+        False,
+        description="tokenmill extra: green-list watermark (Kirchenbauer et al.; "
+        "detect with `tokenmill watermark detect`)",
+    )
 
 
 # ---- /v1/completions ---------------------------------------------------------------------
 # A prompt (an embeddings input): token ids, lists of them, a string or strings; none of them empty.
-PromptInput = Union[Annotated[list[TokenId], Field(min_length=1)],
-                    Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)],
-                    NonEmptyStr,
-                    Annotated[list[NonEmptyStr], Field(min_length=1)]]
+PromptInput = Union[
+    Annotated[list[TokenId], Field(min_length=1)],
+    Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)],
+    NonEmptyStr,
+    Annotated[list[NonEmptyStr], Field(min_length=1)],
+]
 
 
 class CompletionRequest(_SamplingFields):
     prompt: PromptInput = Field(
-        ..., description="a string, a list of strings, token ids, or a list of token id lists (none of them empty; "
-                         "at most the server's --max-prompts-per-request prompts)")
-    best_of: int | None = Field(None, ge=1, le=MAX_N,
-                                description="completions generated per prompt, the n with the highest "
-                                            "cumulative logprob returned; not with stream")
+        ...,
+        description="a string, a list of strings, token ids, or a list of token id lists (none of them empty; "
+        "at most the server's --max-prompts-per-request prompts)",
+    )
+    best_of: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_N,
+        description="completions generated per prompt, the n with the highest "
+        "cumulative logprob returned; not with stream",
+    )
     echo: bool | None = Field(False, description="prepend the prompt to the completion")
-    logprobs: int | None = Field(None, ge=0, description="log probabilities of the sampled token and the top N "
-                                                         "(N <= the server's --max-logprobs, default 20)")
-    max_tokens: int | None = Field(16, ge=0, description="new tokens at most (the prompt and them must fit the "
-                                                         "context; 0 only with echo, to score the prompt); "
-                                                         "null: up to the context length")
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        description="log probabilities of the sampled token and the top N "
+        "(N <= the server's --max-logprobs, default 20)",
+    )
+    max_tokens: int | None = Field(
+        16,
+        ge=0,
+        description="new tokens at most (the prompt and them must fit the "
+        "context; 0 only with echo, to score the prompt); "
+        "null: up to the context length",
+    )
     suffix: str | None = Field(None, description="not supported: refused with 400")
     add_special_tokens: bool = Field(True, description="vLLM extra: add BOS etc. when tokenizing the prompt")
 
@@ -232,7 +286,8 @@ class CompletionResponseChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = Field(None, description="the stop string or token id that ended generation")
     prompt_logprobs: list[dict[str, Any] | None] | None = Field(
-        None, description="vLLM extra: per prompt token, {token id: {logprob, rank, decoded_token}}; null first")
+        None, description="vLLM extra: per prompt token, {token id: {logprob, rank, decoded_token}}; null first"
+    )
 
 
 class CompletionResponse(BaseModel):
@@ -259,9 +314,15 @@ class CompletionStreamResponse(BaseModel):
 class ChatContentPart(OpenAIBaseModel):
     # The schema states what the route accepts (a text part); the model takes any part, so that
     # the route can name the part it refuses (e.g. image_url).
-    model_config = ConfigDict(json_schema_extra={"properties": {
-        "type": {"const": "text", "type": "string", "description": "only 'text' is supported"},
-        "text": {"type": "string"}}, "required": ["type", "text"]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "properties": {
+                "type": {"const": "text", "type": "string", "description": "only 'text' is supported"},
+                "text": {"type": "string"},
+            },
+            "required": ["type", "text"],
+        }
+    )
     type: str = Field(..., description="only 'text' is supported")
     text: str | None = None
 
@@ -275,26 +336,41 @@ class ChatMessage(OpenAIBaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    model_config = ConfigDict(json_schema_extra={"allOf": [_STREAM_OPTIONS_RULE, {  # top_logprobs needs logprobs
-        "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
-        "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "allOf": [
+                _STREAM_OPTIONS_RULE,
+                {  # top_logprobs needs logprobs
+                    "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+                    "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+                },
+            ]
+        }
+    )
     messages: list[ChatMessage] = Field(..., min_length=1)
     logprobs: bool | None = Field(False, description="return log probabilities of the output tokens")
-    top_logprobs: int | None = Field(None, ge=0, description="top alternatives per token (N <= the server's "
-                                                             "--max-logprobs, default 20), needs logprobs")
+    top_logprobs: int | None = Field(
+        None,
+        ge=0,
+        description="top alternatives per token (N <= the server's --max-logprobs, default 20), needs logprobs",
+    )
     max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI in favour of max_completion_tokens")
-    max_completion_tokens: int | None = Field(None, ge=1,
-                                              description="new tokens at most (default: up to the context)")
+    max_completion_tokens: int | None = Field(None, ge=1, description="new tokens at most (default: up to the context)")
     response_format: dict[str, Any] | None = Field(
-        None, description="{'type': 'text'}, {'type': 'json_object'} or {'type': 'json_schema', 'json_schema': "
-                          "{'name': ..., 'schema': {...}}}: the output always parses (and follows the schema)")
+        None,
+        description="{'type': 'text'}, {'type': 'json_object'} or {'type': 'json_schema', 'json_schema': "
+        "{'name': ..., 'schema': {...}}}: the output always parses (and follows the schema)",
+    )
     tools: list[dict[str, Any]] | None = Field(None, description="functions the model may call (OpenAI's format)")
     tool_choice: str | dict[str, Any] | None = Field(
-        None, description="none, auto (default with tools), required, or {'type': 'function', 'function': {'name': ...}}")
+        None,
+        description="none, auto (default with tools), required, or {'type': 'function', 'function': {'name': ...}}",
+    )
     # vLLM extras
     add_generation_prompt: bool = Field(True, description="end the prompt with the assistant turn's header")
     continue_final_message: bool = Field(
-        False, description="leave the last (assistant) message open and continue it; excludes add_generation_prompt")
+        False, description="leave the last (assistant) message open and continue it; excludes add_generation_prompt"
+    )
     chat_template: str | None = Field(None, description="a Jinja chat template to use instead of the model's")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra variables for the chat template")
 
@@ -368,18 +444,24 @@ MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on inputs per request
 class EmbeddingRequest(OpenAIBaseModel):
     model: str | None = Field(None, description="served model name; omitted means the served model")
     input: PromptInput = Field(
-        ..., description=f"a string, a list of strings, token ids, or a list of token id lists (none of them "
-                         f"empty; at most {MAX_EMBEDDING_INPUTS} inputs, each at most the model's max_model_len "
-                         f"tokens)")
+        ...,
+        description=f"a string, a list of strings, token ids, or a list of token id lists (none of them "
+        f"empty; at most {MAX_EMBEDDING_INPUTS} inputs, each at most the model's max_model_len "
+        f"tokens)",
+    )
     encoding_format: Literal["float", "base64"] = Field(
-        "float", description="float: lists of numbers; base64: each vector's little-endian float32 bytes")
-    dimensions: int | None = Field(None, ge=1, description="keep the first N dimensions (normalised again); "
-                                                           "Matryoshka models only")
+        "float", description="float: lists of numbers; base64: each vector's little-endian float32 bytes"
+    )
+    dimensions: int | None = Field(
+        None, ge=1, description="keep the first N dimensions (normalised again); Matryoshka models only"
+    )
     user: str | None = Field(None, description="accepted and ignored")
     # vLLM extras
     truncate_prompt_tokens: int | None = Field(
-        None, ge=-1, description="vLLM extra: cut longer inputs to this many tokens instead of refusing them "
-                                 "(-1: max_model_len)")
+        None,
+        ge=-1,
+        description="vLLM extra: cut longer inputs to this many tokens instead of refusing them (-1: max_model_len)",
+    )
     normalize: bool | None = Field(None, description="vLLM extra: L2-normalise (default: the model's pooler)")
 
 

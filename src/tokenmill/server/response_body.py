@@ -90,6 +90,9 @@ def check_response_values(ctx: ServerContext, values: int, param: str, instead: 
     --max-response-values values; checked before anything is generated."""
     limit = ctx.max_response_values
     if limit and values > limit:
-        raise APIError(f"The response to this request could hold {values:,} values (tokens of text, logprob "
-                       f"entries, embedding numbers), more than this server's limit of {limit:,} "
-                       f"(--max-response-values). Ask for less (lower {param}), {instead}.", param=param)
+        raise APIError(
+            f"The response to this request could hold {values:,} values (tokens of text, logprob "
+            f"entries, embedding numbers), more than this server's limit of {limit:,} "
+            f"(--max-response-values). Ask for less (lower {param}), {instead}.",
+            param=param,
+        )

@@ -29,8 +29,10 @@ def _text_to_parts(v: Any) -> Any:
 class ResponsesInputMessage(OpenAIBaseModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"] = Field(..., description="developer is a system message")
-    content: Annotated[list[ResponsesContentPart], BeforeValidator(
-        _text_to_parts, json_schema_input_type=Union[str, list[ResponsesContentPart]])]
+    content: Annotated[
+        list[ResponsesContentPart],
+        BeforeValidator(_text_to_parts, json_schema_input_type=Union[str, list[ResponsesContentPart]]),
+    ]
 
 
 class ResponsesFunctionCallInput(OpenAIBaseModel):
@@ -61,10 +63,15 @@ def _item_type(v: Any) -> str | None:
 
 
 ResponsesInputItem = Annotated[
-    Annotated[ResponsesInputMessage, Tag("message")] | Annotated[ResponsesFunctionCallInput, Tag("function_call")] | Annotated[ResponsesFunctionCallOutput, Tag("function_call_output")] | Annotated[ResponsesReasoningInput, Tag("reasoning")],
-    Discriminator(_item_type, custom_error_type="item_type",
-                  custom_error_message="input items must be messages, function_call, function_call_output or "
-                                       "reasoning items"),
+    Annotated[ResponsesInputMessage, Tag("message")]
+    | Annotated[ResponsesFunctionCallInput, Tag("function_call")]
+    | Annotated[ResponsesFunctionCallOutput, Tag("function_call_output")]
+    | Annotated[ResponsesReasoningInput, Tag("reasoning")],
+    Discriminator(
+        _item_type,
+        custom_error_type="item_type",
+        custom_error_message="input items must be messages, function_call, function_call_output or reasoning items",
+    ),
 ]
 
 
@@ -73,8 +80,10 @@ def _text_to_items(v: Any) -> Any:
 
 
 ResponsesInput = Annotated[
-    list[ResponsesInputItem], Field(min_length=1),
-    BeforeValidator(_text_to_items, json_schema_input_type=Union[str, list[ResponsesInputItem]])]
+    list[ResponsesInputItem],
+    Field(min_length=1),
+    BeforeValidator(_text_to_items, json_schema_input_type=Union[str, list[ResponsesInputItem]]),
+]
 
 
 class ResponsesFunctionTool(OpenAIBaseModel):
@@ -82,8 +91,10 @@ class ResponsesFunctionTool(OpenAIBaseModel):
     name: str = Field(..., min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments")
-    strict: bool | None = Field(None, description="accepted: with tool_choice required or a named function the "
-                                                  "arguments always follow the schema")
+    strict: bool | None = Field(
+        None,
+        description="accepted: with tool_choice required or a named function the arguments always follow the schema",
+    )
 
 
 class ResponsesToolChoiceFunction(OpenAIBaseModel):
@@ -108,17 +119,23 @@ class ResponsesFormatJSONSchema(OpenAIBaseModel):
 
 
 class ResponsesTextConfig(OpenAIBaseModel):
-    format: Annotated[ResponsesFormatText | ResponsesFormatJSONObject | ResponsesFormatJSONSchema,
-                      Field(discriminator="type")] | None = None
+    format: (
+        Annotated[
+            ResponsesFormatText | ResponsesFormatJSONObject | ResponsesFormatJSONSchema, Field(discriminator="type")
+        ]
+        | None
+    ) = None
 
 
 class ResponsesRequest(OpenAIBaseModel, SchedulingExtras):
     UNION_FIELDS: ClassVar[dict[str, str]] = {  # errors.py's wording when a value matches no arm
-        "input": "a string or a list of input items (messages, function_call, function_call_output)"}
+        "input": "a string or a list of input items (messages, function_call, function_call_output)"
+    }
     model: str | None = Field(None, description="served model name; omitted means the served model")
     input: ResponsesInput = Field(..., description="text (a user message), or a list of input items")
-    instructions: str | None = Field(None, description="a system message first (not carried over by "
-                                                       "previous_response_id)")
+    instructions: str | None = Field(
+        None, description="a system message first (not carried over by previous_response_id)"
+    )
     max_output_tokens: int | None = Field(None, ge=1, description="new tokens at most (default: up to the context)")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 is greedy (default 1)")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -127,14 +144,18 @@ class ResponsesRequest(OpenAIBaseModel, SchedulingExtras):
     parallel_tool_calls: bool | None = Field(None, description="false: at most one call with tool_choice required")
     text: ResponsesTextConfig | None = None
     stream: bool = False
-    store: bool = Field(True, description="keep the response (in memory, the last --max-stored-responses) for "
-                                          "GET /v1/responses/{id} and previous_response_id")
+    store: bool = Field(
+        True,
+        description="keep the response (in memory, the last --max-stored-responses) for "
+        "GET /v1/responses/{id} and previous_response_id",
+    )
     previous_response_id: str | None = Field(None, description="continue the conversation of a stored response")
     metadata: dict[str, str] | None = None
     user: str | None = Field(None, description="accepted and ignored")
     background: bool | None = Field(None, description="not supported: true is a 400")
     truncation: Literal["auto", "disabled"] | None = Field(
-        None, description="accepted; the input is never truncated (a conversation past the context is a 400)")
+        None, description="accepted; the input is never truncated (a conversation past the context is a 400)"
+    )
 
 
 # ---- output --------------------------------------------------------------------------------
@@ -287,6 +308,13 @@ class ResponsesErrorEvent(BaseModel):
     sequence_number: int
 
 
-STREAM_EVENTS = (ResponsesLifecycleEvent, ResponsesItemEvent, ResponsesContentPartEvent, ResponsesTextDeltaEvent,
-                 ResponsesTextDoneEvent, ResponsesArgumentsDeltaEvent, ResponsesArgumentsDoneEvent,
-                 ResponsesErrorEvent)
+STREAM_EVENTS = (
+    ResponsesLifecycleEvent,
+    ResponsesItemEvent,
+    ResponsesContentPartEvent,
+    ResponsesTextDeltaEvent,
+    ResponsesTextDoneEvent,
+    ResponsesArgumentsDeltaEvent,
+    ResponsesArgumentsDoneEvent,
+    ResponsesErrorEvent,
+)

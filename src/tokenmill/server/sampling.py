@@ -44,8 +44,9 @@ class Sampling:
     watermark: bool | None = None
     guided: GuidedDecodingParams | None = None
 
-    def params(self, max_tokens: int,
-               invalid: Callable[[ValueError], Exception] = APIError.from_value_error) -> SamplingParams:
+    def params(
+        self, max_tokens: int, invalid: Callable[[ValueError], Exception] = APIError.from_value_error
+    ) -> SamplingParams:
         """The SamplingParams for `max_tokens` (resolved); a ValueError of SamplingParams (and of the
         guided decoding fields) raised as invalid(e): by default a 400 naming the field."""
         given = {name: getattr(self, name) for name in _PASSED if getattr(self, name) is not None}
@@ -55,21 +56,38 @@ class Sampling:
             raise invalid(e) from None
 
     @classmethod
-    def from_openai(cls, body, logprobs: int | None, max_tokens: int | None = None,
-                    max_param: str = "max_tokens") -> Sampling:
+    def from_openai(
+        cls, body, logprobs: int | None, max_tokens: int | None = None, max_param: str = "max_tokens"
+    ) -> Sampling:
         """The fields of an OpenAI completions / chat request (and vLLM's extras); `logprobs` as the
         route reads its API's field (completions: logprobs; chat: top_logprobs when logprobs)."""
         return cls(
-            max_tokens=max_tokens, max_param=max_param, n=body.n, best_of=getattr(body, "best_of", None),
-            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, seed=body.seed,
-            repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty, min_tokens=body.min_tokens, stop=body.stop,
-            stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
-            include_stop_str_in_output=body.include_stop_str_in_output, logprobs=logprobs,
-            prompt_logprobs=body.prompt_logprobs, skip_special_tokens=body.skip_special_tokens,
-            spaces_between_special_tokens=body.spaces_between_special_tokens, logit_bias=body.logit_bias,
-            bad_words=body.bad_words, watermark=body.watermark,
-            guided=guided_params(body, getattr(body, "response_format", None)))
+            max_tokens=max_tokens,
+            max_param=max_param,
+            n=body.n,
+            best_of=getattr(body, "best_of", None),
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            min_p=body.min_p,
+            seed=body.seed,
+            repetition_penalty=body.repetition_penalty,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            min_tokens=body.min_tokens,
+            stop=body.stop,
+            stop_token_ids=body.stop_token_ids,
+            ignore_eos=body.ignore_eos,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            logprobs=logprobs,
+            prompt_logprobs=body.prompt_logprobs,
+            skip_special_tokens=body.skip_special_tokens,
+            spaces_between_special_tokens=body.spaces_between_special_tokens,
+            logit_bias=body.logit_bias,
+            bad_words=body.bad_words,
+            watermark=body.watermark,
+            guided=guided_params(body, getattr(body, "response_format", None)),
+        )
 
 
 _PASSED = tuple(f.name for f in fields(Sampling) if f.name not in ("max_tokens", "max_param", "guided"))
@@ -82,19 +100,25 @@ def sampling_params(body, max_tokens: int, logprobs: int | None) -> SamplingPara
 
 def guided_params(body, response_format: dict | None = None) -> GuidedDecodingParams | None:
     """Structured output from OpenAI's response_format or vLLM's guided_* fields (one of them)."""
-    given = {k: getattr(body, f"guided_{k}") for k in ("json", "regex", "choice", "grammar")
-             if getattr(body, f"guided_{k}") is not None}
+    given = {
+        k: getattr(body, f"guided_{k}")
+        for k in ("json", "regex", "choice", "grammar")
+        if getattr(body, f"guided_{k}") is not None
+    }
     kind = (response_format or {}).get("type", "text")
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-            raise APIError("response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}",
-                           param="response_format")
+            raise APIError(
+                "response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}",
+                param="response_format",
+            )
     return structured_output(kind, spec["schema"] if kind == "json_schema" else None, given, "response_format")
 
 
-def structured_output(kind: str, schema: dict | None, given: dict | None = None,
-                      param: str = "response_format") -> GuidedDecodingParams | None:
+def structured_output(
+    kind: str, schema: dict | None, given: dict | None = None, param: str = "response_format"
+) -> GuidedDecodingParams | None:
     """GuidedDecodingParams for an output format (text, json_object, or json_schema with `schema`),
     plus vLLM's guided_* fields in `given`; None for free text. At most one kind in all."""
     given = dict(given or {})

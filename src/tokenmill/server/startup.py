@@ -113,10 +113,13 @@ class StartupApp:
             message = f"the engine failed to load ({self.done.exception()!r}); the server is stopping"
             return await error_response(path, message, 503, tgi_type="generation")(scope, receive, send)
         phase = (progress.current() or {}).get("phase", "starting")
-        message = (f"the model is loading ({phase}): retry in {LOADING_RETRY_AFTER_S} s, or wait for "
-                   f"GET {READY_PATH} to answer 200")
-        resp = error_response(path, message, 503, headers={"Retry-After": str(LOADING_RETRY_AFTER_S)},
-                              tgi_type="overloaded")
+        message = (
+            f"the model is loading ({phase}): retry in {LOADING_RETRY_AFTER_S} s, or wait for "
+            f"GET {READY_PATH} to answer 200"
+        )
+        resp = error_response(
+            path, message, 503, headers={"Retry-After": str(LOADING_RETRY_AFTER_S)}, tgi_type="overloaded"
+        )
         return await resp(scope, receive, send)
 
 
@@ -151,8 +154,11 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig, frame) -> None:
         if not self.should_exit:
-            logger.info("%s received: not accepting new connections; draining in-flight requests (up to %ss)",
-                        signal.Signals(sig).name, self.drain_timeout)
+            logger.info(
+                "%s received: not accepting new connections; draining in-flight requests (up to %ss)",
+                signal.Signals(sig).name,
+                self.drain_timeout,
+            )
         super().handle_exit(sig, frame)
 
     @property
@@ -183,14 +189,18 @@ class DrainingServer(uvicorn.Server):
             from tokenmill.engine.async_engine import ServerShutdownError
 
             logger.warning("drain timeout (%gs) expired: aborting %d request(s) still in flight", self.drain_timeout, n)
-            ctx.aengine.abort_all(ServerShutdownError(
-                f"the server is shutting down and its drain timeout ({self.drain_timeout:g} s) expired"))
+            ctx.aengine.abort_all(
+                ServerShutdownError(
+                    f"the server is shutting down and its drain timeout ({self.drain_timeout:g} s) expired"
+                )
+            )
 
 
 def make_config(app, host: str, port: int, drain_timeout: float | None = 30.0, **kw) -> uvicorn.Config:
     grace = None if drain_timeout is None else drain_timeout + END_STREAMS_GRACE_S
-    return uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False,
-                          timeout_graceful_shutdown=grace, **kw)
+    return uvicorn.Config(
+        app, host=host, port=port, log_config=None, access_log=False, timeout_graceful_shutdown=grace, **kw
+    )
 
 
 def serve(engine: Any, args: ServerArgs | None = None, *, sock: socket.socket | None = None, tracer: Any = None) -> int:
@@ -206,7 +216,8 @@ def serve(engine: Any, args: ServerArgs | None = None, *, sock: socket.socket | 
     args = args if args is not None else ServerArgs()
 
     def build(aengine):
-        from tokenmill.server.app import build_app  # lazy: the socket listens before the app's imports run
+        # lazy: the socket listens before the app's imports run
+        from tokenmill.server.app import build_app
 
         return build_app(aengine, args, tracer=tracer)
 
@@ -214,9 +225,17 @@ def serve(engine: Any, args: ServerArgs | None = None, *, sock: socket.socket | 
     gate = StartupApp(engine if callable(engine) else (lambda: engine), build)
     if tracer is not None:
         logger.info("OpenTelemetry: one span per request, exported to %s", tracer.endpoint)
-    config = make_config(gate, args.host, args.port, args.drain_timeout, log_level=args.uvicorn_log_level,
-                         timeout_keep_alive=args.timeout_keep_alive, ssl_keyfile=args.ssl_keyfile,
-                         ssl_certfile=args.ssl_certfile, root_path=args.root_path)
+    config = make_config(
+        gate,
+        args.host,
+        args.port,
+        args.drain_timeout,
+        log_level=args.uvicorn_log_level,
+        timeout_keep_alive=args.timeout_keep_alive,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        root_path=args.root_path,
+    )
     https = args.ssl_certfile is not None
 
     class Server(DrainingServer):
@@ -251,8 +270,9 @@ def serve(engine: Any, args: ServerArgs | None = None, *, sock: socket.socket | 
         gate.start()
         # The full app's modules (every API's routes: ~0.5-1 s of imports) load beside the engine, which
         # spends much of its load in C++ without the GIL, instead of after it.
-        threading.Thread(target=importlib.import_module, args=("tokenmill.server.app",), name="tokenmill-import",
-                         daemon=True).start()
+        threading.Thread(
+            target=importlib.import_module, args=("tokenmill.server.app",), name="tokenmill-import", daemon=True
+        ).start()
         server.run(sockets=[sock])
     finally:
         sock.close()
@@ -274,8 +294,7 @@ def _exit_while_loading(started: bool) -> None:
     """Stopped (SIGTERM, Ctrl-C) while the engine loads: end the process now, not when the load
     ends (minutes, for a first run's GGUF conversion), and not through interpreter exit, which
     would tear down modules under the load's thread."""
-    logger.info("stopped before the engine finished loading (%s)",
-                (progress.current() or {}).get("phase", "starting"))
+    logger.info("stopped before the engine finished loading (%s)", (progress.current() or {}).get("phase", "starting"))
     logging.shutdown()  # flushes every handler
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):

@@ -38,26 +38,35 @@ class TGIParameters(BaseModel):
     details: bool = Field(False, description="return generation details (tokens, logprobs, finish reason)")
     do_sample: bool = Field(False, description="sample; greedy when false and no sampling parameter is set")
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    max_new_tokens: int | None = Field(100, gt=0, description="input tokens + max_new_tokens <= the context length; "
-                                                              "null: the rest of the context")
-    repetition_penalty: float | None = Field(None, ge=SamplingParams.REPETITION_PENALTY_MIN,
-                                             le=SamplingParams.REPETITION_PENALTY_MAX, description="1 disables")
+    max_new_tokens: int | None = Field(
+        100, gt=0, description="input tokens + max_new_tokens <= the context length; null: the rest of the context"
+    )
+    repetition_penalty: float | None = Field(
+        None,
+        ge=SamplingParams.REPETITION_PENALTY_MIN,
+        le=SamplingParams.REPETITION_PENALTY_MAX,
+        description="1 disables",
+    )
     return_full_text: bool | None = Field(False, description="prepend the input to generated_text")
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: list[Annotated[str, Field(min_length=1)]] = Field(
-        default_factory=list, max_length=MAX_STOP_SEQUENCES, description="stop sequences, kept in generated_text")
-    temperature: float | None = Field(None, gt=0.0, le=SamplingParams.TEMPERATURE_MAX,
-                                      description="implies sampling")
+        default_factory=list, max_length=MAX_STOP_SEQUENCES, description="stop sequences, kept in generated_text"
+    )
+    temperature: float | None = Field(None, gt=0.0, le=SamplingParams.TEMPERATURE_MAX, description="implies sampling")
     top_k: int | None = Field(None, gt=0, le=SamplingParams.TOP_K_MAX, description="implies sampling")
     top_n_tokens: int | None = Field(None, ge=0, le=MAX_TOP_N_TOKENS, description="top alternatives per token")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="implies sampling")
     truncate: int | None = Field(None, gt=0, description="keep only the last N input tokens (N < the context length)")
     typical_p: float | None = Field(None, ge=1.0, le=1.0, description="not supported: null or 1.0 (disabled) only")
     watermark: bool = Field(False, description="green-list watermark (the server's --watermark-gamma / -delta)")
-    grammar: dict[str, Any] | None = Field(None, description='{"type": "json", "value": schema} or '
-                                                             '{"type": "regex", "value": "..."}')
-    adapter_id: str | None = Field(None, description="a LoRA adapter by name (--lora-modules, or loaded at run "
-                                                     "time); null or the model's id: the base model")
+    grammar: dict[str, Any] | None = Field(
+        None, description='{"type": "json", "value": schema} or {"type": "regex", "value": "..."}'
+    )
+    adapter_id: str | None = Field(
+        None,
+        description="a LoRA adapter by name (--lora-modules, or loaded at run "
+        "time); null or the model's id: the base model",
+    )
 
 
 class TGIRequest(BaseModel):
@@ -110,15 +119,26 @@ class TGIStreamResponse(BaseModel):
     details: TGIStreamDetails | None = None
 
 
-_TGI_ERRORS = {401: {"model": TGIErrorResponse, "description": "missing or wrong API key (with --api-key)"},
-               413: {"model": TGIErrorResponse, "description": "body over --max-request-body-bytes"},
-               422: {"model": TGIErrorResponse, "description": "validation error (error_type validation), "
-                                                                "malformed JSON included"},
-               503: {"model": TGIErrorResponse, "description": "overloaded (error_type overloaded) or the engine "
-                                                                "is not running (generation)"}}
+_TGI_ERRORS = {
+    401: {"model": TGIErrorResponse, "description": "missing or wrong API key (with --api-key)"},
+    413: {"model": TGIErrorResponse, "description": "body over --max-request-body-bytes"},
+    422: {
+        "model": TGIErrorResponse,
+        "description": "validation error (error_type validation), malformed JSON included",
+    },
+    503: {
+        "model": TGIErrorResponse,
+        "description": "overloaded (error_type overloaded) or the engine is not running (generation)",
+    },
+}
 # The same for a route whose response class is SSE (FastAPI would document a "model" as SSE too).
-_TGI_ERRORS_JSON = {status: {"description": r["description"], "content": {"application/json": {
-    "schema": {"$ref": "#/components/schemas/TGIErrorResponse"}}}} for status, r in _TGI_ERRORS.items()}
+_TGI_ERRORS_JSON = {
+    status: {
+        "description": r["description"],
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/TGIErrorResponse"}}},
+    }
+    for status, r in _TGI_ERRORS.items()
+}
 
 
 def _bad(msg: str) -> APIError:
@@ -132,8 +152,10 @@ def _validate(ctx: ServerContext, req: TGIRequest) -> tuple[list[int], SamplingP
     if p.adapter_id and p.adapter_id != ctx.model_name and p.adapter_id not in ctx.model_aliases:
         lora = lora_request(ctx, p.adapter_id)
         if lora is None:  # TGI itself would serve the base model; a typo must not go unnoticed
-            raise _bad(f"`adapter_id` {p.adapter_id!r} is not a loaded LoRA adapter"
-                       + ("" if ctx.lora is not None else " (the server runs without --enable-lora)"))
+            raise _bad(
+                f"`adapter_id` {p.adapter_id!r} is not a loaded LoRA adapter"
+                + ("" if ctx.lora is not None else " (the server runs without --enable-lora)")
+            )
     if p.best_of is not None and p.best_of != 1:
         raise _bad("`best_of` != 1 is not supported")
     if p.decoder_input_details:
@@ -168,25 +190,37 @@ def _validate(ctx: ServerContext, req: TGIRequest) -> tuple[list[int], SamplingP
     if p.truncate is not None:
         if not 0 < p.truncate < limit:
             raise _bad(f"`truncate` must be strictly positive and less than {limit}. Given: {p.truncate}")
-        ids = ids[-p.truncate:]
+        ids = ids[-p.truncate :]
     max_new = p.max_new_tokens if p.max_new_tokens is not None else limit - len(ids)
     if len(ids) >= limit:
         raise _bad(f"`inputs` must have less than {limit} tokens. Given: {len(ids)}")
     if len(ids) + max_new > limit:
-        raise _bad(f"`inputs` tokens + `max_new_tokens` must be <= {limit}. "
-                   f"Given: {len(ids)} `inputs` tokens and {max_new} `max_new_tokens`")
-    sampling = p.do_sample or (p.temperature is not None and p.temperature != 1.0) or p.top_k is not None \
+        raise _bad(
+            f"`inputs` tokens + `max_new_tokens` must be <= {limit}. "
+            f"Given: {len(ids)} `inputs` tokens and {max_new} `max_new_tokens`"
+        )
+    sampling = (
+        p.do_sample
+        or (p.temperature is not None and p.temperature != 1.0)
+        or p.top_k is not None
         or (p.top_p is not None and p.top_p < 1.0)
+    )
     try:
         guided = _grammar(p.grammar)
     except ValueError as e:
         raise _bad(str(e)) from None
     params = Sampling(
-        temperature=(p.temperature or 1.0) if sampling else 0.0, top_p=p.top_p or 1.0, top_k=p.top_k or -1,
-        seed=p.seed if sampling else None, repetition_penalty=p.repetition_penalty or 1.0,
-        frequency_penalty=p.frequency_penalty or 0.0, stop=p.stop,
+        temperature=(p.temperature or 1.0) if sampling else 0.0,
+        top_p=p.top_p or 1.0,
+        top_k=p.top_k or -1,
+        seed=p.seed if sampling else None,
+        repetition_penalty=p.repetition_penalty or 1.0,
+        frequency_penalty=p.frequency_penalty or 0.0,
+        stop=p.stop,
         include_stop_str_in_output=True,  # TGI's generated_text ends with the stop sequence
-        logprobs=p.top_n_tokens or 0, watermark=p.watermark, guided=guided,
+        logprobs=p.top_n_tokens or 0,
+        watermark=p.watermark,
+        guided=guided,
     ).params(max_new, invalid=lambda e: _bad(str(e)))
     return ids, params, sampling, lora
 
@@ -212,22 +246,34 @@ def _finish_reason(out: RequestOutput) -> str:
     return "eos_token"
 
 
-def _tokens(ctx: ServerContext, out: RequestOutput, token_ids: list[int], texts: list[str] | None,
-            top_n: int) -> tuple[list[TGIToken], list[list[TGIToken]]]:
+def _tokens(
+    ctx: ServerContext, out: RequestOutput, token_ids: list[int], texts: list[str] | None, top_n: int
+) -> tuple[list[TGIToken], list[list[TGIToken]]]:
     c = out.outputs[0]
     special = set(ctx.tokenizer.all_special_ids)
-    lps = (c.logprobs or [])[len(c.token_ids) - len(token_ids):] if c.logprobs else [None] * len(token_ids)
+    lps = (c.logprobs or [])[len(c.token_ids) - len(token_ids) :] if c.logprobs else [None] * len(token_ids)
     tokens, tops = [], []
     for j, (tid, step) in enumerate(zip(token_ids, lps)):
         chosen = step.get(tid) if step else None
         text = texts[j] if texts is not None else (chosen.decoded_token if chosen else "")
-        tokens.append(TGIToken(id=tid, text=text or "", special=tid in special,
-                               logprob=clamp_logprob(chosen.logprob) if chosen else None))
+        tokens.append(
+            TGIToken(
+                id=tid,
+                text=text or "",
+                special=tid in special,
+                logprob=clamp_logprob(chosen.logprob) if chosen else None,
+            )
+        )
         if top_n and step:
-            ranked = sorted((e for e in step.items() if e[1].rank is not None and e[1].rank <= top_n),
-                            key=lambda e: e[1].rank)
-            tops.append([TGIToken(id=t, text=e.decoded_token or "", logprob=clamp_logprob(e.logprob),
-                                  special=t in special) for t, e in ranked])
+            ranked = sorted(
+                (e for e in step.items() if e[1].rank is not None and e[1].rank <= top_n), key=lambda e: e[1].rank
+            )
+            tops.append(
+                [
+                    TGIToken(id=t, text=e.decoded_token or "", logprob=clamp_logprob(e.logprob), special=t in special)
+                    for t, e in ranked
+                ]
+            )
     return tokens, tops
 
 
@@ -240,9 +286,18 @@ async def _start(ctx: ServerContext, req: TGIRequest, raw: Request):
     return ids, streams, (req.parameters.seed if sampling else None)
 
 
-@router.post("/generate", response_model=TGIResponse, response_model_exclude_none=True, responses={
-    200: {"description": "the generation, or with stream=true the events of /generate_stream",
-          "content": sse_content(TGIStreamResponse, TGIErrorResponse, done=False)}, **_TGI_ERRORS})
+@router.post(
+    "/generate",
+    response_model=TGIResponse,
+    response_model_exclude_none=True,
+    responses={
+        200: {
+            "description": "the generation, or with stream=true the events of /generate_stream",
+            "content": sse_content(TGIStreamResponse, TGIErrorResponse, done=False),
+        },
+        **_TGI_ERRORS,
+    },
+)
 async def generate(body: TGIRequest, raw: Request):
     ctx = get_ctx(raw)
     if body.stream:
@@ -259,16 +314,31 @@ async def _generate(ctx: ServerContext, body: TGIRequest, raw: Request):
     if body.parameters.details:
         top_n = body.parameters.top_n_tokens or 0
         tokens, tops = _tokens(ctx, out, c.token_ids, None, top_n)
-        details = TGIDetails(finish_reason=_finish_reason(out), generated_tokens=len(c.token_ids), seed=seed,
-                             tokens=tokens, top_tokens=tops or None)
+        details = TGIDetails(
+            finish_reason=_finish_reason(out),
+            generated_tokens=len(c.token_ids),
+            seed=seed,
+            tokens=tokens,
+            top_tokens=tops or None,
+        )
         resp["details"] = details.model_dump(exclude={"top_tokens"} if not tops else None)
     return JSONResponse(resp)
 
 
-@router.post("/generate_stream", response_model=None, response_class=SSEResponse, status_code=200, responses={
-    200: {"description": "SSE events `data: {TGIStreamResponse}`; the last carries generated_text "
-                         "(and details when asked)",
-          "content": sse_content(TGIStreamResponse, TGIErrorResponse, done=False)}, **_TGI_ERRORS_JSON})
+@router.post(
+    "/generate_stream",
+    response_model=None,
+    response_class=SSEResponse,
+    status_code=200,
+    responses={
+        200: {
+            "description": "SSE events `data: {TGIStreamResponse}`; the last carries generated_text "
+            "(and details when asked)",
+            "content": sse_content(TGIStreamResponse, TGIErrorResponse, done=False),
+        },
+        **_TGI_ERRORS_JSON,
+    },
+)
 async def generate_stream(body: TGIRequest, raw: Request):
     return await run_cancellable(raw, _generate_stream(get_ctx(raw), body, raw))
 
@@ -292,16 +362,23 @@ async def _events(ctx: ServerContext, body: TGIRequest, ids: list[int], streams,
             for j, tok in enumerate(tokens):
                 index += 1
                 last = out.finished and j == len(tokens) - 1
-                event: dict[str, Any] = {"index": index, "token": tok.model_dump(), "generated_text": None,
-                                         "details": None}
+                event: dict[str, Any] = {
+                    "index": index,
+                    "token": tok.model_dump(),
+                    "generated_text": None,
+                    "details": None,
+                }
                 if tops:
                     event["top_tokens"] = [t.model_dump() for t in tops[j]]
                 if last:
                     event["generated_text"] = (body.inputs if body.parameters.return_full_text else "") + c.text
                     if body.parameters.details:
                         event["details"] = TGIStreamDetails(
-                            finish_reason=_finish_reason(out), generated_tokens=len(c.token_ids), seed=seed,
-                            input_length=len(ids)).model_dump()
+                            finish_reason=_finish_reason(out),
+                            generated_tokens=len(c.token_ids),
+                            seed=seed,
+                            input_length=len(ids),
+                        ).model_dump()
                 yield sse(event)
     except (ValueError, RuntimeError, APIError) as e:
         yield sse({"error": stream_error(e, request_id).message, "error_type": "generation"})
@@ -313,11 +390,21 @@ async def info(raw: Request) -> dict:
     ctx = get_ctx(raw)
     cfg = ctx.engine.config
     return {
-        "model_id": ctx.model_name, "model_sha": None, "model_dtype": str(cfg.model.dtype).replace("torch.", ""),
-        "model_device_type": cfg.model.device, "model_pipeline_tag": "text-generation",
-        "max_concurrent_requests": cfg.scheduler.max_num_seqs, "max_best_of": 1,
-        "max_stop_sequences": MAX_STOP_SEQUENCES, "max_input_tokens": cfg.model.max_model_len - 1,
-        "max_total_tokens": cfg.model.max_model_len, "max_top_n_tokens": MAX_TOP_N_TOKENS,
-        "validation_workers": 1, "max_client_batch_size": 1, "router": "tokenmill",
-        "version": tokenmill.__version__, "sha": None, "docker_label": None,
+        "model_id": ctx.model_name,
+        "model_sha": None,
+        "model_dtype": str(cfg.model.dtype).replace("torch.", ""),
+        "model_device_type": cfg.model.device,
+        "model_pipeline_tag": "text-generation",
+        "max_concurrent_requests": cfg.scheduler.max_num_seqs,
+        "max_best_of": 1,
+        "max_stop_sequences": MAX_STOP_SEQUENCES,
+        "max_input_tokens": cfg.model.max_model_len - 1,
+        "max_total_tokens": cfg.model.max_model_len,
+        "max_top_n_tokens": MAX_TOP_N_TOKENS,
+        "validation_workers": 1,
+        "max_client_batch_size": 1,
+        "router": "tokenmill",
+        "version": tokenmill.__version__,
+        "sha": None,
+        "docker_label": None,
     }

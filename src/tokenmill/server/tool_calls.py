@@ -52,16 +52,25 @@ def plan_tools(tools: list[dict] | None, tool_choice) -> ToolPlan | None:
     for i, t in enumerate(tools):
         f = t.get("function") if isinstance(t, dict) else None
         if t.get("type", "function") != "function" or not isinstance(f, dict) or not isinstance(f.get("name"), str):
-            raise APIError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': "
-                           f"{{...}}}}}}", param="tools")
+            raise APIError(
+                f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': {{...}}}}}}",
+                param="tools",
+            )
         funcs.append(f)
     names = [f["name"] for f in funcs]
     choice = tool_choice if tool_choice is not None else "auto"
     if choice in ("none", "auto"):
         return ToolPlan(choice, funcs)
     if choice == "required":
-        items = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": _params(f)},
-                  "required": ["name", "arguments"], "additionalProperties": False} for f in funcs]
+        items = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": f["name"]}, "arguments": _params(f)},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for f in funcs
+        ]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
         return ToolPlan("required", funcs, guided=GuidedDecodingParams(json=schema))
     if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
@@ -70,8 +79,10 @@ def plan_tools(tools: list[dict] | None, tool_choice) -> ToolPlan | None:
             raise APIError(f"tool_choice names {name!r}, which is not among the tools {names}", param="tool_choice")
         f = funcs[names.index(name)]
         return ToolPlan("named", funcs, named=name, guided=GuidedDecodingParams(json=_params(f)))
-    raise APIError("tool_choice must be none, auto, required or {'type': 'function', 'function': {'name': ...}}",
-                   param="tool_choice")
+    raise APIError(
+        "tool_choice must be none, auto, required or {'type': 'function', 'function': {'name': ...}}",
+        param="tool_choice",
+    )
 
 
 def function_tool(name: str, description: str | None, parameters: dict | None) -> dict:
@@ -97,8 +108,10 @@ def add_tool_prompt(messages: list[dict], plan: ToolPlan) -> list[dict]:
         m = dict(m)
         calls = m.pop("tool_calls", None)
         if calls:
-            lines = [f'<tool_call>{json.dumps({"name": c["function"]["name"], "arguments": _loads(c["function"].get("arguments"))})}</tool_call>'
-                     for c in calls]
+            lines = [
+                f"<tool_call>{json.dumps({'name': c['function']['name'], 'arguments': _loads(c['function'].get('arguments'))})}</tool_call>"
+                for c in calls
+            ]
             m["content"] = "\n".join(filter(None, [m.get("content") or "", *lines]))
         if m.get("role") == "tool":
             m = {"role": "user", "content": f"Result of tool call {m.pop('tool_call_id', '')}: {m.get('content', '')}"}
@@ -195,7 +208,7 @@ def _cut_call(text: str, names: list[str]) -> tuple[str, str]:
             value, pos = _DECODER.raw_decode(text, pos)
         except json.JSONDecodeError:  # the value being written when it stopped
             if key == "name" and text.startswith('"', pos):
-                prefix = text[pos + 1:].rstrip("\\")
+                prefix = text[pos + 1 :].rstrip("\\")
             elif key == "arguments":
                 args = text[pos:].strip()
             break
@@ -277,7 +290,7 @@ class ToolCallStream:
                 events.append(CallStart(_call(self.plan.named, "")["id"], self.plan.named))
             text = self.held + delta if self.args else delta.lstrip()
             body = text.rstrip()  # trailing whitespace waits for more: the arguments end without it
-            self.held = text[len(body):]
+            self.held = text[len(body) :]
             if body:
                 self.args += body
                 events.append(CallArgs(body))
@@ -307,7 +320,7 @@ class ToolCallStream:
                 end = self.buf.find(_CLOSE)
                 if end < 0:
                     return events
-                body, self.buf = self.buf[:end], self.buf[end + len(_CLOSE):]
+                body, self.buf = self.buf[:end], self.buf[end + len(_CLOSE) :]
                 self.in_call = False
                 call = _parse_call(body.strip(), self.names)
                 if call is None:
@@ -322,13 +335,13 @@ class ToolCallStream:
                 self.after_call = not self.buf
             start = self.buf.find(_OPEN)
             if start >= 0:
-                text, self.buf = self.buf[:start].rstrip(), self.buf[start + len(_OPEN):]
+                text, self.buf = self.buf[:start].rstrip(), self.buf[start + len(_OPEN) :]
                 self.in_call = True
                 if text:
                     events.append(text)
                 continue
             keep = _held_back(self.buf)
-            text, self.buf = self.buf[: len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+            text, self.buf = self.buf[: len(self.buf) - keep], self.buf[len(self.buf) - keep :]
             if text:
                 events.append(text)
             return events
@@ -337,8 +350,7 @@ class ToolCallStream:
 def _held_back(text: str) -> int:
     """How many trailing characters may still turn out to precede or begin a `<tool_call>` tag:
     a prefix of the tag, and the whitespace before it."""
-    keep = next((k for k in range(min(len(_OPEN) - 1, len(text)), 0, -1) if _OPEN.startswith(text[-k:])),
-                0)
+    keep = next((k for k in range(min(len(_OPEN) - 1, len(text)), 0, -1) if _OPEN.startswith(text[-k:])), 0)
     return len(text) - len(text[: len(text) - keep].rstrip())
 
 
@@ -352,7 +364,10 @@ def apply_tool_grammar(params, plan: ToolPlan | None) -> ToolPlan | None:
     answer with, or None when nothing is to be parsed."""
     if plan is not None and plan.guided is not None:
         if params.guided_decoding is not None:
-            raise APIError("tool_choice required or named cannot be combined with structured output "
-                           "(response_format, text.format or guided_*)", param="tool_choice")
+            raise APIError(
+                "tool_choice required or named cannot be combined with structured output "
+                "(response_format, text.format or guided_*)",
+                param="tool_choice",
+            )
         params.guided_decoding = plan.guided
     return plan if plan is not None and plan.parses else None

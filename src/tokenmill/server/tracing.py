@@ -95,8 +95,10 @@ def _exporter(endpoint: str | None):
             raise ValueError(f"unsupported OTLP protocol {protocol!r}: use http/protobuf or grpc")
     except ImportError as e:
         package = "opentelemetry-exporter-otlp-proto-" + ("grpc" if protocol == "grpc" else "http")
-        raise ValueError(f"OTLP tracing over {protocol} needs {package} ({e}); "
-                         f"{INSTALL_HINT}" + (f" and pip install {package}" if protocol == "grpc" else "")) from None
+        raise ValueError(
+            f"OTLP tracing over {protocol} needs {package} ({e}); "
+            f"{INSTALL_HINT}" + (f" and pip install {package}" if protocol == "grpc" else "")
+        ) from None
     if endpoint and protocol == "http/protobuf" and urlparse(endpoint).path in ("", "/"):
         endpoint = endpoint.rstrip("/") + "/v1/traces"
     return OTLPSpanExporter(endpoint=endpoint or None)
@@ -131,8 +133,9 @@ class RequestTracer:
     def endpoint(self) -> str:
         return str(getattr(self.exporter, "_endpoint", ""))
 
-    def record(self, out: RequestOutput, params: SamplingParams, model: str,
-               headers: dict[str, str] | None = None) -> None:
+    def record(
+        self, out: RequestOutput, params: SamplingParams, model: str, headers: dict[str, str] | None = None
+    ) -> None:
         """The span of a finished request, from the engine's timestamps (monotonic, turned into
         wall-clock nanoseconds); a child of the caller's trace when `headers` carry one. Never
         raises: tracing must not fail a request."""
@@ -172,8 +175,9 @@ class RequestTracer:
             if m.first_scheduled_time is not None:
                 attrs[a.GEN_AI_LATENCY_TIME_IN_MODEL_PREFILL] = m.first_token_time - m.first_scheduled_time
         parent = self._propagator.extract(headers) if headers else None
-        span = self.tracer.start_span(SPAN_NAME, context=parent, kind=self._kind, attributes=attrs,
-                                      start_time=int(m.arrival_time * 1e9) + wall)
+        span = self.tracer.start_span(
+            SPAN_NAME, context=parent, kind=self._kind, attributes=attrs, start_time=int(m.arrival_time * 1e9) + wall
+        )
         span.end(end_time=int(end * 1e9) + wall)
 
     def shutdown(self) -> None:

@@ -55,11 +55,15 @@ class SpeculativeConfig:
             if self.prompt_lookup_min < 1:
                 raise ValueError(f"speculative config: prompt_lookup_min={self.prompt_lookup_min} must be >= 1")
             if self.prompt_lookup_min > self.prompt_lookup_max:
-                raise ValueError(f"speculative config: prompt_lookup_min={self.prompt_lookup_min} must be "
-                                 f"<= prompt_lookup_max={self.prompt_lookup_max}")
+                raise ValueError(
+                    f"speculative config: prompt_lookup_min={self.prompt_lookup_min} must be "
+                    f"<= prompt_lookup_max={self.prompt_lookup_max}"
+                )
         elif self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
-            raise ValueError(f"speculative config: prompt_lookup_min/prompt_lookup_max apply to method "
-                             f"'ngram' only, not {self.method!r}")
+            raise ValueError(
+                f"speculative config: prompt_lookup_min/prompt_lookup_max apply to method "
+                f"'ngram' only, not {self.method!r}"
+            )
         if self.method == "suffix":
             self._check_suffix()
             if self.num_speculative_tokens is None:
@@ -68,14 +72,18 @@ class SpeculativeConfig:
             if not self.model:
                 raise ValueError("speculative config: method 'draft_model' needs \"model\": the draft model's path")
             if self.quantization is not None and self.quantization not in _QUANTIZATIONS:
-                raise ValueError(f"speculative config: unknown quantization {self.quantization!r}; choose one of "
-                                 f"{', '.join(_QUANTIZATIONS)}")
+                raise ValueError(
+                    f"speculative config: unknown quantization {self.quantization!r}; choose one of "
+                    f"{', '.join(_QUANTIZATIONS)}"
+                )
             if self.dtype is not None and self.dtype not in _DTYPES:
-                raise ValueError(f"speculative config: unknown dtype {self.dtype!r}; choose one of "
-                                 "auto, float32, bfloat16, float16")
+                raise ValueError(
+                    f"speculative config: unknown dtype {self.dtype!r}; choose one of auto, float32, bfloat16, float16"
+                )
         elif self.quantization is not None or self.dtype is not None:
-            raise ValueError(f"speculative config: quantization/dtype apply to a draft model, not method "
-                             f"{self.method!r}")
+            raise ValueError(
+                f"speculative config: quantization/dtype apply to a draft model, not method {self.method!r}"
+            )
         if self.num_speculative_tokens is None:
             raise ValueError(f"speculative config: num_speculative_tokens is required for method {self.method!r}")
         if self.num_speculative_tokens < 1:
@@ -85,23 +93,31 @@ class SpeculativeConfig:
         m = self.method
         if m is None:
             if self.model is None:
-                raise ValueError("speculative config: give \"method\" (one of ngram, suffix, draft_model) "
-                                 "or a draft \"model\"")
+                raise ValueError(
+                    'speculative config: give "method" (one of ngram, suffix, draft_model) or a draft "model"'
+                )
             m = "ngram" if self.model in ("ngram", "[ngram]") else "draft_model"
         if m == "[ngram]":
             m = "ngram"
         if m not in METHODS:
             raise ValueError(f"speculative config: unknown method {m!r}; choose one of {', '.join(METHODS)}")
         if m in ("ngram", "suffix") and self.model not in (None, m, f"[{m}]"):
-            raise ValueError(f"speculative config: method {m!r} takes no draft model (got model={self.model!r}); "
-                             "use method 'draft_model' for one")
+            raise ValueError(
+                f"speculative config: method {m!r} takes no draft model (got model={self.model!r}); "
+                "use method 'draft_model' for one"
+            )
         if m in ("ngram", "suffix"):
             self.model = None
         self.method = m
 
     def _check_types(self) -> None:
-        ints = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-                "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests")
+        ints = (
+            "num_speculative_tokens",
+            "prompt_lookup_min",
+            "prompt_lookup_max",
+            "suffix_decoding_max_tree_depth",
+            "suffix_decoding_max_cached_requests",
+        )
         for name in ints:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
@@ -118,17 +134,24 @@ class SpeculativeConfig:
 
     def _check_suffix(self) -> None:
         if self.suffix_decoding_max_tree_depth < 1:
-            raise ValueError(f"speculative config: suffix_decoding_max_tree_depth="
-                             f"{self.suffix_decoding_max_tree_depth} must be >= 1")
+            raise ValueError(
+                f"speculative config: suffix_decoding_max_tree_depth={self.suffix_decoding_max_tree_depth} must be >= 1"
+            )
         if self.suffix_decoding_max_cached_requests < 0:
-            raise ValueError(f"speculative config: suffix_decoding_max_cached_requests="
-                             f"{self.suffix_decoding_max_cached_requests} must be >= 0")
+            raise ValueError(
+                f"speculative config: suffix_decoding_max_cached_requests="
+                f"{self.suffix_decoding_max_cached_requests} must be >= 0"
+            )
         if self.suffix_decoding_max_spec_factor < 0:
-            raise ValueError(f"speculative config: suffix_decoding_max_spec_factor="
-                             f"{self.suffix_decoding_max_spec_factor} must be >= 0")
+            raise ValueError(
+                f"speculative config: suffix_decoding_max_spec_factor="
+                f"{self.suffix_decoding_max_spec_factor} must be >= 0"
+            )
         if not 0.0 <= self.suffix_decoding_min_token_prob <= 1.0:
-            raise ValueError(f"speculative config: suffix_decoding_min_token_prob="
-                             f"{self.suffix_decoding_min_token_prob} must be in [0, 1]")
+            raise ValueError(
+                f"speculative config: suffix_decoding_min_token_prob="
+                f"{self.suffix_decoding_min_token_prob} must be in [0, 1]"
+            )
 
     @classmethod
     def from_json(cls, spec: str | dict[str, Any]) -> SpeculativeConfig:
@@ -143,8 +166,10 @@ class SpeculativeConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(spec) - known)
         if unknown:
-            raise ValueError(f"speculative config: unknown key(s) {', '.join(map(repr, unknown))}; "
-                             f"known keys: {', '.join(sorted(known))}")
+            raise ValueError(
+                f"speculative config: unknown key(s) {', '.join(map(repr, unknown))}; "
+                f"known keys: {', '.join(sorted(known))}"
+            )
         return cls(**spec)
 
     def to_dict(self) -> dict[str, Any]:

@@ -57,18 +57,37 @@ class _DraftSeq:
 
 
 class DraftModelProposer:
-    def __init__(self, model: str, quantization: str | None, dtype: str | None, target: ModelConfig,
-                 cache: CacheConfig, scheduler: SchedulerConfig, device: DeviceConfig, seed: int = 0):
+    def __init__(
+        self,
+        model: str,
+        quantization: str | None,
+        dtype: str | None,
+        target: ModelConfig,
+        cache: CacheConfig,
+        scheduler: SchedulerConfig,
+        device: DeviceConfig,
+        seed: int = 0,
+    ):
         path = resolve_model_path(model)
         hf = load_hf_config(path)
         vocab = getattr(hf, "vocab_size", None)
         if vocab != target.vocab_size:
-            raise ValueError(f"speculative draft model {model!r} has a vocabulary of {vocab} tokens, the target "
-                             f"{target.vocab_size}: a draft model must share the target's vocabulary")
+            raise ValueError(
+                f"speculative draft model {model!r} has a vocabulary of {vocab} tokens, the target "
+                f"{target.vocab_size}: a draft model must share the target's vocabulary"
+            )
         _check_same_tokenizer(path, target.path, model)
         max_len = min(target.max_model_len, getattr(hf, "max_position_embeddings", target.max_model_len))
-        config = ModelConfig(path, hf, parse_dtype(dtype, target.device) if dtype else target.dtype, max_len,
-                             f"draft:{model}", target.device, "auto", quantization)
+        config = ModelConfig(
+            path,
+            hf,
+            parse_dtype(dtype, target.device) if dtype else target.dtype,
+            max_len,
+            f"draft:{model}",
+            target.device,
+            "auto",
+            quantization,
+        )
         self.block_size = bs = cache.block_size
         # As many tokens as the target's pool holds, plus a block per request for the drafts beyond.
         num_blocks = cache.num_blocks + scheduler.max_num_seqs + 1
@@ -78,9 +97,14 @@ class DraftModelProposer:
         self.max_prefill_tokens = scheduler.max_num_batched_tokens
         self.generator = torch.Generator(self.runner.device).manual_seed(seed + 1)
         self._seqs: dict[str, _DraftSeq] = {}
-        logger.info("speculative draft model %s: %s, %s, KV cache %d blocks (%.2f GiB)", model, config.dtype,
-                    quantization or "unquantized", num_blocks,
-                    num_blocks * bs * config.kv_bytes_per_token() / 2**30)
+        logger.info(
+            "speculative draft model %s: %s, %s, KV cache %d blocks (%.2f GiB)",
+            model,
+            config.dtype,
+            quantization or "unquantized",
+            num_blocks,
+            num_blocks * bs * config.kv_bytes_per_token() / 2**30,
+        )
 
     # ---- the proposer interface (drafter.py) ----------------------------------------
     def propose_many(self, items: list[tuple[Request, int]], rows_left: int, running: list[Request]) -> list[Drafts]:
@@ -95,15 +119,18 @@ class DraftModelProposer:
         probs: dict[int, list[torch.Tensor]] = {i: [] for i, *_ in plan}
         step = 0
         while active:
-            feeds = [(seq, req.all_token_ids[seq.num_computed:seq.num_computed + n] if step == 0 else
-                      [drafts[i][-1]]) for i, req, seq, n, _k in active]
+            feeds = [
+                (seq, req.all_token_ids[seq.num_computed : seq.num_computed + n] if step == 0 else [drafts[i][-1]])
+                for i, req, seq, n, _k in active
+            ]
             logits = self._forward(feeds)
             for (_i, _req, seq, _n, _k), (_, fed) in zip(active, feeds):
                 if step > 0:
                     seq.fed_drafts.append(fed[0])
                 seq.num_computed += len(fed)
-            sampling = [j for j, a in enumerate(active)
-                        if a[4] and not a[1].sampling_params.greedy and a[1].matcher is None]
+            sampling = [
+                j for j, a in enumerate(active) if a[4] and not a[1].sampling_params.greedy and a[1].matcher is None
+            ]
             tokens = logits.argmax(dim=-1)
             if sampling:
                 self._sample(active, logits, sampling, tokens, probs)
@@ -177,13 +204,23 @@ class DraftModelProposer:
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
             last.append(len(input_ids) - 1)
         r = self.runner
-        step = StepInputs(torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
-                          r.attn.build_metadata(seqs, slots, bs), torch.tensor(last, dtype=torch.long))
+        step = StepInputs(
+            torch.tensor(input_ids, dtype=torch.long),
+            torch.tensor(positions, dtype=torch.long),
+            r.attn.build_metadata(seqs, slots, bs),
+            torch.tensor(last, dtype=torch.long),
+        )
         logits, _ = r.run(r.to_device(step))
         return logits
 
-    def _sample(self, active: list[tuple], logits: torch.Tensor, rows: list[int], tokens: torch.Tensor,
-                probs: dict[int, list[torch.Tensor]]) -> None:
+    def _sample(
+        self,
+        active: list[tuple],
+        logits: torch.Tensor,
+        rows: list[int],
+        tokens: torch.Tensor,
+        probs: dict[int, list[torch.Tensor]],
+    ) -> None:
         """Sampled drafts for `rows`: q is the draft's distribution under the request's temperature,
         top-k and top-p (the closer q is to the target's p, the more is accepted), drawn by inverse
         CDF with the request's seeded generator (else the draft's own)."""
@@ -220,5 +257,7 @@ def _check_same_tokenizer(draft_path: str, target_path: str, name: str) -> None:
     draft, target = (Tokenizer.from_file(f).get_vocab() for f in files)
     if draft != target:
         diff = sum(1 for t, i in draft.items() if target.get(t) != i)
-        raise ValueError(f"speculative draft model {name!r}: its tokenizer differs from the target's on {diff} "
-                         f"tokens; a draft model must share the target's vocabulary")
+        raise ValueError(
+            f"speculative draft model {name!r}: its tokenizer differs from the target's on {diff} "
+            f"tokens; a draft model must share the target's vocabulary"
+        )

@@ -76,8 +76,9 @@ class _Track:
 
 
 class Drafter:
-    def __init__(self, config: SpeculativeConfig, proposer, max_model_len: int,
-                 max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS):
+    def __init__(
+        self, config: SpeculativeConfig, proposer, max_model_len: int, max_batch_rows: int = DEFAULT_MAX_BATCH_ROWS
+    ):
         self.config, self.proposer = config, proposer
         self.k = config.num_speculative_tokens
         self.max_model_len, self.max_batch_rows = max_model_len, max_batch_rows
@@ -88,13 +89,22 @@ class Drafter:
     def build(cls, engine: EngineConfig) -> Drafter:
         config, scheduler = engine.speculative, engine.scheduler
         if config.method == "ngram":
-            proposer = _ByTokens(NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
-                                               config.prompt_lookup_max))
+            proposer = _ByTokens(
+                NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+            )
         elif config.method == "suffix":
             proposer = _Suffix(SuffixProposer.from_config(config))
         else:
-            proposer = DraftModelProposer(config.model, config.quantization, config.dtype, engine.model,
-                                          engine.cache, scheduler, engine.device, engine.seed)
+            proposer = DraftModelProposer(
+                config.model,
+                config.quantization,
+                config.dtype,
+                engine.model,
+                engine.cache,
+                scheduler,
+                engine.device,
+                engine.seed,
+            )
         return cls(config, proposer, scheduler.max_model_len)
 
     # ---- after each step ----------------------------------------------------------------
@@ -134,8 +144,11 @@ class Drafter:
             return
         candidates = []
         for req in running:
-            if (req.status == RequestStatus.RUNNING and req.num_computed_tokens == req.num_tokens - 1
-                    and req.num_output_tokens > 0):
+            if (
+                req.status == RequestStatus.RUNNING
+                and req.num_computed_tokens == req.num_tokens - 1
+                and req.num_output_tokens > 0
+            ):
                 # drafts must not pass max_tokens (with the token always sampled after them) nor the context
                 room = min(req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens)
                 if room > 0:
@@ -206,7 +219,7 @@ class _ByTokens:
         if buf is None:
             buf = self._buffers[req.request_id] = TokenBuffer(req.all_token_ids)
         elif len(buf) != req.num_tokens:
-            buf.extend(req.all_token_ids[len(buf):])
+            buf.extend(req.all_token_ids[len(buf) :])
         return self.proposer.propose(buf.view(), k)
 
     def add_tokens(self, req: Request, tokens: list[int]) -> None:

@@ -46,7 +46,7 @@ class TokenBuffer:
             grown = np.empty(max(2 * self._buf.shape[0], self._n + n), dtype=np.int32)
             grown[: self._n] = self._buf[: self._n]
             self._buf = grown
-        self._buf[self._n: self._n + n] = tokens
+        self._buf[self._n : self._n + n] = tokens
         self._n += n
 
     def truncate(self, n: int) -> None:
@@ -100,4 +100,4 @@ class NgramProposer:
         if len(levels) < self.min_n:
             return []
         start = int(levels[-1][0]) + 1  # earliest occurrence of the longest match; drafts follow it
-        return tokens[start: start + k].tolist()
+        return tokens[start : start + k].tolist()

@@ -202,8 +202,15 @@ class SuffixProposer:
     many per propose() call (a 512-token output costs 3-13 ms of Python in one go, a hiccup in the
     step loop); None inserts it whole in finish_request, 0 only in explicit flush() calls."""
 
-    def __init__(self, k: int, max_tree_depth: int = 24, max_cached_requests: int = 10000,
-                 max_spec_factor: float = 1.0, min_token_prob: float = 0.1, insert_budget: int | None = 32):
+    def __init__(
+        self,
+        k: int,
+        max_tree_depth: int = 24,
+        max_cached_requests: int = 10000,
+        max_spec_factor: float = 1.0,
+        min_token_prob: float = 0.1,
+        insert_budget: int | None = 32,
+    ):
         if k < 1 or max_tree_depth < 1 or max_cached_requests < 0:
             raise ValueError("need k >= 1, max_tree_depth >= 1, max_cached_requests >= 0")
         self.k, self.depth = k, max_tree_depth
@@ -218,9 +225,14 @@ class SuffixProposer:
     @classmethod
     def from_config(cls, cfg, **kwargs) -> SuffixProposer:
         """From a SpeculativeConfig (method "suffix"); kwargs: insert_budget."""
-        return cls(cfg.num_speculative_tokens, cfg.suffix_decoding_max_tree_depth,
-                   cfg.suffix_decoding_max_cached_requests, cfg.suffix_decoding_max_spec_factor,
-                   cfg.suffix_decoding_min_token_prob, **kwargs)
+        return cls(
+            cfg.num_speculative_tokens,
+            cfg.suffix_decoding_max_tree_depth,
+            cfg.suffix_decoding_max_cached_requests,
+            cfg.suffix_decoding_max_spec_factor,
+            cfg.suffix_decoding_min_token_prob,
+            **kwargs,
+        )
 
     @property
     def num_cached_requests(self) -> int:
@@ -269,16 +281,26 @@ class SuffixProposer:
             if n == left:
                 self._pending.popleft()
 
-    def propose(self, request_id: str, token_ids: Sequence[int] | np.ndarray | None = None,
-                k: int | None = None, num_prompt_tokens: int | None = None) -> list[int]:
+    def propose(
+        self,
+        request_id: str,
+        token_ids: Sequence[int] | np.ndarray | None = None,
+        k: int | None = None,
+        num_prompt_tokens: int | None = None,
+    ) -> list[int]:
         """Up to k (default self.k) draft tokens for the request. token_ids, if given, is its full
         context (prompt + output): the stored one is brought in line with it (the new tail appended),
         so a caller may skip add_tokens. An unknown request_id starts with it, its first
         num_prompt_tokens (default: all) being the prompt, which finish_request does not cache."""
         return self.speculate(request_id, token_ids, k, num_prompt_tokens).token_ids
 
-    def speculate(self, request_id: str, token_ids: Sequence[int] | np.ndarray | None = None,
-                  k: int | None = None, num_prompt_tokens: int | None = None) -> SuffixDraft:
+    def speculate(
+        self,
+        request_id: str,
+        token_ids: Sequence[int] | np.ndarray | None = None,
+        k: int | None = None,
+        num_prompt_tokens: int | None = None,
+    ) -> SuffixDraft:
         """propose(), with the draft's score, match length and source."""
         if request_id not in self._requests:
             ctx = () if token_ids is None else token_ids
@@ -290,7 +312,7 @@ class SuffixProposer:
             if len(token_ids) < len(buf):
                 buf.truncate(len(token_ids))
             else:
-                buf.extend(token_ids[len(buf):])
+                buf.extend(token_ids[len(buf) :])
         if self._pending and self.insert_budget:
             self.flush(self.insert_budget)
         k = self.k if k is None else k
@@ -300,7 +322,7 @@ class SuffixProposer:
             return best
         caps = [min(k, int(self.max_spec_factor * m), self.depth - m) for m in range(self.depth)]
         # Global tree: tails of length 1, 2, ... until one is absent (then every longer one is too).
-        tail = tokens[-(self.depth - 1):].tolist() if self.depth > 1 else []
+        tail = tokens[-(self.depth - 1) :].tolist() if self.depth > 1 else []
         states = []
         for m in range(1, len(tail) + 1):
             st = self._global.match(tail[-m:])

@@ -64,23 +64,38 @@ class CudaGraphDecode:
             pool = graph.pool()
             self._graphs[b] = graph
         torch.cuda.synchronize()
-        logger.info("CUDA graphs: captured %d decode batch sizes (1..%d) in %.1fs, %.0f MiB "
-                    "(--enforce-eager turns them off)", len(self.buckets), self.buckets[-1],
-                    time.perf_counter() - t0, (free0 - torch.cuda.mem_get_info()[0]) / 2**20)
+        logger.info(
+            "CUDA graphs: captured %d decode batch sizes (1..%d) in %.1fs, %.0f MiB (--enforce-eager turns them off)",
+            len(self.buckets),
+            self.buckets[-1],
+            time.perf_counter() - t0,
+            (free0 - torch.cuda.mem_get_info()[0]) / 2**20,
+        )
         return self
 
     def _run(self, b: int) -> None:
-        meta = AttentionMetadata(slot_mapping=self.slot_mapping[:b], block_size=self.block_size, all_decode=True,
-                                 seq_lens=self.seq_lens[:b], block_tables=self.block_tables[:b], max_query_len=1)
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:b],
+            block_size=self.block_size,
+            all_decode=True,
+            seq_lens=self.seq_lens[:b],
+            block_tables=self.block_tables[:b],
+            max_query_len=1,
+        )
         hidden = self.model(self.input_ids[:b], self.positions[:b], self.attn, meta)
         self.logits[:b].copy_(self.model.compute_logits(hidden))
 
     def accepts(self, meta: AttentionMetadata, rows: int) -> bool:
-        return (meta.all_decode and rows <= self.buckets[-1] and meta.block_tables is not None
-                and meta.block_tables.shape[1] <= self.max_blocks)
+        return (
+            meta.all_decode
+            and rows <= self.buckets[-1]
+            and meta.block_tables is not None
+            and meta.block_tables.shape[1] <= self.max_blocks
+        )
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 logits_rows: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logits_rows: torch.Tensor
+    ) -> torch.Tensor:
         """Float32 logits of `logits_rows`, the step's K/V written, as the model's forward would."""
         assert meta.seq_lens is not None and meta.block_tables is not None  # the varlen view (accepts)
         n = input_ids.shape[0]

@@ -44,6 +44,7 @@ class StepRunner(Protocol):
 
     def run(self, step: StepInputs) -> Any: ...
 
+
 logger = logging.getLogger("tokenmill")
 
 POLL_AFTER_STEP_S = envs.TOKENMILL_TP_POLL_US / 1e6
@@ -78,8 +79,13 @@ def plan_cores(size: int, num_threads: int | None) -> tuple[int, list[list[int]]
     cpus = _PROCESS_CPUS
     threads = num_threads or max(1, min(len(cpus), cpu_threads.available_cpus(affinity=len(cpus))) // size)
     if threads * size > len(cpus):
-        logger.warning("tensor parallel: %d ranks x %d threads > %d CPUs available: ranks share cores, which "
-                       "slows every all-reduce", size, threads, len(cpus))
+        logger.warning(
+            "tensor parallel: %d ranks x %d threads > %d CPUs available: ranks share cores, which "
+            "slows every all-reduce",
+            size,
+            threads,
+            len(cpus),
+        )
     return threads, [[cpus[(r * threads + i) % len(cpus)] for i in range(threads)] for r in range(size)]
 
 
@@ -108,11 +114,19 @@ def _free_port() -> int:
 class TPWorkers:
     """Rank 0's side: starts ranks 1..N-1, connects rank 0's group, broadcasts steps."""
 
-    def __init__(self, size: int, num_threads: int | None, model_config: ModelConfig,
-                 build_runner: Callable[..., StepRunner], shm_bytes: int) -> None:
+    def __init__(
+        self,
+        size: int,
+        num_threads: int | None,
+        model_config: ModelConfig,
+        build_runner: Callable[..., StepRunner],
+        shm_bytes: int,
+    ) -> None:
         self.size = size
         self.threads, self.cores = plan_cores(size, num_threads)
-        fd, self.shm_path = tempfile.mkstemp(prefix="tokenmill-tp-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        fd, self.shm_path = tempfile.mkstemp(
+            prefix="tokenmill-tp-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
+        )
         os.close(fd)
         if not uses_nccl(model_config.device):
             ShmAllReduce(self.shm_path, 0, size, shm_bytes, create=True).close()  # sized and zeroed
@@ -122,11 +136,19 @@ class TPWorkers:
         self.conns: list[Connection] = []
         for rank in range(1, size):
             parent, child = ctx.Pipe()
-            spec = WorkerSpec(rank, size, port, self.shm_path, shm_bytes, self.cores[rank],
-                              dataclasses.replace(model_config, device=rank_device(model_config.device, rank)),
-                              build_runner)
-            p = ctx.Process(target=_worker_entry, args=(spec, child, os.getpid()), daemon=True,
-                            name=f"tokenmill-tp{rank}")
+            spec = WorkerSpec(
+                rank,
+                size,
+                port,
+                self.shm_path,
+                shm_bytes,
+                self.cores[rank],
+                dataclasses.replace(model_config, device=rank_device(model_config.device, rank)),
+                build_runner,
+            )
+            p = ctx.Process(
+                target=_worker_entry, args=(spec, child, os.getpid()), daemon=True, name=f"tokenmill-tp{rank}"
+            )
             p.start()
             child.close()
             self.procs.append(p)
@@ -136,8 +158,13 @@ class TPWorkers:
         self._saved = (torch.get_num_threads(), os.sched_getaffinity(0))
         torch.set_num_threads(self.threads)  # rank 0: this process's compute runs on its own cores
         os.sched_setaffinity(0, self.cores[0])  # this thread (the engine's); its OpenMP team follows
-        logger.info("tensor parallel: %d ranks x %d threads; cores %s; worker pids %s", size, self.threads,
-                    self.cores, [p.pid for p in self.procs])
+        logger.info(
+            "tensor parallel: %d ranks x %d threads; cores %s; worker pids %s",
+            size,
+            self.threads,
+            self.cores,
+            [p.pid for p in self.procs],
+        )
         self.group = TPGroup.connect(0, size, port, self.shm_path, shm_bytes, device=model_config.device)
         self._monitor = threading.Thread(target=self._watch, name="tokenmill-tp-monitor", daemon=True)
         self._monitor.start()
@@ -178,8 +205,10 @@ class TPWorkers:
         while not self.dead:
             for rank, p in enumerate(self.procs, start=1):
                 if not p.is_alive():  # reaps it, setting exitcode
-                    return (f"tensor-parallel worker rank {rank} (pid {p.pid}) died with exit code {p.exitcode}; "
-                            f"the engine cannot continue")
+                    return (
+                        f"tensor-parallel worker rank {rank} (pid {p.pid}) died with exit code {p.exitcode}; "
+                        f"the engine cannot continue"
+                    )
             if time.monotonic() > deadline:
                 return None
             time.sleep(0.01)
@@ -234,8 +263,9 @@ def _worker_entry(spec: WorkerSpec, conn: Connection, parent_pid: int) -> None:
     torch.set_num_threads(len(spec.cores))
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s tp{spec.rank}: %(message)s")
     try:
-        group = TPGroup.connect(spec.rank, spec.size, spec.port, spec.shm_path, spec.shm_bytes,
-                                device=spec.model_config.device)
+        group = TPGroup.connect(
+            spec.rank, spec.size, spec.port, spec.shm_path, spec.shm_bytes, device=spec.model_config.device
+        )
         runner = spec.build_runner(spec.model_config, tp=group)
     except BaseException as e:  # noqa: BLE001 - reported to rank 0, which raises it
         conn.send(("error", f"{type(e).__name__}: {e}"))

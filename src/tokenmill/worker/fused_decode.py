@@ -69,8 +69,12 @@ def _linear_spec(layer: nn.Module) -> tuple[Any, ...] | None:
 # What csrc/decode_step.cpp implements, module by module: Llama's decoder layer (its norms, attention
 # and SwiGLU MLP, each exactly these classes: a subclass may compute something else), around it
 # the model's embedding (unscaled), final norm and LM head. The linears are checked by _linear_spec.
-_LAYER_PARTS = {"input_layernorm": RMSNorm, "self_attn": LlamaAttention, "post_attention_layernorm": RMSNorm,
-                "mlp": LlamaMLP}
+_LAYER_PARTS = {
+    "input_layernorm": RMSNorm,
+    "self_attn": LlamaAttention,
+    "post_attention_layernorm": RMSNorm,
+    "mlp": LlamaMLP,
+}
 _ATTENTION_PARTS = ("qkv_proj", "o_proj")
 _MLP_PARTS = ("gate_up_proj", "down_proj")
 
@@ -79,8 +83,9 @@ def unsupported_module(model: nn.Module) -> str | None:
     """The first module of `model` the fused step does not implement (its path and class), or None.
     Whether a family runs fused follows from what it is built of, not from its class."""
     cls = type(model)
-    if not isinstance(model, LlamaForCausalLM) or any(getattr(cls, m) is not getattr(LlamaForCausalLM, m)
-                                                      for m in ("forward", "compute_logits")):
+    if not isinstance(model, LlamaForCausalLM) or any(
+        getattr(cls, m) is not getattr(LlamaForCausalLM, m) for m in ("forward", "compute_logits")
+    ):
         return f"the model ({cls.__name__}: its own forward)"
     if not isinstance(model.embed_tokens, (nn.Embedding, QuantEmbedding)):
         return f"embed_tokens ({type(model.embed_tokens).__name__})"
@@ -110,8 +115,14 @@ MAX_Q = 16
 
 
 class FusedDecode:
-    def __init__(self, decoder: Any, tp: TPGroup = NO_TP, vocab_size: int = 0, batch_invariant: bool = False,
-                 decode_by_rows: bool = False) -> None:
+    def __init__(
+        self,
+        decoder: Any,
+        tp: TPGroup = NO_TP,
+        vocab_size: int = 0,
+        batch_invariant: bool = False,
+        decode_by_rows: bool = False,
+    ) -> None:
         self.decoder, self.tp, self.vocab_size = decoder, tp, vocab_size
         # Batch-invariant (as the attention backend is): every step's attention through the rows
         # kernel, so multi-row chunks run here too, each row as the op-by-op model computes it.
@@ -120,8 +131,14 @@ class FusedDecode:
         self.decode_by_rows = batch_invariant or decode_by_rows
 
     @classmethod
-    def build(cls, model: Any, attn: AttentionBackend | TritonAttentionBackend, dtype: torch.dtype, block_size: int,
-              tp: TPGroup = NO_TP) -> FusedDecode | None:
+    def build(
+        cls,
+        model: Any,
+        attn: AttentionBackend | TritonAttentionBackend,
+        dtype: torch.dtype,
+        block_size: int,
+        tp: TPGroup = NO_TP,
+    ) -> FusedDecode | None:
         """The fused step for this model (this rank's shard), or None (logged) when it cannot run it."""
         if not envs.TOKENMILL_FUSED_DECODE:
             return None
@@ -141,8 +158,11 @@ class FusedDecode:
             reason = "tensor parallel without the shared-memory all-reduce kernel"
         if reason is None:
             layers = model.layers
-            parts = [p for layer in layers for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                     layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+            parts = [
+                p
+                for layer in layers
+                for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            ]
             specs = [_linear_spec(p) for p in parts + [model.lm_head]]
             if any(s is None for s in specs):
                 reason = "needs every linear as bf16 panels, int4 / int8 blocks or W8A8"
@@ -160,14 +180,27 @@ class FusedDecode:
         norms.append(model.norm.weight.detach())
         caches = [c for pair in attn.layer_caches for c in pair]
         # int8 / fp8 caches: each layer's K and V scales ([slots, kv_heads] float32) beside them
-        scales = [] if attn.kv_scales is None else [attn.kv_scales[layer, i] for layer in range(len(layers))
-                                                    for i in (0, 1)]
+        scales = (
+            [] if attn.kv_scales is None else [attn.kv_scales[layer, i] for layer in range(len(layers)) for i in (0, 1)]
+        )
         a0 = layers[0].self_attn
         try:
             decoder = kernels.FusedDecoder(
-                *table, norms, specs, caches, model.rope.cos, model.rope.sin, a0.num_heads, a0.num_kv_heads,
-                a0.head_dim, layers[0].mlp.intermediate, model.lm_head.out_features, model.norm.eps, block_size,
-                attn.scale, scales,
+                *table,
+                norms,
+                specs,
+                caches,
+                model.rope.cos,
+                model.rope.sin,
+                a0.num_heads,
+                a0.num_kv_heads,
+                a0.head_dim,
+                layers[0].mlp.intermediate,
+                model.lm_head.out_features,
+                model.norm.eps,
+                block_size,
+                attn.scale,
+                scales,
             )
         except RuntimeError as e:  # a shape or dtype the C++ decoder does not take
             logger.info("fused decode step off: %s", e)
@@ -201,16 +234,29 @@ class FusedDecode:
     def clear_lora(self) -> None:
         self.decoder.clear_lora()
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 logits_rows: torch.Tensor, row_slots: torch.Tensor | None = None) -> torch.Tensor | None:
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        logits_rows: torch.Tensor,
+        row_slots: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
         """Runs the step (K/V written, as the model would); float32 logits of `logits_rows` (any
         rows of the step: a verification wants each of its request's rows; on rank 0, None on the others). row_slots: int32 [rows],
         each row's LoRA slot (-1: the base model), after set_lora."""
         rows = torch.as_tensor(logits_rows, dtype=torch.long)
         args: tuple[torch.Tensor | None, ...]
         if self.decode_by_rows or not meta.all_decode:  # the rows kernel, over the varlen view
-            args = (input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens, rows,
-                    meta.query_start_loc)
+            args = (
+                input_ids,
+                positions,
+                meta.slot_mapping,
+                meta.block_tables,
+                meta.seq_lens,
+                rows,
+                meta.query_start_loc,
+            )
         else:  # decode rows, split over the threads at small batches
             args = (input_ids, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens, rows)
         if self.tp.size == 1:

@@ -43,9 +43,15 @@ def _profile_step(runner: ModelRunner, lengths: list[int], sample_rows: int) -> 
     total = sum(lengths)
     assert runner.attn is not None  # allocated above
     rows = torch.arange(total - sample_rows, total, dtype=torch.long)
-    step = runner.to_device(StepInputs(torch.zeros(total, dtype=torch.long), torch.tensor(
-        [p for n in lengths for p in range(n)], dtype=torch.long), runner.attn.build_metadata(seqs, slots, bs),
-        rows, []))
+    step = runner.to_device(
+        StepInputs(
+            torch.zeros(total, dtype=torch.long),
+            torch.tensor([p for n in lengths for p in range(n)], dtype=torch.long),
+            runner.attn.build_metadata(seqs, slots, bs),
+            rows,
+            [],
+        )
+    )
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -81,10 +87,18 @@ def num_kv_blocks(runner: ModelRunner) -> int:
     budget = util * total - in_use - activations - graphs
     block_bytes = runner.config.kv_bytes_per_token() * runner.block_size // runner.tp.size
     num_blocks = int(budget // block_bytes)
-    logger.info("GPU memory: %.1f GiB x %.2f; in use %.2f GiB (weights %.2f), peak activations %.2f GiB, "
-                "CUDA graphs %.2f GiB; KV cache %.2f GiB = %d blocks", total / GiB, util, in_use / GiB,
-                weights / GiB, activations / GiB, graphs / GiB, max(num_blocks, 0) * block_bytes / GiB,
-                max(num_blocks - 1, 0))
+    logger.info(
+        "GPU memory: %.1f GiB x %.2f; in use %.2f GiB (weights %.2f), peak activations %.2f GiB, "
+        "CUDA graphs %.2f GiB; KV cache %.2f GiB = %d blocks",
+        total / GiB,
+        util,
+        in_use / GiB,
+        weights / GiB,
+        activations / GiB,
+        graphs / GiB,
+        max(num_blocks, 0) * block_bytes / GiB,
+        max(num_blocks - 1, 0),
+    )
     return num_blocks
 
 
@@ -97,5 +111,6 @@ def check_fits(runner: ModelRunner, num_blocks: int) -> int:
             f"--gpu-memory-utilization {runner.device_config.gpu_memory_utilization} leaves room for "
             f"{max(num_blocks - 1, 0)} KV blocks, fewer than one request at max_model_len {max_len} needs "
             f"({need - 1}); raise --gpu-memory-utilization, or lower --max-model-len, --max-num-seqs or "
-            f"--max-num-batched-tokens")
+            f"--max-num-batched-tokens"
+        )
     return num_blocks

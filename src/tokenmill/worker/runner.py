@@ -49,18 +49,26 @@ def attention_backend_for(device: torch.device) -> type[AttentionBackend] | type
         raise ValueError("the C++ attention kernels run on the CPU only")
     if choice == "cpu":
         return AttentionBackend
-    from tokenmill.model.layers.gpu_attention import (
-        TritonAttentionBackend,  # lazy: imports triton, which a CPU never needs
-    )
+    # lazy: imports triton, which a CPU never needs
+    from tokenmill.model.layers.gpu_attention import TritonAttentionBackend
 
     return TritonAttentionBackend
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, num_blocks: int, block_size: int, seed: int = 0,
-                 watermark: WatermarkConfig | None = None, tp: TPGroup = NO_TP, workers: TPWorkers | None = None,
-                 device_config: DeviceConfig | None = None, scheduler_config: SchedulerConfig | None = None,
-                 lora_config: LoRAConfig | None = None) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        seed: int = 0,
+        watermark: WatermarkConfig | None = None,
+        tp: TPGroup = NO_TP,
+        workers: TPWorkers | None = None,
+        device_config: DeviceConfig | None = None,
+        scheduler_config: SchedulerConfig | None = None,
+        lora_config: LoRAConfig | None = None,
+    ) -> None:
         """num_blocks 0: as many as fit the GPU's memory budget (--gpu-memory-utilization)."""
         self.config = model_config
         self.block_size = block_size
@@ -70,8 +78,15 @@ class ModelRunner:
         self.scheduler_config = scheduler_config or SchedulerConfig()
         # a model/models class (an nn.Module): its forward, compute_logits and final_hidden are called by name
         model: Any = load_model(
-            model_config.path, model_config.hf_config, model_config.dtype, model_config.max_model_len, self.device,
-            model_config.quantization, tp, model_config.load_format, model_config.quantization_calibration,
+            model_config.path,
+            model_config.hf_config,
+            model_config.dtype,
+            model_config.max_model_len,
+            self.device,
+            model_config.quantization,
+            tp,
+            model_config.load_format,
+            model_config.quantization_calibration,
         )
         self.model = model
         self.backend = attention_backend_for(self.device)
@@ -80,12 +95,17 @@ class ModelRunner:
         self.pooler = Pooler(model_config.pooler, self.model.final_hidden) if model_config.pooler else None
         # Index tensors go to a GPU in one pinned copy per step; on the CPU they are used as built.
         self.staging = PinnedStaging(self.device) if self.device.type == "cuda" else None
-        self.fast_decode: FusedDecode | CudaGraphDecode | None = None  # a decode-only step's fast path: the fused C++ step, or CUDA graphs
-        self.lora: LoRASlots | None = None  # the adapters' slots beside the linears (lora/layers.py), with --enable-lora;
+        self.fast_decode: FusedDecode | CudaGraphDecode | None = (
+            None  # a decode-only step's fast path: the fused C++ step, or CUDA graphs
+        )
+        self.lora: LoRASlots | None = (
+            None  # the adapters' slots beside the linears (lora/layers.py), with --enable-lora;
+        )
         # set before the GPU's memory-profiling step and graph capture, which run the model
         # Not under tensor parallelism: NCCL calls inside captured graphs are left for when they can be tested.
-        self.cuda_graphs = (self.device.type == "cuda" and not self.device_config.enforce_eager and tp.size == 1
-                            and not self.encoder)
+        self.cuda_graphs = (
+            self.device.type == "cuda" and not self.device_config.enforce_eager and tp.size == 1 and not self.encoder
+        )
         if self.device.type == "cuda" and tp.size > 1 and not self.device_config.enforce_eager and tp.rank == 0:
             logger.info("CUDA graphs: off under tensor parallelism (decode steps run eagerly)")
         if num_blocks == 0:  # every rank sizes its own GPU; all take the smallest count
@@ -108,8 +128,9 @@ class ModelRunner:
             self._add_lora_slots(lora_config)
 
     def _add_lora_slots(self, lora_config: LoRAConfig) -> None:
-        self.lora = LoRASlots(self.model, lora_config.max_loras, lora_config.max_lora_rank, self.config.dtype,
-                              self.device)
+        self.lora = LoRASlots(
+            self.model, lora_config.max_loras, lora_config.max_lora_rank, self.config.dtype, self.device
+        )
         set_lora = getattr(self.fast_decode, "set_lora", None)
         if self.fast_decode is not None and not set_lora:
             self.fast_decode = None  # a fast path without adapters (CUDA graphs): steps run op by op
@@ -141,12 +162,19 @@ class ModelRunner:
         heads = cfg.hf_config.num_attention_heads // tp.size
         layers = getattr(self.model, "attention_layers", None)  # per-layer windows, soft-caps, scales
         if self.backend is AttentionBackend:
-            self.attn = AttentionBackend(self.kv_cache, heads, kv_heads, cfg.head_dim,
-                                         use_cpp_kernels=cpu_kernels.enabled(), kv_scales=self.kv_scales,
-                                         layers=layers)
+            self.attn = AttentionBackend(
+                self.kv_cache,
+                heads,
+                kv_heads,
+                cfg.head_dim,
+                use_cpp_kernels=cpu_kernels.enabled(),
+                kv_scales=self.kv_scales,
+                layers=layers,
+            )
         else:
-            self.attn = self.backend(self.kv_cache, heads, kv_heads, cfg.head_dim, kv_scales=self.kv_scales,
-                                     layers=layers)
+            self.attn = self.backend(
+                self.kv_cache, heads, kv_heads, cfg.head_dim, kv_scales=self.kv_scales, layers=layers
+            )
 
     # ---- batch preparation ------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
@@ -175,10 +203,14 @@ class ModelRunner:
                 # the last prompt position predicts the first output, not a prompt token
                 prompt_rows.append((row0, row0 + min(n, req.num_prompt_tokens - 1 - start)))
         return StepInputs(
-            index_tensor(input_ids), index_tensor(positions), self.backend.build_metadata(seqs, slots, bs),
-            index_tensor(logits_rows), prompt_rows,
+            index_tensor(input_ids),
+            index_tensor(positions),
+            self.backend.build_metadata(seqs, slots, bs),
+            index_tensor(logits_rows),
+            prompt_rows,
             self.lora.step_rows(sched.scheduled) if self.lora is not None else None,
-            PoolingMetadata.build(sched.scheduled, row0s) if self.pooler is not None else None)
+            PoolingMetadata.build(sched.scheduled, row0s) if self.pooler is not None else None,
+        )
 
     def to_device(self, step: StepInputs) -> StepInputs:
         """The step's index tensors on the model's device (one host-to-device copy); every rank
@@ -186,14 +218,19 @@ class ModelRunner:
         if self.staging is None:
             return step
         meta = step.meta
-        host = {"input_ids": step.input_ids, "positions": step.positions, "logits_rows": step.logits_rows,
-                **meta.tensors()}
+        host = {
+            "input_ids": step.input_ids,
+            "positions": step.positions,
+            "logits_rows": step.logits_rows,
+            **meta.tensors(),
+        }
         dev = self.staging(host)
         for name in meta.tensors():
             setattr(meta, name, dev[name])
         lora_rows = step.lora_rows.to(self.device) if step.lora_rows is not None else None
-        return StepInputs(dev["input_ids"], dev["positions"], meta, dev["logits_rows"], step.prompt_rows, lora_rows,
-                          step.pooling)
+        return StepInputs(
+            dev["input_ids"], dev["positions"], meta, dev["logits_rows"], step.prompt_rows, lora_rows, step.pooling
+        )
 
     # ---- the step ---------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> SamplerOutput | None:
@@ -219,8 +256,12 @@ class ModelRunner:
     def run(self, step: StepInputs) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
         """The forward pass (every rank): logits of the sampled rows and of each prompt-logprobs
         range, on rank 0 (None on the others)."""
-        if (self.fast_decode is not None and not step.prompt_rows and step.pooling is None
-                and self.fast_decode.accepts(step.meta, len(step.input_ids))):
+        if (
+            self.fast_decode is not None
+            and not step.prompt_rows
+            and step.pooling is None
+            and self.fast_decode.accepts(step.meta, len(step.input_ids))
+        ):
             extra = {"row_slots": step.lora_rows} if step.lora_rows is not None else {}
             return self.fast_decode(step.input_ids, step.positions, step.meta, step.logits_rows, **extra), []
         if self.lora is not None:
@@ -260,4 +301,3 @@ class ModelRunner:
             self.fast_decode = self.kv_cache = self.kv_scales = self.attn = self.model = self.lora = None
             gc.collect()
             torch.cuda.empty_cache()
-

@@ -103,6 +103,7 @@ class SeqChunk:
 @dataclass
 class AttentionMetadata:
     """Everything attention needs about one flat batch; built once per step, used by all layers."""
+
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
     # Decode group: rows with a single query token, attended together.
     decode_rows: torch.Tensor | None = None  # [Bd] row of each decode token in the flat batch (None: all_decode)
@@ -119,8 +120,15 @@ class AttentionMetadata:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The index tensors a device copy moves (decode group and varlen view)."""
-        names = ("slot_mapping", "decode_rows", "decode_block_tables", "decode_seq_lens", "query_start_loc",
-                 "seq_lens", "block_tables")
+        names = (
+            "slot_mapping",
+            "decode_rows",
+            "decode_block_tables",
+            "decode_seq_lens",
+            "query_start_loc",
+            "seq_lens",
+            "block_tables",
+        )
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
 
@@ -148,9 +156,17 @@ def write_quantized(cache: torch.Tensor, scale_cache: torch.Tensor, x: torch.Ten
 class AttentionBackend:
     name = "cpu"
 
-    def __init__(self, kv_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                 use_cpp_kernels: bool = True, kv_scales: torch.Tensor | None = None,
-                 batch_invariant: bool | None = None, layers: list[LayerAttention] | None = None):
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        use_cpp_kernels: bool = True,
+        kv_scales: torch.Tensor | None = None,
+        batch_invariant: bool | None = None,
+        layers: list[LayerAttention] | None = None,
+    ):
         # kv_cache: [num_layers, 2, num_slots, num_kv_heads, head_dim]; kv_scales (int8 / fp8 cache
         # only): [num_layers, 2, num_slots, num_kv_heads] float32. layers: how each layer attends
         # (None: all plain causal).
@@ -166,20 +182,32 @@ class AttentionBackend:
         self.plain = all(p == (0, 0.0, self.scale) for p in self.params)  # what the fused step computes
         self.gqa = num_heads != num_kv_heads
         self.kernels = None
-        if (use_cpp_kernels and kv_cache.device.type == "cpu"
-                and kv_cache.dtype in (torch.float32, torch.bfloat16, *KV_QUANT_MAX) and head_dim in KERNEL_HEAD_DIMS):
+        if (
+            use_cpp_kernels
+            and kv_cache.device.type == "cpu"
+            and kv_cache.dtype in (torch.float32, torch.bfloat16, *KV_QUANT_MAX)
+            and head_dim in KERNEL_HEAD_DIMS
+        ):
             self.kernels = cpu_kernels.load()
         if batch_invariant is None:
             batch_invariant = cpu_kernels.batch_invariant()
         # Every row through the rows kernel (csrc/paged_decode.h): a bf16 cache, the C++ kernels.
-        self.batch_invariant = bool(batch_invariant and self.kernels is not None and hasattr(self.kernels, "paged_rows")
-                                    and kv_cache.dtype == torch.bfloat16 and kv_scales is None)
+        self.batch_invariant = bool(
+            batch_invariant
+            and self.kernels is not None
+            and hasattr(self.kernels, "paged_rows")
+            and kv_cache.dtype == torch.bfloat16
+            and kv_scales is None
+        )
         # An int8 / fp8 cache's decode steps through the rows kernel where the decode kernel is the
         # portable loop (CPUs without AVX-512): the rows kernel has AVX2 code for every cache dtype
         # (1.4x a 2-thread decode step on SmolLM2 with a 256-token context).
-        self.decode_by_rows = bool(kv_scales is not None and self.kernels is not None
-                                   and hasattr(self.kernels, "paged_rows")
-                                   and torch.backends.cpu.get_cpu_capability() != "AVX512")
+        self.decode_by_rows = bool(
+            kv_scales is not None
+            and self.kernels is not None
+            and hasattr(self.kernels, "paged_rows")
+            and torch.backends.cpu.get_cpu_capability() != "AVX512"
+        )
 
     @staticmethod
     def build_metadata(seqs: list[SeqChunk], slots: list[int], block_size: int) -> AttentionMetadata:
@@ -215,18 +243,31 @@ class AttentionBackend:
     def fuses_rope(self, qkv: torch.Tensor) -> bool:
         """Whether rope_and_cache can take this projection: the C++ kernels, and a cache in
         its dtype (an int8 / fp8 cache quantizes on write: the unfused path)."""
-        return (self.kernels is not None and self.kv_scales is None and qkv.dtype == self.kv_cache.dtype
-                and qkv.dtype in (torch.float32, torch.bfloat16))
+        return (
+            self.kernels is not None
+            and self.kv_scales is None
+            and qkv.dtype == self.kv_cache.dtype
+            and qkv.dtype in (torch.float32, torch.bfloat16)
+        )
 
-    def rope_and_cache(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                       sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def rope_and_cache(
+        self,
+        layer: int,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         """One kernel for what `rope` and forward's cache write do: rotates q and k, writes k
         and v at meta.slot_mapping; returns q [T, H, D]. Then call forward(layer, q, None, None, meta)."""
-        return self.kernels.rope_and_cache(qkv, positions, cos, sin, *self.layer_caches[layer], meta.slot_mapping,
-                                           self.num_heads, self.num_kv_heads)
+        return self.kernels.rope_and_cache(
+            qkv, positions, cos, sin, *self.layer_caches[layer], meta.slot_mapping, self.num_heads, self.num_kv_heads
+        )
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D], or None when rope_and_cache has written them. Returns [T, H * D]."""
         k_cache, v_cache = self.layer_caches[layer]
         window, softcap, scale = self.params[layer]
@@ -244,11 +285,32 @@ class AttentionBackend:
         T = q.shape[0]
         if self.batch_invariant and q.dtype == torch.bfloat16 and meta.query_start_loc is not None:
             # Each row decode-style, the same bits whatever the batch and however its prompt is chunked.
-            return self.kernels.paged_rows(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                           meta.block_size, scale, window=window, softcap=softcap).reshape(T, -1)
+            return self.kernels.paged_rows(
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                meta.query_start_loc,
+                meta.block_size,
+                scale,
+                window=window,
+                softcap=softcap,
+            ).reshape(T, -1)
         if meta.all_decode and self.decode_by_rows and q.dtype == torch.bfloat16 and meta.query_start_loc is not None:
-            return self.kernels.paged_rows(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                           meta.block_size, scale, *scales, window=window, softcap=softcap).reshape(T, -1)
+            return self.kernels.paged_rows(
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                meta.query_start_loc,
+                meta.block_size,
+                scale,
+                *scales,
+                window=window,
+                softcap=softcap,
+            ).reshape(T, -1)
         if meta.all_decode:
             return self._decode(q, k_cache, v_cache, meta, scales, layer).reshape(T, -1)
         out = torch.empty_like(q)
@@ -258,11 +320,23 @@ class AttentionBackend:
             # The kernel reads all keys (prefix and this chunk's, just written) in place through the
             # block table. Not for a fresh prompt with an int8 / fp8 cache: the torch path attends its
             # unquantized K/V there, and that is kept.
-            if (self.kernels is not None and c.block_table is not None and q.dtype in (torch.float32, torch.bfloat16)
-                    and (k_cache.dtype == q.dtype or (scales is not None and c.context_len > 0))):
+            if (
+                self.kernels is not None
+                and c.block_table is not None
+                and q.dtype in (torch.float32, torch.bfloat16)
+                and (k_cache.dtype == q.dtype or (scales is not None and c.context_len > 0))
+            ):
                 out[c.q_start : c.q_end] = self.kernels.paged_prefill(
-                    q[c.q_start : c.q_end], k_cache, v_cache, c.block_table, c.context_len, meta.block_size,
-                    scale, *(scales or ()), window=window, softcap=softcap,
+                    q[c.q_start : c.q_end],
+                    k_cache,
+                    v_cache,
+                    c.block_table,
+                    c.context_len,
+                    meta.block_size,
+                    scale,
+                    *(scales or ()),
+                    window=window,
+                    softcap=softcap,
                 )
                 continue
             qc = q[c.q_start : c.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
@@ -292,14 +366,29 @@ class AttentionBackend:
             return x
         return (x.float() * scales[kv][slots].unsqueeze(-1)).to(dtype)
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scales=None, layer: int = 0) -> torch.Tensor:
+    def _decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scales=None,
+        layer: int = 0,
+    ) -> torch.Tensor:
         """q: [Bd, H, D] -> [Bd, H, D], keys read through the block tables."""
         window, softcap, scale = self.params[layer]
         if self.kernels is not None:  # in place, no gathered copy of the cache
             return self.kernels.paged_decode(
-                q.contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                meta.block_size, scale, *(scales or ()), window=window, softcap=softcap,
+                q.contiguous(),
+                k_cache,
+                v_cache,
+                meta.decode_block_tables,
+                meta.decode_seq_lens,
+                meta.block_size,
+                scale,
+                *(scales or ()),
+                window=window,
+                softcap=softcap,
             )
         # Pure-torch fallback: gather each request's keys [Bd, Hkv, Lmax, D] and mask the padding.
         bs = meta.block_size
@@ -322,8 +411,9 @@ def _causal_mask(q_pos: torch.Tensor, num_keys: int, window: int) -> torch.Tenso
     return mask & (k_pos > q_pos.unsqueeze(1) - window) if window else mask
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float,
-            gqa: bool) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float, gqa: bool
+) -> torch.Tensor:
     """SDPA over [.., H, n, D] queries and [.., Hkv, L, D] keys; with soft-capping (which SDPA has
     not) the same written out, scores and softmax in float32 as transformers' eager attention."""
     if not softcap:
@@ -337,8 +427,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 
 def _block_tables(seqs: list[SeqChunk], width: int) -> torch.Tensor:
     """[len(seqs), width] int64: each chunk's block table cut or padded (null block 0) to width."""
-    return index_tensor([b for c in seqs for b in c.table[:width] + [0] * (width - len(c.table[:width]))],
-                        len(seqs), width)
+    return index_tensor(
+        [b for c in seqs for b in c.table[:width] + [0] * (width - len(c.table[:width]))], len(seqs), width
+    )
 
 
 def _slots_for(table: list[int], length: int, bs: int) -> torch.Tensor:

@@ -57,4 +57,3 @@ def bind_kernels(model: nn.Module, device: torch.device | str, dtype: torch.dtyp
             bind(ops, epilogues)
             count += 1
     return count
-

@@ -21,8 +21,15 @@ from tokenmill.model.layers.attention import AttentionMetadata, LayerAttention, 
 class TritonAttentionBackend:
     name = "triton"
 
-    def __init__(self, kv_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                 kv_scales: torch.Tensor | None = None, layers: list[LayerAttention] | None = None):
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        kv_scales: torch.Tensor | None = None,
+        layers: list[LayerAttention] | None = None,
+    ):
         # kv_cache: [num_layers, 2, num_slots, num_kv_heads, head_dim]; kv_scales (int8 / fp8 cache
         # only): [num_layers, 2, num_slots, num_kv_heads] float32. layers: how each layer attends.
         self.kv_cache, self.kv_scales = kv_cache, kv_scales
@@ -53,8 +60,9 @@ class TritonAttentionBackend:
     def fuses_rope(self, qkv: torch.Tensor) -> bool:
         return False
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] written at meta.slot_mapping first. Returns [T, H * D]."""
         k_cache, v_cache = self.layer_caches[layer]
         scales = ()
@@ -68,10 +76,31 @@ class TritonAttentionBackend:
         T = q.shape[0]
         window, softcap, scale = self.params[layer]
         if meta.all_decode:
-            out = kernels.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.block_size,
-                                       scale, *scales, window=window, softcap=softcap)
+            out = kernels.paged_decode(
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                meta.block_size,
+                scale,
+                *scales,
+                window=window,
+                softcap=softcap,
+            )
         else:
-            out = kernels.paged_prefill_varlen(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
-                                               meta.block_tables, meta.max_query_len, meta.block_size, scale,
-                                               *scales, window=window, softcap=softcap)
+            out = kernels.paged_prefill_varlen(
+                q,
+                k_cache,
+                v_cache,
+                meta.query_start_loc,
+                meta.seq_lens,
+                meta.block_tables,
+                meta.max_query_len,
+                meta.block_size,
+                scale,
+                *scales,
+                window=window,
+                softcap=softcap,
+            )
         return out.reshape(T, -1)

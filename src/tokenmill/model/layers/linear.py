@@ -62,8 +62,9 @@ class PackedLinear(nn.Module):
     def bind_kernels(self, ops, epilogues: bool = True) -> None:
         # Panels have no torch path: they run the kernels that packed them, whatever the binding.
         self.ops = cpu_kernels.load() if self.panels is not None else ops
-        self.fuses_silu = bool(self.packed_weight is None and self.panels is not None and not self.out_features % 64
-                               and _amx_glu(self.ops))
+        self.fuses_silu = bool(
+            self.packed_weight is None and self.panels is not None and not self.out_features % 64 and _amx_glu(self.ops)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is None:  # panels at every batch size
@@ -114,8 +115,12 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, batch_invariant: bool | N
     panel_ok = forced != "0" and _panel_kernel_works()
     only_panels = panel_ok and (batch_invariant or not onednn)
     if not onednn and not only_panels:
-        logger.info("bf16 linears run torch's own kernels (no oneDNN bf16 GEMM, %s)", "TOKENMILL_PANEL_WEIGHTS=0"
-                    if forced == "0" else "and the panel kernel needs the C++ kernels with AVX512-BF16 or AVX2 + FMA")
+        logger.info(
+            "bf16 linears run torch's own kernels (no oneDNN bf16 GEMM, %s)",
+            "TOKENMILL_PANEL_WEIGHTS=0"
+            if forced == "0"
+            else "and the panel kernel needs the C++ kernels with AVX512-BF16 or AVX2 + FMA",
+        )
         return 0
     linears = _cpu_linears(model)
     extra = sum(c.weight.numel() * c.weight.element_size() for _, _, c in linears)
@@ -125,14 +130,25 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, batch_invariant: bool | N
         panels = kernels.pack_panels(child.weight.detach()) if keep else None
         setattr(parent, name, PackedLinear(child, panels, onednn=not only_panels))
     if only_panels:
-        logger.info("bf16 linears: in panels for every batch size (%s; %s)", "batch-invariant" if batch_invariant
-                    else "oneDNN has no bf16 GEMM of its own on this CPU", kernels.panel_isa())
+        logger.info(
+            "bf16 linears: in panels for every batch size (%s; %s)",
+            "batch-invariant" if batch_invariant else "oneDNN has no bf16 GEMM of its own on this CPU",
+            kernels.panel_isa(),
+        )
     elif keep:
-        logger.info("bf16 linears: oneDNN-packed, and in panels for batches of <= %d rows (+%.0f MB; %s)",
-                    SMALL_BATCH, extra / 1e6, kernels.panel_isa())
+        logger.info(
+            "bf16 linears: oneDNN-packed, and in panels for batches of <= %d rows (+%.0f MB; %s)",
+            SMALL_BATCH,
+            extra / 1e6,
+            kernels.panel_isa(),
+        )
     if batch_invariant and not only_panels and linears:
-        logger.info("bf16 linears are not batch-invariant here (%s)", "TOKENMILL_PANEL_WEIGHTS=0" if forced == "0"
-                    else "the panel kernel needs the C++ kernels built with AVX512-BF16 or AVX2 + FMA")
+        logger.info(
+            "bf16 linears are not batch-invariant here (%s)",
+            "TOKENMILL_PANEL_WEIGHTS=0"
+            if forced == "0"
+            else "the panel kernel needs the C++ kernels built with AVX512-BF16 or AVX2 + FMA",
+        )
     return len(linears)
 
 
@@ -153,8 +169,12 @@ def _pack_float32(model: nn.Module) -> int:
 
 def _cpu_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
     """(parent, attribute, layer) of every plain nn.Linear on the CPU."""
-    return [(parent, name, child) for parent in list(model.modules()) for name, child in parent.named_children()
-            if type(child) is nn.Linear and child.weight.device.type == "cpu"]
+    return [
+        (parent, name, child)
+        for parent in list(model.modules())
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear and child.weight.device.type == "cpu"
+    ]
 
 
 @functools.cache

@@ -70,8 +70,9 @@ class Experts(nn.Module):
         return experts_reference(x, self.w13, self.w2, ids, weights)
 
 
-def experts_dense(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
-                  weights: torch.Tensor) -> torch.Tensor:
+def experts_dense(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
     """Every expert over every row, then each row's top-k gathered: no host sync and fixed shapes,
     so a CUDA graph can hold it (decode steps, a few rows: every expert's weights are read anyway)."""
     T, k = ids.shape
@@ -91,8 +92,9 @@ def _weighted_slot_sum(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtyp
     return total.to(dtype)
 
 
-def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
-                      weights: torch.Tensor) -> torch.Tensor:
+def experts_reference(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
     """The experts in torch, one expert at a time over the rows routed to it (a loop over the
     experts, never the tokens); the products sum in float32 in slot order, as the kernel's do."""
     T, k = ids.shape
@@ -111,8 +113,11 @@ def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids:
     return _weighted_slot_sum(y.view(T, k, -1), weights, x.dtype)
 
 
-@sharding_rule("every expert's intermediate rows split (gate/up rows, down columns), the router replicated; "
-               "the experts' partial sums all-reduced", covers=("gate", "experts", "shared_expert_gate"))
+@sharding_rule(
+    "every expert's intermediate rows split (gate/up rows, down columns), the router replicated; "
+    "the experts' partial sums all-reduced",
+    covers=("gate", "experts", "shared_expert_gate"),
+)
 class SparseMoeBlock(nn.Module):
     """Router + experts (+ Qwen2-MoE's gated shared expert). round_weights: the routing weights
     rounded to the model's dtype before use (what Qwen's transformers code does). Under tensor
@@ -120,8 +125,17 @@ class SparseMoeBlock(nn.Module):
     projection's output is a partial sum, all-reduced; the router runs whole on every rank (the
     same input, the same experts), the shared expert (an MLP) splits and reduces as every MLP."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool,
-                 round_weights: bool = False, shared_expert: nn.Module | None = None, tp: TPGroup = NO_TP):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        renormalize: bool,
+        round_weights: bool = False,
+        shared_expert: nn.Module | None = None,
+        tp: TPGroup = NO_TP,
+    ):
         super().__init__()
         self.top_k, self.renormalize, self.round_weights = top_k, renormalize, round_weights
         self.tp = tp

@@ -208,8 +208,9 @@ class QuantLinear(nn.Module):
         elif ops is not None:
             y = ops.quant_linear(x2, self.qweight, self.scales, self.bits)
         elif self.panels:  # kernels turned off after packing: the panels' numbers
-            y = a8_linear(x2, *from_panels(self.qweight, self.scales, self.bits, self.out_features),
-                          self.bits).to(x2.dtype)
+            y = a8_linear(x2, *from_panels(self.qweight, self.scales, self.bits, self.out_features), self.bits).to(
+                x2.dtype
+            )
         else:  # no C++ kernels: dequantize on the fly (slow, but the same numbers)
             y = F.linear(x2, self.dequantized().to(x.dtype))
         if self.bias is not None:
@@ -220,8 +221,9 @@ class QuantLinear(nn.Module):
         return ops.dequantize_weight(self.qweight, self.scales, self.bits, dtype)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}"
-                + (", panels" if self.panels else ""))
+        return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}" + (
+            ", panels" if self.panels else ""
+        )
 
 
 class QuantEmbedding(nn.Module):
@@ -247,8 +249,9 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.ops is not None:
-            return self.ops.quant_embedding(ids.reshape(-1), self.qweight, self.scales, self.bits, self.dtype,
-                                           self.rows if self.panels else -1).reshape(*ids.shape, -1)
+            return self.ops.quant_embedding(
+                ids.reshape(-1), self.qweight, self.scales, self.bits, self.dtype, self.rows if self.panels else -1
+            ).reshape(*ids.shape, -1)
         if self.panels:  # (kernels turned off after packing: slow, but the same numbers)
             return self.dequantized()[ids].to(self.dtype)
         rows = dequantize(self.qweight[ids.reshape(-1)], self.scales[ids.reshape(-1)], self.bits)

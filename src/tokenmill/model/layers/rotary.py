@@ -54,8 +54,15 @@ def _longrope(exponents: torch.Tensor, base: float, scaling: dict, max_position:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None, dtype: torch.dtype,
-                 rotary_dim: int | None = None):
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float,
+        scaling: dict | None,
+        dtype: torch.dtype,
+        rotary_dim: int | None = None,
+    ):
         super().__init__()
         self.head_dim, self.rotary_dim = head_dim, rotary_dim or head_dim
         inv_freq, mscale = _inv_freq(self.rotary_dim, base, scaling, max_position)
@@ -78,8 +85,10 @@ class RotaryEmbedding(torch.nn.Module):
         sin = self.sin[positions].unsqueeze(1)
         if self.rotary_dim < self.head_dim:  # the rest of each head passes through
             r = self.rotary_dim
-            return (torch.cat((q[..., :r] * cos + _rotate_half(q[..., :r]) * sin, q[..., r:]), -1),
-                    torch.cat((k[..., :r] * cos + _rotate_half(k[..., :r]) * sin, k[..., r:]), -1))
+            return (
+                torch.cat((q[..., :r] * cos + _rotate_half(q[..., :r]) * sin, q[..., r:]), -1),
+                torch.cat((k[..., :r] * cos + _rotate_half(k[..., :r]) * sin, k[..., r:]), -1),
+            )
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

@@ -20,8 +20,12 @@ from tokenmill.distributed.comm import NO_TP, TPGroup
 from tokenmill.model.layers.attention import AttentionMetadata
 from tokenmill.model.layers.embedding import embedding
 
-_ACTIVATIONS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+_ACTIVATIONS = {
+    "gelu": lambda x: F.gelu(x),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
 
 
 class SequenceLayout:
@@ -102,8 +106,9 @@ class BertModel(nn.Module):
     def __init__(self, cfg, dtype: torch.dtype, max_position: int, tp: TPGroup = NO_TP):
         super().__init__()
         if getattr(cfg, "position_embedding_type", "absolute") != "absolute":
-            raise ValueError(f"BERT position_embedding_type {cfg.position_embedding_type!r} is not supported "
-                             f"(only absolute)")
+            raise ValueError(
+                f"BERT position_embedding_type {cfg.position_embedding_type!r} is not supported (only absolute)"
+            )
         self.cfg = cfg
         self.tie_word_embeddings = False
         self.word_embeddings = embedding(cfg.vocab_size, cfg.hidden_size)

@@ -69,8 +69,10 @@ class GemmaRMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * w).to(x.dtype)
 
 
-@sharding_rule("as LlamaMLP's: gate/up column-parallel, down_proj row-parallel, then an all-reduce",
-               covers=("gate_up_proj", "down_proj"))
+@sharding_rule(
+    "as LlamaMLP's: gate/up column-parallel, down_proj row-parallel, then an all-reduce",
+    covers=("gate_up_proj", "down_proj"),
+)
 class GemmaMLP(LlamaMLP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -80,8 +82,9 @@ class GemmaMLP(LlamaMLP):
         return self.tp.all_reduce(self.down_proj(F.gelu(gate, approximate="tanh") * up))
 
 
-@sharding_rule("as LlamaAttention's: q/k/v by whole heads, o_proj row-parallel, then an all-reduce",
-               covers=("qkv_proj", "o_proj"))
+@sharding_rule(
+    "as LlamaAttention's: q/k/v by whole heads, o_proj row-parallel, then an all-reduce", covers=("qkv_proj", "o_proj")
+)
 class GemmaAttention(LlamaAttention):
     def __init__(self, cfg, layer_idx: int, qk_norm: bool, tp: TPGroup = NO_TP):
         bias = bool(getattr(cfg, "attention_bias", False))
@@ -91,8 +94,14 @@ class GemmaAttention(LlamaAttention):
         self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, attn: AttentionBackend,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        attn: AttentionBackend,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         if self.q_norm is None:  # Gemma 2: Llama's attention (the backend adds the window, cap and scale)
             return super().forward(x, positions, rope, attn, meta)
         T = x.shape[0]
@@ -111,8 +120,12 @@ class GemmaDecoderLayer(nn.Module):
         self.rope_key = rope_key  # which of the model's rotary tables this layer uses
         self.self_attn = GemmaAttention(cfg, layer_idx, qk_norm, tp)
         self.mlp = GemmaMLP(cfg, tp)
-        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                     "post_feedforward_layernorm"):
+        for name in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        ):
             setattr(self, name, GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
 
     def forward(self, x, residual, positions, rope, attn, meta):
@@ -126,8 +139,11 @@ class GemmaDecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
-@sharding_rule("the LM head by vocab rows, gathered on rank 0 (soft-capped there)", covers=("lm_head",),
-               methods=("compute_logits",))
+@sharding_rule(
+    "the LM head by vocab rows, gathered on rank 0 (soft-capped there)",
+    covers=("lm_head",),
+    methods=("compute_logits",),
+)
 class GemmaForCausalLM(LlamaForCausalLM):
     # HF architectures this class serves: whether the layers have q/k norms and per-type ropes (Gemma 3).
     ARCHITECTURES = {"Gemma2ForCausalLM": False, "Gemma3ForCausalLM": True}
@@ -179,8 +195,9 @@ class GemmaForCausalLM(LlamaForCausalLM):
         local = table({}, getattr(cfg, "rope_local_base_freq", theta)) if self.gemma3 else full
         return nn.ModuleDict({"full_attention": full, "sliding_attention": local})
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, meta: AttentionMetadata
+    ) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids) * self.embed_scale, None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.rope[layer.rope_key], attn, meta)

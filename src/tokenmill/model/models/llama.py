@@ -26,8 +26,9 @@ from tokenmill.model.layers.rotary import RotaryEmbedding
 from tokenmill.model.sharding import lm_head_rows, sharding_rule
 
 
-@sharding_rule("q/k/v column-parallel by whole heads, o_proj row-parallel, then an all-reduce",
-               covers=("qkv_proj", "o_proj"))
+@sharding_rule(
+    "q/k/v column-parallel by whole heads, o_proj row-parallel, then an all-reduce", covers=("qkv_proj", "o_proj")
+)
 class LlamaAttention(nn.Module):
     def __init__(self, cfg, layer_idx: int, qkv_bias: bool, tp: TPGroup = NO_TP):
         super().__init__()
@@ -46,8 +47,14 @@ class LlamaAttention(nn.Module):
         """The fused projection's output before rope: a family's own step goes here (Qwen3's q/k norms)."""
         return qkv
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                attn: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        attn: AttentionBackend,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.prepare_qkv(self.qkv_proj(x))
         if rope.fusable and attn.fuses_rope(qkv):  # rotary embedding and the K/V cache write in one kernel
@@ -61,8 +68,9 @@ class LlamaAttention(nn.Module):
         return self.tp.all_reduce(self.o_proj(attn.forward(self.layer_idx, q, k, v, meta)))
 
 
-@sharding_rule("gate/up column-parallel, down_proj row-parallel, then an all-reduce",
-               covers=("gate_up_proj", "down_proj"))
+@sharding_rule(
+    "gate/up column-parallel, down_proj row-parallel, then an all-reduce", covers=("gate_up_proj", "down_proj")
+)
 class LlamaMLP(nn.Module):
     """SwiGLU over a fused gate/up projection. Bound at load (layers/bind.py): `ops` (the
     silu_and_mul kernel; None: torch) and `fused_act`, whether the projection computes the
@@ -168,8 +176,9 @@ class LlamaForCausalLM(nn.Module):
                 params.setdefault(key, getattr(cfg, key))
         return RotaryEmbedding(head_dim, self.max_position, theta, params, dtype, int(head_dim * partial))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """Returns the final hidden states [T, hidden]; call compute_logits on the rows needed."""
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
@@ -201,7 +210,8 @@ class LlamaForCausalLM(nn.Module):
             target, shard = self.fused_target(name)
             bits = 4 if qweight.dtype == torch.uint8 else 8
             shards.setdefault(target.removesuffix(".weight"), []).append(
-                ((shard or (0, 0))[0], stem + ".weight", bits, qweight, tensors[stem + ".scales"]))
+                ((shard or (0, 0))[0], stem + ".weight", bits, qweight, tensors[stem + ".scales"])
+            )
         used: set[str] = set()
         for path, parts in shards.items():
             parent_path, _, child = path.rpartition(".")

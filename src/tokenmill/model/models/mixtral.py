@@ -24,8 +24,14 @@ def check_silu(cfg) -> None:
 class MixtralDecoderLayer(LlamaDecoderLayer):
     def make_mlp(self, cfg, layer_idx: int, tp: TPGroup) -> nn.Module:
         check_silu(cfg)
-        return SparseMoeBlock(cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts, cfg.num_experts_per_tok,
-                              renormalize=True, tp=tp)
+        return SparseMoeBlock(
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.num_local_experts,
+            cfg.num_experts_per_tok,
+            renormalize=True,
+            tp=tp,
+        )
 
 
 class MixtralForCausalLM(LlamaForCausalLM):

@@ -21,8 +21,11 @@ from tokenmill.model.models.qwen3 import QKNormAttention
 def is_sparse(cfg, layer_idx: int) -> bool:
     """Whether layer `layer_idx` has experts (transformers' Qwen2-MoE / Qwen3-MoE rule)."""
     step = getattr(cfg, "decoder_sparse_step", 1) or 1
-    return (layer_idx not in (getattr(cfg, "mlp_only_layers", None) or [])
-            and cfg.num_experts > 0 and (layer_idx + 1) % step == 0)
+    return (
+        layer_idx not in (getattr(cfg, "mlp_only_layers", None) or [])
+        and cfg.num_experts > 0
+        and (layer_idx + 1) % step == 0
+    )
 
 
 class Qwen2MoeDecoderLayer(LlamaDecoderLayer):
@@ -39,9 +42,16 @@ class Qwen2MoeDecoderLayer(LlamaDecoderLayer):
         check_silu(cfg)
         size = getattr(cfg, "shared_expert_intermediate_size", 0) if self.shared_expert else 0
         # round_weights: transformers' Qwen code rounds the routing weights to the model's dtype
-        return SparseMoeBlock(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
-                              renormalize=bool(getattr(cfg, "norm_topk_prob", False)), round_weights=True,
-                              shared_expert=LlamaMLP(cfg, tp, intermediate_size=size) if size else None, tp=tp)
+        return SparseMoeBlock(
+            cfg.hidden_size,
+            cfg.moe_intermediate_size,
+            cfg.num_experts,
+            cfg.num_experts_per_tok,
+            renormalize=bool(getattr(cfg, "norm_topk_prob", False)),
+            round_weights=True,
+            shared_expert=LlamaMLP(cfg, tp, intermediate_size=size) if size else None,
+            tp=tp,
+        )
 
 
 class Qwen2MoeForCausalLM(LlamaForCausalLM):
