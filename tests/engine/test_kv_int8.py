@@ -9,6 +9,7 @@ from conftest import PROMPTS, reference_paged_decode
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.model.layers.attention import quantize_kv
+from tokenmill.model.layers.bind import bind_kernels, kernels_for
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 KV_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
@@ -88,6 +89,12 @@ def test_quantized_cache_memory_and_kernel_vs_torch_path(tiny_llama_dir, monkeyp
     torch_path = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.01, kv_cache_dtype=kv)
     assert torch_path.engine.core.runner.attn.kernels is None
     monkeypatch.delenv("TOKENMILL_NO_CPP_KERNELS")
+    # Only the attention differs between the two: the rest of the torch path's model and its sampler
+    # get the kernels the kernel path binds at load (else torch's and the kernels' float32 norms put
+    # a different int8 rounding into the cache here and there, which is not what this compares).
+    runner = torch_path.engine.core.runner
+    bind_kernels(runner.model, "cpu", torch.float32)
+    runner.sampler.ops = kernels_for("cpu", torch.float32)
     kernel_path = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=0.01, kv_cache_dtype=kv)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
     a = torch_path.generate(PROMPTS, params)
