@@ -16,6 +16,7 @@ from tokenmill.sample.structured_output import StructuredOutputManager
 CHILD = """
 import sys
 from tokenmill import LLM, SamplingParams
+from tokenmill.sampling_params import GuidedDecodingParams
 
 llm = LLM(sys.argv[1], dtype="float32", kv_cache_memory=0.02)
 params = SamplingParams(max_tokens=6, temperature=0, guided_decoding=GuidedDecodingParams(regex="[ab]+c"))

@@ -268,7 +268,7 @@ async def _stream(gen: conversation.Generation):
     blocks, answer = _Blocks(), None
     try:
         async with aclosing(conversation.answer_chunks(gen, blocks.on)) as steps:  # closed with the response: aborts
-            async for chunk, _answer in steps:
+            async for chunk, answer in steps:  # noqa: B007 - the last answer is read after the loop
                 if chunk:
                     yield chunk
         delta = {"stop_reason": _stop_reason(answer), "stop_sequence": answer.stop_string}

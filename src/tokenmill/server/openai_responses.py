@@ -366,7 +366,7 @@ async def _stream(
     )
     try:
         async with aclosing(conversation.answer_chunks(gen, out.on)) as steps:  # closed with the response: aborts
-            async for chunk, _answer in steps:
+            async for chunk, answer in steps:  # noqa: B007 - the last answer is read after the loop
                 if chunk:
                     yield chunk
         last = out.close("incomplete" if answer.finish_reason == "length" else "completed")
