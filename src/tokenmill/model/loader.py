@@ -13,6 +13,7 @@ import torch
 from tokenmill import envs, hf_cache, progress
 from tokenmill.distributed.comm import NO_TP, TPGroup
 from tokenmill.kernels import cpu_kernels
+from tokenmill.model import quantized_checkpoint
 from tokenmill.model.gguf_loader import QUANTIZED_FILE, dequantize_rows
 from tokenmill.model.layers.bind import bind_kernels
 from tokenmill.model.layers.linear import pack_linears
@@ -206,6 +207,9 @@ def load_model(
     model is built with its share of the heads and reads only its slices. load_format "dummy":
     random weights, nothing read (vLLM's name; for benchmarks of shapes without their files)."""
     on_cpu = torch.device(device).type == "cpu"
+    prequantized = quantized_checkpoint.detect(path, quantization) if load_format != "dummy" else None
+    if prequantized is not None:
+        quantization = None  # the checkpoint's own codes (quantized_checkpoint.py), nothing quantized here
     if on_cpu and cpu_kernels.enabled():
         progress.set_phase("loading the CPU kernels")
         cpu_kernels.load()  # before the clock: a first run's compile takes minutes and logs its own time
@@ -229,6 +233,10 @@ def load_model(
         model.lm_head.weight = model.embed_tokens.weight
     if load_format == "dummy":
         _init_dummy(model)
+    elif prequantized is not None:
+        quantized_checkpoint.load_prequantized(
+            model, path, prequantized, dtype, on_cpu and tp.size == 1, lambda name: shard_for(name, hf_config, tp.rank, tp.size)
+        )
     else:
         skip = _load_gguf_quantized(model, path, dtype) if quantization == "gguf" else set()
         blocks = os.path.join(path, QUANTIZED_FILE)
