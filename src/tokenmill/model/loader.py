@@ -235,7 +235,12 @@ def load_model(
         _init_dummy(model)
     elif prequantized is not None:
         quantized_checkpoint.load_prequantized(
-            model, path, prequantized, dtype, on_cpu and tp.size == 1, lambda name: shard_for(name, hf_config, tp.rank, tp.size)
+            model,
+            path,
+            prequantized,
+            dtype,
+            on_cpu and tp.size == 1,
+            lambda name: shard_for(name, hf_config, tp.rank, tp.size),
         )
     else:
         skip = _load_gguf_quantized(model, path, dtype) if quantization == "gguf" else set()

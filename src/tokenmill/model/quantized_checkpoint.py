@@ -104,7 +104,9 @@ def detect(path: str, flag: str | None) -> CheckpointQuantization | None:
     qc = read_quantization_config(path)
     if qc is None:
         if flag in SUPPORTED_METHODS:
-            raise ValueError(f"--quantization {flag} needs a {flag.upper()} checkpoint; {path!r} has no quantization_config")
+            raise ValueError(
+                f"--quantization {flag} needs a {flag.upper()} checkpoint; {path!r} has no quantization_config"
+            )
         return None
     found = parse_quantization_config(qc)
     if flag is not None and flag != found.method:
@@ -201,7 +203,9 @@ def unpack(qc: CheckpointQuantization, stem: str, parts: dict[str, torch.Tensor]
     if qc.method == "gptq" and "g_idx" in parts:
         g_idx = parts["g_idx"].to(torch.int64)
         if tuple(g_idx.shape) != (K,) or int(g_idx.min()) < 0 or int(g_idx.max()) >= groups:
-            raise ValueError(f"{stem}.g_idx: expected {K} group indices in [0, {groups}), got shape {tuple(g_idx.shape)}")
+            raise ValueError(
+                f"{stem}.g_idx: expected {K} group indices in [0, {groups}), got shape {tuple(g_idx.shape)}"
+            )
     else:
         if qc.desc_act and qc.method == "gptq":
             raise ValueError(f"GPTQ checkpoint with desc_act: {stem}.g_idx is missing")
