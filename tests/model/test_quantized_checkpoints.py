@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import PROMPTS
+from hf_oracle import hf_greedy, matching_prefix
 from safetensors.torch import load_file, save_file
 from tiny_models import build_tiny_model
 
@@ -101,10 +102,10 @@ def make_gptq(base: Path, out: Path, bits: int, group: int, sym: bool, desc_act:
         g_idx[order] = torch.arange(K) // group
         groups = K // group
         q, zeros, scales, dense[name], q41[name] = _quantize_groups(w, g_idx, groups, bits, sym)
-        stored = zeros - 1 if fmt == "gptq" else zeros  # v1 keeps zero - 1 (wrapping at 0)
+        assert fmt == "gptq_v2" or zeros.min() >= 1  # v1 keeps zero - 1: a zero of 0 cannot be written
         del quant[name]
         quant[stem + ".qweight"] = _pack_rows(q, bits)
-        quant[stem + ".qzeros"] = _pack_cols(stored & (2**bits - 1), bits)
+        quant[stem + ".qzeros"] = _pack_cols(zeros - 1 if fmt == "gptq" else zeros, bits)
         quant[stem + ".scales"] = scales
         quant[stem + ".g_idx"] = g_idx.to(torch.int32)
     qc = {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym, "desc_act": desc_act}
@@ -194,6 +195,36 @@ def test_gptq_int4_runs_on_our_kernels(base_dir, tmp_path, monkeypatch, bits, gr
     monkeypatch.setenv("TOKENMILL_QUANT_PANELS", "0")  # float activations: the rows kernel, comparable bits
     path = make_gptq(base_dir, tmp_path / "gptq", bits, group, sym, desc_act, fmt)
     _compare(path, native=True)
+
+
+TIGHT = dict(dtype="float32", num_gpu_blocks_override=12, block_size=4, max_num_batched_tokens=8)
+
+
+@pytest.mark.parametrize("kind,tp", [("gptq-act-order", 1), ("awq", 1), ("gptq-act-order", 2), ("awq", 2)])
+def test_matches_transformers_chunked_preempted_and_tp(base_dir, tmp_path, monkeypatch, kind, tp) -> None:
+    """transformers on the oracle folder: greedy tokens and logprobs, with chunked prefill (8-token
+    steps) and a KV pool tight enough to preempt; TP=2 (gloo ranks) reads each rank's rows of the
+    dequantized weights. AWQ on one rank runs our int4 layers (float activations): its oracle is what they hold."""
+    monkeypatch.setenv("TOKENMILL_QUANT_PANELS", "0")
+    if kind == "awq":
+        path, oracle = make_awq(base_dir, tmp_path / "awq", 64), "-dequant" if tp > 1 else "-q41"
+    else:
+        path, oracle = make_gptq(base_dir, tmp_path / "gptq", 4, 32, False, True), "-dequant"
+    llm = LLM(str(path), tensor_parallel_size=tp, device="cpu", **TIGHT)
+    try:
+        prompts = PROMPTS[:3]
+        ids = [llm.get_tokenizer().encode(p) for p in prompts]
+        expected = [hf_greedy(str(path) + oracle, p, 16) for p in ids]
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
+        core = llm.engine.core
+        before = core.scheduler.num_preemptions
+        for out, exp in zip(llm.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False), expected):
+            n = matching_prefix(out.outputs[0].token_ids, exp)
+            got = [next(iter(d.values())).logprob for d in out.outputs[0].logprobs[: n + 1]]
+            assert max(abs(a - b) for a, b in zip(got, exp[1])) < 1e-3
+        assert core.scheduler.num_preemptions > before
+    finally:
+        llm.shutdown()
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])

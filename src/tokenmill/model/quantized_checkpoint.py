@@ -197,7 +197,7 @@ def unpack(qc: CheckpointQuantization, stem: str, parts: dict[str, torch.Tensor]
             raise ValueError(f"{stem}.qzeros has shape {tuple(qzeros.shape)}, expected {(groups, N // per)}")
         zeros = _unpack_cols(qzeros, bits, AWQ_ORDER if qc.method == "awq" else None)
         if qc.method == "gptq" and qc.checkpoint_format == "gptq":
-            zeros = (zeros + 1) & ((1 << bits) - 1)  # v1 stores zero - 1 (wrapping, as GPTQ's kernels read it)
+            zeros = zeros + 1  # v1 stores zero - 1; read as GPTQ's kernels (exllama, vLLM) read it: code + 1
     else:  # symmetric GPTQ without zeros: the middle code
         zeros = torch.full((groups, N), 1 << (bits - 1), dtype=torch.int64)
     if qc.method == "gptq" and "g_idx" in parts:
@@ -273,9 +273,10 @@ def load_prequantized(
             yield name, t
 
     model.load_weights(stream())  # type: ignore[operator]
-    logger.info(
+    log = logger.info if kernels or qc.bits != 4 else logger.warning
+    log(
         "%s checkpoint (%d bits, group size %d%s): %d linear layers run quantized (int4 kernels), "
-        "%d dequantized at load to %s",
+        "%d dequantized at load to %s%s",
         qc.method.upper(),
         qc.bits,
         qc.group_size,
@@ -283,4 +284,5 @@ def load_prequantized(
         len(used),
         len(dense),
         dtype,
+        "" if kernels else " (no int4 kernels on a GPU or under tensor parallelism yet: dense weights, dense speed)",
     )
