@@ -93,7 +93,7 @@ def make_gptq(base: Path, out: Path, bits: int, group: int, sym: bool, desc_act:
     quant, dense, q41 = dict(src), dict(src), dict(src)
     gen = torch.Generator().manual_seed(bits * 1000 + group)
     for name in list(src):
-        if not any(f".{p}." in name for p in LINEARS):
+        if not name.endswith(".weight") or not any(f".{p}." in name for p in LINEARS):
             continue
         stem, w = name.removesuffix(".weight"), src[name]
         K = w.shape[1]
@@ -120,7 +120,7 @@ def make_awq(base: Path, out: Path, group: int) -> Path:
     src = load_file(str(base / "model.safetensors"))
     quant, dense, q41 = dict(src), dict(src), dict(src)
     for name in list(src):
-        if not any(f".{p}." in name for p in LINEARS):
+        if not name.endswith(".weight") or not any(f".{p}." in name for p in LINEARS):
             continue
         stem, w = name.removesuffix(".weight"), src[name]
         K = w.shape[1]
@@ -231,6 +231,15 @@ def test_matches_transformers_chunked_preempted_and_tp(base_dir, tmp_path, monke
 def test_awq_runs_on_our_kernels(base_dir, tmp_path, monkeypatch, group) -> None:
     monkeypatch.setenv("TOKENMILL_QUANT_PANELS", "0")
     _compare(make_awq(base_dir, tmp_path / "awq", group), native=True)
+
+
+def test_qwen2_biases_and_tied_head(tmp_path, monkeypatch) -> None:
+    """Qwen2 (q/k/v biases, tied embeddings): the float biases and the tied table load beside the codes,
+    as AWQ (our int4 layers) and as act-order GPTQ (dequantized)."""
+    monkeypatch.setenv("TOKENMILL_QUANT_PANELS", "0")
+    base = build_tiny_model(tmp_path / "qwen2", "qwen2")
+    _compare(make_awq(base, tmp_path / "awq", 32), native=True)
+    _compare(make_gptq(base, tmp_path / "gptq", 4, 32, False, True), native=False)
 
 
 def test_awq_with_int8_activation_panels_stays_close(base_dir, tmp_path) -> None:
