@@ -11,10 +11,11 @@ Layouts read (as AutoAWQ, auto-gptq, GPTQModel and optimum write them):
   4-bit codes per word in the order [0, 2, 4, 6, 1, 3, 5, 7] of the columns; `scales` float16
   [groups, out]; w = (q - z) * s, groups of `group_size` consecutive inputs.
 
-What runs how (logged at load): a 4-bit linear whose groups are consecutive runs of a multiple
-of 32 inputs (no act-order permutation in g_idx), on the CPU without tensor parallelism, becomes
-a QuantLinear (our int4 kernels, GGUF Q4_1's w = q * d + m per 32 inputs, d = s and m = -z * s in
-float16: the codes and scales kept, the offset rounded to float16); every other linear (8 bits,
+What runs how (logged at load), on the CPU without tensor parallelism, for linears whose groups
+are consecutive runs of a multiple of 32 inputs (no act-order permutation in g_idx): 4 bits become
+a QuantLinear on our int4 kernels (GGUF Q4_1's w = q * d + m per 32 inputs, d = s and m = -z * s:
+the codes and scales kept, the offset rounded to float16), symmetric 8 bits (zeros 128) one on our
+int8 kernels (Q8_0's w = q * d, q - 128 and d = s: exact). Every other linear (asymmetric 8 bits,
 act-order, other group sizes, tensor parallelism, a GPU) is dequantized once at load into a dense
 weight of the model's dtype: the checkpoint's exact values, at dense speed.
 """
@@ -170,6 +171,15 @@ class QuantizedWeight:
         m = (-(z.float() * d.float())).half()
         return packed.contiguous(), torch.stack([d, m], -1).contiguous()
 
+    def to_q8_0(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Our int8 format (GGUF Q8_0: int8 [out, in], float16 d [out, in / 32], w = q * d) when the
+        zeros are all 128 (symmetric 8-bit GPTQ) and the groups contiguous multiples of 32: exact."""
+        size = self.contiguous_groups()
+        if size is None or size % GROUP or not bool((self.zeros == 128).all()):
+            return None
+        q = (self.q.T - 128).to(torch.int8)  # -128..127: the kernels' products take -128 (tests/model)
+        return q.contiguous(), self.scales.T.repeat_interleave(size // GROUP, dim=1).contiguous()
+
 
 def unpack(qc: CheckpointQuantization, stem: str, parts: dict[str, torch.Tensor]) -> QuantizedWeight:
     """A linear's checkpoint tensors -> its codes, zeros, scales, groups; ValueError naming what is wrong."""
@@ -246,11 +256,12 @@ def load_prequantized(
             raise ValueError(f"{qc.method.upper()} checkpoint: {k} has no {stem}.qweight")
     weights = {s: unpack(qc, s, {p: tensors[f"{s}.{p}"] for p in PARTS if f"{s}.{p}" in tensors}) for s in stems}
     native: dict[str, torch.Tensor] = {}
-    if kernels and qc.bits == 4:
-        for s, w in weights.items():
-            size = w.contiguous_groups()
-            if size is not None and size % GROUP == 0:
-                native[s + ".qweight"], native[s + ".scales"] = w.to_q4_1()
+    for s, w in weights.items() if kernels else ():
+        size = w.contiguous_groups()
+        if qc.bits == 4 and size is not None and size % GROUP == 0:
+            native[s + ".qweight"], native[s + ".scales"] = w.to_q4_1()
+        elif qc.bits == 8 and (q8 := w.to_q8_0()) is not None:
+            native[s + ".qweight"], native[s + ".scales"] = q8
     used = model.load_quantized(native, dtype) if native else set()  # type: ignore[operator]
     dense = [s for s in stems if s + ".weight" not in used]
 
@@ -273,9 +284,9 @@ def load_prequantized(
             yield name, t
 
     model.load_weights(stream())  # type: ignore[operator]
-    log = logger.info if kernels or qc.bits != 4 else logger.warning
+    log = logger.info if kernels else logger.warning
     log(
-        "%s checkpoint (%d bits, group size %d%s): %d linear layers run quantized (int4 kernels), "
+        "%s checkpoint (%d bits, group size %d%s): %d linear layers run quantized (int4 / int8 kernels), "
         "%d dequantized at load to %s%s",
         qc.method.upper(),
         qc.bits,
