@@ -268,6 +268,17 @@ def test_flag_must_match_the_checkpoint(base_dir, tmp_path) -> None:
         LLM(str(base_dir), dtype="float32", kv_cache_memory=0.02, quantization="awq")
 
 
+def test_old_auto_gptq_quantize_config_json(base_dir, tmp_path) -> None:
+    """Older auto-gptq folders keep the settings in quantize_config.json, not config.json."""
+    path = make_gptq(base_dir, tmp_path / "gptq", 4, 64, False, True)
+    cfg = json.loads((path / "config.json").read_text())
+    qc = cfg.pop("quantization_config")
+    del qc["quant_method"], qc["checkpoint_format"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    (path / "quantize_config.json").write_text(json.dumps(qc))
+    _compare(path, native=False)
+
+
 def _edit(path: Path, qconfig: dict | None = None, drop: str | None = None, reshape: str | None = None) -> Path:
     if qconfig is not None:
         cfg = json.loads((path / "config.json").read_text())
