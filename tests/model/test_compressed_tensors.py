@@ -1,0 +1,244 @@
+"""Pre-quantized checkpoints (model/compressed_tensors.py): compressed-tensors W8A8 INT8, FP8
+(per-channel and per-tensor), W4A16 / W8A16 pack-quantized, quant_method fp8, --quantization fp8.
+
+The checkpoints are written here from a tiny random Llama by compressed-tensors itself
+(apply_quantization_config, min-max scales by its calculate_qparams, ModelCompressor's compressors:
+what llm-compressor's data-free oneshot schemes save). The oracle: a float checkpoint of the same
+weights fake-quantized by compressed-tensors (its fake_quantize), loaded as plain float32: greedy
+tokens equal and logprobs close (weight-only formats: the same float weights, so equal up to
+float32 rounding; W8A8: our per-token int8 activations add at most half a step per activation)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import PROMPTS
+from safetensors.torch import load_file, save_file
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.model import compressed_tensors as ct
+from tokenmill.model.layers.w8a8 import W8A8Linear
+
+ctq = pytest.importorskip("compressed_tensors.quantization")
+from compressed_tensors.compressors import ModelCompressor  # noqa: E402
+from compressed_tensors.quantization.lifecycle.forward import fake_quantize  # noqa: E402
+from compressed_tensors.quantization.utils import calculate_qparams  # noqa: E402
+
+N_TOKENS = 12
+
+
+def _scheme(name: str, group_size: int | None = None, actorder: bool = False, symmetric: bool = True) -> dict:
+    s = ctq.preset_name_to_scheme(name, ["Linear"]).model_dump()
+    if group_size is not None:
+        s["weights"]["group_size"] = group_size
+    if not symmetric:
+        s["weights"]["symmetric"] = False
+    return s
+
+
+def _write(base: str, out: Path, scheme: dict) -> tuple[Path, Path]:
+    """(the compressed-tensors checkpoint, the float oracle's checkpoint) of base quantized by scheme."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    qc = ctq.QuantizationConfig.model_validate(
+        {"config_groups": {"group_0": {"targets": ["Linear"], **scheme}}, "ignore": ["lm_head"]}
+    )
+    ctq.apply_quantization_config(model, qc)
+    fake = {}
+    for name, m in model.named_modules():
+        s = getattr(m, "quantization_scheme", None)
+        if s is None or s.weights is None:
+            continue
+        a, w = s.weights, m.weight.data
+        if a.strategy == "channel":
+            lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+        elif a.strategy == "tensor":
+            lo, hi = w.amin().reshape(1), w.amax().reshape(1)
+        else:
+            g = w.unflatten(-1, (-1, a.group_size))
+            lo, hi = g.amin(-1), g.amax(-1)
+        scale, zp = calculate_qparams(lo, hi, a)
+        m.weight_scale.data = scale.to(m.weight_scale.dtype).reshape(m.weight_scale.shape)
+        if hasattr(m, "weight_zero_point"):
+            m.weight_zero_point.data = zp.to(m.weight_zero_point.dtype).reshape(m.weight_zero_point.shape)
+        zp_arg = getattr(m, "weight_zero_point", None)
+        fake[name + ".weight"] = fake_quantize(w, m.weight_scale.data, zp_arg, a).float().clone()
+    comp = ModelCompressor.from_pretrained_model(model)
+    comp.compress_model(model)
+    qdir = out / "ct"
+    model.save_pretrained(qdir)
+    comp.update_config(str(qdir))
+    for f in Path(base).iterdir():  # the tokenizer
+        if "token" in f.name and not (qdir / f.name).exists():
+            shutil.copy(f, qdir / f.name)
+    odir = out / "oracle"
+    shutil.copytree(base, odir)
+    (st,) = odir.glob("*.safetensors")
+    dense = load_file(st)
+    for k, v in fake.items():
+        assert k in dense
+        dense[k] = v.to(dense[k].dtype)
+    save_file(dense, st, metadata={"format": "pt"})
+    return qdir, odir
+
+
+def _run(path: Path, **kw) -> tuple[list[list[int]], list[torch.Tensor]]:
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=0.02, **kw)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N_TOKENS, temperature=0, logprobs=0), use_tqdm=False)
+    toks = [list(o.outputs[0].token_ids) for o in outs]
+    lps = [
+        torch.tensor([lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)])
+        for o in outs
+    ]
+    return toks, lps, llm
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> str:
+    from tiny_models import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("ct_base")))
+
+
+@pytest.mark.parametrize(
+    "scheme,tol",
+    [
+        (_scheme("FP8_DYNAMIC"), 1e-4),  # channel fp8 weights, dynamic per-token fp8 activations
+        (_scheme("FP8"), 1e-4),  # tensor fp8 weights, static activation scales
+        (_scheme("W4A16", group_size=32), 1e-4),  # pack-quantized int4 groups
+        (_scheme("W4A16", group_size=16, symmetric=False), 1e-4),  # zero points
+        (_scheme("W8A16", group_size=32), 1e-4),  # pack-quantized int8 groups
+    ],
+    ids=["fp8-dynamic", "fp8-tensor", "w4a16-g32", "w4a16-g16-asym", "w8a16"],
+)
+def test_weight_formats_match_the_dequantized_float_model(base, tmp_path, scheme, tol) -> None:
+    qdir, odir = _write(base, tmp_path, scheme)
+    toks, lps, _ = _run(qdir)
+    otoks, olps, _ = _run(odir)
+    assert toks == otoks
+    for a, b in zip(lps, olps, strict=True):
+        assert (a - b).abs().max() <= tol
+
+
+def test_w8a8_int8_loads_the_checkpoint_integers(base, tmp_path) -> None:
+    qdir, odir = _write(base, tmp_path, _scheme("W8A8"))
+    toks, lps, llm = _run(qdir)
+    model = llm.engine.core.runner.model
+    stored = load_file(next(qdir.glob("*.safetensors")))
+    attn = model.layers[0].self_attn.qkv_proj
+    assert isinstance(attn, W8A8Linear) and isinstance(model.layers[1].mlp.down_proj, W8A8Linear)
+    assert not isinstance(model.lm_head, W8A8Linear)  # ignore: ["lm_head"]
+    p = "model.layers.0.self_attn."
+    q = torch.cat([stored[p + n + ".weight"] for n in ("q_proj", "k_proj", "v_proj")])
+    s = torch.cat([stored[p + n + ".weight_scale"].reshape(-1) for n in ("q_proj", "k_proj", "v_proj")])
+    assert torch.equal(attn.weight_int8(), q) and torch.equal(attn.w_scale, s)
+    # the oracle: the same int8 weights in float32, activations unquantized; our per-token int8
+    # activations move each logprob a little (8-bit steps of each row's range): greedy tokens agree
+    otoks, olps, _ = _run(odir)
+    agree = sum(a == b for a, b in zip(toks, otoks, strict=True))
+    assert agree >= len(PROMPTS) - 1
+    first = torch.stack([a[0] - b[0] for a, b in zip(lps, olps, strict=True)]).abs()
+    assert first.max() < 0.05
+
+
+def test_quant_method_fp8_checkpoint(base, tmp_path) -> None:
+    """transformers / vLLM FP8 style: quant_method fp8, e4m3 weights with weight_scale_inv, also per [block]."""
+    for block in (None, [32, 32]):
+        out = tmp_path / f"fp8-{block}"
+        shutil.copytree(base, out)
+        (st,) = out.glob("*.safetensors")
+        dense = load_file(st)
+        oracle = dict(dense)
+        for k in list(dense):
+            if ".layers." in k and k.endswith("proj.weight"):
+                w = dense[k].float()
+                if block is None:
+                    s = w.abs().amax().clamp_min(1e-12) / ct.FP8_MAX
+                    q = (w / s).to(torch.float8_e4m3fn)
+                    oracle[k] = q.float() * s
+                    dense[k.replace(".weight", ".weight_scale_inv")] = s.reshape(1)
+                else:
+                    blocks = w.unflatten(0, (-1, 32)).unflatten(2, (-1, 32))  # [ro, 32, ci, 32]
+                    s = blocks.abs().amax((1, 3)).clamp_min(1e-12) / ct.FP8_MAX  # [ro, ci]
+                    full = s.repeat_interleave(32, 0).repeat_interleave(32, 1)
+                    q = (w / full).to(torch.float8_e4m3fn)
+                    oracle[k] = q.float() * full
+                    dense[k.replace(".weight", ".weight_scale_inv")] = s
+                dense[k] = q
+        save_file(dense, st, metadata={"format": "pt"})
+        cfg = json.loads((out / "config.json").read_text())
+        cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3"}
+        if block:
+            cfg["quantization_config"]["weight_block_size"] = block
+        (out / "config.json").write_text(json.dumps(cfg))
+        odir = tmp_path / f"oracle-{block}"
+        shutil.copytree(base, odir)
+        save_file(oracle, next(odir.glob("*.safetensors")), metadata={"format": "pt"})
+        toks, lps, _ = _run(out)
+        otoks, olps, _ = _run(odir)
+        assert toks == otoks
+        assert max((a - b).abs().max() for a, b in zip(lps, olps, strict=True)) <= 1e-4
+
+
+def test_quantization_fp8_at_load_rounds_weights_to_e4m3(base) -> None:
+    _, _, llm = _run(Path(base), quantization="fp8")
+    w = llm.engine.core.runner.model.layers[0].self_attn.o_proj
+    weight = w.weight if hasattr(w, "weight") else None
+    if weight is None:  # packed for the kernels: check the function itself
+        weight = ct.fp8_round_trip(torch.randn(8, 64))
+    scale = weight.float().abs().amax(1, keepdim=True) / ct.FP8_MAX
+    assert torch.equal((weight.float() / scale).to(torch.float8_e4m3fn).float() * scale, weight.float())
+    src = torch.randn(16, 64)
+    r = ct.fp8_round_trip(src)
+    assert not torch.equal(r, src) and ((r - src).abs() <= src.abs().amax(1, keepdim=True) / 16).all()
+
+
+def _config(qc: dict) -> dict:
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"], **qc}
+
+
+@pytest.mark.parametrize(
+    "qc,message",
+    [
+        (_config({"config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 3, "type": "int"}}}}), "3 bits"),
+        (_config({"config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "float"}}}}), "float"),
+        (_config({"format": "marlin-24", "config_groups": {"g": {"weights": {"num_bits": 4}}}}), "marlin-24"),
+        (_config({"config_groups": {}}), "config_groups"),
+        (
+            _config(
+                {
+                    "config_groups": {
+                        "g": {
+                            "format": "int-quantized",
+                            "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
+                            "input_activations": {"num_bits": 8, "type": "int", "strategy": "tensor", "dynamic": True},
+                        }
+                    }
+                }
+            ),
+            "per-token",
+        ),
+    ],
+)
+def test_unsupported_configs_are_refused_by_name(qc, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        ct.parse(qc)
+
+
+def test_bad_checkpoints_get_a_clear_error(base, tmp_path) -> None:
+    qdir, _ = _write(base, tmp_path, _scheme("W8A8"))
+    st = next(qdir.glob("*.safetensors"))
+    tensors = load_file(st)
+    del tensors["model.layers.0.self_attn.q_proj.weight_scale"]
+    save_file(tensors, st, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="q_proj.*without weight_scale"):
+        LLM(str(qdir), dtype="float32", kv_cache_memory=0.02)
+    with pytest.raises(ValueError, match="pre-quantized compressed-tensors"):
+        LLM(str(qdir), dtype="float32", kv_cache_memory=0.02, quantization="int4")
+    with pytest.raises(ValueError, match="no compressed-tensors"):
+        LLM(base, dtype="float32", kv_cache_memory=0.02, quantization="compressed-tensors")
