@@ -18,9 +18,11 @@ import pytest
 import torch
 from conftest import PROMPTS
 from safetensors.torch import load_file, save_file
+from test_w8a8 import _FakeQuantLinear, _greedy, _logprob_diffs
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.model import compressed_tensors as ct
+from tokenmill.model.layers.bind import bind_kernels
 from tokenmill.model.layers.w8a8 import W8A8Linear
 
 ctq = pytest.importorskip("compressed_tensors.quantization")
@@ -136,20 +138,40 @@ def test_w8a8_int8_loads_the_checkpoint_integers(base, tmp_path) -> None:
     p = "model.layers.0.self_attn."
     q = torch.cat([stored[p + n + ".weight"] for n in ("q_proj", "k_proj", "v_proj")])
     s = torch.cat([stored[p + n + ".weight_scale"].reshape(-1) for n in ("q_proj", "k_proj", "v_proj")])
-    assert torch.equal(attn.weight_int8(), q) and torch.equal(attn.w_scale, s)
-    # the oracle: the same int8 weights in float32, activations unquantized; our per-token int8
-    # activations move each logprob a little (8-bit steps of each row's range): greedy tokens agree
-    otoks, olps, _ = _run(odir)
-    agree = sum(a == b for a, b in zip(toks, otoks, strict=True))
-    assert agree >= len(PROMPTS) - 1
-    first = torch.stack([a[0] - b[0] for a, b in zip(lps, olps, strict=True)]).abs()
-    assert first.max() < 0.05
+    # as stored, but -128 (compressed-tensors' range) runs as -127 (our kernel's): one step, rare
+    assert torch.equal(attn.weight_int8(), q.clamp(min=-127)) and torch.equal(attn.w_scale, s)
+    assert (q == -128).sum() <= 2 * q.shape[0]
+    # the oracle (test_w8a8's): every W8A8Linear replaced by float64 fake quantization of the same
+    # int8 weights and of the activations (per token, 8 bits): tokens equal, logprobs close (the
+    # bound: what flipping near-tie activation codes does, as there)
+    want = _greedy(_fake_quantized_llm(qdir))
+    tie_effect = _logprob_diffs(_greedy(_fake_quantized_llm(qdir, other_at_ties=True)), want).max().item()
+    got = _greedy(llm)
+    assert [a.token_ids for a in got] == [b.token_ids for b in want]
+    diffs = _logprob_diffs(got, want)
+    bound = 1e-4 + 2 * tie_effect
+    assert bound < 0.25  # a code flip moves a logprob by a fraction of a step, not more
+    assert diffs.median() < 1e-4 and diffs.max() < bound, (diffs.median(), diffs.max(), bound)
+    # and the W8A8 model stays near the float model of the checkpoint's weights (first token)
+    first = torch.stack([a[0] - b[0] for a, b in zip(lps, _run(odir)[1], strict=True)]).abs()
+    assert first.max() < 0.1
+
+
+def _fake_quantized_llm(path: Path, other_at_ties: bool = False) -> LLM:
+    oracle = LLM(str(path), dtype="float32", kv_cache_memory=0.02)
+    model = oracle.engine.core.runner.model
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, W8A8Linear):
+                setattr(parent, name, _FakeQuantLinear(child, other_at_ties))
+    bind_kernels(model, "cpu", torch.float32)  # modules swapped after load: bound again
+    return oracle
 
 
 def test_quant_method_fp8_checkpoint(base, tmp_path) -> None:
     """transformers / vLLM FP8 style: quant_method fp8, e4m3 weights with weight_scale_inv, also per [block]."""
     for block in (None, [32, 32]):
-        out = tmp_path / f"fp8-{block}"
+        out = tmp_path / f"fp8-{block[0] if block else 0}"
         shutil.copytree(base, out)
         (st,) = out.glob("*.safetensors")
         dense = load_file(st)
@@ -176,7 +198,7 @@ def test_quant_method_fp8_checkpoint(base, tmp_path) -> None:
         if block:
             cfg["quantization_config"]["weight_block_size"] = block
         (out / "config.json").write_text(json.dumps(cfg))
-        odir = tmp_path / f"oracle-{block}"
+        odir = tmp_path / f"oracle-{block[0] if block else 0}"
         shutil.copytree(base, odir)
         save_file(oracle, next(odir.glob("*.safetensors")), metadata={"format": "pt"})
         toks, lps, _ = _run(out)
@@ -205,8 +227,14 @@ def _config(qc: dict) -> dict:
 @pytest.mark.parametrize(
     "qc,message",
     [
-        (_config({"config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 3, "type": "int"}}}}), "3 bits"),
-        (_config({"config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "float"}}}}), "float"),
+        (
+            _config({"config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 3, "type": "int"}}}}),
+            "3 bits",
+        ),
+        (
+            _config({"config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "float"}}}}),
+            "float",
+        ),
         (_config({"format": "marlin-24", "config_groups": {"g": {"weights": {"num_bits": 4}}}}), "marlin-24"),
         (_config({"config_groups": {}}), "config_groups"),
         (

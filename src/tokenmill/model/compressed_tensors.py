@@ -297,15 +297,22 @@ def install_w8a8(model: nn.Module, int8_rows: dict[str, torch.Tensor]) -> int:
             scales[mod_name].copy_(s)
         else:
             scales[mod_name].narrow(0, shard[0], shard[1]).copy_(s)
+    clamped = 0
     for mod_name, s in scales.items():
         if torch.isnan(s).any():  # part of a fused projection quantized, part not
             raise ValueError(f"quantized checkpoint: {mod_name!r} fuses W8A8 INT8 and other weights")
         parent, _, child = mod_name.rpartition(".")
         linear = model.get_submodule(mod_name)
         q = (linear.weight.detach().float() / s.unsqueeze(1)).round_()
-        if q.abs().max() > 127:
+        if q.max() > 127 or q.min() < -128:
             raise ValueError(f"quantized checkpoint: {mod_name!r} int8 weights out of range")
+        # compressed-tensors' int8 is -128..127; our kernel's AVX2 sign trick needs -127..127, so a
+        # -128 (at most one per row and sign in a min-max scheme) moves one step: counted, logged
+        clamped += int((q == -128).sum())
+        q.clamp_(min=-127)
         setattr(model.get_submodule(parent), child, W8A8Linear.from_int8(q.to(torch.int8), s, linear.bias))
+    if clamped:
+        logger.info("W8A8 INT8: %d weights of -128 run as -127 (the kernel's range is symmetric)", clamped)
     return len(scales)
 
 
