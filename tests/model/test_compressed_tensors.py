@@ -19,11 +19,13 @@ import torch
 from conftest import PROMPTS
 from safetensors.torch import load_file, save_file
 from test_w8a8 import _FakeQuantLinear, _greedy, _logprob_diffs
+from transformers import AutoTokenizer
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.model import compressed_tensors as ct
 from tokenmill.model.layers.bind import bind_kernels
 from tokenmill.model.layers.w8a8 import W8A8Linear
+from tokenmill.model.loader import _iter_safetensors
 
 ctq = pytest.importorskip("compressed_tensors.quantization")
 from compressed_tensors.compressors import ModelCompressor  # noqa: E402
@@ -125,6 +127,41 @@ def test_weight_formats_match_the_dequantized_float_model(base, tmp_path, scheme
     assert toks == otoks
     for a, b in zip(lps, olps, strict=True):
         assert (a - b).abs().max() <= tol
+
+
+def _transformers(qdir: Path):
+    """transformers' compressed-tensors loader, decompressing on the CPU (run_compressed=False)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    cfg = CompressedTensorsConfig(run_compressed=False)
+    return AutoModelForCausalLM.from_pretrained(qdir, dtype=torch.float32, quantization_config=cfg).eval()
+
+
+@pytest.mark.parametrize(
+    "scheme",
+    [_scheme("FP8_DYNAMIC"), _scheme("W4A16", group_size=32), _scheme("W4A16", group_size=16, symmetric=False)],
+    ids=["fp8-dynamic", "w4a16-g32", "w4a16-g16-asym"],
+)
+def test_dequantized_weights_equal_transformers(base, tmp_path, scheme) -> None:
+    """Our dequantization of every stored weight equals transformers' + compressed-tensors' decompression
+    exactly; for the weight-only scheme the greedy tokens of the two models are equal too."""
+    qdir, _ = _write(base, tmp_path, scheme)
+    hf = _transformers(qdir)
+    want = hf.state_dict()
+    rows: dict[str, torch.Tensor] = {}
+    got = dict(ct.dequantizing(_iter_safetensors(str(qdir)), ct.parse(ct.read_quantization_config(str(qdir))), rows))
+    quantized = [k for k in got if ".layers." in k and k.endswith("proj.weight")]
+    assert len(quantized) == 7 * 2 and not rows
+    for k in quantized:
+        assert torch.equal(got[k].float(), want[k].float()), k
+    if scheme["input_activations"] is None:  # transformers quantizes no activations: the same function
+        toks, _, _ = _run(qdir)
+        tok = AutoTokenizer.from_pretrained(qdir)
+        for prompt, ours in zip(PROMPTS, toks, strict=True):
+            ids = tok(prompt, return_tensors="pt").input_ids
+            out = hf.generate(ids, max_new_tokens=N_TOKENS, do_sample=False)
+            assert out[0, ids.shape[1] :].tolist() == ours, prompt
 
 
 def test_w8a8_int8_loads_the_checkpoint_integers(base, tmp_path) -> None:
