@@ -19,7 +19,9 @@ import torch
 from conftest import PROMPTS
 from safetensors.torch import load_file, save_file
 from test_w8a8 import _FakeQuantLinear, _greedy, _logprob_diffs
-from transformers import AutoTokenizer
+from tiny_models import build_tiny_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils.quantization_config import CompressedTensorsConfig
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.model import compressed_tensors as ct
@@ -29,6 +31,7 @@ from tokenmill.model.loader import _iter_safetensors
 
 ctq = pytest.importorskip("compressed_tensors.quantization")
 from compressed_tensors.compressors import ModelCompressor  # noqa: E402
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32  # noqa: E402
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize  # noqa: E402
 from compressed_tensors.quantization.utils import calculate_qparams  # noqa: E402
 
@@ -46,8 +49,6 @@ def _scheme(name: str, group_size: int | None = None, actorder: bool = False, sy
 
 def _write(base: str, out: Path, scheme: dict) -> tuple[Path, Path]:
     """(the compressed-tensors checkpoint, the float oracle's checkpoint) of base quantized by scheme."""
-    from transformers import AutoModelForCausalLM
-
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     qc = ctq.QuantizationConfig.model_validate(
         {"config_groups": {"group_0": {"targets": ["Linear"], **scheme}}, "ignore": ["lm_head"]}
@@ -104,8 +105,6 @@ def _run(path: Path, **kw) -> tuple[list[list[int]], list[torch.Tensor]]:
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> str:
-    from tiny_models import build_tiny_model
-
     return str(build_tiny_model(tmp_path_factory.mktemp("ct_base")))
 
 
@@ -131,9 +130,6 @@ def test_weight_formats_match_the_dequantized_float_model(base, tmp_path, scheme
 
 def _transformers(qdir: Path):
     """transformers' compressed-tensors loader, decompressing on the CPU (run_compressed=False)."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils.quantization_config import CompressedTensorsConfig
-
     cfg = CompressedTensorsConfig(run_compressed=False)
     return AutoModelForCausalLM.from_pretrained(qdir, dtype=torch.float32, quantization_config=cfg).eval()
 
@@ -244,17 +240,29 @@ def test_quant_method_fp8_checkpoint(base, tmp_path) -> None:
         assert max((a - b).abs().max() for a, b in zip(lps, olps, strict=True)) <= 1e-4
 
 
-def test_quantization_fp8_at_load_rounds_weights_to_e4m3(base) -> None:
-    _, _, llm = _run(Path(base), quantization="fp8")
-    w = llm.engine.core.runner.model.layers[0].self_attn.o_proj
-    weight = w.weight if hasattr(w, "weight") else None
-    if weight is None:  # packed for the kernels: check the function itself
-        weight = ct.fp8_round_trip(torch.randn(8, 64))
-    scale = weight.float().abs().amax(1, keepdim=True) / ct.FP8_MAX
-    assert torch.equal((weight.float() / scale).to(torch.float8_e4m3fn).float() * scale, weight.float())
-    src = torch.randn(16, 64)
-    r = ct.fp8_round_trip(src)
-    assert not torch.equal(r, src) and ((r - src).abs() <= src.abs().amax(1, keepdim=True) / 16).all()
+def test_quantization_fp8_at_load_runs_e4m3_weights(base, tmp_path) -> None:
+    """--quantization fp8 on a float checkpoint: the model equals a float model whose decoder linears
+    hold e4m3 values times per-output-channel scales (amax / 448), computed here by torch's cast;
+    the embeddings and lm_head stay as they are."""
+    odir = tmp_path / "oracle"
+    shutil.copytree(base, odir)
+    (st,) = odir.glob("*.safetensors")
+    dense = load_file(st)
+    n = 0
+    for k, w in dense.items():
+        if ".layers." in k and k.endswith("proj.weight"):
+            scale = w.float().abs().amax(1, keepdim=True) / 448.0
+            dense[k] = ((w.float() / scale).to(torch.float8_e4m3fn).float() * scale).to(w.dtype)
+            assert not torch.equal(dense[k], w)
+            n += 1
+    assert n == 14
+    save_file(dense, st, metadata={"format": "pt"})
+    toks, lps, _ = _run(Path(base), quantization="fp8")
+    otoks, olps, _ = _run(odir)
+    ftoks, flps, _ = _run(Path(base))
+    assert toks == otoks
+    assert max((a - b).abs().max() for a, b in zip(lps, olps, strict=True)) <= 1e-4
+    assert max((a - b).abs().max() for a, b in zip(lps, flps, strict=True)) > 1e-4  # it did round
 
 
 def _config(qc: dict) -> dict:
@@ -307,3 +315,30 @@ def test_bad_checkpoints_get_a_clear_error(base, tmp_path) -> None:
         LLM(str(qdir), dtype="float32", kv_cache_memory=0.02, quantization="int4")
     with pytest.raises(ValueError, match="no compressed-tensors"):
         LLM(base, dtype="float32", kv_cache_memory=0.02, quantization="compressed-tensors")
+
+
+def test_pack_quantized_act_order_and_zero_points_dequantize_per_the_layout() -> None:
+    """weight_g_idx (act-order: column j takes group g_idx[j]'s scale and zero point; older
+    llm-compressor GPTQ checkpoints) and zero points packed along the output dimension, the
+    codes packed by compressed-tensors' own pack_to_int32: w[n, j] = (q[n, j] - z[n, g]) * s[n, g]."""
+    torch.manual_seed(0)
+    rows, cols, gs = 24, 64, 16
+    q = torch.randint(-8, 8, (rows, cols), dtype=torch.int8)
+    z = torch.randint(-8, 8, (rows, cols // gs), dtype=torch.int8)
+    s = torch.rand(rows, cols // gs) + 0.1
+    g_idx = torch.randperm(cols) // gs
+    want = torch.stack([(q[:, j].float() - z[:, g_idx[j]].float()) * s[:, g_idx[j]] for j in range(cols)], 1)
+    tensors = {
+        "weight_packed": pack_to_int32(q, 4),
+        "weight_shape": torch.tensor([rows, cols]),
+        "weight_scale": s,
+        "weight_zero_point": pack_to_int32(z, 4, packed_dim=0),
+        "weight_g_idx": g_idx.to(torch.int32),
+    }
+    qc = _config({"config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int"}}}})
+    qc["config_groups"]["g"]["weights"].update(strategy="group", group_size=gs, symmetric=False)
+    (group,) = ct.parse(qc).groups
+    assert torch.equal(ct.dequantize("x", tensors, group, None), want)
+    tensors["weight_scale"] = s[:, :3]  # scales that do not fit the groups
+    with pytest.raises(ValueError, match="does not fit"):
+        ct.dequantize("x", tensors, group, None)

@@ -150,7 +150,7 @@ def parse(qc: dict | None) -> Scheme | None:
             raise _unsupported("compressed-tensors config without config_groups")
         return Scheme(method, groups, list(qc.get("ignore") or []))
     if method == "fp8":
-        fmt = qc.get("fmt", qc.get("activation_scheme") and "e4m3") or "e4m3"
+        fmt = qc.get("fmt") or "e4m3"
         if fmt != "e4m3":
             raise _unsupported(f"fp8 fmt {fmt!r} (e4m3 is run)")
         block = qc.get("weight_block_size")
