@@ -26,6 +26,7 @@ from transformers.utils.quantization_config import CompressedTensorsConfig
 from tokenmill import LLM, SamplingParams
 from tokenmill.model import compressed_tensors as ct
 from tokenmill.model.layers.bind import bind_kernels
+from tokenmill.model.layers.quantization import QuantLinear, a8_linear
 from tokenmill.model.layers.w8a8 import W8A8Linear
 from tokenmill.model.loader import _iter_safetensors
 
@@ -113,7 +114,7 @@ def base(tmp_path_factory) -> str:
     [
         (_scheme("FP8_DYNAMIC"), 1e-4),  # channel fp8 weights, dynamic per-token fp8 activations
         (_scheme("FP8"), 1e-4),  # tensor fp8 weights, static activation scales
-        (_scheme("W4A16", group_size=32), 1e-4),  # pack-quantized int4 groups
+        (_scheme("W4A16", group_size=32, actorder=False, symmetric=True), None),  # int4 groups of 32: QuantLinear
         (_scheme("W4A16", group_size=16, symmetric=False), 1e-4),  # zero points
         (_scheme("W8A16", group_size=32), 1e-4),  # pack-quantized int8 groups
     ],
@@ -121,6 +122,8 @@ def base(tmp_path_factory) -> str:
 )
 def test_weight_formats_match_the_dequantized_float_model(base, tmp_path, scheme, tol) -> None:
     qdir, odir = _write(base, tmp_path, scheme)
+    if tol is None:
+        pytest.skip("int4 groups of 32 run on the int4 kernels: test_int4_groups_of_32_run_on_the_int4_kernels")
     toks, lps, _ = _run(qdir)
     otoks, olps, _ = _run(odir)
     assert toks == otoks
@@ -151,13 +154,49 @@ def test_dequantized_weights_equal_transformers(base, tmp_path, scheme) -> None:
     assert len(quantized) == 7 * 2 and not rows
     for k in quantized:
         assert torch.equal(got[k].float(), want[k].float()), k
-    if scheme["input_activations"] is None:  # transformers quantizes no activations: the same function
+    if (scheme["weights"]["group_size"] or 32) % 32:  # dense (not our int4 groups), activations as they are
         toks, _, _ = _run(qdir)
         tok = AutoTokenizer.from_pretrained(qdir)
         for prompt, ours in zip(PROMPTS, toks, strict=True):
             ids = tok(prompt, return_tensors="pt").input_ids
             out = hf.generate(ids, max_new_tokens=N_TOKENS, do_sample=False)
             assert out[0, ids.shape[1] :].tolist() == ours, prompt
+
+
+@pytest.mark.parametrize("group_size,symmetric", [(32, True), (64, False)])
+def test_int4_groups_of_32_run_on_the_int4_kernels(base, tmp_path, group_size, symmetric) -> None:
+    """W4A16 in groups of 32k (no act-order) maps onto QuantLinear (our int4 groups of 32: c = q + 8,
+    d = s, m = -(z + 8) s, d and m in float16): the dequantized weights within float16 rounding of
+    the checkpoint's; each layer computes the int4 kernel's function (a8_linear: int8 activations
+    per group of 32) of the codes unpacked here from the file, as tests/model/test_quantization.py
+    checks the kernel; and the model stays near the float model of the checkpoint's weights."""
+    qdir, odir = _write(base, tmp_path, _scheme("W4A16", group_size=group_size, symmetric=symmetric))
+    toks, lps, llm = _run(qdir)
+    model = llm.engine.core.runner.model
+    dense = load_file(next(odir.glob("*.safetensors")))
+    stored = load_file(next(qdir.glob("*.safetensors")))
+    assert isinstance(model.layers[0].self_attn.qkv_proj, QuantLinear)
+    assert not isinstance(model.lm_head, QuantLinear)  # ignored
+    (group,) = ct.parse(ct.read_quantization_config(str(qdir))).groups
+    for sub, parts in (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")), ("mlp.down_proj", ("down_proj",))):
+        layer = model.layers[1].get_submodule(sub)
+        names = [f"model.layers.1.{sub.split('.')[0]}.{p}" for p in parts]
+        want = torch.cat([dense[n + ".weight"].float() for n in names])
+        amax = want.unflatten(1, (-1, 32)).abs().amax(-1, keepdim=True).expand(-1, -1, 32).reshape(want.shape)
+        assert ((layer.dequantized() - want).abs() <= amax * 2**-9 + 1e-7).all()  # |c d| + |m| <= 3.1 amax
+        groups = [
+            ct.int4_groups(n, {k[len(n) + 1 :]: v for k, v in stored.items() if k.startswith(n + ".")}, group)
+            for n in names
+        ]
+        codes = torch.cat([c for c, _ in groups])
+        scales = torch.cat([dm for _, dm in groups]).half()
+        c = codes.view(codes.shape[0], -1, 32)
+        qweight = (c[..., :16] | (c[..., 16:] << 4)).reshape(codes.shape[0], -1)
+        for rows in (1, 5):
+            x = torch.randn(rows, layer.in_features, generator=torch.Generator().manual_seed(rows))
+            torch.testing.assert_close(layer(x).double(), a8_linear(x, qweight, scales, 4), atol=1e-3, rtol=1e-5)
+    first = torch.stack([a[0] - b[0] for a, b in zip(lps, _run(odir)[1], strict=True)]).abs()
+    assert first.max() < 0.25
 
 
 def test_w8a8_int8_loads_the_checkpoint_integers(base, tmp_path) -> None:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from tokenmill.model.layers.quantization import GROUP, QuantLinear
 from tokenmill.model.layers.w8a8 import W8A8Linear
 
 logger = logging.getLogger("tokenmill")
@@ -253,8 +254,34 @@ def dequantize(stem: str, t: dict[str, torch.Tensor], g: Group, block: tuple[int
     return q * s
 
 
+def int4_groups(stem: str, t: dict[str, torch.Tensor], g: Group) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A pack-quantized int4 weight as our int4 groups of 32 (QuantLinear's Q4_1: w = c * d + m,
+    c in 0..15): codes uint8 [rows, cols] and (d, m) float32 [rows, cols / 32, 2]; None where the
+    structure is not ours (act-order, groups that are not a multiple of 32). The stored q in -8..7
+    with zero point z: c = q + 8, d = s, m = -(z + 8) * s (exact but for d and m in float16)."""
+    if g.format != "pack-quantized" or g.type != "int" or g.num_bits != 4 or "weight_g_idx" in t:
+        return None
+    rows, cols = (int(v) for v in t["weight_shape"].tolist())
+    gs = cols if g.strategy == "channel" else g.group_size
+    if g.strategy not in ("channel", "group") or not gs or gs % GROUP or cols % GROUP:
+        return None
+    q = unpack_int32(t["weight_packed"], 4, cols)
+    s = t["weight_scale"].float().reshape(rows, -1)
+    zp = t.get("weight_zero_point")
+    z = torch.zeros_like(s)
+    if zp is not None and not g.symmetric:
+        z = (unpack_int32(zp.T.contiguous(), 4, rows).T if zp.shape[0] != rows else zp).float().reshape(rows, -1)
+    per = gs // GROUP  # our groups per stored group
+    d = s.repeat_interleave(per, 1)
+    m = (-(z + 8) * s).repeat_interleave(per, 1)
+    return (q + 8).to(torch.uint8), torch.stack([d, m], -1)
+
+
 def dequantizing(
-    weights: Iterable[tuple[str, torch.Tensor]], scheme: Scheme, int8_rows: dict[str, torch.Tensor]
+    weights: Iterable[tuple[str, torch.Tensor]],
+    scheme: Scheme,
+    int8_rows: dict[str, torch.Tensor],
+    int4: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, stored tensor) -> (name, float weight): quantized linears' tensors gathered by module
     and dequantized; everything else passed through. int8_rows: filled, for the W8A8 INT8 linears,
@@ -277,6 +304,10 @@ def dequantizing(
         w = dequantize(stem, t, g, scheme.block)
         if g.w8a8_int8 and not _ignored(scheme, stem.removeprefix("model.")):
             int8_rows[stem + ".weight"] = t["weight_scale"].float().reshape(-1).expand(w.shape[0]).clone()
+        elif int4 is not None and not _ignored(scheme, stem.removeprefix("model.")):
+            groups = int4_groups(stem, t, g)
+            if groups is not None:
+                int4[stem + ".weight"] = groups
         yield stem + ".weight", w
 
 
@@ -316,6 +347,31 @@ def install_w8a8(model: nn.Module, int8_rows: dict[str, torch.Tensor]) -> int:
     return len(scales)
 
 
+def install_int4(model: nn.Module, int4: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """Replace the linears whose every part is a pack-quantized int4 weight in groups of 32k by
+    QuantLinear (the int4 kernels) with those codes; the rest stay dense. Returns the count."""
+    parts: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+    for name, (codes, dm) in int4.items():
+        target, shard = model.fused_target(name.removeprefix("model."))
+        parts.setdefault(target.removesuffix(".weight"), []).append((shard[0] if shard else 0, codes, dm))
+    n = 0
+    for mod_name, ps in parts.items():
+        linear = model.get_submodule(mod_name)
+        if type(linear) is not nn.Linear or sum(c.shape[0] for _, c, _ in ps) != linear.weight.shape[0]:
+            continue  # a fused projection with a part not in int4 groups: dense
+        ps.sort(key=lambda p: p[0])
+        codes = torch.cat([c for _, c, _ in ps])
+        dm = torch.cat([x for _, _, x in ps])
+        N, K = codes.shape
+        c = codes.view(N, K // GROUP, GROUP)
+        qweight = (c[..., :16] | (c[..., 16:] << 4)).reshape(N, K // 2).contiguous()
+        bias = linear.bias.detach() if linear.bias is not None else None
+        parent, _, child = mod_name.rpartition(".")
+        setattr(model.get_submodule(parent), child, QuantLinear(qweight, dm.half().contiguous(), 4, bias))
+        n += 1
+    return n
+
+
 # ---- --quantization fp8 on a full-precision checkpoint ---------------------------------------------
 
 
@@ -339,10 +395,12 @@ def quantize_model_fp8(model: nn.Module) -> int:
     return n
 
 
-def load_notice(scheme: Scheme, dtype: torch.dtype, w8a8: int) -> str:
+def load_notice(scheme: Scheme, dtype: torch.dtype, w8a8: int, int4: int = 0) -> str:
     kinds = sorted({f"{g.format} {g.type}{g.num_bits} {g.strategy}" for g in scheme.groups})
-    widened = "" if scheme.w8a8 else f"; weights widened once to {dtype} (dense at run time, no memory saved yet)"
-    return f"{scheme.method} checkpoint ({', '.join(kinds)}): {w8a8} linears in W8A8 int8{widened}"
+    return (
+        f"{scheme.method} checkpoint ({', '.join(kinds)}): {w8a8} linears in W8A8 int8, {int4} in int4 groups "
+        f"of 32; the other quantized weights widened once to {dtype} (dense at run time, no memory saved)"
+    )
 
 
 # ---- the loader's entry points ----------------------------------------------------------------------
@@ -369,12 +427,19 @@ def check(path: str, quantization: str | None, tp_size: int) -> Scheme | None:
 
 
 def finish(
-    model: nn.Module, scheme: Scheme, int8_rows: dict[str, torch.Tensor], dtype: torch.dtype, on_cpu: bool
+    model: nn.Module,
+    scheme: Scheme,
+    int8_rows: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    on_cpu: bool,
+    int4: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> None:
-    """After load_weights: the W8A8 INT8 linears into W8A8Linear (CPU), and the log line saying what runs how."""
-    if int8_rows and not on_cpu:
+    """After load_weights: the W8A8 INT8 linears into W8A8Linear and int4 groups of 32k into
+    QuantLinear (CPU), and the log line saying what runs how."""
+    if (int8_rows or int4) and not on_cpu:
         logger.warning(
-            "%s W8A8 INT8 checkpoint on a GPU: no int8 GPU kernel yet, the weights run dequantized", scheme.method
+            "%s checkpoint on a GPU: no int8 / int4 GPU kernel yet, the weights run dequantized", scheme.method
         )
-        int8_rows = {}
-    logger.info(load_notice(scheme, dtype, install_w8a8(model, int8_rows) if int8_rows else 0))
+        int8_rows, int4 = {}, {}
+    n4 = install_int4(model, int4) if int4 else 0
+    logger.info(load_notice(scheme, dtype, install_w8a8(model, int8_rows) if int8_rows else 0, n4))

@@ -231,6 +231,7 @@ def load_model(
     if model.tie_word_embeddings and tp.size == 1:
         model.lm_head.weight = model.embed_tokens.weight
     int8_rows: dict[str, torch.Tensor] = {}  # W8A8 INT8 checkpoint weights' row scales
+    int4: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # int4 checkpoint weights in our groups
     if load_format == "dummy":
         _init_dummy(model)
     else:
@@ -241,12 +242,12 @@ def load_model(
             path, skip, blocks if exact else None, lambda name: shard_for(name, hf_config, tp.rank, tp.size)
         )
         if scheme is not None:
-            weights = compressed_tensors.dequantizing(weights, scheme, int8_rows)
+            weights = compressed_tensors.dequantizing(weights, scheme, int8_rows, int4)
         model.load_weights(weights)
     model.eval().requires_grad_(False)
     progress.set_phase("preparing the weights")  # quantizing, packing for the kernels
     if scheme is not None:
-        compressed_tensors.finish(model, scheme, int8_rows, dtype, on_cpu)
+        compressed_tensors.finish(model, scheme, int8_rows, dtype, on_cpu, int4)
     elif quantization == "fp8":
         n = compressed_tensors.quantize_model_fp8(model)
         logger.info("fp8: %d linear layers rounded to e4m3 (per-channel scales), run widened to %s", n, dtype)
