@@ -8,12 +8,13 @@ Read from config.json's `quantization_config`:
     scales as they are (no calibration; smoothing, if any, is already folded into the norms).
     Activations are quantized per token by our kernel (8-bit asymmetric, a zero point per token:
     never coarser than the checkpoint's symmetric per-token scheme).
+  - `pack-quantized` int4 in groups of 32k or per channel, without act-order: our int4 layers
+    (QuantLinear, groups of 32: install_int4).
   - `float-quantized` FP8 (float8_e4m3fn weights, `weight_scale` per tensor or per channel; W8A8
-    dynamic or W8A16), `naive-quantized` (the unpacked int8 / fp8 layout) and `pack-quantized`
-    (int4 / int8 packed 8 / 4 per int32 along the input, `weight_scale` [out, groups], optional
-    `weight_zero_point`, `weight_g_idx` for act-order): dequantized once at load into the model's
-    dtype (the dense, packed linears). Correct; this first version saves no memory or bandwidth
-    at run time.
+    dynamic or W8A16), `naive-quantized` (the unpacked int8 / fp8 layout) and the other
+    `pack-quantized` (int8 packed 4 per int32, other group sizes, `weight_g_idx` act-order):
+    dequantized once at load into the model's dtype (the dense, packed linears). Correct; these
+    save no memory or bandwidth at run time yet.
 - `quant_method: fp8` (vLLM / transformers' FineGrainedFP8: e4m3 weights with `weight_scale_inv`
   per tensor, per channel or per [128, 128] block, or `weight_scale`): dequantized likewise.
 - `--quantization fp8` on a full-precision checkpoint: weights rounded to e4m3 with per-channel
@@ -71,10 +72,6 @@ class Scheme:
     groups: list[Group] = field(default_factory=list)
     ignore: list[str] = field(default_factory=list)
     block: tuple[int, int] | None = None  # quant_method fp8: weight_block_size
-
-    @property
-    def w8a8(self) -> bool:
-        return any(g.w8a8_int8 for g in self.groups)
 
 
 def read_quantization_config(path: str) -> dict | None:
