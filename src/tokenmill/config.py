@@ -102,8 +102,9 @@ class EngineArgs:
     block_size: int = 16
     kv_cache_memory: float | None = None  # GiB for the KV pool; default: enough for the load
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 | fp8 / fp8_e4m3 (per-token, per-head scales)
-    # int4 | int8 (weight-only, groups of 32) | gguf (keep a GGUF's blocks) | w8a8 | awq | gptq (the checkpoint's own:
-    # detected from its quantization_config without the flag; the flag checks the format)
+    # int4 | int8 (weight-only, groups of 32) | gguf (keep a GGUF's blocks) | w8a8 | fp8 (quantized here) | awq | gptq |
+    # compressed-tensors | fp8 (a checkpoint's own: detected from its quantization_config without the flag; the flag
+    # checks the format)
     quantization: str | None = None
     quantization_calibration: str | None = None  # w8a8: the smoothing's calibration file (default: the packaged set)
     num_gpu_blocks_override: int | None = None  # exact number of KV blocks (tests)

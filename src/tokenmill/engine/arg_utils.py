@@ -25,9 +25,11 @@ _ENGINE_HELP = {
     "scales: about half the memory of bfloat16)",
     "quantization": "weight-only quantization: int4 | int8 (groups of 32, quantized at load time) | gguf (keep a "
     "GGUF file's Q4_0 / Q4_1 / Q8_0 tensors as they are); or w8a8 (int8 weights per output channel "
-    "and int8 activations per token, SmoothQuant-smoothed); awq | gptq: a checkpoint quantized already (AutoAWQ "
-    "GEMM 4-bit; GPTQ 4/8-bit, any group size, act-order), detected from its config.json's quantization_config "
-    "without the flag, which then only checks the format; default: weights in --dtype",
+    "and int8 activations per token, SmoothQuant-smoothed); fp8 (weights rounded to e4m3 per channel, run "
+    "widened to --dtype); awq | gptq | compressed-tensors | fp8: a checkpoint quantized already (AutoAWQ GEMM "
+    "4-bit; GPTQ 4/8-bit, any group size, act-order; llm-compressor's W4A16 / W8A16 / W8A8 / FP8; FP8 with "
+    "scales), detected from its config.json's quantization_config without the flag, which then only checks the "
+    "format; default: weights in --dtype",
     "quantization_calibration": "with --quantization w8a8: a calibration file for the smoothing factors (.jsonl "
     'lines {"text"}, {"prompt"} or {"messages"}, or plain text; default: a few KB '
     "shipped with tokenmill); the statistics are cached per model",

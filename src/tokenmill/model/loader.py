@@ -13,7 +13,7 @@ import torch
 from tokenmill import envs, hf_cache, progress
 from tokenmill.distributed.comm import NO_TP, TPGroup
 from tokenmill.kernels import cpu_kernels
-from tokenmill.model import quantized_checkpoint
+from tokenmill.model import compressed_tensors, quantized_checkpoint
 from tokenmill.model.gguf_loader import QUANTIZED_FILE, dequantize_rows
 from tokenmill.model.layers.bind import bind_kernels
 from tokenmill.model.layers.linear import pack_linears
@@ -207,7 +207,12 @@ def load_model(
     model is built with its share of the heads and reads only its slices. load_format "dummy":
     random weights, nothing read (vLLM's name; for benchmarks of shapes without their files)."""
     on_cpu = torch.device(device).type == "cpu"
-    prequantized = quantized_checkpoint.detect(path, quantization) if load_format != "dummy" else None
+    # A pre-quantized checkpoint, from its config.json: compressed-tensors / fp8 (model/compressed_tensors.py),
+    # else AWQ / GPTQ (model/quantized_checkpoint.py); each refuses a --quantization that is not its format.
+    scheme = compressed_tensors.check(path, quantization, tp.size) if load_format != "dummy" else None
+    prequantized = None
+    if scheme is None and load_format != "dummy":
+        prequantized = quantized_checkpoint.detect(path, quantization)
     if prequantized is not None:
         quantization = None  # the checkpoint's own codes (quantized_checkpoint.py), nothing quantized here
     if on_cpu and cpu_kernels.enabled():
@@ -231,6 +236,8 @@ def load_model(
         model.rope = model.make_rope(dtype).to(device)  # buffers were created on meta
     if model.tie_word_embeddings and tp.size == 1:
         model.lm_head.weight = model.embed_tokens.weight
+    int8_rows: dict[str, torch.Tensor] = {}  # W8A8 INT8 checkpoint weights' row scales
+    int4: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # int4 checkpoint weights in our groups
     if load_format == "dummy":
         _init_dummy(model)
     elif prequantized is not None:
@@ -246,14 +253,20 @@ def load_model(
         skip = _load_gguf_quantized(model, path, dtype) if quantization == "gguf" else set()
         blocks = os.path.join(path, QUANTIZED_FILE)
         exact = dtype != torch.bfloat16 and os.path.exists(blocks)  # the bf16 copy would lose precision
-        model.load_weights(
-            _iter_safetensors(
-                path, skip, blocks if exact else None, lambda name: shard_for(name, hf_config, tp.rank, tp.size)
-            )
+        weights = _iter_safetensors(
+            path, skip, blocks if exact else None, lambda name: shard_for(name, hf_config, tp.rank, tp.size)
         )
+        if scheme is not None:
+            weights = compressed_tensors.dequantizing(weights, scheme, int8_rows, int4)
+        model.load_weights(weights)
     model.eval().requires_grad_(False)
     progress.set_phase("preparing the weights")  # quantizing, packing for the kernels
-    if quantization in BITS:
+    if scheme is not None:
+        compressed_tensors.finish(model, scheme, int8_rows, dtype, on_cpu, int4)
+    elif quantization == "fp8":
+        n = compressed_tensors.quantize_model_fp8(model)
+        logger.info("fp8: %d linear layers rounded to e4m3 (per-channel scales), run widened to %s", n, dtype)
+    elif quantization in BITS:
         n = quantize_model(model, BITS[quantization])
         logger.info("quantized %d linear layers to %s (groups of %d)", n, quantization, GROUP)
     elif quantization == "w8a8":

@@ -56,7 +56,8 @@ class CheckpointQuantization:
 def _supported() -> str:
     return (
         "supported: awq (AutoAWQ GEMM, 4 bits, zero points), gptq (4 or 8 bits, any group size, "
-        "sym or not, desc_act, checkpoint_format gptq or gptq_v2)"
+        "sym or not, desc_act, checkpoint_format gptq or gptq_v2), and compressed-tensors / fp8 "
+        "(docs/quantization.md)"
     )
 
 

@@ -47,8 +47,9 @@ LARGE_BATCH = 128
 # 0.98x the int8 products at 12 rows, 0.99x at 16, 1.05x at 24, 1.18x at 32; its gate/up and down
 # alone 1.3x / 1.6x at 32 rows, 1.5x / 2.7x at 128: benchmarks/quant_kernel.py).
 AMX_ROWS = {True: LARGE_BATCH, False: 24}
-# w8a8: layers/w8a8.py, model/smoothquant.py; awq / gptq: checkpoints quantized already (model/quantized_checkpoint.py)
-QUANTIZATION_METHODS = ("int4", "int8", "gguf", "w8a8", "awq", "gptq")
+# w8a8: layers/w8a8.py, model/smoothquant.py; awq / gptq: checkpoints quantized already (model/quantized_checkpoint.py);
+# fp8 / compressed-tensors: model/compressed_tensors.py
+QUANTIZATION_METHODS = ("int4", "int8", "gguf", "w8a8", "awq", "gptq", "fp8", "compressed-tensors")
 BITS = {"int4": 4, "int8": 8}
 
 

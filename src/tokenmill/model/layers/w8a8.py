@@ -90,10 +90,15 @@ class W8A8Linear(nn.Module):
     the kernels (those for its weights' device when made, then bound at load: layers/bind.py;
     None: the torch path); `fuses_silu`: whether silu_and_mul runs in the kernel's epilogue."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None):
+        """weight: float (quantized here, per row), or int8 with its per-row float32 `scale` (a
+        pre-quantized checkpoint's values, kept as they are)."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        q, scale = quantize_weight(weight)
+        if scale is None:
+            q, scale = quantize_weight(weight)
+        else:
+            q, scale = weight.to(torch.int8), scale.detach().float().reshape(-1)
         self.register_buffer("packed", pack(q), persistent=False)
         self.register_buffer("w_scale", scale.contiguous(), persistent=False)
         self.register_buffer("rowsum", q.sum(1, dtype=torch.int32), persistent=False)
@@ -107,6 +112,11 @@ class W8A8Linear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> W8A8Linear:
         return cls(linear.weight, linear.bias)
+
+    @classmethod
+    def from_int8(cls, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> W8A8Linear:
+        """int8 [N, K] weights and float [N] scales as stored (w ~ q * scale[n]), used as they are."""
+        return cls(q, bias, scale)
 
     def weight_int8(self) -> torch.Tensor:
         return unpack(self.packed, self.out_features, self.in_features)
