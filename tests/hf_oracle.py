@@ -6,6 +6,8 @@ import functools
 
 import torch
 
+from tokenmill import LLM, SamplingParams
+
 
 @functools.lru_cache(maxsize=4)
 def load_hf(model_dir: str, dtype: torch.dtype = torch.float32):
@@ -65,3 +67,18 @@ def matching_prefix(got: list[int], expected: tuple[list[int], list[float], list
             assert margins[i] < NEAR_TIE, f"token {i}: got {a}, oracle {b} (margin {margins[i]:.2e}); {got} != {toks}"
             return i
     return len(toks)
+
+
+def check_against_hf(llm: LLM, hf_dir: str, prompts: list[str], max_tokens: int = 16) -> None:
+    """The engine's greedy tokens and logprobs are transformers' on hf_dir, and the tight KV pool preempted."""
+    ids = [llm.get_tokenizer().encode(p) for p in prompts]
+    expected = [hf_greedy(hf_dir, p, max_tokens) for p in ids]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    core = llm.engine.core
+    before = core.scheduler.num_preemptions
+    for out, exp in zip(llm.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False), expected):
+        n = matching_prefix(out.outputs[0].token_ids, exp)
+        got = [next(iter(d.values())).logprob for d in out.outputs[0].logprobs[: n + 1]]
+        assert max(abs(a - b) for a, b in zip(got, exp[1])) < 1e-3
+    assert core.scheduler.num_preemptions > before
+    assert core.kv.num_free_blocks == core.kv.num_usable_blocks

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import PROMPTS
 from gguf_writer import _gguf_name, write_gguf_from_hf
-from hf_oracle import hf_greedy, load_hf, matching_prefix
+from hf_oracle import check_against_hf, hf_greedy, load_hf, matching_prefix
 from safetensors.numpy import load_file
 from tiny_models import CORPUS, build_tiny_model
 
@@ -30,21 +30,6 @@ LONGROPE = dict(
     partial_rotary_factor=0.5,
     rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.7], "long_factor": [1.0, 2.5, 6.0, 15.0]},
 )  # head_dim 16, rotary 8: 4 frequencies
-
-
-def check_against_hf(llm: LLM, hf_dir: str, prompts: list[str], max_tokens: int = MAX_TOKENS) -> None:
-    """The engine's greedy tokens and logprobs are transformers' on hf_dir, and the tight KV pool preempted."""
-    ids = [llm.get_tokenizer().encode(p) for p in prompts]
-    expected = [hf_greedy(hf_dir, p, max_tokens) for p in ids]
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
-    core = llm.engine.core
-    before = core.scheduler.num_preemptions
-    for out, exp in zip(llm.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False), expected):
-        n = matching_prefix(out.outputs[0].token_ids, exp)
-        got = [next(iter(d.values())).logprob for d in out.outputs[0].logprobs[: n + 1]]
-        assert max(abs(a - b) for a, b in zip(got, exp[1])) < 1e-3
-    assert core.scheduler.num_preemptions > before
-    assert core.kv.num_free_blocks == core.kv.num_usable_blocks
 
 
 @pytest.fixture(scope="module")

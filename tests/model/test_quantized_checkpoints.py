@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import PROMPTS
-from hf_oracle import hf_greedy, matching_prefix
+from hf_oracle import check_against_hf
 from safetensors.torch import load_file, save_file
 from tiny_models import build_tiny_model
 
@@ -214,17 +214,7 @@ def test_matches_transformers_chunked_preempted_and_tp(base_dir, tmp_path, monke
         path, oracle = make_gptq(base_dir, tmp_path / "gptq", 4, 32, False, True), "-dequant"
     llm = LLM(str(path), tensor_parallel_size=tp, device="cpu", **TIGHT)
     try:
-        prompts = PROMPTS[:3]
-        ids = [llm.get_tokenizer().encode(p) for p in prompts]
-        expected = [hf_greedy(str(path) + oracle, p, 16) for p in ids]
-        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
-        core = llm.engine.core
-        before = core.scheduler.num_preemptions
-        for out, exp in zip(llm.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False), expected):
-            n = matching_prefix(out.outputs[0].token_ids, exp)
-            got = [next(iter(d.values())).logprob for d in out.outputs[0].logprobs[: n + 1]]
-            assert max(abs(a - b) for a, b in zip(got, exp[1])) < 1e-3
-        assert core.scheduler.num_preemptions > before
+        check_against_hf(llm, str(path) + oracle, PROMPTS[:3], 16)
     finally:
         llm.shutdown()
 
