@@ -340,7 +340,7 @@ def worker_tokenmill(spec: dict, out_path: str) -> dict:
         llm = LLM(model=spec["path"], **kw)
     except TypeError as e:  # an engine without one of the GPU arguments
         raise SystemExit(
-            f"tokenmill.LLM does not take these arguments yet ({e}); the GPU API of issue 16 "
+            f"tokenmill.LLM does not take these arguments yet ({e}); its GPU arguments "
             f"(device, enforce_eager, gpu_memory_utilization, load_format='dummy') is needed"
         ) from e
     res["load_s"] = round(time.perf_counter() - t0, 2)

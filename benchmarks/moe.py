@@ -1,5 +1,5 @@
 """Mixture of experts: output tok/s of a randomly initialised Mixtral-shaped model at concurrency 1
-and 32, tokenmill against transformers' generate on the same weights (issue 19's benchmark).
+and 32, tokenmill against transformers' generate on the same weights.
 
 Model: transformers' MixtralConfig, --experts 8, --top-k 2, --hidden 512, --intermediate 1024 per
 expert, --layers 4, 8 query / 2 kv heads, SmolLM2's tokenizer (vocab 49152), transformers' seeded

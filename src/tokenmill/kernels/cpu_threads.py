@@ -1,7 +1,7 @@
 """How many CPU threads to compute with, and how they wait: for shared hosts and containers.
 
 torch's default thread count is the number of CPUs the process may run on (its affinity mask),
-whatever its container's CPU quota: a container given 1 CPU of a 16-core host would run 16
+whatever its container's CPU quota: a container given 1 CPU of a 16-core host would start 16
 threads that the quota throttles in turn. `available_cpus()` is the affinity count, lowered to
 the cgroup CPU quota rounded up (cgroup v2 `cpu.max`, v1 `cpu.cfs_quota_us / cpu.cfs_period_us`,
 the tightest along the process's cgroup path), as Java and Go (1.25) size their thread pools;

@@ -1,5 +1,5 @@
-"""Speculative decoding building blocks (issue 17): configuration, draft proposers (n-gram prompt
-lookup, suffix decoding) and exact verification by rejection sampling. The scheduler, runner and
+"""Speculative decoding building blocks: configuration and draft proposers (n-gram prompt
+lookup, suffix decoding, a draft model); exact verification by rejection sampling is in sample/. The scheduler, runner and
 engine wire them in; nothing here touches a model."""
 
 from tokenmill.sample.rejection import VerifyOutput, rejection_sample, target_distributions

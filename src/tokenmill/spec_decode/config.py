@@ -9,7 +9,7 @@ vLLM's rules followed here:
 - suffix: num_speculative_tokens defaults to suffix_decoding_max_tree_depth (it is only a cap:
   suffix decoding sizes each draft itself); the suffix_decoding_* defaults are vLLM's.
 - draft_model: `model` is required; `quantization` and `dtype` are the draft's own (None: as the
-  target). vLLM has no draft `dtype` field (its draft follows the target's); issue 17 asks for one.
+  target). vLLM has no draft `dtype` field (its draft follows the target's); tokenmill lets the draft have its own.
 """
 
 from __future__ import annotations
