@@ -26,9 +26,7 @@ load naming the setting and what is supported.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -38,6 +36,7 @@ from torch import nn
 
 from tokenmill.model.layers.quantization import GROUP, QuantLinear
 from tokenmill.model.layers.w8a8 import W8A8Linear
+from tokenmill.model.quantized_checkpoint import read_quantization_config
 
 logger = logging.getLogger("tokenmill")
 
@@ -72,14 +71,6 @@ class Scheme:
     groups: list[Group] = field(default_factory=list)
     ignore: list[str] = field(default_factory=list)
     block: tuple[int, int] | None = None  # quant_method fp8: weight_block_size
-
-
-def read_quantization_config(path: str) -> dict | None:
-    try:
-        with open(os.path.join(path, "config.json")) as f:
-            return json.load(f).get("quantization_config")
-    except (OSError, ValueError):
-        return None
 
 
 def _unsupported(what: str) -> ValueError:
